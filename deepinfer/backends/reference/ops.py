@@ -1,0 +1,78 @@
+"""Reference backend: every op in plain PyTorch, any device, float32 or bfloat16. The oracle."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..base import AttnMetadata, Ops
+
+
+def _softmax_attend(q, k, v, mask, scale, sinks):
+    """q: [B, Q, H, D]; k, v: [B, K, Hk, D]; mask: [B, Q, K] -> [B, Q, H, Dv]. Softmax in float32."""
+    B, Q, H, D = q.shape
+    Hk = k.shape[2]
+    G = H // Hk
+    qg = q.reshape(B, Q, Hk, G, D).permute(0, 2, 3, 1, 4).float()  # [B, Hk, G, Q, D]
+    kf = k.permute(0, 2, 3, 1).float()  # [B, Hk, D, K]
+    s = torch.matmul(qg, kf.unsqueeze(2)) * scale  # [B, Hk, G, Q, K]
+    s = s.masked_fill(~mask[:, None, None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().reshape(1, Hk, G, 1, 1).expand(B, Hk, G, Q, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    p = torch.nan_to_num(p)  # fully masked (padded) query rows
+    out = torch.matmul(p, v.permute(0, 2, 1, 3).float().unsqueeze(2))  # [B, Hk, G, Q, Dv]
+    return out.permute(0, 3, 1, 2, 4).reshape(B, Q, H, v.shape[-1]).to(q.dtype)
+
+
+class ReferenceOps(Ops):
+    name = "reference"
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+
+    def rms_norm(self, x, weight, eps):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        h = x + residual
+        return self.rms_norm(h, weight, eps), h
+
+    def silu_and_mul(self, x):
+        f = x.shape[-1] // 2
+        return F.silu(x[..., :f]) * x[..., f:]
+
+    def write_kv(self, k_cache, v_cache, k, v, slots):
+        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+    def paged_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale, window=None, sinks=None):
+        qp = q[meta.q_index]  # [B, max_q, H, D]
+        k = k_cache[meta.kv_slots]  # [B, max_kv, Hk, D]
+        v = v_cache[meta.kv_slots]
+        out = _softmax_attend(qp, k, v, meta.mask(window), scale, sinks)
+        return out[meta.q_valid]  # back to ragged [T, H, Dv], in T order
+
+    def dense_attention(self, q, k, v, scale, window=None, sinks=None):
+        L = q.shape[0]
+        pos = torch.arange(L, device=q.device)
+        mask = pos[None, :] <= pos[:, None]
+        if window is not None:
+            mask &= pos[None, :] > pos[:, None] - window
+        return _softmax_attend(q[None], k[None], v[None], mask[None], scale, sinks)[0]
+
+    def sample(self, logits, batch, generator=None):
+        from .sampling import sample
+
+        return sample(logits, batch, generator)
+
+    def compute_logprobs(self, logits, token_ids, num_top):
+        from .sampling import compute_logprobs
+
+        return compute_logprobs(logits, token_ids, num_top)

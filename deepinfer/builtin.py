@@ -1,0 +1,53 @@
+"""The built-in plugin: DeepInfer's own stages, backends, models and recipes, registered through the same
+hooks a third-party package uses. Factories import lazily so `import deepinfer` stays light."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .core.hookspecs import hookimpl
+
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+
+
+@hookimpl
+def deepinfer_register_stages(register):
+    from .stages.detokenize import DetokenizeStage
+    from .stages.prefill import PrefillStage
+    from .stages.sample import SampleStage
+    from .stages.tokenize import TokenizeStage
+    from .stages.verify import VerifyStage
+
+    for cls in (TokenizeStage, PrefillStage, VerifyStage, SampleStage, DetokenizeStage):
+        register.stage(kind=cls.kind, name=cls.name, factory=cls)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@hookimpl
+def deepinfer_register_backends(register):
+    def reference(device="cpu"):
+        from .backends.reference.ops import ReferenceOps
+
+        return ReferenceOps(device)
+
+    register.backend(name="reference", factory=reference)
+
+
+@hookimpl
+def deepinfer_register_models(register):
+    from .models import llama
+
+    for arch in llama.ARCHITECTURES:
+        register.model(architecture=arch, factory=llama.factory(arch))
+
+
+@hookimpl
+def deepinfer_register_recipes(register):
+    for f in sorted(RECIPES_DIR.glob("*.json")):
+        register.recipe(name=f.stem, spec=json.loads(f.read_text()))

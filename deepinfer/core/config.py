@@ -1,0 +1,44 @@
+"""EngineConfig: frozen, validated; derive variants with attrs.evolve."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _positive(name: str):
+    def check(inst, attribute, value):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"EngineConfig.{name}={value!r} is invalid: must be an int >= 1")
+    return check
+
+
+def _dtype(inst, attribute, value):
+    if value not in DTYPES:
+        raise ValueError(f"EngineConfig.dtype={value!r} is invalid: expected one of {DTYPES}")
+
+
+@attrs.frozen
+class EngineConfig:
+    dtype: str = attrs.field(default="auto", validator=_dtype)  # auto: float32 on CPU, the checkpoint's dtype on GPU
+    max_model_len: Optional[int] = attrs.field(default=None, validator=_positive("max_model_len"))  # None: from config
+    block_size: int = attrs.field(default=16, validator=_positive("block_size"))
+    num_kv_blocks: Optional[int] = attrs.field(default=None, validator=_positive("num_kv_blocks"))  # None: from memory
+    kv_cache_memory_gb: float = 2.0  # KV budget when num_kv_blocks is None
+    max_num_seqs: int = attrs.field(default=256, validator=_positive("max_num_seqs"))
+    max_num_batched_tokens: int = attrs.field(default=4096, validator=_positive("max_num_batched_tokens"))
+    seed: int = 0
+    device: Optional[str] = None  # None: from the backend
+
+    def __attrs_post_init__(self) -> None:
+        if not (isinstance(self.kv_cache_memory_gb, (int, float)) and self.kv_cache_memory_gb > 0):
+            raise ValueError(f"EngineConfig.kv_cache_memory_gb={self.kv_cache_memory_gb!r} is invalid: must be > 0")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"EngineConfig.seed={self.seed!r} is invalid: must be an int")
+
+
+def config_fields() -> set:
+    return {f.name for f in attrs.fields(EngineConfig)}

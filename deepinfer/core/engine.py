@@ -1,0 +1,189 @@
+"""Engine.step(): schedule -> pipeline stages -> fold results back into the sequences.
+
+A request that cannot be served fails alone: its output carries
+finish_reason "error" and a message, and the engine keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from ..outputs import CompletionOutput, Logprob, RequestOutput
+from .kv_cache import BlockPool, blocks_needed
+from .params import SamplingParams
+from .scheduler import Scheduler
+from .state import AdmitState, Sequence, SeqStatus, StepState
+
+log = logging.getLogger(__name__)
+
+
+class Request:
+    """The engine's record of one request and its n sequences."""
+
+    def __init__(self, request_id: str, prompt, params: SamplingParams):
+        self.request_id, self.prompt, self.params = request_id, prompt, params
+        self.prompt_token_ids: list = []
+        self.seqs: list = []
+        self.error: Optional[str] = None
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: Optional[float] = None
+        self.reported_done = False
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(s.finished for s in self.seqs)
+
+
+class Engine:
+    def __init__(self, config, model, tokenizer, pipeline, ops, num_blocks: int, max_model_len: int,
+                 sampling_batch_cls):
+        self.config, self.model, self.tokenizer, self.pipeline, self.ops = config, model, tokenizer, pipeline, ops
+        self.max_model_len = max_model_len
+        self.sampling_batch_cls = sampling_batch_cls
+        self.device = ops.device
+        dtype = next(model.parameters()).dtype
+        self.kv_cache = model.allocate_kv_cache(num_blocks * config.block_size, dtype, self.device)
+        self.kv_bytes_per_token = model.kv_bytes_per_token(dtype)
+        self.pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        context = dict(config=config, model=model, ops=ops, tokenizer=tokenizer, vocab_size=model.vocab_size,
+                       device=self.device, generator=self.generator, engine_config=config)
+        self.stages = pipeline.build(context)
+        self.requests: dict = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.stats = {"steps": 0, "step_time": 0.0, "forward_tokens": 0}
+
+    # Admission.
+    def add_request(self, request_id: str, prompt, params: SamplingParams) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        req = Request(request_id, prompt, params)
+        self.requests[request_id] = req
+        try:
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+            st = AdmitState(request_id=request_id, prompt=prompt, params=params)
+            for stage in self.stages["admit"]:
+                stage(st)
+            ids = list(st.prompt_token_ids)
+            req.prompt_token_ids = ids
+            if len(ids) + 1 > self.max_model_len:
+                raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
+                                 f"for output (prompt must be at most {self.max_model_len - 1} tokens)")
+        except Exception as exc:  # the request fails alone
+            req.error = f"{type(exc).__name__}: {exc}"
+            log.warning("deepinfer: request %s failed at admission: %s", request_id, req.error)
+            return req
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=list(ids),
+                           num_prompt_tokens=len(ids), params=params, arrival=next(self._arrivals), generator=gen)
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for s in req.seqs:
+            if not s.finished:
+                self.scheduler.finish(s)
+                s.finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        return any(not r.reported_done for r in self.requests.values())
+
+    # One step.
+    def step(self) -> list:
+        """Run one engine step; returns a RequestOutput for every request that changed."""
+        touched: dict = {}
+        for req in self.requests.values():  # errors found at admission are reported on the next step
+            if req.error is not None and not req.reported_done:
+                touched[req.request_id] = req
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            t0 = time.perf_counter()
+            sample_seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
+            sampling = self.sampling_batch_cls.build(
+                [s.params for s in sample_seqs], [s.prompt_token_ids for s in sample_seqs],
+                [s.output_token_ids for s in sample_seqs], [s.generator for s in sample_seqs],
+                self.model.vocab_size, self.tokenizer.eos_token_ids if self.tokenizer else (), self.device)
+            state = StepState(batch, sampling, self.kv_cache)
+            for stage in self.stages["step"]:
+                stage(state)
+            self.scheduler.update(batch)
+            self._fold(state, sample_seqs, touched)
+            self.stats["steps"] += 1
+            self.stats["forward_tokens"] += batch.total_tokens
+            self.stats["step_time"] += time.perf_counter() - t0
+        outs = []
+        for req in touched.values():
+            outs.append(self._output(req))
+            if req.finished:
+                req.reported_done = True
+        for rid in [r for r, q in self.requests.items() if q.reported_done]:
+            del self.requests[rid]
+        return outs
+
+    def _fold(self, state: StepState, sample_seqs: list, touched: dict) -> None:
+        for seq_id, (start, entries) in (state.prompt_logprobs or {}).items():
+            seq = next(s for s in state.batch.seqs if s.seq_id == seq_id)
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = [None]
+            seq.prompt_logprobs[start:] = entries
+        lp_rows = None
+        if state.logprobs is not None:
+            from ..stages.logprobs import entries_from
+
+            want = [s.params.logprobs or 0 for s in sample_seqs]
+            lp_rows = entries_from(state.logprobs, range(len(sample_seqs)), want, None)
+        now = time.perf_counter()
+        for r, (seq, upd) in enumerate(zip(sample_seqs, state.outputs)):
+            req = self.requests[seq.request_id]
+            req.first_token_time = req.first_token_time or now
+            seq.token_ids.append(upd.token_id)
+            seq.text = upd.text
+            if seq.params.logprobs is not None and lp_rows is not None:
+                dicts, tok_lp, ranks = lp_rows
+                d = dicts[r]
+                d[upd.token_id] = Logprob(tok_lp[r], ranks[r], None)
+                if self.tokenizer is not None:
+                    from ..detokenizer import decode_token
+
+                    d = {t: Logprob(l.logprob, l.rank, decode_token(self.tokenizer, t)) for t, l in d.items()}
+                seq.logprobs = (seq.logprobs or []) + [d]
+            reason, stop_reason = upd.finish_reason, upd.stop_reason
+            if reason is None and seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                seq.finish_reason, seq.stop_reason = reason, stop_reason
+                self.scheduler.finish(seq)
+            touched[seq.request_id] = req
+
+    def _output(self, req: Request) -> RequestOutput:
+        prompt = req.prompt if isinstance(req.prompt, str) else None
+        if req.error is not None:
+            comp = [CompletionOutput(index=0, text="", token_ids=[], finish_reason="error", error=req.error)]
+            return RequestOutput(req.request_id, prompt, req.prompt_token_ids, comp, True, error=req.error)
+        comps = []
+        for s in req.seqs:
+            cum = None
+            if s.logprobs is not None:
+                cum = sum(d[t].logprob for d, t in zip(s.logprobs, s.output_token_ids))
+            comps.append(CompletionOutput(index=s.index, text=s.text, token_ids=list(s.output_token_ids),
+                                          cumulative_logprob=cum, logprobs=s.logprobs, finish_reason=s.finish_reason,
+                                          stop_reason=s.stop_reason))
+        metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                   "num_preemptions": sum(s.num_preemptions for s in req.seqs)}
+        return RequestOutput(req.request_id, prompt, req.prompt_token_ids, comps, req.finished,
+                             prompt_logprobs=req.seqs[0].prompt_logprobs, metrics=metrics)

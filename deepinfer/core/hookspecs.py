@@ -1,0 +1,56 @@
+"""Every pluggy hookspec of DeepInfer, each named deepinfer_*.
+
+Registration hooks get a typed ``register`` object (see plugins.Registry): the
+core owns naming and conflicts and records which plugin provided what. Hooks
+run when a pipeline or engine is built, never per step.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "deepinfer"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def deepinfer_register_stages(register) -> None:
+    """Register stage factories: ``register.stage(kind=..., name=..., factory=...)``.
+
+    Called once when the plugin manager is first used. ``kind`` is one of the
+    stage kinds (tokenize, prefix_cache, prefill, swa_replay, draft, verify,
+    constrain, sample, detokenize) or a new kind of the plugin's own. The
+    factory is called with the stage's keyword arguments plus whichever engine
+    context objects (config, model, ops, tokenizer, model_config) its
+    signature names. Returns nothing.
+    """
+
+
+@hookspec
+def deepinfer_register_backends(register) -> None:
+    """Register backends: ``register.backend(name=..., factory=..., available=...)``.
+
+    ``factory(device)`` returns an Ops object (backends/base.py); it is called
+    only when the backend is chosen, so heavy imports belong inside it.
+    ``available()`` says whether it can run here. Returns nothing.
+    """
+
+
+@hookspec
+def deepinfer_register_models(register) -> None:
+    """Register model architectures: ``register.model(architecture=..., factory=...)``.
+
+    ``architecture`` is the name in config.json's ``architectures`` list.
+    ``factory(hf_config: dict, ops, dtype, device)`` returns an unloaded model
+    module (models/base.py contract). Returns nothing.
+    """
+
+
+@hookspec
+def deepinfer_register_recipes(register) -> None:
+    """Register recipes: ``register.recipe(name=..., spec=...)``.
+
+    A recipe is data: a dict with ``stages`` (a list of {kind, name, args})
+    and optional ``config`` overrides and ``description``. Returns nothing.
+    """

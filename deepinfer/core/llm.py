@@ -1,0 +1,166 @@
+"""The offline API: LLM(model=...).generate(prompts, sampling_params), chat, stream."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Iterator, Optional, Sequence as Seq
+
+import attrs
+import torch
+
+from ..models import loader
+from .config import EngineConfig, config_fields
+from .engine import Engine
+from .graph import Pipeline
+from .kv_cache import blocks_needed
+from .params import SamplingParams
+from .plugins import get_registry
+
+log = logging.getLogger(__name__)
+
+
+def choose_backend(registry, backend: Optional[str], device: Optional[str]):
+    """Backend by explicit name, DEEPINFER_ACCELERATOR (nvidia|ascend|cpu), or detection."""
+    acc = os.environ.get("DEEPINFER_ACCELERATOR", "").strip().lower()
+    if acc and acc not in ("nvidia", "ascend", "cpu"):
+        raise ValueError(f"DEEPINFER_ACCELERATOR={acc!r} is invalid: expected nvidia, ascend or cpu")
+    if device is None:
+        if acc == "cpu":
+            device = "cpu"
+        elif acc == "nvidia" or (not acc and torch.cuda.is_available()):
+            device = "cuda"
+        elif acc == "ascend":
+            device = "npu"
+        else:
+            device = "cpu"
+    if backend is None:
+        wanted = {"cuda": "nvidia", "npu": "ascend"}.get(torch.device(device).type, "reference")
+        names = registry.names("backend")
+        backend = wanted if wanted in names and registry.get("backend", wanted).available() else "reference"
+    entry = registry.get("backend", backend)
+    return entry.obj(device), backend
+
+
+class LLM:
+    """Load a checkpoint and generate. ``model=None`` loads the bundled demo model."""
+
+    def __init__(self, model: Optional[str] = None, recipe: str = "reference", pipeline: Optional[Pipeline] = None,
+                 dtype: str = "auto", max_model_len: Optional[int] = None, backend: Optional[str] = None,
+                 device: Optional[str] = None, tokenizer: Optional[str] = None, **engine_kwargs):
+        registry = get_registry()
+        if pipeline is None:
+            pipeline = Pipeline.from_recipe(recipe, registry=registry)
+        unknown = set(engine_kwargs) - config_fields()
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {sorted(unknown)}; engine settings: {sorted(config_fields())}")
+        cfg = {**pipeline.config, **engine_kwargs, "dtype": dtype, "max_model_len": max_model_len}
+        if device is not None:
+            cfg["device"] = device
+        config = EngineConfig(**cfg)
+        ops, self.backend_name = choose_backend(registry, backend, config.device)
+        self.model_path = loader.resolve_model_path(model)
+        hf_config = loader.load_config(self.model_path)
+        torch_dtype = loader.torch_dtype(config.dtype, hf_config, ops.device)
+        net = loader.build_model(self.model_path, hf_config, ops, torch_dtype, ops.device, registry)
+        from ..tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer.from_dir(tokenizer or self.model_path)
+        if self.tokenizer.vocab_size > net.vocab_size:
+            log.warning("tokenizer has %d tokens but the model only %d logits", self.tokenizer.vocab_size,
+                        net.vocab_size)
+        max_len = config.max_model_len or net.max_position
+        per_block = net.kv_bytes_per_token(torch_dtype) * config.block_size
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            budget = int(config.kv_cache_memory_gb * 2**30) // per_block
+            # No point in more blocks than max_num_seqs full-length sequences could use.
+            num_blocks = max(1, min(budget, config.max_num_seqs * blocks_needed(max_len, config.block_size)))
+        if max_len > num_blocks * config.block_size:
+            log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", max_len,
+                        num_blocks * config.block_size)
+            max_len = num_blocks * config.block_size
+        from ..backends.reference.sampling import SamplingBatch
+
+        self.engine = Engine(config, net, self.tokenizer, pipeline, ops, num_blocks, max_len, SamplingBatch)
+        self.config, self.hf_config = config, hf_config
+        self._ids = itertools.count()
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self.engine.pipeline
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # Generation.
+    def _add(self, prompts, sampling_params) -> list:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+        ids = []
+        for p, sp in zip(prompts, params):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, p, sp)
+            ids.append(rid)
+        return ids
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list:
+        """One RequestOutput per prompt, in order. A prompt is a str, a list of token ids or {"prompt_token_ids": [...]}."""
+        ids = self._add(prompts, sampling_params)
+        done: dict = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                        if out.error:
+                            log.warning("deepinfer: request %s failed: %s", out.request_id, out.error)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+    def stream(self, prompt, sampling_params: Optional[SamplingParams] = None) -> Iterator:
+        """Yield the cumulative RequestOutput of one request after every step that changed it."""
+        (rid,) = self._add([prompt], sampling_params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(rid)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: Optional[str] = None,
+             add_generation_prompt: bool = True) -> list:
+        """messages: one conversation (list of {role, content}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        kw = {"chat_template": chat_template} if chat_template else {}
+        prompts = []
+        for conv in convs:
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **kw)
+            prompts.append({"prompt_token_ids": self.tokenizer.encode(text)})
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return outs
+
+    def expert_load(self):  # pragma: no cover - MoE models come with the MoE issue
+        raise NotImplementedError("expert load statistics need an MoE model")

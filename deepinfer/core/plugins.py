@@ -1,0 +1,172 @@
+"""The plugin manager and the typed ``register`` object that hooks receive.
+
+Built-ins register through the same hooks as third-party packages (found
+through the entry-point group ``deepinfer``). ``DEEPINFER_PLUGINS`` is a
+comma-separated allow list of entry-point names (empty = all);
+``DEEPINFER_DISABLE_PLUGINS`` a deny list. Registration runs at build time,
+so a Registry is computed on demand and never mutated during a step.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+from typing import Any, Callable, Optional
+
+import attrs
+import pluggy
+
+from . import hookspecs
+from .hookspecs import PROJECT
+
+log = logging.getLogger(__name__)
+
+BUILTIN = "deepinfer.builtin"
+STAGE_KINDS = ("tokenize", "prefix_cache", "prefill", "swa_replay", "draft", "verify", "constrain", "sample",
+               "detokenize")
+
+
+class PluginError(ValueError):
+    """A plugin registered something wrong (conflict, bad name) or a name is unknown."""
+
+
+@attrs.frozen
+class Entry:
+    """One registered thing and the plugin that provided it."""
+
+    category: str  # stage | backend | model | recipe
+    name: str
+    obj: Any
+    plugin: str
+    kind: Optional[str] = None  # stage kind
+    available: Optional[Callable[[], bool]] = None
+
+
+@attrs.define(eq=False)
+class Registry:
+    """What the loaded plugins provide, keyed by category and name."""
+
+    entries: dict = attrs.field(factory=dict)  # (category, name) -> Entry
+    current_plugin: str = "?"
+
+    def _add(self, entry: Entry, override: bool) -> None:
+        key = (entry.category, entry.name)
+        old = self.entries.get(key)
+        if old is not None and not override:
+            raise PluginError(f"{entry.category} {entry.name!r} is registered twice: by {old.plugin!r} and by "
+                              f"{entry.plugin!r} (pass override=True to replace it on purpose)")
+        self.entries[key] = entry
+
+    # The typed register API that hookimpls call.
+    def stage(self, kind: str, name: str, factory: Callable, override: bool = False) -> None:
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"plugin {self.current_plugin!r}: stage name must be a non-empty string, got {name!r}")
+        if not callable(factory):
+            raise PluginError(f"plugin {self.current_plugin!r}: stage {name!r} factory is not callable")
+        self._add(Entry("stage", name, factory, self.current_plugin, kind=kind), override)
+
+    def backend(self, name: str, factory: Callable, available: Callable[[], bool] = lambda: True,
+                override: bool = False) -> None:
+        self._add(Entry("backend", name, factory, self.current_plugin, available=available), override)
+
+    def model(self, architecture: str, factory: Callable, override: bool = False) -> None:
+        self._add(Entry("model", architecture, factory, self.current_plugin), override)
+
+    def recipe(self, name: str, spec: dict, override: bool = False) -> None:
+        if not isinstance(spec, dict) or "stages" not in spec:
+            raise PluginError(f"plugin {self.current_plugin!r}: recipe {name!r} must be a dict with 'stages'")
+        self._add(Entry("recipe", name, spec, self.current_plugin), override)
+
+    # Lookups.
+    def names(self, category: str) -> list[str]:
+        return sorted(n for c, n in self.entries if c == category)
+
+    def get(self, category: str, name: str) -> Entry:
+        try:
+            return self.entries[(category, name)]
+        except KeyError:
+            known = ", ".join(self.names(category)) or "none"
+            raise PluginError(f"unknown {category} {name!r}; registered: {known}") from None
+
+    def by_plugin(self) -> dict:
+        out: dict = {}
+        for e in self.entries.values():
+            out.setdefault(e.plugin, []).append(e)
+        return out
+
+
+def _csv_env(name: str) -> set:
+    return {s.strip() for s in os.environ.get(name, "").split(",") if s.strip()}
+
+
+def _load_entry_points(pm: pluggy.PluginManager) -> None:
+    allow, deny = _csv_env("DEEPINFER_PLUGINS"), _csv_env("DEEPINFER_DISABLE_PLUGINS")
+    for ep in importlib.metadata.entry_points(group=PROJECT):
+        if (allow and ep.name not in allow) or ep.name in deny or pm.has_plugin(ep.name):
+            continue
+        try:
+            pm.register(ep.load(), name=ep.name)
+            origins(pm)[ep.name] = f"{ep.dist.name} {ep.dist.version} (entry point {ep.value})" if ep.dist else ep.value
+        except Exception as exc:  # a broken plugin must not take the engine down
+            log.warning("deepinfer: plugin %r (%s) failed to load: %s", ep.name, ep.value, exc)
+
+
+def new_plugin_manager(load_entry_points: bool = True) -> pluggy.PluginManager:
+    """A fresh manager with the built-ins and (optionally) the installed plugins."""
+    from .. import builtin
+
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(hookspecs)
+    if BUILTIN not in _csv_env("DEEPINFER_DISABLE_PLUGINS"):
+        pm.register(builtin, name=BUILTIN)
+    if load_entry_points:
+        _load_entry_points(pm)
+    return pm
+
+
+_DEFAULT: list = []  # the process-wide manager, created on first use (like pytest's config.pluginmanager)
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    if not _DEFAULT:
+        _DEFAULT.append(new_plugin_manager())
+    return _DEFAULT[0]
+
+
+_HOOKS = {
+    "deepinfer_register_stages": None,
+    "deepinfer_register_backends": None,
+    "deepinfer_register_models": None,
+    "deepinfer_register_recipes": None,
+}
+
+
+def get_registry(pm: Optional[pluggy.PluginManager] = None) -> Registry:
+    """Run every registration hook and return what they registered, with provenance."""
+    pm = pm or get_plugin_manager()
+    reg = Registry()
+    for hook_name in _HOOKS:
+        hook = getattr(pm.hook, hook_name)
+        # Built-ins first so a third-party override=True wins; call impls one by one to record who registered what.
+        impls = sorted(hook.get_hookimpls(), key=lambda i: pm.get_name(i.plugin) != BUILTIN)
+        for impl in impls:
+            reg.current_plugin = pm.get_name(impl.plugin) or repr(impl.plugin)
+            impl.function(register=reg)
+    reg.current_plugin = "?"
+    return reg
+
+
+def origins(pm: pluggy.PluginManager) -> dict:
+    """plugin name -> where it came from (distribution and entry point), kept on the manager."""
+    if not hasattr(pm, "deepinfer_origins"):
+        pm.deepinfer_origins = {}
+    return pm.deepinfer_origins
+
+
+def plugin_origin(pm: pluggy.PluginManager, name: str) -> str:
+    """Where a plugin came from: its distribution, else its module file."""
+    if name in origins(pm):
+        return origins(pm)[name]
+    plugin = pm.get_plugin(name)
+    return getattr(plugin, "__file__", None) or f"in-process object ({type(plugin).__module__})"

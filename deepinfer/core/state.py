@@ -1,0 +1,120 @@
+"""Per-request records and the per-step state that flows through the stages.
+
+Fields are marked with the stage kind (or the engine) that owns them, as
+mini-sglang does; only the owner writes a field, the others read it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional
+
+import attrs
+import torch
+
+from .params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@attrs.define(eq=False)
+class Sequence:
+    """One generated sequence (a request with n=2 owns two)."""
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    token_ids: list  # prompt then output, appended by the engine
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: int  # admission order, for FCFS and fairness
+    generator: Optional[torch.Generator] = None
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list = attrs.field(factory=list)  # owned by the scheduler's block pool
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_preemptions: int = 0
+    replay_start: int = 0  # bounded-replay start; belongs to the request, survives preemption
+    # Output side, owned by the engine (folded from detokenize/sample results).
+    text: str = ""
+    logprobs: Optional[list] = None
+    prompt_logprobs: Optional[list] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+    error: Optional[str] = None
+    detok: Any = None  # IncrementalDetokenizer
+    stopper: Any = None  # StopChecker
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@attrs.define(eq=False, slots=False)
+class AdmitState:
+    """State of the admit phase, one per request."""
+
+    request_id: str  # engine
+    prompt: Any  # engine: str, token ids or {"prompt_token_ids": [...]}
+    params: SamplingParams  # engine
+    prompt_token_ids: Optional[list] = None  # tokenize
+
+
+@attrs.define(eq=False)
+class ScheduledBatch:
+    """What the scheduler decided for one step (engine input, read-only for stages)."""
+
+    seqs: list  # [B] Sequence, in batch order
+    num_tokens: list  # [B] tokens of each sequence computed this step
+    start: list  # [B] first position computed this step (== seq.num_computed_tokens before the step)
+    samples: list  # [B] bool: the step completes the sequence's known tokens, so it samples one
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    @property
+    def is_prefill(self) -> list:
+        """[B] rows still consuming known tokens (prompt, or recompute after preemption) with more than one token."""
+        return [s.num_computed_tokens < s.num_tokens - 1 for s in self.seqs]
+
+
+class StepState:
+    """One engine step over the whole batch. Plugins may add fields of their own."""
+
+    def __init__(self, batch: ScheduledBatch, sampling: Any, kv_cache: Any):
+        self.batch = batch  # engine: scheduled sequences
+        self.sampling = sampling  # engine: SamplingBatch of the sampling rows
+        self.kv_cache = kv_cache  # engine: the paged KV tensors
+        self.prefill_logits: Optional[torch.Tensor] = None  # prefill: [B_p, V] last-position logits of prefill rows that sample
+        self.prompt_logprobs: Optional[dict] = None  # prefill: seq_id -> list of per-position prompt logprob entries
+        self.logits: Optional[torch.Tensor] = None  # verify: [S, V] logits of the sampling rows, in batch order
+        self.next_tokens: Optional[torch.Tensor] = None  # sample: [S] int64
+        self.logprobs: Any = None  # sample: LogprobsTensors or None
+        self.outputs: Optional[list] = None  # detokenize: [S] SeqUpdate
+
+    @property
+    def sample_rows(self) -> list:
+        """Indices into batch.seqs of the rows that sample this step."""
+        return [i for i, s in enumerate(self.batch.samples) if s]
+
+
+ADMIT_INPUTS = ("request_id", "prompt", "params")
+STEP_INPUTS = ("batch", "sampling", "kv_cache")
+ADMIT_OUTPUTS = ("prompt_token_ids",)  # the engine needs these from the admit phase
+STEP_OUTPUTS = ("next_tokens", "outputs")  # ... and these from the step phase

@@ -1,0 +1,56 @@
+"""The model contract every architecture implements.
+
+Two paths over the same weights: the engine path (``forward``: ragged tokens
+of many sequences over a paged KV cache) and the full-sequence path
+(``forward_full``: one whole sequence, masks, no cache) that is its oracle.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+
+class CausalLM(nn.Module):
+    vocab_size: int
+    max_position: int  # the checkpoint's context length (max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, meta, kv_cache) -> torch.Tensor:
+        """input_ids [T] of many sequences, AttnMetadata, the cache from allocate_kv_cache -> hidden [T, d]."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, d] -> float32 logits [N, V]."""
+        raise NotImplementedError
+
+    def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """One whole sequence input_ids [L] -> float32 logits [L, V], no cache (the oracle)."""
+        raise NotImplementedError
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        raise NotImplementedError
+
+    def allocate_kv_cache(self, num_slots: int, dtype: torch.dtype, device) -> object:
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable) -> None:
+        """weights: (checkpoint tensor name, tensor) pairs; raises naming a missing or misshapen tensor."""
+        raise NotImplementedError
+
+    def hf_state_dict(self) -> dict:
+        """The weights under the checkpoint's own tensor names (for writing a checkpoint)."""
+        raise NotImplementedError
+
+
+class WeightError(ValueError):
+    """A checkpoint tensor is missing, unexpected or of the wrong shape; the message names it."""
+
+
+def hf_get(cfg: dict, *names, default=None):
+    """First present key among transformers 4 and 5 spellings."""
+    for n in names:
+        if n in cfg and cfg[n] is not None:
+            return cfg[n]
+    return default

@@ -1,0 +1,50 @@
+"""Step stage: incremental detokenization and stop checks for every sampling row (per sequence by nature)."""
+
+from __future__ import annotations
+
+import attrs
+
+from ..core.stage import Stage
+
+
+@attrs.define(frozen=True)
+class SeqUpdate:
+    token_id: int
+    text: str  # the whole output text after this token (stop string removed)
+    finish_reason: object = None
+    stop_reason: object = None
+
+
+@attrs.define(eq=False)
+class DetokenizeStage(Stage):
+    name = "detokenize"
+    kind = "detokenize"
+    reads = ("next_tokens", "batch")
+    writes = ("outputs",)
+
+    tokenizer: object
+
+    def __call__(self, state) -> None:
+        from ..detokenizer import IncrementalDetokenizer, StopChecker
+
+        batch = state.batch
+        seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
+        toks = state.next_tokens.tolist()  # the one host sync a step needs
+        eos = self.tokenizer.eos_token_ids
+        outs = []
+        for seq, tok in zip(seqs, toks):
+            p = seq.params
+            if seq.detok is None:  # first token of this sequence: this stage owns its detokenizer
+                seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens)
+                seq.stopper = StopChecker(p.stop, p.stop_token_ids, eos, p.ignore_eos, p.min_tokens, p.max_tokens,
+                                          p.include_stop_str_in_output)
+            delta = seq.detok.step([tok])
+            text = seq.detok.text
+            reason, cut, stop_reason = seq.stopper.check(text, len(delta), tok, len(seq.output_token_ids) + 1)
+            if reason == "length":
+                seq.detok.flush()  # release text held back for an unfinished UTF-8 character
+                text = seq.detok.text
+            if cut is not None:
+                text = text[:cut]
+            outs.append(SeqUpdate(tok, text, reason, stop_reason))
+        state.outputs = outs

@@ -1,0 +1,51 @@
+"""Shared by the forward stages (prefill, verify): turn scheduled rows into model inputs."""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends.base import AttnMetadata
+
+
+def build_inputs(batch, rows: list, block_size: int, device) -> tuple:
+    """rows: indices into batch.seqs. Returns (input_ids [T], AttnMetadata, query_start list [R+1])."""
+    seqs = [batch.seqs[i] for i in rows]
+    starts = [batch.start[i] for i in rows]
+    nums = [batch.num_tokens[i] for i in rows]
+    ids: list = []
+    for s, st, n in zip(seqs, starts, nums):
+        ids.extend(s.token_ids[st:st + n])
+    qstart = [0]
+    for n in nums:
+        qstart.append(qstart[-1] + n)
+    max_q, lens = max(nums), [st + n for st, n in zip(starts, nums)]
+    max_kv = max(lens)
+    max_blocks = -(-max_kv // block_size)
+    bt = torch.tensor([(s.block_table + [0] * max_blocks)[:max_blocks] for s in seqs], dtype=torch.long)
+    n_t = torch.tensor(nums)
+    st_t = torch.tensor(starts)
+    seq_of_tok = torch.repeat_interleave(torch.arange(len(rows)), n_t)  # [T]
+    tok_off = torch.arange(len(ids)) - torch.tensor(qstart[:-1]).repeat_interleave(n_t)
+    positions = st_t[seq_of_tok] + tok_off
+    slot = bt[seq_of_tok, positions // block_size] * block_size + positions % block_size
+    kv_pos = torch.arange(max_kv)
+    kv_slots = bt[:, kv_pos // block_size] * block_size + kv_pos % block_size  # [R, max_kv]
+    qi = torch.arange(max_q)
+    q_valid = qi[None, :] < n_t[:, None]
+    q_index = torch.where(q_valid, torch.tensor(qstart[:-1])[:, None] + qi[None, :], 0)
+    q_pos = st_t[:, None] + qi[None, :]
+    to = dict(device=device, non_blocking=True)
+    meta = AttnMetadata(positions=positions.to(**to), slot_mapping=slot.to(**to), seq_lens=torch.tensor(lens).to(**to),
+                        q_index=q_index.to(**to), q_valid=q_valid.to(**to), kv_slots=kv_slots.to(**to),
+                        q_pos=q_pos.to(**to))
+    return torch.tensor(ids, dtype=torch.long).to(**to), meta, qstart
+
+
+def decode_rows(batch) -> list:
+    """Rows the verify stage owns: one new token that samples (plain decode; drafts come later)."""
+    return [i for i, (n, smp) in enumerate(zip(batch.num_tokens, batch.samples)) if smp and n == 1]
+
+
+def prefill_rows(batch) -> list:
+    owned = set(decode_rows(batch))
+    return [i for i in range(len(batch.seqs)) if i not in owned]

@@ -1,0 +1,28 @@
+"""Step stage: choose the next token of every sampling row (greedy, temperature, top-k/p, min-p, penalties)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+import torch
+
+from ..core.stage import Stage
+
+
+@attrs.define(eq=False)
+class SampleStage(Stage):
+    name = "sampler"
+    kind = "sample"
+    reads = ("logits", "sampling")
+    writes = ("next_tokens", "logprobs")
+
+    ops: object
+    generator: Optional[torch.Generator] = None  # engine-wide, for rows without their own seed
+
+    def __call__(self, state) -> None:
+        logits, batch = state.logits, state.sampling
+        state.next_tokens = self.ops.sample(logits, batch, self.generator)
+        state.logprobs = None
+        if batch.max_num_logprobs >= 0:
+            state.logprobs = self.ops.compute_logprobs(logits, state.next_tokens, batch.max_num_logprobs)

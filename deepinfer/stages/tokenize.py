@@ -1,0 +1,42 @@
+"""Admit stage: turn a prompt (text, token ids, or {"prompt_token_ids": [...]}) into checked token ids."""
+
+from __future__ import annotations
+
+import attrs
+
+from ..core.stage import Stage
+
+
+@attrs.define(eq=False)
+class TokenizeStage(Stage):
+    name = "tokenize"
+    kind = "tokenize"
+    phase = "admit"
+    reads = ("prompt", "params")
+    writes = ("prompt_token_ids",)
+
+    tokenizer: object
+    vocab_size: int
+
+    def __call__(self, state) -> None:
+        p = state.prompt
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                ids = p["prompt_token_ids"]
+            elif "prompt" in p:
+                ids = self.tokenizer.encode(p["prompt"])
+            else:
+                raise ValueError("prompt dict needs 'prompt_token_ids' or 'prompt'")
+        elif isinstance(p, str):
+            ids = self.tokenizer.encode(p)
+        elif isinstance(p, (list, tuple)):
+            ids = p
+        else:
+            raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(p).__name__}")
+        ids = list(ids)
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id(s) {bad[:5]} out of range [0, {self.vocab_size})")
+        state.prompt_token_ids = ids

@@ -1,0 +1,41 @@
+"""Step stage: run the model over decode rows (one token each; with no draft tokens, verify is plain decode)
+and assemble the logits of every sampling row in batch order."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from ..core.stage import Stage
+from .forward import build_inputs, decode_rows
+
+
+@attrs.define(eq=False)
+class VerifyStage(Stage):
+    name = "verify"
+    kind = "verify"
+    reads = ("batch", "kv_cache", "prefill_logits")
+    writes = ("logits",)
+
+    model: object
+    config: object
+    ops: object
+
+    def __call__(self, state) -> None:
+        batch = state.batch
+        rows = decode_rows(batch)
+        dec = None
+        if rows:
+            ids, meta, _ = build_inputs(batch, rows, self.config.block_size, self.ops.device)
+            dec = self.model.compute_logits(self.model(ids, meta, state.kv_cache))  # [R, V]
+        pre = state.prefill_logits
+        if pre is None or dec is None:
+            state.logits = dec if pre is None else pre
+            return
+        # Interleave back into batch order over the sampling rows.
+        is_dec = [i in set(rows) for i, s in enumerate(batch.samples) if s]
+        out = torch.empty(len(is_dec), dec.shape[1], dtype=dec.dtype, device=dec.device)
+        mask = torch.tensor(is_dec, device=dec.device)
+        out[mask] = dec
+        out[~mask] = pre
+        state.logits = out
