@@ -119,13 +119,31 @@ class Engine:
                 [s.output_token_ids for s in sample_seqs], [s.generator for s in sample_seqs],
                 self.model.vocab_size, self.tokenizer.eos_token_ids if self.tokenizer else (), self.device)
             state = StepState(batch, sampling, self.kv_cache)
-            for stage in self.stages["step"]:
-                stage(state)
+            try:
+                for stage in self.stages["step"]:
+                    stage(state)
+            except Exception as exc:  # a failing step fails its batch, not the engine
+                self._fail_batch(batch, exc, touched)
+                return self._collect(touched)
             self.scheduler.update(batch)
             self._fold(state, sample_seqs, touched)
             self.stats["steps"] += 1
             self.stats["forward_tokens"] += batch.total_tokens
             self.stats["step_time"] += time.perf_counter() - t0
+        return self._collect(touched)
+
+    def _fail_batch(self, batch, exc: Exception, touched: dict) -> None:
+        log.exception("deepinfer: a step failed; failing its %d request(s)", len(batch.seqs))
+        for seq in batch.seqs:
+            req = self.requests[seq.request_id]
+            req.error = f"step failed: {type(exc).__name__}: {exc}"
+            for s in req.seqs:
+                if not s.finished:
+                    self.scheduler.finish(s)
+                    s.finish_reason = "error"
+            touched[req.request_id] = req
+
+    def _collect(self, touched: dict) -> list:
         outs = []
         for req in touched.values():
             outs.append(self._output(req))

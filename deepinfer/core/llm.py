@@ -130,8 +130,6 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
-                        if out.error:
-                            log.warning("deepinfer: request %s failed: %s", out.request_id, out.error)
         finally:
             if bar is not None:
                 bar.close()

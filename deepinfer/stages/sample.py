@@ -22,6 +22,9 @@ class SampleStage(Stage):
 
     def __call__(self, state) -> None:
         logits, batch = state.logits, state.sampling
+        if logits.shape[0] == 0:
+            state.next_tokens, state.logprobs = torch.empty(0, dtype=torch.long, device=logits.device), None
+            return
         state.next_tokens = self.ops.sample(logits, batch, self.generator)
         state.logprobs = None
         if batch.max_num_logprobs >= 0:

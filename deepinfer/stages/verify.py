@@ -31,6 +31,8 @@ class VerifyStage(Stage):
         pre = state.prefill_logits
         if pre is None or dec is None:
             state.logits = dec if pre is None else pre
+            if state.logits is None:  # nothing samples this step (only non-final prefill chunks)
+                state.logits = torch.empty(0, self.model.vocab_size, device=self.ops.device)
             return
         # Interleave back into batch order over the sampling rows.
         is_dec = [i in set(rows) for i, s in enumerate(batch.samples) if s]

@@ -1,0 +1,43 @@
+"""SamplingParams and EngineConfig validation: every invalid value raises ValueError naming the field."""
+
+import pytest
+
+from deepinfer import SamplingParams
+from deepinfer.core.config import EngineConfig
+
+BAD = [
+    ("n", 0), ("n", 1.5), ("n", True), ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.0),
+    ("min_tokens", -1), ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("temperature", "hot"), ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.01),
+    ("min_p", 1.5), ("seed", 1.5), ("seed", "x"), ("stop", [""]), ("stop", [3]), ("stop_token_ids", [-1]),
+    ("stop_token_ids", ["a"]), ("ignore_eos", "yes"), ("logprobs", -1), ("logprobs", 21), ("prompt_logprobs", -1),
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD)
+def test_invalid_value_names_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=3)
+
+
+def test_defaults_and_conversions():
+    p = SamplingParams(stop="###", stop_token_ids=7, top_k=-1, temperature=0)
+    assert p.stop == ("###",) and p.stop_token_ids == (7,)
+    assert p.effective_top_k == 0 and p.greedy and not p.needs_penalties
+    assert SamplingParams(repetition_penalty=1.2).needs_penalties
+    assert SamplingParams(max_tokens=None).max_tokens is None
+
+
+@pytest.mark.parametrize("field,value", [("block_size", 0), ("max_num_seqs", -1), ("dtype", "int8"),
+                                         ("max_num_batched_tokens", 0), ("kv_cache_memory_gb", 0),
+                                         ("num_kv_blocks", 0), ("max_model_len", 1.5)])
+def test_engine_config_invalid(field, value):
+    with pytest.raises(ValueError, match=rf"EngineConfig\.{field}="):
+        EngineConfig(**{field: value})
