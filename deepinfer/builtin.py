@@ -46,6 +46,13 @@ def deepinfer_register_models(register):
     for arch in llama.ARCHITECTURES:
         register.model(architecture=arch, factory=llama.factory(arch))
 
+    def ced(hf_config, ops):
+        from .models.ced.model import CEDForCausalLM
+
+        return CEDForCausalLM(hf_config, ops)
+
+    register.model(architecture="CEDForCausalLM", factory=ced)
+
 
 @hookimpl
 def deepinfer_register_recipes(register):

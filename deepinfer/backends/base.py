@@ -25,6 +25,12 @@ class AttnMetadata:
     q_valid: torch.Tensor  # [B, max_q] bool
     kv_slots: torch.Tensor  # [B, max_kv] int64 cache slot of each sequence's positions 0..max_kv-1 (0 where padded)
     q_pos: torch.Tensor  # [B, max_q] int64 position of each padded query
+    # Per-row facts for models with per-sequence state (CED rings, compressors); host lists, read on the host.
+    starts: list = attrs.field(factory=list)  # [B] first position computed this step
+    nums: list = attrs.field(factory=list)  # [B] tokens computed this step
+    block_tables: list = attrs.field(factory=list)  # [B] the sequences' block tables
+    state_slots: list = attrs.field(factory=list)  # [B] per-sequence state slot (scheduler-assigned)
+    replay_starts: list = attrs.field(factory=list)  # [B] bounded-replay start of each sequence
     cache: dict = attrs.field(factory=dict)  # per-window masks, built lazily and shared by layers
 
     def mask(self, window: Optional[int] = None) -> torch.Tensor:

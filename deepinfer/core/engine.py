@@ -47,7 +47,8 @@ class Engine:
         self.sampling_batch_cls = sampling_batch_cls
         self.device = ops.device
         dtype = next(model.parameters()).dtype
-        self.kv_cache = model.allocate_kv_cache(num_blocks * config.block_size, dtype, self.device)
+        self.kv_cache = model.allocate_kv_cache(num_blocks * config.block_size, dtype, self.device,
+                                                block_size=config.block_size, max_seqs=config.max_num_seqs)
         self.kv_bytes_per_token = model.kv_bytes_per_token(dtype)
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
@@ -87,6 +88,8 @@ class Engine:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=list(ids),
                            num_prompt_tokens=len(ids), params=params, arrival=next(self._arrivals), generator=gen)
+            replay = getattr(self.model, "replay_start_for", None)
+            seq.replay_start = replay(len(ids)) if replay is not None else 0  # fixed for the request's life
             req.seqs.append(seq)
             self.scheduler.add(seq)
         return req
@@ -126,6 +129,9 @@ class Engine:
                 self._fail_batch(batch, exc, touched)
                 return self._collect(touched)
             self.scheduler.update(batch)
+            end_step = getattr(self.model, "end_step", None)
+            if end_step is not None:
+                end_step()  # e.g. close the step's expert-load record (no host sync)
             self._fold(state, sample_seqs, touched)
             self.stats["steps"] += 1
             self.stats["forward_tokens"] += batch.total_tokens

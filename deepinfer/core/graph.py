@@ -69,6 +69,7 @@ def _order(phase: str, specs: list) -> list:
     """Validate one phase and return its stages in run order (stable topological order)."""
     inputs, outputs = PHASES[phase]
     writers: dict = {}  # field -> producing spec (not a transformer)
+    overrides: list = []  # (replacer, replaced, field): the replacer runs after, so its value is the one read
     for s in specs:
         for f in s.writes:
             if f in inputs:
@@ -78,14 +79,20 @@ def _order(phase: str, specs: list) -> list:
             old = writers.get(f)
             if old is not None:
                 if s.name in old.replaces or s.kind in old.replaces:
+                    overrides.append((old.name, s.name, f))
                     continue  # old replaces s; keep old as producer
                 if old.name in s.replaces or old.kind in s.replaces:
+                    overrides.append((s.name, old.name, f))
                     writers[f] = s
                     continue
                 raise PipelineError(f"stages {old.name!r} and {s.name!r} both write {f!r}; one must declare "
                                     f"replaces=({old.name!r},) or remove the other")
             writers[f] = s
     deps: dict = {s.name: set() for s in specs}
+    why: dict = {}  # (stage, stage it runs after) -> the field that orders them, for error messages
+    for new, old_name, f in overrides:
+        deps[new].add(old_name)
+        why.setdefault((new, old_name), f)
     last_touch: dict = {}  # field -> name of the last stage (producer or transformer) so far in list order
     for s in specs:
         for f in s.reads:
@@ -96,8 +103,10 @@ def _order(phase: str, specs: list) -> list:
                                     f"does not provide (engine inputs: {', '.join(inputs)})")
             if writers[f] is not s:
                 deps[s.name].add(writers[f].name)
+                why.setdefault((s.name, writers[f].name), f)
                 if f in s.writes and f in last_touch and last_touch[f] != s.name:
                     deps[s.name].add(last_touch[f])  # chain transformers in list order
+                    why.setdefault((s.name, last_touch[f]), f)
         for f in s.writes:
             last_touch[f] = s.name
     # Readers of a transformed field run after every transformer of it.
@@ -108,6 +117,7 @@ def _order(phase: str, specs: list) -> list:
             for t in specs:
                 if t is not s and f in t.reads and f in t.writes:
                     deps[s.name].add(t.name)
+                    why.setdefault((s.name, t.name), f)
     for f in outputs:
         if f not in writers:
             raise PipelineError(f"no {phase} stage writes {f!r}, which the engine needs")
@@ -119,7 +129,8 @@ def _order(phase: str, specs: list) -> list:
             return
         if n in visiting:
             cyc = visiting[visiting.index(n):] + [n]
-            raise PipelineError("cycle between stages: " + " -> ".join(cyc))
+            links = [f"{a!r} runs after {b!r} for {why.get((a, b), '?')!r}" for a, b in zip(cyc, cyc[1:])]
+            raise PipelineError("cycle between stages: " + " -> ".join(cyc) + " (" + "; ".join(links) + ")")
         visiting.append(n)
         for d in sorted(deps[n], key=lambda x: [p.name for p in specs].index(x)):
             visit(d)

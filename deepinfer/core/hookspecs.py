@@ -18,12 +18,16 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def deepinfer_register_stages(register) -> None:
     """Register stage factories: ``register.stage(kind=..., name=..., factory=...)``.
 
-    Called once when the plugin manager is first used. ``kind`` is one of the
+    Called every time a registry is built (``get_registry``: when an LLM or a
+    pipeline from a recipe is built), never per step, so it must only
+    register and have no other side effects. ``kind`` is one of the
     stage kinds (tokenize, prefix_cache, prefill, swa_replay, draft, verify,
     constrain, sample, detokenize) or a new kind of the plugin's own. The
     factory is called with the stage's keyword arguments plus whichever engine
-    context objects (config, model, ops, tokenizer, model_config) its
-    signature names. Returns nothing.
+    context objects (config, engine_config, model, ops, tokenizer, vocab_size,
+    device, generator) its signature names. The factory must carry the stage
+    contract's class attributes (reads, writes, optional phase/replaces), so
+    pass the stage class itself. Returns nothing.
     """
 
 
@@ -42,8 +46,10 @@ def deepinfer_register_models(register) -> None:
     """Register model architectures: ``register.model(architecture=..., factory=...)``.
 
     ``architecture`` is the name in config.json's ``architectures`` list.
-    ``factory(hf_config: dict, ops, dtype, device)`` returns an unloaded model
-    module (models/base.py contract). Returns nothing.
+    ``factory(hf_config: dict, ops)`` returns an unloaded model module
+    (models/base.py contract); the loader calls it on the meta device, then
+    moves it to the chosen device and dtype and loads the weights. Returns
+    nothing.
     """
 
 

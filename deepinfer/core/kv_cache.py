@@ -7,7 +7,7 @@ models/base.py), indexed by slot = block_id * block_size + offset.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 
 class NoFreeBlocks(RuntimeError):
@@ -36,6 +36,8 @@ class BlockPool:
         return n <= len(self._free)
 
     def allocate(self, n: int) -> list:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
         if n > len(self._free):
             raise NoFreeBlocks(f"asked for {n} blocks, {len(self._free)} free of {self.num_blocks}")
         out = [self._free.popleft() for _ in range(n)]
@@ -43,18 +45,30 @@ class BlockPool:
             self._refs[b] = 1
         return out
 
+    def _check_id(self, block) -> None:
+        # A negative id would silently index _refs from the end.
+        if not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            raise ValueError(f"block id {block!r} is out of range [0, {self.num_blocks})")
+
     def share(self, block: int) -> int:
         """Add an owner to an allocated block (prefix sharing); returns the block id."""
+        self._check_id(block)
         if self._refs[block] <= 0:
             raise ValueError(f"block {block} is free and cannot be shared")
         self._refs[block] += 1
         return block
 
     def free(self, blocks) -> None:
-        """Drop one owner of each block; blocks whose count reaches 0 return to the free list."""
-        for b in blocks:
-            if self._refs[b] <= 0:
+        """Drop one owner of each block; blocks whose count reaches 0 return to the free list.
+
+        All or nothing: an over-free raises before any count changes."""
+        blocks = list(blocks)
+        drops = Counter(blocks)
+        for b, k in drops.items():
+            self._check_id(b)
+            if self._refs[b] < k:
                 raise ValueError(f"block {b} freed more times than it was allocated or shared")
+        for b in blocks:
             self._refs[b] -= 1
             if self._refs[b] == 0:
                 self._free.append(b)

@@ -27,6 +27,7 @@ class Scheduler:
         self.waiting: deque = deque()
         self.running: list = []
         self.num_preemptions = 0
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # per-sequence state slots (rings, tails)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -49,6 +50,7 @@ class Scheduler:
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        self._release_slot(seq)
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -67,9 +69,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self._grow(seq, n):
-                victim = self.running[-1]
-                if any(victim is s for s, _ in chosen):
-                    victim = seq  # never take blocks back from a row already in this step
+                # The most recently admitted running sequence not already in this step (never take blocks back
+                # from a chosen row); seq itself when every later-admitted one is chosen.
+                taken = {id(s) for s, _ in chosen}
+                victim = next(v for v in reversed(self.running) if id(v) not in taken)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -85,6 +88,7 @@ class Scheduler:
             if not self._grow(seq, n):
                 break
             self.waiting.popleft()
+            seq.state_slot = self._free_slots.pop()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chosen.append((seq, n))
@@ -111,4 +115,10 @@ class Scheduler:
         if seq.block_table:
             self.pool.free(seq.block_table)
             seq.block_table = []
+        self._release_slot(seq)
         seq.status = SeqStatus.FINISHED
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.state_slot >= 0:
+            self._free_slots.append(seq.state_slot)
+            seq.state_slot = -1

@@ -38,6 +38,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_preemptions: int = 0
     replay_start: int = 0  # bounded-replay start; belongs to the request, survives preemption
+    state_slot: int = -1  # per-sequence state (SWA rings, compressor tails) while it holds KV; scheduler-owned
     # Output side, owned by the engine (folded from detokenize/sample results).
     text: str = ""
     logprobs: Optional[list] = None

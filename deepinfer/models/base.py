@@ -32,8 +32,15 @@ class CausalLM(nn.Module):
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         raise NotImplementedError
 
-    def allocate_kv_cache(self, num_slots: int, dtype: torch.dtype, device) -> object:
+    def allocate_kv_cache(self, num_slots: int, dtype: torch.dtype, device, block_size: int = 16,
+                          max_seqs: int = 1) -> object:
+        """The model's KV storage for ``num_slots`` paged token slots (num_slots // block_size blocks)
+        plus any per-sequence state for ``max_seqs`` state slots."""
         raise NotImplementedError
+
+    def replay_start_for(self, num_prompt_tokens: int) -> int:
+        """Position from which the model recomputes per-sequence state at prefill (bounded replay); 0 = all."""
+        return 0
 
     def load_weights(self, weights: Iterable) -> None:
         """weights: (checkpoint tensor name, tensor) pairs; raises naming a missing or misshapen tensor."""

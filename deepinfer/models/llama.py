@@ -170,7 +170,7 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     # Engine path.
-    def allocate_kv_cache(self, num_slots, dtype, device):
+    def allocate_kv_cache(self, num_slots, dtype, device, **_):
         c = self.config
         shape = (c.num_layers, num_slots, c.num_kv_heads, c.head_dim)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)

@@ -12,6 +12,13 @@ from ..base import AttnMetadata, Ops
 
 def _softmax_attend(q, k, v, mask, scale, sinks):
     """q: [B, Q, H, D]; k, v: [B, K, Hk, D]; mask: [B, Q, K] -> [B, Q, H, Dv]. Softmax in float32."""
+    if sinks is None and q.dtype == torch.float32:
+        # Same function through PyTorch's fused kernel; fully masked (padded) rows may come back NaN
+        # and are dropped by the caller.
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask[:, None], scale=scale,
+                                             enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
     B, Q, H, D = q.shape
     Hk = k.shape[2]
     G = H // Hk

@@ -1,0 +1,292 @@
+"""The CED model (DeepSeek-V4.1-Flash architecture at any size): modules and the full-sequence path.
+
+The full-sequence path (``forward_full``) uses masks and no cache. It is the
+oracle of the engine path and the training path of the demo model, so it is
+batched ([B, N], equal lengths) and runs on any device in plain PyTorch.
+Replay semantics are a parameter: the decoder runs over tokens [s, N) only,
+and a decoder query i attends SWA keys in [max(s, i - n_win + 1), i]
+(s = 0 is the exact mode).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import functional as fn
+from .config import CEDConfig
+
+
+def _p(*shape):
+    return nn.Parameter(torch.empty(*shape))
+
+
+class CEDLayer(nn.Module):
+    def __init__(self, c: CEDConfig, i: int):
+        super().__init__()
+        self.c, self.i = c, i
+        self.mode, self.m = c.layer_modes[i], c.ratio(i)
+        self.is_decoder = i >= c.num_encoder_layers
+        H, D, d = c.num_heads, c.head_dim, c.hidden_size
+        self.attn_norm = _p(d)
+        self.wq_a = _p(c.q_lora_rank, d)
+        self.q_norm = _p(c.q_lora_rank)
+        self.wq_b = _p(H * D, c.q_lora_rank)
+        self.wkv = _p(D, d)
+        self.kv_norm = _p(D)
+        self.wz = _p(D, d) if self.mode == "full" and self.m > 1 else None  # compressor gate, channel-wise
+        self.wzi = _p(c.index_head_dim, d) if self.mode == "full" and self.m > 1 else None  # same for indexer K
+        self.sink = _p(H) if c.use_sink else None
+        self.wo_a = _p(c.out_groups, c.out_group_dim, H // c.out_groups * D)
+        self.wo_b = _p(d, c.out_groups * c.out_group_dim)
+        if self.mode in ("full", "reindex"):
+            self.wiq = _p(c.index_heads * c.index_head_dim, c.q_lora_rank)
+            self.wiw = _p(c.index_heads, d)
+        else:
+            self.wiq = self.wiw = None
+        self.wik = _p(c.index_head_dim, d) if self.mode == "full" else None
+        self.ffn_norm = _p(d)
+        E, Fe = c.n_routed_experts, c.moe_intermediate_size
+        self.gate = _p(E, d)
+        self.gate_bias = _p(E)
+        self.w13 = _p(E, 2 * Fe, d)
+        self.w2 = _p(E, d, Fe)
+        Fs = Fe * c.n_shared_experts
+        self.shared_w13 = _p(2 * Fs, d) if Fs else None
+        self.shared_w2 = _p(d, Fs) if Fs else None
+
+    # Pieces shared with the engine path.
+    def query(self, x, pos):
+        """x [T, d] (normed) -> q [T, H, D] with RoPE, and the query latent cq [T, q_lora]."""
+        c = self.c
+        cq = fn.rms(F.linear(x, self.wq_a), self.q_norm, c.rms_norm_eps)
+        q = F.linear(cq, self.wq_b).view(x.shape[0], c.num_heads, c.head_dim)
+        return fn.apply_rope(q, pos, c.rope_dim, c.rope_theta), cq
+
+    def swa_kv(self, x, pos):
+        """x [T, d] -> this layer's SWA latent [T, D]: RMSNorm(W_kv x), RoPE, FP8 fake-quant."""
+        c = self.c
+        kv = fn.apply_rope(fn.rms(F.linear(x, self.wkv), self.kv_norm, c.rms_norm_eps), pos, c.rope_dim, c.rope_theta)
+        return fn.fake(kv, c.swa_kv_format, c.fake_quant)
+
+    def entries(self, x, entry_ids=None):
+        """Compressed KV and indexer K of complete groups of x [G*m, d] (normed); entry_ids [G] (default 0..G-1)
+        give each entry's RoPE position j*m."""
+        c, m = self.c, self.m
+        v, ik = F.linear(x, self.wkv), F.linear(x, self.wik)
+        w = fn.group_weights(F.linear(x, self.wz), m) if m > 1 else None
+        wi = fn.group_weights(F.linear(x, self.wzi), m) if m > 1 else None
+        e = fn.rms(fn.compress(v, w, m), self.kv_norm, c.rms_norm_eps)
+        if entry_ids is None:
+            entry_ids = torch.arange(e.shape[0], device=x.device)
+        pos = entry_ids * m
+        e = fn.fake(fn.apply_rope(e, pos, c.rope_dim, c.rope_theta), c.global_kv_format, c.fake_quant)
+        k = fn.fake(fn.compress(ik, wi, m), c.index_k_format, c.fake_quant)
+        return e, k
+
+    def index_query(self, x, cq):
+        c = self.c
+        q = F.linear(cq, self.wiq).view(x.shape[0], c.index_heads, c.index_head_dim)
+        w = F.linear(x, self.wiw) * c.index_heads ** -0.5
+        return q, w
+
+    def out_proj(self, o, pos):
+        """o [T, H, D] attended latent -> inverse RoPE, grouped projection, final projection -> [T, d]."""
+        c = self.c
+        o = fn.apply_rope(o, pos, c.rope_dim, c.rope_theta, inverse=True)
+        og = o.reshape(o.shape[0], c.out_groups, -1)
+        return F.linear(torch.einsum("tgi,goi->tgo", og, self.wo_a).flatten(1), self.wo_b)
+
+    def moe(self, x):
+        from ...backends.reference import moe as moe_ops
+
+        c = self.c
+        weights, ids = moe_ops.route(F.linear(x.float(), self.gate.float()), c.num_experts_per_tok,
+                                     scoring="sqrt_softplus", renormalize=True, scaling=c.routed_scaling_factor,
+                                     bias=self.gate_bias)
+        y = moe_ops.experts_routed(x, self.w13, self.w2, weights, ids, clamp=c.swiglu_limit)
+        if self.shared_w13 is not None:
+            g, u = F.linear(x, self.shared_w13).chunk(2, dim=-1)
+            lim = c.swiglu_limit
+            y = y + F.linear(F.silu(g.clamp(max=lim)) * u.clamp(-lim, lim), self.shared_w2)
+        return y, ids
+
+
+class CEDEngineMixin:
+    """The engine-path contract of CEDForCausalLM (see engine_path.py)."""
+
+    def allocate_kv_cache(self, num_slots, dtype, device, block_size: int = 16, max_seqs: int = 1):
+        from .cache import CEDCache
+
+        return CEDCache(self.config, num_slots // block_size, block_size, max_seqs, dtype, device)
+
+    def kv_bytes_per_token(self, dtype) -> int:
+        from .cache import CEDCache
+
+        return CEDCache.bytes_per_token(self.config)
+
+    def replay_start_for(self, num_prompt_tokens: int) -> int:
+        if self.config.replay_mode == "exact":
+            return 0
+        return max(0, num_prompt_tokens - self.config.n_win)
+
+    def forward(self, input_ids, meta, kv_cache):
+        from .engine_path import forward_engine
+
+        return forward_engine(self, input_ids, meta, kv_cache)
+
+    def compute_logits(self, hidden):
+        return self.logits(hidden)
+
+    def reset_counters(self) -> None:
+        L = self.config.num_layers
+        self.counters = {"layer_tokens": [0] * L, "min_pos": [float("inf")] * L, "indexer_calls": [0] * L}
+
+    def record_expert_load(self, layer: int, ids) -> None:
+        pass
+
+
+
+class CEDForCausalLM(CEDEngineMixin, nn.Module):
+    def __init__(self, hf_config: dict, ops=None):
+        super().__init__()
+        self.config = c = CEDConfig.from_hf(hf_config) if isinstance(hf_config, dict) else hf_config
+        self.ops = ops
+        self.vocab_size, self.max_position = c.vocab_size, c.max_position_embeddings
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(CEDLayer(c, i) for i in range(c.num_layers))
+        self.norm = _p(c.hidden_size)
+        self.lm_head = None if c.tie_word_embeddings else _p(c.vocab_size, c.hidden_size)
+        self.reset_counters()
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random init (for tests, benchmarks and the start of training): norms 1, biases 0, matrices N(0, std)."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith(("norm", "attn_norm", "ffn_norm", "q_norm", "kv_norm")):
+                    p.fill_(1.0)
+                elif name.endswith(("gate_bias", "sink")):
+                    p.zero_()
+                else:
+                    fan_in = p.shape[-1]
+                    p.copy_(torch.randn(p.shape, generator=g) * min(std, fan_in ** -0.5))
+
+    def logits(self, h):
+        c = self.c_norm(h)
+        w = self.embed.weight if self.lm_head is None else self.lm_head
+        return F.linear(c, w).float()
+
+    def c_norm(self, h):
+        return fn.rms(h, self.norm, self.config.rms_norm_eps)
+
+    # ---------------- full-sequence path ----------------
+    def forward_full(self, input_ids: torch.Tensor, replay_start: int = 0, return_hidden: bool = False,
+                     stats: Optional[dict] = None):
+        """input_ids [N] or [B, N] -> float32 logits [(B,) N - s, V] for positions s..N-1 (s = replay_start)."""
+        single = input_ids.dim() == 1
+        ids = input_ids[None] if single else input_ids
+        B, N = ids.shape
+        s = max(0, min(replay_start, N - 1))
+        c = self.config
+        pos = torch.arange(N, device=ids.device)
+        h = self.embed(ids)  # [B, N, d]
+        out = []
+        for b in range(B):  # sequences are independent; the loop keeps every piece 2-D and shared with the engine
+            out.append(self._full_one(h[b], pos, s, stats))
+        hid = torch.stack(out)
+        logits = self.logits(hid)
+        if single:
+            logits, hid = logits[0], hid[0]
+        return (logits, hid) if return_hidden else logits
+
+    def _full_one(self, h, pos, s, stats):
+        c = self.config
+        E = c.num_encoder_layers
+        ctx: dict = {}
+        for layer in self.layers[:E]:
+            h = self._layer_full(layer, h, h, pos, 0, ctx, stats)
+        return self._decoder_full(h, pos, s, ctx, stats)
+
+    def _decoder_full(self, h_enc, pos, s, ctx, stats):
+        c = self.config
+        h = h_enc[s:]
+        for layer in self.layers[c.num_encoder_layers:]:
+            h = self._layer_full(layer, h, h_enc, pos, s, ctx, stats)
+        return h
+
+    def _layer_full(self, layer: CEDLayer, h, h_src, pos, s, ctx, stats):
+        """h: [T, d] hidden of tokens s..N-1; h_src: [N, d] the hidden a full layer compresses (all tokens)."""
+        c = self.config
+        T = h.shape[0]
+        qpos = pos[s:s + T]
+        x = fn.rms(h, layer.attn_norm, c.rms_norm_eps)
+        q, cq = layer.query(x, qpos)
+        kv = layer.swa_kv(x, qpos)
+        # SWA keys of query t: tokens t-W+1..t of this pass (the pass starts at s: the replay cut).
+        offs = torch.arange(c.n_win, device=h.device) - (c.n_win - 1)
+        idx = torch.arange(T, device=h.device)[:, None] + offs[None, :]  # [T, W]
+        swa_kv, swa_mask = kv[idx.clamp(min=0)], idx >= 0
+        if stats is not None:
+            stats.setdefault("layer_tokens", {}).setdefault(layer.i, 0)
+            stats["layer_tokens"][layer.i] += T
+            stats.setdefault("first_pos", {})[layer.i] = int(qpos[0]) if T else None
+        if layer.mode == "swa":
+            glob, gmask = kv.new_zeros(T, 0, c.head_dim), torch.zeros(T, 0, dtype=torch.bool, device=h.device)
+        else:
+            m = layer.m
+            src = c.source_full(layer.i)
+            if layer.mode == "full":
+                xs = x if h_src is h else fn.rms(h_src, layer.attn_norm, c.rms_norm_eps)
+                J = xs.shape[0] // m
+                ctx[("kv", layer.i)] = layer.entries(xs[: J * m])
+            ents, ik = ctx[("kv", src)]
+            visible = torch.arange(ents.shape[0], device=h.device)[None, :] < ((qpos + 1) // m)[:, None]
+            if layer.mode in ("full", "reindex"):
+                if stats is not None:
+                    stats.setdefault("indexer_layers", []).append(layer.i)
+                iq, iw = layer.index_query(x, cq)
+                scores = fn.index_scores(iq, iw, ik)
+                allowed = visible
+                if layer.is_decoder and layer.mode == "reindex":
+                    allowed = visible & ctx[("pool", src)]
+                topk = fn.select_topk(scores, allowed, c.index_topk)
+                if layer.is_decoder and layer.mode == "full":
+                    ctx[("pool", layer.i)] = fn.pool_mask(scores, visible, c.pool_block, c.pool_blocks)
+                ctx[("topk", layer.i)] = topk
+            else:
+                topk = ctx[("topk", c.source_topk(layer.i))]
+            glob, gmask = fn.gather_rows(ents, topk)
+        o = fn.attend(q, swa_kv, swa_mask, glob, gmask, layer.sink, c.head_dim ** -0.5)
+        h = h + layer.out_proj(o, qpos)
+        y, _ = layer.moe(fn.rms(h, layer.ffn_norm, c.rms_norm_eps))
+        return h + y
+
+    # ---------------- weights ----------------
+    def load_weights(self, weights) -> None:
+        from ..base import WeightError
+
+        params = dict(self.named_parameters())
+        seen = set()
+        for name, t in weights:
+            if name not in params:
+                raise WeightError(f"checkpoint tensor {name!r} does not belong to CEDForCausalLM "
+                                  f"(layer modes {list(self.config.layer_modes)})")
+            p = params[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise WeightError(f"checkpoint tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(t.to(p.dtype))
+            seen.add(name)
+        missing = [n for n in params if n not in seen]
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise WeightError(f"checkpoint lacks tensor(s) {', '.join(missing[:3])}{more} needed by CEDForCausalLM")
+
+    def hf_state_dict(self) -> dict:
+        return {n: p.data.contiguous() for n, p in self.named_parameters()}
+
