@@ -48,8 +48,11 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, recipe: str = "reference", pipeline: Optional[Pipeline] = None,
                  dtype: str = "auto", max_model_len: Optional[int] = None, backend: Optional[str] = None,
-                 device: Optional[str] = None, tokenizer: Optional[str] = None, **engine_kwargs):
-        registry = get_registry()
+                 device: Optional[str] = None, tokenizer: Optional[str] = None, registry=None,
+                 hf_overrides: Optional[dict] = None, **engine_kwargs):
+        # One registry for stages, backends and models: the pipeline's when it brings one.
+        registry = registry or (pipeline.registry if pipeline is not None and pipeline.registry else None) \
+            or get_registry()
         if pipeline is None:
             pipeline = Pipeline.from_recipe(recipe, registry=registry)
         unknown = set(engine_kwargs) - config_fields()
@@ -61,7 +64,7 @@ class LLM:
         config = EngineConfig(**cfg)
         ops, self.backend_name = choose_backend(registry, backend, config.device)
         self.model_path = loader.resolve_model_path(model)
-        hf_config = loader.load_config(self.model_path)
+        hf_config = {**loader.load_config(self.model_path), **(hf_overrides or {})}
         torch_dtype = loader.torch_dtype(config.dtype, hf_config, ops.device)
         net = loader.build_model(self.model_path, hf_config, ops, torch_dtype, ops.device, registry)
         from ..tokenizer import Tokenizer
@@ -160,5 +163,16 @@ class LLM:
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outs
 
-    def expert_load(self):  # pragma: no cover - MoE models come with the MoE issue
-        raise NotImplementedError("expert load statistics need an MoE model")
+    def expert_load(self) -> dict:
+        """Tokens routed to each expert per MoE layer over the recent window of steps."""
+        load = getattr(self.engine.model, "expert_load", None)
+        if load is None:
+            raise ValueError(f"{type(self.engine.model).__name__} has no experts; expert load needs an MoE model")
+        return load.as_dict()
+
+    def dump_expert_load(self, path, **extra) -> None:
+        """Append the expert load as JSONL rows (one per MoE layer) with the model path and any extra fields."""
+        load = getattr(self.engine.model, "expert_load", None)
+        if load is None:
+            raise ValueError(f"{type(self.engine.model).__name__} has no experts; expert load needs an MoE model")
+        load.dump_jsonl(path, {"model": str(self.model_path), **extra})

@@ -107,6 +107,11 @@ def _load_entry_points(pm: pluggy.PluginManager) -> None:
             continue
         try:
             pm.register(ep.load(), name=ep.name)
+            try:
+                pm.check_pending()  # a misspelled hook name would otherwise be ignored silently
+            except pluggy.PluginValidationError as exc:
+                pm.unregister(name=ep.name)
+                raise RuntimeError(f"it implements an unknown hook: {exc}") from None
             origins(pm)[ep.name] = f"{ep.dist.name} {ep.dist.version} (entry point {ep.value})" if ep.dist else ep.value
         except Exception as exc:  # a broken plugin must not take the engine down
             log.warning("deepinfer: plugin %r (%s) failed to load: %s", ep.name, ep.value, exc)

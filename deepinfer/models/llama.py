@@ -123,12 +123,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: LlamaConfig, layer: int, rotary, ops):
+    def __init__(self, c: LlamaConfig, layer: int, rotary, ops, mlp_factory=None):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_eps, ops)
         self.self_attn = Attention(c, layer, rotary, ops)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps, ops)
-        self.mlp = MLP(c, ops)
+        mlp = mlp_factory(layer) if mlp_factory is not None else None
+        self.mlp = mlp if mlp is not None else MLP(c, ops)  # a factory returns None for a dense layer
 
     def forward(self, x, residual, positions, attend):
         if residual is None:
@@ -141,11 +142,11 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, c: LlamaConfig, ops):
+    def __init__(self, c: LlamaConfig, ops, mlp_factory=None):
         super().__init__()
         rotary = RotaryEmbedding(c.rope, max_position=c.max_position, device=ops.device)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, rotary, ops) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, rotary, ops, mlp_factory) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_eps, ops)
 
     def forward(self, input_ids, positions, attend):
@@ -161,12 +162,12 @@ _FUSED = (("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_
 
 
 class LlamaForCausalLM(CausalLM):
-    def __init__(self, hf_config: dict, ops, arch: str = "LlamaForCausalLM"):
+    def __init__(self, hf_config: dict, ops, arch: str = "LlamaForCausalLM", mlp_factory=None):
         super().__init__()
         self.config = c = LlamaConfig.from_hf(hf_config, arch)
         self.arch, self.ops = arch, ops
         self.vocab_size, self.max_position = c.vocab_size, c.max_position
-        self.model = Backbone(c, ops)
+        self.model = Backbone(c, ops, mlp_factory)  # mlp_factory(layer) -> module or None (dense MLP)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     # Engine path.
@@ -217,12 +218,30 @@ class LlamaForCausalLM(CausalLM):
                 return name.replace(f".{part}.", f".{fused}."), idx
         return name, None
 
+    def _delegates(self) -> dict:
+        """Submodules that load their own checkpoint tensors (e.g. MoE blocks): checkpoint prefix -> (module,
+        our param prefix). A delegate implements load_checkpoint_tensor(local_name, tensor) and
+        missing_checkpoint_tensors() -> list of local names, and may set ``checkpoint_prefix``."""
+        out = {}
+        for pname, mod in self.named_modules():
+            if hasattr(mod, "load_checkpoint_tensor"):
+                out[getattr(mod, "checkpoint_prefix", None) or pname] = (mod, pname)
+        return out
+
     def load_weights(self, weights: Iterable) -> None:
-        params = dict(self.named_parameters())
+        delegates = self._delegates()
+        owned = tuple(p + "." for _, p in delegates.values())
+        params = {n: p for n, p in self.named_parameters() if not n.startswith(owned)}
         seen: set = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue  # buffers some checkpoints carry; we compute them
+            head = name.rsplit(".", 1)[0]
+            while head and head not in delegates:
+                head = head.rsplit(".", 1)[0] if "." in head else ""
+            if head:
+                delegates[head][0].load_checkpoint_tensor(name[len(head) + 1:], tensor, full_name=name)
+                continue
             target, idx = self._target(name)
             if target not in params:
                 if name.startswith("lm_head.") and self.lm_head is None:
@@ -249,13 +268,21 @@ class LlamaForCausalLM(CausalLM):
                         missing.append(pname.replace(f".{fused}.", f".{part}."))
             elif (pname, None) not in seen:
                 missing.append(pname)
+        for prefix, (mod, _) in delegates.items():
+            missing += [f"{prefix}.{n}" for n in mod.missing_checkpoint_tensors()]
         if missing:
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise WeightError(f"checkpoint lacks tensor(s) {', '.join(missing[:3])}{more} needed by {self.arch}")
 
     def hf_state_dict(self) -> dict:
         out = {}
+        delegates = self._delegates()
+        owned = tuple(p + "." for _, p in delegates.values())
+        for prefix, (mod, _) in delegates.items():
+            out.update({f"{prefix}.{n}": t for n, t in mod.checkpoint_tensors().items()})
         for pname, p in self.named_parameters():
+            if pname.startswith(owned):
+                continue
             fused = pname.split(".")[-2]
             if fused in ("qkv_proj", "gate_up_proj"):
                 parts = [part for f, part, _ in _FUSED if f == fused]

@@ -4,8 +4,8 @@ Each format turns x [..., C] into uint8 `codes` (and uint8 per-group `scales`) l
 the engine stores them, so GPU kernels can be tested byte-for-byte against this module.
 
   fp4_e2m1_e4m3  codes [..., C//2]: two E2M1 nibbles per byte, low nibble = even channel.
-                 scales [..., C//16]: float8_e4m3fn bits. scale = the smallest E4M3 value >= amax/6
-                 (i.e. round UP, so amax/scale <= 6 and the group max never clips), capped at 448.
+                 scales [..., C//16]: float8_e4m3fn bits. scale = the smallest E4M3 value s with
+                 6*s >= amax (amax/6 rounded UP, so the group max never clips), capped at 448.
                  No second-level (per-tensor) scale, so the usable range is limited: groups with
                  |x| > 6*448 = 2688 saturate to +-2688, and groups with amax < 6*2^-6 get a subnormal
                  E4M3 scale (absolute error still <= 2^-11, but coarser relative precision).
@@ -127,8 +127,10 @@ def _unpack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def _quantize_fp4_e4m3(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xg, amax = _grouped_amax(xf, 16)  # [..., G, 16], [..., G]
     grid = _e4m3_positive(xf.device)
-    # Round UP onto the E4M3 grid: index of the first value >= amax/6, capped at 448.
-    sbits = torch.searchsorted(grid, amax / _E2M1_MAX, right=False).clamp(max=_E4M3_MAX_CODE)
+    # Round UP onto the E4M3 grid: the first value s with 6*s >= amax, capped at 448. Comparing
+    # against 6*s (exact in float32) rather than rounding amax/6 keeps this exact, even for amax
+    # near float32's subnormal floor, where amax/6 would underflow to 0.
+    sbits = torch.searchsorted(grid * _E2M1_MAX, amax, right=False).clamp(max=_E4M3_MAX_CODE)
     scale = grid[sbits]  # [..., G]; 0 only for an all-zero group
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (xg / safe[..., None]).clamp(-_E2M1_MAX, _E2M1_MAX)  # [..., G, 16]

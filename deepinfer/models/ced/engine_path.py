@@ -52,9 +52,12 @@ def _swa_keys(model, layer, P: Pass, kv, cache, meta, device):
     fresh = p >= lo
     lst = torch.tensor(P.lstart, device=device)[P.rows_t][:, None]
     fresh_idx = (lst + p - lo).clamp(0, max(P.n - 1, 0))
-    slots = torch.tensor(meta.state_slots, device=device)[P.rows_t][:, None].expand_as(p)
-    old = cache.ring_read(layer.i, slots, p)
-    keys = torch.where(fresh[..., None], kv[fresh_idx], old) if P.n else old
+    keys = kv[fresh_idx] if P.n else kv.new_zeros(0, W, c.head_dim)
+    from_ring = valid & ~fresh  # older positions: only these are read (and dequantized) from the ring
+    if bool(from_ring.any()):
+        slots = torch.tensor(meta.state_slots, device=device)[P.rows_t][:, None].expand_as(p)
+        keys = keys.clone()
+        keys[from_ring] = cache.ring_read(layer.i, slots[from_ring], p[from_ring])
     return keys, valid
 
 
@@ -156,7 +159,10 @@ def layer_engine(model, layer, h, P: Pass, src, meta, cache, ctx, stats):
         else:
             topk = ctx[("topk", c.source_topk(layer.i))]
         valid = topk >= 0
-        glob = ents[P.rows_t[:, None], topk.clamp(min=0)] if P.n else ents.new_zeros(0, topk.shape[1], c.head_dim)
+        if P.n and Jmax:
+            glob = ents[P.rows_t[:, None], topk.clamp(min=0)]
+        else:  # no query, or no complete entry yet in any row (topk is all -1)
+            glob = ents.new_zeros(P.n, topk.shape[1], c.head_dim)
         gmask = valid
     if P.n:
         o = fn.attend(q, swa, swa_mask, glob, gmask, layer.sink, c.head_dim ** -0.5)

@@ -48,8 +48,26 @@ def compress(v: torch.Tensor, w: torch.Tensor | None, m: int) -> torch.Tensor:
     return (w * v.float().reshape(-1, m, v.shape[-1])).sum(1).to(v.dtype)
 
 
+class _FakeQuantSTE(torch.autograd.Function):
+    """fake_quantize in the forward pass, identity in the backward pass (straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x, fmt):
+        return lowbit.fake_quantize(x, fmt)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def fake(x: torch.Tensor, fmt: str, on: bool) -> torch.Tensor:
-    return lowbit.fake_quantize(x, fmt) if on else x
+    """Quantize-dequantize x in `fmt` when `on`. When x needs a gradient (training), the value is the same
+    and the gradient passes straight through (the rounding itself has zero gradient almost everywhere)."""
+    if not on:
+        return x
+    if x.requires_grad and torch.is_grad_enabled():
+        return _FakeQuantSTE.apply(x, fmt)
+    return lowbit.fake_quantize(x, fmt)
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,10 @@ class CEDEngineMixin:
         self.counters = {"layer_tokens": [0] * L, "min_pos": [float("inf")] * L, "indexer_calls": [0] * L}
 
     def record_expert_load(self, layer: int, ids) -> None:
-        pass
+        self.expert_load.record(layer, ids)
+
+    def end_step(self) -> None:
+        self.expert_load.end_step()
 
 
 
@@ -162,6 +165,9 @@ class CEDForCausalLM(CEDEngineMixin, nn.Module):
         self.norm = _p(c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else _p(c.vocab_size, c.hidden_size)
         self.reset_counters()
+        from ..expert_load import ExpertLoad
+
+        self.expert_load = ExpertLoad(list(range(c.num_layers)), c.n_routed_experts)
 
     def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
         """Random init (for tests, benchmarks and the start of training): norms 1, biases 0, matrices N(0, std)."""

@@ -1,0 +1,66 @@
+"""Per-layer expert load (tokens routed to each expert), accumulated over a window of engine steps.
+
+Recorded on the device with scatter-add, so a step adds no host sync; the host
+reads the totals only when asked (``LLM.expert_load()``), which is what
+expert-parallel balancing will consume.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+import torch
+
+
+class ExpertLoad:
+    def __init__(self, moe_layers: list, num_experts: int, window: int = 64, device=None):
+        if window < 1:
+            raise ValueError(f"expert load window={window} must be >= 1")
+        self.layers = list(moe_layers)  # model layer index of each MoE layer
+        self.row = {layer: i for i, layer in enumerate(self.layers)}
+        self.num_experts, self.window = num_experts, window
+        self.steps = self.current = None  # allocated on the device of the first record (models are built on meta)
+        self.num_steps = 0
+        if device is not None:
+            self._alloc(torch.device(device))
+
+    def _alloc(self, device) -> None:
+        self.steps = torch.zeros(self.window, len(self.layers), self.num_experts, dtype=torch.long, device=device)
+        self.current = torch.zeros(len(self.layers), self.num_experts, dtype=torch.long, device=device)
+
+    def record(self, layer: int, ids: torch.Tensor) -> None:
+        """ids: [T, k] expert ids chosen for T tokens at model layer ``layer``."""
+        if self.current is None or self.current.device != ids.device:
+            self._alloc(ids.device)
+        flat = ids.reshape(-1)
+        self.current[self.row[layer]].scatter_add_(0, flat, torch.ones_like(flat))
+
+    def end_step(self) -> None:
+        if self.current is None:
+            return
+        self.steps[self.num_steps % self.window] = self.current
+        self.current.zero_()
+        self.num_steps += 1
+
+    def totals(self) -> torch.Tensor:
+        """[num MoE layers, E] int64 tokens per expert over the last ``window`` steps (host tensor)."""
+        if self.steps is None:
+            return torch.zeros(len(self.layers), self.num_experts, dtype=torch.long)
+        return self.steps.sum(0).cpu()
+
+    def as_dict(self) -> dict:
+        t = self.totals().tolist()
+        return {"window": self.window, "steps_recorded": min(self.num_steps, self.window),
+                "layers": {layer: t[i] for i, layer in enumerate(self.layers)}}
+
+    def dump_jsonl(self, path, extra: Optional[dict] = None) -> None:
+        """Append one row per MoE layer: layer, counts, window, time, plus ``extra`` settings."""
+        t = self.totals().tolist()
+        now = time.time()
+        with open(path, "a") as f:
+            for i, layer in enumerate(self.layers):
+                row = {"time": now, "layer": layer, "counts": t[i], "window": self.window,
+                       "steps_recorded": min(self.num_steps, self.window), **(extra or {})}
+                f.write(json.dumps(row) + "\n")
