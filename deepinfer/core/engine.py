@@ -164,6 +164,9 @@ class Engine:
             seq = next(s for s in state.batch.seqs if s.seq_id == seq_id)
             if seq.prompt_logprobs is None:
                 seq.prompt_logprobs = [None]
+            if start > len(seq.prompt_logprobs):
+                raise RuntimeError(f"prompt logprobs of sequence {seq_id} would skip positions "
+                                   f"{len(seq.prompt_logprobs)}..{start - 1}")
             seq.prompt_logprobs[start:] = entries
         lp_rows = None
         if state.logprobs is not None:

@@ -38,12 +38,10 @@ class PrefillStage(Stage):
             want = seq.params.prompt_logprobs
             done = len(seq.prompt_logprobs or [])
             st, n = batch.start[i], batch.num_tokens[i]
-            if want is None or st + n <= done:
-                continue  # not asked, or already computed before a preemption
             # Logits at position p predict token p + 1; keep those that predict prompt tokens.
             stop = min(st + n, seq.num_prompt_tokens - 1)
-            if stop <= st:
-                continue
+            if want is None or stop <= st or stop < done:
+                continue  # not asked, nothing to score, or already computed before a preemption
             logits = self.model.compute_logits(hidden[qstart[r]: qstart[r] + stop - st])
             targets = torch.tensor(seq.token_ids[st + 1: stop + 1], device=logits.device)
             state.prompt_logprobs[seq.seq_id] = (st + 1, prompt_logprob_entries(

@@ -1,0 +1,237 @@
+"""Numerical parity with transformers on every tiny architecture of the Llama family (float32, CPU).
+
+For each architecture (llama, llama-tied, mistral, qwen2, qwen3) one random-weight checkpoint is written and
+the transformers model that wrote it is the reference:
+
+* prefill logits of the engine path (paged KV, ragged batch, chunked, non-contiguous blocks) and of the
+  full-sequence path (``forward_full``) match transformers' logits for the same ids;
+* greedy generation of 32 tokens equals ``generate(do_sample=False)`` per prompt, for one prompt and for a
+  batch of 8 prompts of different lengths, also with chunked prefill and with preemption forced;
+* seeded sampling gives the same tokens whether or not sequences are preempted and recomputed.
+
+Prompts and outputs are longer than the sliding windows of mistral (12) and qwen2 (10), so the window
+masks are exercised in prefill and in decode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.core.kv_cache import blocks_needed
+from deepinfer.core.state import ScheduledBatch, Sequence
+from deepinfer.stages.forward import build_inputs
+from deepinfer.testing.models import TINY, build_tiny_hf_model
+
+ARCHS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3"]
+NEW_TOKENS = 32
+PROMPT_LENS = [13, 2, 27, 40, 6, 19, 33, 24]  # the batch of 8; every output runs past the windows
+RTOL, ATOL = 1e-4, 1e-5
+
+
+class Tiny:
+    """One architecture's checkpoint, its transformers model and the reference results."""
+
+    def __init__(self, name, path, hf):
+        self.name, self.path, self.hf = name, str(path), hf
+        g = torch.Generator().manual_seed(1234)
+        vocab = hf.config.vocab_size
+        # Ids from 5 up: clear of the special tokens, so nothing here depends on EOS handling.
+        self.prompts = [torch.randint(5, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+        with torch.no_grad():
+            self.hf_logits = [hf(torch.tensor([p])).logits[0].float() for p in self.prompts]
+        self.hf_greedy = [hf_generate(hf, p) for p in self.prompts]
+
+
+def hf_generate(hf, prompt: list) -> list:
+    """transformers' greedy continuation of one unpadded prompt, never stopping early."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                          pad_token_id=hf.config.pad_token_id)
+    new = out[0, len(prompt):].tolist()
+    assert len(new) == NEW_TOKENS, "transformers stopped early; the reference must run all 32 steps"
+    return new
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a shared 2-core machine the spin-waits cost 5-10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request, tmp_path_factory) -> Tiny:
+    path = tmp_path_factory.mktemp(request.param)
+    hf = build_tiny_hf_model(path, request.param)
+    # No EOS stop on the reference side (ours uses ignore_eos=True). Unlike min_new_tokens, this does not
+    # change the logits, so the argmax stays comparable.
+    hf.generation_config.eos_token_id = None
+    return Tiny(request.param, path, hf)
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, **kw)
+
+
+def run(llm: LLM, prompts: list, params) -> list:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for o in outs:
+        assert o.error is None and o.finished
+        assert o.outputs[0].finish_reason == "length"
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def paged_prefill_logits(net, prompts: list, block_size: int, chunk: int, seed: int = 0) -> list:
+    """Prefill every prompt through the engine forward, all in one batch, ``chunk`` tokens per row per step.
+
+    Blocks are handed out in a shuffled order, so block tables are non-contiguous and interleaved between
+    sequences. Returns the logits [L, V] of every prompt position.
+    """
+    total = sum(blocks_needed(len(p), block_size) for p in prompts) + 2
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
+    kv = net.allocate_kv_cache(total * block_size, torch.float32, torch.device("cpu"))
+    seqs = []
+    for i, p in enumerate(prompts):
+        nb = blocks_needed(len(p), block_size)
+        seqs.append(Sequence(seq_id=i, request_id=str(i), index=0, token_ids=list(p), num_prompt_tokens=len(p),
+                             params=SamplingParams(), arrival=i, block_table=perm[:nb]))
+        perm = perm[nb:]
+    done = [0] * len(prompts)
+    pieces = [[] for _ in prompts]
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        rows = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+        nums = [min(chunk, len(prompts[i]) - done[i]) for i in rows]
+        batch = ScheduledBatch(seqs=[seqs[i] for i in rows], num_tokens=nums, start=[done[i] for i in rows],
+                               samples=[done[i] + n == len(prompts[i]) for i, n in zip(rows, nums)])
+        ids, meta, qstart = build_inputs(batch, list(range(len(rows))), block_size, torch.device("cpu"))
+        with torch.no_grad():
+            logits = net.compute_logits(net(ids, meta, kv))
+        for r, i in enumerate(rows):
+            pieces[i].append(logits[qstart[r]:qstart[r + 1]])
+            done[i] += nums[r]
+    return [torch.cat(p) for p in pieces]
+
+
+# Prefill logits.
+
+def test_windows_are_exercised(tiny):
+    """The sliding-window architectures really run with a window shorter than the long prompts."""
+    net = LLM(tiny.path, num_kv_blocks=64, block_size=4).engine.model
+    windows = [w for w in net.config.windows if w is not None]
+    if tiny.name in ("mistral", "qwen2"):
+        assert windows and max(windows) == TINY[tiny.name]["sliding_window"] < max(PROMPT_LENS)
+    else:
+        assert not windows
+
+
+def test_forward_full_matches_hf(tiny):
+    net = LLM(tiny.path, num_kv_blocks=64, block_size=4).engine.model
+    assert next(net.parameters()).dtype == torch.float32
+    for p, ref in zip(tiny.prompts, tiny.hf_logits):
+        with torch.no_grad():
+            ours = net.forward_full(torch.tensor(p))
+        assert ours.dtype == torch.float32 and ours.shape == ref.shape
+        torch.testing.assert_close(ours, ref, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("block_size,chunk", [(4, 64), (3, 7), (16, 5), (1, 11)])
+def test_engine_prefill_matches_hf(tiny, block_size, chunk):
+    net = LLM(tiny.path, num_kv_blocks=64, block_size=4).engine.model
+    ours = paged_prefill_logits(net, tiny.prompts, block_size, chunk, seed=block_size)
+    for got, ref in zip(ours, tiny.hf_logits):
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, rtol=RTOL, atol=ATOL)
+
+
+def test_prompt_logprobs_of_one_token_chunks(tiny):
+    """Budget 3 with two one-token prompts decoding beside a 10-token prompt: its chunks are single tokens."""
+    b = tiny.prompts[3][:10]
+    llm = LLM(tiny.path, num_kv_blocks=256, block_size=4, max_num_batched_tokens=3)
+    outs = llm.generate([[7], [8], b], SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=0),
+                        use_tqdm=False)
+    with torch.no_grad():
+        ref = torch.log_softmax(tiny.hf(torch.tensor([b])).logits[0].float(), dim=-1)
+    got = outs[2].prompt_logprobs
+    assert len(got) == len(b)
+    for t in range(1, len(b)):
+        assert got[t][b[t]].logprob == pytest.approx(float(ref[t - 1, b[t]]), abs=1e-4)
+
+
+def test_logprobs_through_the_stages_match_hf(tiny):
+    """Prompt logprobs (prefill stage, chunked) and sample logprobs (decode) against transformers' log-softmax."""
+    llm = LLM(tiny.path, num_kv_blocks=256, block_size=4, max_num_batched_tokens=7)
+    outs = llm.generate(tiny.prompts, greedy(logprobs=2, prompt_logprobs=2), use_tqdm=False)
+    for i, (p, out) in enumerate(zip(tiny.prompts, outs)):
+        comp = out.outputs[0]
+        assert comp.token_ids == tiny.hf_greedy[i]
+        seq = p + comp.token_ids
+        with torch.no_grad():
+            ref = torch.log_softmax(tiny.hf(torch.tensor([seq])).logits[0].float(), dim=-1)
+        # Position t is predicted by logits at t - 1; prompt_logprobs[0] is None (nothing predicts it).
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+        assert len(comp.logprobs) == NEW_TOKENS
+        entries = list(zip(range(1, len(p)), out.prompt_logprobs[1:])) + \
+            list(zip(range(len(p), len(seq)), comp.logprobs))
+        for t, entry in entries:
+            row = ref[t - 1]
+            assert entry[seq[t]].logprob == pytest.approx(float(row[seq[t]]), abs=1e-4)
+            top2 = torch.topk(row, 2)
+            for rank, (tid, lp) in enumerate(zip(top2.indices.tolist(), top2.values.tolist()), 1):
+                assert tid in entry and entry[tid].logprob == pytest.approx(lp, abs=1e-4)
+                assert entry[tid].rank == rank
+        assert comp.cumulative_logprob == pytest.approx(
+            sum(float(ref[t - 1, seq[t]]) for t in range(len(p), len(seq))), abs=1e-3)
+
+
+# Greedy generation.
+
+def test_greedy_single_prompt(tiny):
+    llm = LLM(tiny.path, num_kv_blocks=64, block_size=4, max_num_batched_tokens=64)
+    i = PROMPT_LENS.index(max(PROMPT_LENS))
+    assert run(llm, [tiny.prompts[i]], greedy()) == [tiny.hf_greedy[i]]
+
+
+# name -> (engine settings, whether preemption must happen)
+SETTINGS = {
+    "default": (dict(num_kv_blocks=256, block_size=16), False),
+    "chunked": (dict(num_kv_blocks=256, block_size=4, max_num_batched_tokens=7), False),
+    # 20 blocks of 4 hold the longest sequence (40 + 32 tokens) but only about two of the eight at a time.
+    "preempt": (dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=64), True),
+    "preempt-chunked": (dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=7), True),
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_greedy_batch(tiny, setting):
+    kw, must_preempt = SETTINGS[setting]
+    llm = LLM(tiny.path, **kw)
+    got = run(llm, tiny.prompts, greedy())
+    for i, (g, ref) in enumerate(zip(got, tiny.hf_greedy)):
+        assert g == ref, f"prompt {i} (length {PROMPT_LENS[i]}) diverges from transformers under {setting}"
+    preemptions = llm.engine.scheduler.num_preemptions
+    if must_preempt:
+        assert preemptions > 0
+    else:
+        assert preemptions == 0
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks  # every block came back
+
+
+# Seeded sampling.
+
+def test_seeded_sampling_survives_preemption(tiny):
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=100 + i, ignore_eos=True)
+              for i in range(len(tiny.prompts))]
+    roomy = LLM(tiny.path, num_kv_blocks=256, block_size=4)
+    ref = run(roomy, tiny.prompts, params)
+    assert roomy.engine.scheduler.num_preemptions == 0
+    tight = LLM(tiny.path, num_kv_blocks=20, block_size=4, max_num_batched_tokens=16)
+    got = run(tight, tiny.prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == ref
+    # It really sampled: some row left the greedy path.
+    assert any(r != g for r, g in zip(ref, tiny.hf_greedy))
