@@ -1,0 +1,381 @@
+"""The ``deepinfer`` command: generate | chat | plugins | pipeline | init-model | bench.
+
+Exit status: 0 on success, 1 when a request failed (the others still print),
+2 for a bad argument or value (``error: ...`` on stderr, no traceback), 130 on
+Ctrl-C. Heavy imports (torch, the loader) happen inside the subcommands so
+``deepinfer --help`` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Optional, Sequence
+
+EXIT_OK, EXIT_REQUEST_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class UsageError(ValueError):
+    """A bad command-line value found after parsing; printed as ``error: ...`` with exit status 2."""
+
+
+# --- argument groups shared by subcommands -------------------------------------------------------------------
+
+def _model_args(p: argparse.ArgumentParser, recipe: str = "reference") -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or Hugging Face id (default: the bundled demo model)")
+    p.add_argument("--recipe", default=recipe, help=f"pipeline recipe (default: {recipe}); see `deepinfer pipeline`")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the checkpoint's)")
+
+
+# SamplingParams fields the flags set; None means "SamplingParams' own default".
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "ignore_eos", "n",
+                   "logprobs")
+
+
+def _sampling_args(p: argparse.ArgumentParser, n: bool = True) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=None, help="tokens to generate per completion (default 16)")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 or -1: off)")
+    g.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the top probability")
+    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="extend", nargs="+", default=None, metavar="S",
+                   help="stop string(s); repeatable")
+    g.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past EOS")
+    if n:
+        g.add_argument("--n", type=int, default=None, help="completions per prompt")
+        g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                       help="return the top-N logprobs of every generated token")
+
+
+def _sampling_params(args, **defaults):
+    from .core.params import SamplingParams
+
+    kw = dict(defaults)
+    for name in _SAMPLING_FLAGS:
+        v = getattr(args, name, None)
+        if v is not None:
+            kw[name] = v
+    return SamplingParams(**kw)  # raises ValueError naming the field
+
+
+def _load_llm(args, **extra):
+    from .core.llm import LLM
+    from .models.loader import CheckpointError
+
+    try:
+        return LLM(model=args.model, recipe=args.recipe, dtype=args.dtype, max_model_len=args.max_model_len, **extra)
+    except CheckpointError as exc:
+        _demo_hint(args, exc)
+
+
+def _demo_hint(args, exc: Exception):
+    """Re-raise a checkpoint error; when no --model was given, say how to get one."""
+    if args.model is None:
+        raise UsageError(f"{exc}\n  hint: pass --model DIR, or make a random-weight checkpoint with "
+                         "`deepinfer init-model --arch llama --out DIR`") from None
+    raise exc
+
+
+# --- generate -------------------------------------------------------------------------------------------------
+
+def _logprobs_json(entries: Optional[list], token_ids: list) -> Optional[list]:
+    if entries is None:
+        return None
+    out = []
+    for tok, d in zip(token_ids, entries):
+        chosen = d.get(tok)
+        top = sorted(d.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))
+        out.append({
+            "token_id": tok,
+            "token": chosen.decoded_token if chosen else None,
+            "logprob": chosen.logprob if chosen else None,
+            "rank": chosen.rank if chosen else None,
+            "top": [{"token_id": t, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank}
+                    for t, lp in top],
+        })
+    return out
+
+
+def _completion_json(c, with_logprobs: bool) -> dict:
+    d = {"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+    if c.stop_reason is not None:
+        d["stop_reason"] = c.stop_reason
+    if with_logprobs:
+        d["logprobs"] = _logprobs_json(c.logprobs, c.token_ids)
+        d["cumulative_logprob"] = c.cumulative_logprob
+    if c.error:
+        d["error"] = c.error
+    return d
+
+
+def cmd_generate(args) -> int:
+    params = _sampling_params(args)  # validated before the (slow) model load
+    prompts = list(args.prompts)
+    if not prompts:
+        if sys.stdin is None or (sys.stdin.isatty() and not args.json):
+            print("reading the prompt from stdin (end with Ctrl-D)", file=sys.stderr)
+        text = sys.stdin.read() if sys.stdin is not None else ""
+        if not text.strip():
+            raise UsageError("no prompt: pass PROMPT arguments or pipe the prompt text on stdin")
+        prompts = [text[:-1] if text.endswith("\n") else text]
+    llm = _load_llm(args)
+    outs = llm.generate(prompts, params, use_tqdm=not args.json and sys.stderr.isatty())
+    status = EXIT_OK
+    many = len(outs) > 1 or params.n > 1
+    for i, out in enumerate(outs):
+        if out.error:
+            status = EXIT_REQUEST_FAILED
+            print(f"error: prompt {i}: {out.error}", file=sys.stderr)
+        if args.json:
+            obj = {"index": i, "prompt": prompts[i] if isinstance(prompts[i], str) else None,
+                   "prompt_token_ids": list(out.prompt_token_ids)}
+            comps = [_completion_json(c, params.logprobs is not None) for c in out.outputs]
+            obj.update(comps[0])
+            if len(comps) > 1:
+                obj["outputs"] = comps
+            if out.error:
+                obj["error"] = out.error
+            print(json.dumps(obj, ensure_ascii=False))
+            continue
+        if out.error:
+            continue
+        for c in out.outputs:
+            if many:
+                print(f"--- prompt {i}" + (f", completion {c.index}" if params.n > 1 else "") + " ---")
+            print(c.text)
+    sys.stdout.flush()
+    return status
+
+
+# --- chat -----------------------------------------------------------------------------------------------------
+
+def cmd_chat(args) -> int:
+    params = _sampling_params(args, max_tokens=256)
+    llm = _load_llm(args)
+    tok = llm.tokenizer
+    interactive = sys.stdin.isatty()
+    history: list = [{"role": "system", "content": args.system}] if args.system else []
+    if interactive:
+        print("chat: type a message; /reset clears the history, /exit or Ctrl-D quits", file=sys.stderr)
+    while True:
+        if interactive:
+            print("user> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break  # EOF
+        msg = line.rstrip("\n")
+        if msg.strip() in ("/exit", "/quit"):
+            break
+        if msg.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not msg.strip():
+            continue
+        history.append({"role": "user", "content": msg})
+        ids = tok.encode(tok.apply_chat_template(history, add_generation_prompt=True))
+        if interactive:
+            print("assistant> ", end="", flush=True)
+        shown, final = "", None
+        for out in llm.stream({"prompt_token_ids": ids}, params):
+            final = out
+            if out.error:
+                break
+            text = out.outputs[0].text
+            if text.startswith(shown) and len(text) > len(shown):
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+        if final is None or final.error:
+            print(f"\nerror: {final.error if final else 'no output'}", file=sys.stderr)
+            history.pop()
+            continue
+        reply = final.outputs[0].text
+        if reply.startswith(shown) and len(reply) > len(shown):
+            sys.stdout.write(reply[len(shown):])
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": reply})
+    return EXIT_OK
+
+
+# --- plugins / pipeline ---------------------------------------------------------------------------------------
+
+def plugin_report() -> list:
+    """One dict per loaded plugin: name, origin, and what it registered (stages as kind/name)."""
+    from .core.plugins import get_plugin_manager, get_registry, plugin_origin
+
+    pm = get_plugin_manager()
+    by_plugin = get_registry(pm).by_plugin()
+    report = []
+    for name, _plugin in pm.list_name_plugin():
+        entries = by_plugin.get(name, [])
+        report.append({
+            "name": name,
+            "origin": plugin_origin(pm, name),
+            "stages": [f"{e.kind}/{e.name}" for e in sorted((e for e in entries if e.category == "stage"),
+                                                           key=lambda e: (e.kind or "", e.name))],
+            "backends": [e.name + ("" if e.available is None or e.available() else " (unavailable)")
+                         for e in sorted((e for e in entries if e.category == "backend"), key=lambda e: e.name)],
+            "models": sorted(e.name for e in entries if e.category == "model"),
+            "recipes": sorted(e.name for e in entries if e.category == "recipe"),
+        })
+    return report
+
+
+def cmd_plugins(args) -> int:
+    report = plugin_report()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return EXIT_OK
+    for p in report:
+        print(f"{p['name']}  ({p['origin']})")
+        shown = False
+        for key in ("stages", "backends", "models", "recipes"):
+            if p[key]:
+                print(f"  {key + ':':<10}{', '.join(p[key])}")
+                shown = True
+        if not shown:
+            print("  (registers nothing)")
+    return EXIT_OK
+
+
+def cmd_pipeline(args) -> int:
+    from .core.graph import Pipeline
+
+    pipe = Pipeline.from_recipe(args.recipe)
+    print(pipe.to_dot() if args.dot else pipe.describe())
+    return EXIT_OK
+
+
+# --- init-model / bench ---------------------------------------------------------------------------------------
+
+def cmd_init_model(args) -> int:
+    from .init_model import create_checkpoint, num_parameters
+
+    cfg = create_checkpoint(args.out, arch=args.arch, size=args.size, seed=args.seed, vocab_size=args.vocab_size,
+                            init_std=args.init_std)
+    n = num_parameters(args.out)
+    if args.vocab_size is not None and cfg["vocab_size"] < args.vocab_size:
+        print(f"note: the built-in tokenizer corpus offers {cfg['vocab_size']} tokens, not {args.vocab_size}; "
+              "the model's vocab matches the tokenizer", file=sys.stderr)
+    print(f"wrote {cfg['architectures'][0]} ({args.size}: {cfg['num_hidden_layers']} layers, d={cfg['hidden_size']}, "
+          f"vocab {cfg['vocab_size']}, {n / 1e6:.2f}M parameters, seed {args.seed}) to {args.out}")
+    return EXIT_OK
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from .bench import bench
+
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError(f"--threads={args.threads} is invalid: must be >= 1")
+        torch.set_num_threads(args.threads)
+    from .models.loader import CheckpointError
+
+    try:
+        bench(model=args.model, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+              prompts_file=args.prompts_file, seed=args.seed, recipe=args.recipe, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, max_model_len=args.max_model_len,
+              warmups=args.warmups, out=args.out or None)
+    except CheckpointError as exc:
+        _demo_hint(args, exc)
+    return EXIT_OK
+
+
+# --- the parser -----------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .init_model import ARCHS, DEFAULT_INIT_STD
+
+    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: LLM inference as a graph of stages.")
+    parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("generate", help="complete prompts (arguments, or stdin)",
+                       description="Complete each PROMPT (or the text on stdin) and print the completions.")
+    p.add_argument("prompts", nargs="*", metavar="PROMPT")
+    _model_args(p)
+    _sampling_args(p)
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per prompt: text, token_ids, finish_reason (and logprobs if asked)")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat on stdin/stdout",
+                       description="Read user lines from stdin, keep the history, print the assistant's replies. "
+                                   "/reset clears the history; /exit or EOF quits.")
+    _model_args(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    _sampling_args(p, n=False)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("plugins", help="list loaded plugins and what each provides")
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("pipeline", help="show a recipe's stage graph")
+    p.add_argument("recipe", nargs="?", default="reference", metavar="RECIPE", help="recipe name (default: reference)")
+    p.add_argument("--dot", action="store_true", help="print Graphviz dot instead of text")
+    p.set_defaults(func=cmd_pipeline)
+
+    p = sub.add_parser("init-model", help="write a random-weight checkpoint (config.json, safetensors, tokenizer)")
+    p.add_argument("--arch", required=True, choices=sorted(ARCHS))
+    p.add_argument("--size", default="tiny", choices=sorted({s for a in ARCHS.values() for s in a.sizes}))
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="tokenizer/model vocab (default 1024; the built-in corpus caps it near 1185)")
+    p.add_argument("--init-std", type=float, default=DEFAULT_INIT_STD, help="std of the normal weight init")
+    p.set_defaults(func=cmd_init_model)
+
+    p = sub.add_parser("bench", help="offline throughput benchmark; writes a JSONL row and prints a table")
+    _model_args(p, recipe="throughput")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=64, help="tokens per random prompt")
+    p.add_argument("--output-len", type=int, default=64, help="tokens generated per prompt (EOS ignored)")
+    p.add_argument("--prompts-file", default=None, metavar="F",
+                   help="prompt texts, one per line, instead of random ids")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="batch size cap (default: the recipe's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--warmups", type=int, default=1, help="short untimed runs first")
+    p.add_argument("--out", default="results.jsonl", help="JSONL file to append the row to ('' = none)")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2, message already printed)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # pragma: no cover - `deepinfer ... | head`
+        return EXIT_OK
+    except (ValueError, OSError) as exc:  # bad values, unknown names, missing files: say so, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
