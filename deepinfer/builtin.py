@@ -46,6 +46,16 @@ def deepinfer_register_models(register):
     for arch in llama.ARCHITECTURES:
         register.model(architecture=arch, factory=llama.factory(arch))
 
+    from .models import moe_llama
+
+    for arch in moe_llama.ARCHITECTURES:
+        register.model(architecture=arch, factory=moe_llama.factory(arch))
+
+    from .models import deepseek
+
+    for arch in deepseek.ARCHITECTURES:
+        register.model(architecture=arch, factory=deepseek.factory(arch))
+
     def ced(hf_config, ops):
         from .models.ced.model import CEDForCausalLM
 

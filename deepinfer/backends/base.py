@@ -25,6 +25,8 @@ class AttnMetadata:
     q_valid: torch.Tensor  # [B, max_q] bool
     kv_slots: torch.Tensor  # [B, max_kv] int64 cache slot of each sequence's positions 0..max_kv-1 (0 where padded)
     q_pos: torch.Tensor  # [B, max_q] int64 position of each padded query
+    block_table: Optional[torch.Tensor] = None  # [B, max_kv // block_size] int64 block ids (0 where padded)
+    block_size: int = 0
     # Per-row facts for models with per-sequence state (CED rings, compressors); host lists, read on the host.
     starts: list = attrs.field(factory=list)  # [B] first position computed this step
     nums: list = attrs.field(factory=list)  # [B] tokens computed this step
@@ -82,6 +84,20 @@ class Ops:
     def dense_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                         window: Optional[int] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Causal attention over one whole sequence, no cache: q [L, H, D], k/v [L, Hk, D] -> [L, H, Dv]."""
+        raise NotImplementedError
+
+    def moe_route(self, router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
+                  renormalize: bool = True, scaling: float = 1.0, n_group: Optional[int] = None,
+                  topk_group: Optional[int] = None, group_score: str = "max",
+                  bias: Optional[torch.Tensor] = None):
+        """router_logits [T, E] -> (weights [T, top_k] float32, ids [T, top_k] int64); the options of
+        reference.moe.route, which documents which of them reproduce which model's router."""
+        raise NotImplementedError
+
+    def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor, *, clamp: Optional[float] = None, impl: str = "routed") -> torch.Tensor:
+        """SwiGLU experts mixed by routing weights: x [T, d], w13 [E, 2F, d], w2 [E, d, F], weights/ids [T, k]
+        -> [T, d]. impl "routed" (each expert on its own tokens) or "dense" (every expert on every token)."""
         raise NotImplementedError
 
     def sample(self, logits: torch.Tensor, batch, generator: Optional[torch.Generator] = None) -> torch.Tensor:

@@ -27,14 +27,15 @@ class EngineConfig:
     max_model_len: Optional[int] = attrs.field(default=None, validator=_positive("max_model_len"))  # None: from config
     block_size: int = attrs.field(default=16, validator=_positive("block_size"))
     num_kv_blocks: Optional[int] = attrs.field(default=None, validator=_positive("num_kv_blocks"))  # None: from memory
-    kv_cache_memory_gb: float = 2.0  # KV budget when num_kv_blocks is None
+    kv_cache_memory_gb: Optional[float] = None  # KV budget when num_kv_blocks is None; None: 0.5 on CPU, 60% of free GPU memory
     max_num_seqs: int = attrs.field(default=256, validator=_positive("max_num_seqs"))
     max_num_batched_tokens: int = attrs.field(default=4096, validator=_positive("max_num_batched_tokens"))
     seed: int = 0
     device: Optional[str] = None  # None: from the backend
 
     def __attrs_post_init__(self) -> None:
-        if not (isinstance(self.kv_cache_memory_gb, (int, float)) and self.kv_cache_memory_gb > 0):
+        if self.kv_cache_memory_gb is not None and not (isinstance(self.kv_cache_memory_gb, (int, float))
+                                                        and self.kv_cache_memory_gb > 0):
             raise ValueError(f"EngineConfig.kv_cache_memory_gb={self.kv_cache_memory_gb!r} is invalid: must be > 0")
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed={self.seed!r} is invalid: must be an int")

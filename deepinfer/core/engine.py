@@ -33,6 +33,7 @@ class Request:
         self.arrival_time = time.perf_counter()
         self.first_token_time: Optional[float] = None
         self.reported_done = False
+        self.stream = False
 
     @property
     def finished(self) -> bool:
@@ -62,10 +63,12 @@ class Engine:
         self.stats = {"steps": 0, "step_time": 0.0, "forward_tokens": 0}
 
     # Admission.
-    def add_request(self, request_id: str, prompt, params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt, params: SamplingParams, stream: bool = False) -> Request:
+        """Admit a request. ``stream``: report it after every step that changes it, not only when it finishes."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = Request(request_id, prompt, params)
+        req.stream = stream
         self.requests[request_id] = req
         try:
             if not isinstance(params, SamplingParams):
@@ -108,7 +111,8 @@ class Engine:
 
     # One step.
     def step(self) -> list:
-        """Run one engine step; returns a RequestOutput for every request that changed."""
+        """Run one engine step; returns a RequestOutput for every request that finished, and for every
+        streamed request that changed."""
         touched: dict = {}
         for req in self.requests.values():  # errors found at admission are reported on the next step
             if req.error is not None and not req.reported_done:
@@ -152,6 +156,8 @@ class Engine:
     def _collect(self, touched: dict) -> list:
         outs = []
         for req in touched.values():
+            if not (req.finished or req.stream):
+                continue  # building outputs costs per-sequence Python; only streams need partial ones
             outs.append(self._output(req))
             if req.finished:
                 req.reported_done = True

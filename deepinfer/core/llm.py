@@ -77,7 +77,13 @@ class LLM:
         per_block = net.kv_bytes_per_token(torch_dtype) * config.block_size
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
-            budget = int(config.kv_cache_memory_gb * 2**30) // per_block
+            gb = config.kv_cache_memory_gb
+            if gb is None:
+                if ops.device.type == "cuda":
+                    gb = 0.6 * torch.cuda.mem_get_info(ops.device)[0] / 2**30  # after the weights are loaded
+                else:
+                    gb = 0.5
+            budget = int(gb * 2**30) // per_block
             # No point in more blocks than max_num_seqs full-length sequences could use.
             num_blocks = max(1, min(budget, config.max_num_seqs * blocks_needed(max_len, config.block_size)))
         if max_len > num_blocks * config.block_size:
@@ -98,7 +104,7 @@ class LLM:
         return self.tokenizer
 
     # Generation.
-    def _add(self, prompts, sampling_params) -> list:
+    def _add(self, prompts, sampling_params, stream: bool = False) -> list:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -113,7 +119,7 @@ class LLM:
         ids = []
         for p, sp in zip(prompts, params):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, p, sp)
+            self.engine.add_request(rid, p, sp, stream=stream)
             ids.append(rid)
         return ids
 
@@ -140,7 +146,7 @@ class LLM:
 
     def stream(self, prompt, sampling_params: Optional[SamplingParams] = None) -> Iterator:
         """Yield the cumulative RequestOutput of one request after every step that changed it."""
-        (rid,) = self._add([prompt], sampling_params)
+        (rid,) = self._add([prompt], sampling_params, stream=True)
         try:
             while True:
                 for out in self.engine.step():

@@ -102,13 +102,61 @@ def safetensors_files(path: Path) -> list:
     raise CheckpointError(f"{path} has no *.safetensors weights")
 
 
-def iter_weights(path: Path) -> Iterator:
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+                   if hasattr(torch, n))
+FP8_CODES = ("F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")  # their safetensors dtype names
+SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3 style: X.weight (FP8) pairs with X.weight_scale_inv (float32 per block)
+
+
+def iter_weights(path: Path, hf_config: Optional[dict] = None) -> Iterator:
+    """(name, tensor) of every checkpoint tensor, shard by shard.
+
+    Block-quantized FP8 weights are dequantized here, for every architecture: an FP8 ``X.weight`` is paired
+    with ``X.weight_scale_inv`` wherever it lives among the shards and comes out as one float32 ``X.weight``
+    (block size: the config's quantization_config.weight_block_size, default 128x128); its scale is not
+    yielded. An FP8 weight without a scale is an error naming it.
+    """
+    from contextlib import ExitStack
+
     from safetensors import safe_open
 
-    for f in safetensors_files(path):
-        with safe_open(str(f), framework="pt") as fh:
+    from .quant import dequantize_fp8_block, fp8_block_size
+
+    block = fp8_block_size(hf_config or {}) or (128, 128)
+    files = safetensors_files(path)
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        where = {name: fh for fh in handles for name in fh.keys()}  # tensor name -> its shard
+
+        def is_fp8(name: str) -> bool:
+            return name in where and where[name].get_slice(name).get_dtype() in FP8_CODES
+
+        for fh in handles:
             for name in fh.keys():
-                yield name, fh.get_tensor(name)
+                if name.endswith(SCALE_SUFFIX) and is_fp8(name[:-len(SCALE_SUFFIX)]):
+                    continue  # consumed with its weight
+                t = fh.get_tensor(name)
+                if t.dtype in FP8_DTYPES:
+                    scale_name = name + SCALE_SUFFIX
+                    if scale_name not in where:
+                        raise CheckpointError(f"checkpoint tensor {name!r} is {str(t.dtype).removeprefix('torch.')} "
+                                              f"but the checkpoint has no {scale_name!r} to dequantize it with")
+                    t = _dequantize(name, t, where[scale_name].get_tensor(scale_name), block, dequantize_fp8_block)
+                yield name, t
+
+
+def _dequantize(name, w, scale_inv, block, dequantize) -> torch.Tensor:
+    """FP8 [R, C] (or [..., R, C], e.g. fused experts) with block scales [..., ceil(R/br), ceil(C/bc)] -> float32."""
+    try:
+        if w.dim() == 2:
+            return dequantize(w, scale_inv, block)
+        if w.dim() > 2 and scale_inv.dim() == w.dim() and scale_inv.shape[:-2] == w.shape[:-2]:
+            flat_w, flat_s = w.reshape(-1, *w.shape[-2:]), scale_inv.reshape(-1, *scale_inv.shape[-2:])
+            return torch.stack([dequantize(a, b, block) for a, b in zip(flat_w, flat_s)]).reshape(w.shape)
+        raise ValueError(f"cannot pair a weight of shape {tuple(w.shape)} with scales of shape "
+                         f"{tuple(scale_inv.shape)}")
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint tensor {name!r}: {exc}") from None
 
 
 def torch_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype:
@@ -131,7 +179,7 @@ def build_model(path: Path, hf_config: dict, ops, dtype: torch.dtype, device, re
     with torch.device("meta"):
         model = entry.obj(hf_config, ops)
     model = model.to_empty(device=device).to(dtype)
-    model.load_weights(iter_weights(path))
+    model.load_weights(iter_weights(path, hf_config))
     model.eval()
     log.info("loaded %s from %s (%s, %s, provided by %s)", arch, path, dtype, device, entry.plugin)
     return model

@@ -19,8 +19,8 @@ def build_inputs(batch, rows: list, block_size: int, device) -> tuple:
     for n in nums:
         qstart.append(qstart[-1] + n)
     max_q, lens = max(nums), [st + n for st, n in zip(starts, nums)]
-    max_kv = max(lens)
-    max_blocks = -(-max_kv // block_size)
+    max_blocks = -(-max(lens) // block_size)
+    max_kv = max_blocks * block_size  # whole blocks, so attention can gather blocks rather than tokens
     bt = torch.tensor([(s.block_table + [0] * max_blocks)[:max_blocks] for s in seqs], dtype=torch.long)
     n_t = torch.tensor(nums)
     st_t = torch.tensor(starts)
@@ -37,7 +37,7 @@ def build_inputs(batch, rows: list, block_size: int, device) -> tuple:
     to = dict(device=device, non_blocking=True)
     meta = AttnMetadata(positions=positions.to(**to), slot_mapping=slot.to(**to), seq_lens=torch.tensor(lens).to(**to),
                         q_index=q_index.to(**to), q_valid=q_valid.to(**to), kv_slots=kv_slots.to(**to),
-                        q_pos=q_pos.to(**to), starts=starts, nums=nums, block_tables=[s.block_table for s in seqs],
+                        q_pos=q_pos.to(**to), block_table=bt.to(**to), block_size=block_size, starts=starts, nums=nums, block_tables=[s.block_table for s in seqs],
                         state_slots=[s.state_slot for s in seqs], replay_starts=[s.replay_start for s in seqs])
     return torch.tensor(ids, dtype=torch.long).to(**to), meta, qstart
 

@@ -26,6 +26,40 @@ TINY = {
                   max_window_layers=1, tie_word_embeddings=True),
     "qwen3": dict(arch="Qwen3ForCausalLM", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False),
+    # Mixture of experts: every Mixtral layer sparse (and sliding); Qwen2-MoE sparse at layers 1 and 3
+    # (decoder_sparse_step=2) with a gated shared expert; Qwen3-MoE dense at layer 0 (mlp_only_layers).
+    "mixtral": dict(arch="MixtralForCausalLM", hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                    sliding_window=24),
+    "qwen2-moe": dict(arch="Qwen2MoeForCausalLM", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=2,
+                      norm_topk_prob=False, tie_word_embeddings=True),
+    "qwen3-moe": dict(arch="Qwen3MoeForCausalLM", hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                      num_experts_per_tok=3, moe_intermediate_size=32, mlp_only_layers=[0], norm_topk_prob=True),
+    # DeepSeek MLA + DeepSeekMoE (layer 0 dense, then MoE with shared experts). V2: no q LoRA, greedy softmax
+    # routing scaled by routed_scaling_factor; V2 "qlora": q LoRA and group-limited greedy routing; V3: q LoRA,
+    # sigmoid noaux_tc routing in groups (top-2 sum) and YaRN rope whose mscale_all_dim changes the softmax scale.
+    "deepseek_v2": dict(arch="DeepseekV2ForCausalLM", hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                        num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        topk_method="greedy", routed_scaling_factor=2.0),
+    "deepseek_v2-qlora": dict(arch="DeepseekV2ForCausalLM", hidden_size=64, intermediate_size=96,
+                              num_hidden_layers=3, num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32,
+                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8,
+                              num_experts_per_tok=3, n_shared_experts=1, moe_intermediate_size=32,
+                              first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
+                              topk_group=2, routed_scaling_factor=1.5),
+    "deepseek_v3": dict(arch="DeepseekV3ForCausalLM", hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                        num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, n_group=4,
+                        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=1,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 128, "mscale": 1.0,
+                                         "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0}),
 }
 
 

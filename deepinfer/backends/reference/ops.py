@@ -36,6 +36,16 @@ def _softmax_attend(q, k, v, mask, scale, sinks):
     return out.permute(0, 3, 1, 2, 4).reshape(B, Q, H, v.shape[-1]).to(q.dtype)
 
 
+def _gather_kv(cache, meta):
+    """Each sequence's cached rows, [B, max_kv, ...], from the paged cache [num_slots, ...]."""
+    B, max_kv = meta.kv_slots.shape
+    if meta.block_table is not None and cache.is_contiguous() and max_kv == meta.block_table.shape[1] * meta.block_size:
+        # Whole blocks (one contiguous row each) rather than single tokens: far less copying work.
+        rows = cache.view(-1, meta.block_size * cache[0].numel()).index_select(0, meta.block_table.reshape(-1))
+        return rows.view(B, max_kv, *cache.shape[1:])
+    return cache.index_select(0, meta.kv_slots.reshape(-1)).view(B, max_kv, *cache.shape[1:])
+
+
 class ReferenceOps(Ops):
     name = "reference"
 
@@ -60,9 +70,14 @@ class ReferenceOps(Ops):
         v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
     def paged_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale, window=None, sinks=None):
+        k = _gather_kv(k_cache, meta)  # [B, max_kv, Hk, D]
+        if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[:-1] == k_cache.shape[:-1]:
+            v = k[..., : v_cache.shape[-1]]  # V is a prefix of K (MLA's latent): gather once
+        else:
+            v = _gather_kv(v_cache, meta)
+        if meta.q_index.shape[1] == 1:  # decode: one query per row, already in row order
+            return _softmax_attend(q[:, None], k, v, meta.mask(window), scale, sinks)[:, 0]
         qp = q[meta.q_index]  # [B, max_q, H, D]
-        k = k_cache[meta.kv_slots]  # [B, max_kv, Hk, D]
-        v = v_cache[meta.kv_slots]
         out = _softmax_attend(qp, k, v, meta.mask(window), scale, sinks)
         return out[meta.q_valid]  # back to ragged [T, H, Dv], in T order
 
@@ -73,6 +88,19 @@ class ReferenceOps(Ops):
         if window is not None:
             mask &= pos[None, :] > pos[:, None] - window
         return _softmax_attend(q[None], k[None], v[None], mask[None], scale, sinks)[0]
+
+    def moe_route(self, router_logits, top_k, **kw):
+        from .moe import route
+
+        return route(router_logits, top_k, **kw)
+
+    def moe_experts(self, x, w13, w2, weights, ids, *, clamp=None, impl="routed"):
+        from .moe import experts_dense, experts_routed
+
+        if impl not in ("routed", "dense"):
+            raise ValueError(f"impl must be 'routed' or 'dense', got {impl!r}")
+        fn = experts_dense if impl == "dense" else experts_routed
+        return fn(x, w13, w2, weights, ids, clamp=clamp)
 
     def sample(self, logits, batch, generator=None):
         from .sampling import sample
