@@ -36,6 +36,7 @@ class ArchSpec:
     config: Callable[[str, int, dict], dict]
     build: Callable[[dict], torch.nn.Module]
     default_vocab: int = 1024
+    init: Optional[Callable] = None  # (model, seed, std) -> None; default random_init_
 
 
 # --- the Llama family ------------------------------------------------------------------------------
@@ -82,6 +83,33 @@ ARCHS: dict = {
     family: ArchSpec(name=family, sizes=_LLAMA_SIZES, config=_llama_config(family), build=_llama_build)
     for family in _LLAMA_FAMILY
 }
+
+
+# --- CED (DeepSeek-V4.1-Flash architecture) -------------------------------------------------------------
+
+def _ced_config(size: str, vocab_size: int, special: dict) -> dict:
+    from .models.ced.config import SIZES, CEDConfig
+
+    return {**CEDConfig(**{**SIZES[size], "vocab_size": vocab_size}).to_hf(), "torch_dtype": "float32", **special}
+
+
+def _ced_build(hf_config: dict) -> torch.nn.Module:
+    from .models.ced.model import CEDForCausalLM
+
+    return CEDForCausalLM(hf_config)
+
+
+def _ced_init(model, seed: int, std: float) -> None:
+    model.init_weights(seed, std=std)
+
+
+def _ced_sizes() -> dict:
+    from .models.ced.config import SIZES
+
+    return dict(SIZES)
+
+
+ARCHS["ced"] = ArchSpec(name="ced", sizes=_ced_sizes(), config=_ced_config, build=_ced_build, init=_ced_init)
 
 
 def register_arch(spec: ArchSpec, override: bool = False) -> None:
@@ -133,7 +161,7 @@ def create_checkpoint(out: str | Path, arch: str = "llama", size: str = "tiny", 
     with torch.device("meta"):  # no point running nn.Linear's own init: random_init_ overwrites every tensor
         model = spec.build(cfg)
     model = model.to_empty(device="cpu")
-    random_init_(model, seed, init_std)
+    (spec.init or random_init_)(model, seed, init_std)
     tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in model.hf_state_dict().items()}
     save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
     (root / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

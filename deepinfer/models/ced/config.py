@@ -146,7 +146,7 @@ class CEDConfig:
     def to_hf(self) -> dict:
         d = attrs.asdict(self)
         d["layer_modes"] = list(self.layer_modes)
-        return {"architectures": [ARCH], "model_type": "ced", **d}
+        return {"architectures": [ARCH], "model_type": "ced", "num_hidden_layers": self.num_layers, **d}
 
 
 SIZES = {
@@ -159,6 +159,6 @@ SIZES = {
                   layer_modes=("swa", "swa", "full", "reuse", "reuse", "full", "reuse", "reuse",
                                "full", "reuse", "reuse", "reuse", "reindex", "reuse", "reuse", "reuse"),
                   index_heads=16, index_head_dim=128, index_topk=512, pool_block=8, pool_blocks=256,
-                  n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=768,
+                  n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
                   max_position_embeddings=65536),
 }
