@@ -390,6 +390,8 @@ def save_checkpoint(model, out_dir, extra_config: Optional[dict] = None, max_sha
             weight_map.update({n: name for n in sh})
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    for f in files:
+        (root / f).chmod(0o644)  # safetensors writes 0600
     cfg = {**model.config.to_hf(), **(extra_config or {})}
     (root / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return {"files": files, "bytes": total, "params": sum(t.numel() for t in tensors.values()),
