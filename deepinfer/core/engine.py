@@ -92,7 +92,9 @@ class Engine:
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=list(ids),
                            num_prompt_tokens=len(ids), params=params, arrival=next(self._arrivals), generator=gen)
             replay = getattr(self.model, "replay_start_for", None)
-            seq.replay_start = replay(len(ids)) if replay is not None else 0  # fixed for the request's life
+            # Fixed for the request's life. Scoring a prompt needs every position, so no bounded replay then.
+            if replay is not None and params.prompt_logprobs is None:
+                seq.replay_start = replay(len(ids))
             req.seqs.append(seq)
             self.scheduler.add(seq)
         return req
