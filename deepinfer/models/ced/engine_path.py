@@ -122,6 +122,18 @@ def _row_entries(layer_i, m, cache, meta, device):
     return e, k, J
 
 
+def _row_scores(iq, iw, iks, P: Pass):
+    """Indexer scores [Tq, Jmax] of each query against its own sequence's keys, one row at a time, so no
+    [Tq, Jmax, dh] per-query copy of the keys is ever made (quadratic memory at long prompts)."""
+    out = iq.new_zeros(P.n, iks.shape[1], dtype=torch.float32)
+    bounds = P.lstart + [P.n]
+    for r in range(len(P.lstart)):
+        a, b = bounds[r], bounds[r + 1]
+        if b > a:
+            out[a:b] = fn.index_scores(iq[a:b], iw[a:b], iks[r])
+    return out
+
+
 def layer_engine(model, layer, h, P: Pass, src, meta, cache, ctx, stats):
     """h [Tq, d] hidden of this pass's queries; src [T, d] hidden of all step tokens (full-layer input)."""
     c = model.config
@@ -148,7 +160,7 @@ def layer_engine(model, layer, h, P: Pass, src, meta, cache, ctx, stats):
         if layer.mode in ("full", "reindex"):
             stats["indexer_calls"][layer.i] += 1
             iq, iw = layer.index_query(x, cq)
-            scores = fn.index_scores(iq, iw, iks[P.rows_t])
+            scores = _row_scores(iq, iw, iks, P)
             allowed = visible
             if layer.is_decoder and layer.mode == "reindex":
                 allowed = visible & ctx[("pool", src_l)]
