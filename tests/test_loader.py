@@ -303,3 +303,22 @@ def test_no_model_and_no_demo_is_a_clear_error(monkeypatch):
         LLM(model=None)
     msg = str(info.value)
     assert "demo" in msg and "model=" in msg
+
+
+def test_dummy_load_format_needs_no_weights(tmp_path):
+    import json
+
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.testing.tokenizers import build_test_tokenizer
+
+    tok = build_test_tokenizer(tmp_path, vocab_size=300)
+    cfg = dict(architectures=["LlamaForCausalLM"], hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=1, vocab_size=tok.vocab_size, max_position_embeddings=64)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(tmp_path), load_format="dummy", num_kv_blocks=8)
+    out = llm.generate(["a"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+    norms = [p for n, p in llm.engine.model.named_parameters() if n.endswith("norm.weight")]
+    assert norms and all(bool((p == 1).all()) for p in norms)
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(str(tmp_path), load_format="pickle")

@@ -49,7 +49,7 @@ class LLM:
     def __init__(self, model: Optional[str] = None, recipe: str = "reference", pipeline: Optional[Pipeline] = None,
                  dtype: str = "auto", max_model_len: Optional[int] = None, backend: Optional[str] = None,
                  device: Optional[str] = None, tokenizer: Optional[str] = None, registry=None,
-                 hf_overrides: Optional[dict] = None, **engine_kwargs):
+                 hf_overrides: Optional[dict] = None, load_format: str = "auto", **engine_kwargs):
         # One registry for stages, backends and models: the pipeline's when it brings one.
         registry = registry or (pipeline.registry if pipeline is not None and pipeline.registry else None) \
             or get_registry()
@@ -66,7 +66,7 @@ class LLM:
         self.model_path = loader.resolve_model_path(model)
         hf_config = {**loader.load_config(self.model_path), **(hf_overrides or {})}
         torch_dtype = loader.torch_dtype(config.dtype, hf_config, ops.device)
-        net = loader.build_model(self.model_path, hf_config, ops, torch_dtype, ops.device, registry)
+        net = loader.build_model(self.model_path, hf_config, ops, torch_dtype, ops.device, registry, load_format)
         from ..tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer.from_dir(tokenizer or self.model_path)

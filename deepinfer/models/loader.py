@@ -168,7 +168,27 @@ def torch_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype
     return getattr(torch, name)
 
 
-def build_model(path: Path, hf_config: dict, ops, dtype: torch.dtype, device, registry):
+def dummy_init_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights in place, on the model's device (``load_format="dummy"``: benchmarks of real shapes
+    without a checkpoint on disk). Norm weights 1, everything else N(0, std); float32 router weights stay."""
+    gen = None
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if gen is None or gen.device != p.device:
+                gen = torch.Generator(device=p.device).manual_seed(seed)
+            last = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
+            if "norm" in last:
+                p.fill_(1.0)
+            elif name.endswith(("bias", "sink", "gate_bias", "e_score_correction_bias")):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+
+
+def build_model(path: Path, hf_config: dict, ops, dtype: torch.dtype, device, registry, load_format: str = "auto"):
+    """load_format: "auto" reads the safetensors; "dummy" fills random weights (no weight files needed)."""
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format={load_format!r} is invalid: expected 'auto' or 'dummy'")
     archs = hf_config.get("architectures") or []
     supported = registry.names("model")
     arch = next((a for a in archs if a in supported), None)
@@ -179,7 +199,10 @@ def build_model(path: Path, hf_config: dict, ops, dtype: torch.dtype, device, re
     with torch.device("meta"):
         model = entry.obj(hf_config, ops)
     model = model.to_empty(device=device).to(dtype)
-    model.load_weights(iter_weights(path, hf_config))
+    if load_format == "dummy":
+        dummy_init_(model)
+    else:
+        model.load_weights(iter_weights(path, hf_config))
     model.eval()
     log.info("loaded %s from %s (%s, %s, provided by %s)", arch, path, dtype, device, entry.plugin)
     return model
