@@ -48,14 +48,28 @@ class Engine:
         self.sampling_batch_cls = sampling_batch_cls
         self.device = ops.device
         dtype = next(model.parameters()).dtype
-        self.kv_cache = model.allocate_kv_cache(num_blocks * config.block_size, dtype, self.device,
+        use_graphs = (not config.enforce_eager and self.device.type == "cuda"
+                      and getattr(model, "supports_cuda_graphs", False))
+        # With CUDA graphs one extra block is scratch space for the padded rows of a captured batch.
+        self.kv_cache = model.allocate_kv_cache((num_blocks + use_graphs) * config.block_size, dtype, self.device,
                                                 block_size=config.block_size, max_seqs=config.max_num_seqs)
+        reserve = getattr(model, "reserve_positions", None)
+        if reserve is not None:
+            reserve(max_model_len)
+        self.decode_graphs = None
+        if use_graphs:
+            from ..backends.cuda_graph import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(model, self.kv_cache, config.block_size, scratch_block=num_blocks,
+                                              max_blocks=blocks_needed(max_model_len, config.block_size),
+                                              device=self.device, max_batch=config.max_num_seqs)
         self.kv_bytes_per_token = model.kv_bytes_per_token(dtype)
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         context = dict(config=config, model=model, ops=ops, tokenizer=tokenizer, vocab_size=model.vocab_size,
-                       device=self.device, generator=self.generator, engine_config=config)
+                       device=self.device, generator=self.generator, engine_config=config,
+                       decode_graphs=self.decode_graphs)
         self.stages = pipeline.build(context)
         self.requests: dict = {}
         self._seq_ids = itertools.count()

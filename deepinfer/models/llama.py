@@ -168,7 +168,14 @@ class LlamaForCausalLM(CausalLM):
         self.arch, self.ops = arch, ops
         self.vocab_size, self.max_position = c.vocab_size, c.max_position
         self.model = Backbone(c, ops, mlp_factory)  # mlp_factory(layer) -> module or None (dense MLP)
+        # Dense decode has no host sync once positions are reserved; routed MoE reads expert counts on the host.
+        self.supports_cuda_graphs = mlp_factory is None
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+
+    def reserve_positions(self, n: int) -> None:
+        """The engine never asks for a position >= n (max_model_len): size RoPE once, drop its checks."""
+        self.model.layers[0].self_attn.rotary.reserve(n)
 
     # Engine path.
     def allocate_kv_cache(self, num_slots, dtype, device, **_):

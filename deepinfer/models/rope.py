@@ -279,10 +279,18 @@ class RotaryEmbedding:
         self.is_neox_style = is_neox_style
         self.inv_freq, self.attention_scaling = compute_inv_freq(self.params, device)
         self.cos_sin_cache = self._build_cache(max_position)  # [P, rotary_dim] = cat(cos, sin)
+        self._reserved = False  # set by reserve(): positions are guaranteed to fit, skip the bounds check
 
     @property
     def max_position(self) -> int:
         return self.cos_sin_cache.shape[0]
+
+    def reserve(self, num_positions: int) -> None:
+        """Grow the cache to cover positions < num_positions now and trust callers to stay below it:
+        no per-call bounds check (a host sync on GPU; not allowed inside CUDA-graph capture)."""
+        if num_positions > self.max_position:
+            self.cos_sin_cache = self._build_cache(num_positions)
+        self._reserved = True
 
     def _build_cache(self, num_positions: int) -> torch.Tensor:
         positions = torch.arange(num_positions, dtype=torch.float32, device=self.inv_freq.device)
@@ -303,7 +311,7 @@ class RotaryEmbedding:
                 )
             if x.shape[-1] < self.rotary_dim:
                 raise ValueError(f"{name} head_dim {x.shape[-1]} < rotary_dim {self.rotary_dim}")
-        if positions.numel():
+        if positions.numel() and not self._reserved:
             needed = int(positions.max()) + 1  # one host sync per call, not per token
             if needed > self.max_position:
                 # Grow geometrically so a slowly lengthening sequence doesn't rebuild every step.

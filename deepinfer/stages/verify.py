@@ -20,14 +20,21 @@ class VerifyStage(Stage):
     model: object
     config: object
     ops: object
+    decode_graphs: object = None  # backends.cuda_graph.DecodeGraphs on CUDA, else None (eager)
 
     def __call__(self, state) -> None:
         batch = state.batch
         rows = decode_rows(batch)
         dec = None
         if rows:
-            ids, meta, _ = build_inputs(batch, rows, self.config.block_size, self.ops.device)
-            dec = self.model.compute_logits(self.model(ids, meta, state.kv_cache))  # [R, V]
+            seqs = [batch.seqs[i] for i in rows]
+            graphs = self.decode_graphs
+            if graphs is not None and graphs.covers(len(rows), max(len(s.block_table) for s in seqs)):
+                dec = graphs.run([s.token_ids[batch.start[i]] for s, i in zip(seqs, rows)],
+                                 [batch.start[i] for i in rows], [s.block_table for s in seqs])
+            else:
+                ids, meta, _ = build_inputs(batch, rows, self.config.block_size, self.ops.device)
+                dec = self.model.compute_logits(self.model(ids, meta, state.kv_cache))  # [R, V]
         pre = state.prefill_logits
         if pre is None or dec is None:
             state.logits = dec if pre is None else pre

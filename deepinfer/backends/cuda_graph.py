@@ -1,0 +1,100 @@
+"""CUDA graphs for decode: capture the model's one-token-per-row forward once per (batch, context) bucket
+and replay it, so a decode step costs one graph launch instead of hundreds of kernel launches.
+
+A bucket fixes the batch size (rows padded up to it) and the block-table width (contexts padded up to a
+power-of-two number of blocks, so short contexts don't pay for the longest). Padded rows write their KV
+into a scratch block that belongs to no sequence and attend only to it; their logits are dropped.
+Graphs are captured lazily, on the first step that needs a bucket, and share one memory pool.
+
+Only models whose decode forward has no host sync can be captured (``model.supports_cuda_graphs``); the
+verify stage falls back to the eager forward for the others and for rows the buckets don't cover.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import AttnMetadata
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+def _bucket(n: int, buckets) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    return -1
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_cache, block_size: int, scratch_block: int, max_blocks: int, device,
+                 max_batch: int = 256):
+        self.model, self.kv_cache = model, kv_cache
+        self.block_size, self.scratch_block, self.device = block_size, scratch_block, torch.device(device)
+        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b <= max_batch) or (max_batch,)
+        nb, self.block_buckets = 1, []
+        while nb < max_blocks:
+            self.block_buckets.append(nb)
+            nb *= 2
+        self.block_buckets.append(max_blocks)
+        self.graphs: dict = {}
+        self.pool = None
+        self.num_replays = 0
+
+    def covers(self, batch: int, blocks: int) -> bool:
+        return _bucket(batch, self.batch_buckets) > 0 and _bucket(blocks, self.block_buckets) > 0
+
+    def _capture(self, B: int, NB: int):
+        bs, dev = self.block_size, self.device
+        st = {
+            "ids": torch.zeros(B, dtype=torch.long, device=dev),
+            "pos": torch.zeros(B, dtype=torch.long, device=dev),
+            "slot": torch.full((B,), self.scratch_block * bs, dtype=torch.long, device=dev),
+            "lens": torch.ones(B, dtype=torch.long, device=dev),
+            "bt": torch.full((B, NB), self.scratch_block, dtype=torch.long, device=dev),
+        }
+        q_index = torch.arange(B, device=dev)[:, None]
+        q_valid = torch.ones(B, 1, dtype=torch.bool, device=dev)
+        kv_pos = torch.arange(NB * bs, device=dev)
+
+        def forward():
+            kv_slots = st["bt"][:, kv_pos // bs] * bs + kv_pos % bs  # [B, NB * bs]
+            meta = AttnMetadata(positions=st["pos"], slot_mapping=st["slot"], seq_lens=st["lens"], q_index=q_index,
+                                q_valid=q_valid, kv_slots=kv_slots, q_pos=st["pos"][:, None], block_table=st["bt"],
+                                block_size=bs)
+            return self.model.compute_logits(self.model(st["ids"], meta, self.kv_cache))
+
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            forward()  # warm up (allocator, lazy inits) outside the capture; writes only the scratch block
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = forward()
+        self.graphs[(B, NB)] = (graph, st, out)
+        return self.graphs[(B, NB)]
+
+    def run(self, ids: list, positions: list, block_tables: list) -> torch.Tensor:
+        """One decode step for len(ids) rows; returns float32 logits [rows, V]."""
+        n = len(ids)
+        nb = max(len(t) for t in block_tables)
+        B, NB = _bucket(n, self.batch_buckets), _bucket(nb, self.block_buckets)
+        graph, st, out = self.graphs.get((B, NB)) or self._capture(B, NB)
+        bs, pad = self.block_size, self.scratch_block
+        bt = [(t + [pad] * NB)[:NB] for t in block_tables] + [[pad] * NB] * (B - n)
+        slot = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)] + [pad * bs] * (B - n)
+        host = torch.tensor([list(ids) + [0] * (B - n), list(positions) + [0] * (B - n),
+                             [p + 1 for p in positions] + [1] * (B - n), slot], dtype=torch.long)
+        host = host.pin_memory() if torch.cuda.is_available() else host
+        dev = host.to(self.device, non_blocking=True)
+        st["ids"].copy_(dev[0])
+        st["pos"].copy_(dev[1])
+        st["lens"].copy_(dev[2])
+        st["slot"].copy_(dev[3])
+        st["bt"].copy_(torch.tensor(bt, dtype=torch.long).to(self.device, non_blocking=True))
+        graph.replay()
+        self.num_replays += 1
+        return out[:n].clone()  # the static output is overwritten by the next replay
