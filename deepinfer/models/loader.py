@@ -198,7 +198,7 @@ def build_model(path: Path, hf_config: dict, ops, dtype: torch.dtype, device, re
     entry = registry.get("model", arch)
     with torch.device("meta"):
         model = entry.obj(hf_config, ops)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # cast on meta first: no float32 copy of a big model
     if load_format == "dummy":
         dummy_init_(model)
     else:
