@@ -38,6 +38,18 @@ def deepinfer_register_backends(register):
 
     register.backend(name="reference", factory=reference)
 
+    def nvidia(device="cuda"):
+        from .backends.nvidia.ops import NvidiaOps  # imports triton: only when the backend is built
+
+        return NvidiaOps(device)
+
+    def nvidia_available() -> bool:
+        from .backends.nvidia import available  # triton is imported only when CUDA is present
+
+        return available()
+
+    register.backend(name="nvidia", factory=nvidia, available=nvidia_available)
+
 
 @hookimpl
 def deepinfer_register_models(register):

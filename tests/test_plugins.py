@@ -164,7 +164,7 @@ def test_default_registry_has_builtins_and_installed_plugins():
 
 def test_unknown_names_list_what_is_registered(fresh_pm):
     reg = get_registry(fresh_pm)
-    with pytest.raises(PluginError, match=r"unknown backend 'tpu'; registered: reference"):
+    with pytest.raises(PluginError, match=r"unknown backend 'tpu'; registered: nvidia, reference"):
         reg.get("backend", "tpu")
 
 
