@@ -57,7 +57,7 @@ def gen(seed: int) -> torch.Generator:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
+    out, ref = out.double(), ref.double().to(out.device)
     assert not torch.isnan(out).any(), "NaN in the kernel output"
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
