@@ -6,7 +6,12 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.testing.models import build_tiny_hf_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"),
+    # Seen on the H200 (2026-11-29): replay hits an index-out-of-bounds device assert that eager decode does not;
+    # graphs are opt-in (enforce_eager=False) until this passes. strict: a pass here means remove this mark.
+    pytest.mark.xfail(strict=True, reason="CUDA-graph replay index assert, under investigation"),
+]
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen3"])
@@ -16,7 +21,7 @@ def test_graph_decode_matches_eager(tmp_path, name, dtype):
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 26)]  # 5 rows: padded to the 8-row bucket
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     kw = dict(device="cuda", dtype=dtype, num_kv_blocks=64, block_size=4)
-    graphs = LLM(str(tmp_path), **kw)
+    graphs = LLM(str(tmp_path), enforce_eager=False, **kw)
     eager = LLM(str(tmp_path), enforce_eager=True, **kw)
     a = [o.outputs[0].token_ids for o in graphs.generate(prompts, sp, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in eager.generate(prompts, sp, use_tqdm=False)]
@@ -30,7 +35,7 @@ def test_graph_decode_matches_eager(tmp_path, name, dtype):
 
 def test_graph_logits_match_the_full_forward(tmp_path):
     build_tiny_hf_model(tmp_path, "llama")
-    llm = LLM(str(tmp_path), device="cuda", num_kv_blocks=64, block_size=4)
+    llm = LLM(str(tmp_path), device="cuda", num_kv_blocks=64, block_size=4, enforce_eager=False)
     graphs, seen = llm.engine.decode_graphs, []
     run = graphs.run
 
