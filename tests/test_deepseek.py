@@ -46,15 +46,6 @@ PROMPT_LENS = [13, 2, 27, 40]  # the batch of 4
 RTOL, ATOL = 1e-4, 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared 2-core machine the spin-waits cost 5-10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def hf_generate(hf, prompt: list, n: int = NEW_TOKENS) -> list:
     ids = torch.tensor([prompt])
     with torch.no_grad():

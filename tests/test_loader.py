@@ -22,15 +22,6 @@ from deepinfer.testing.models import build_tiny_hf_model
 PROMPT = [5, 17, 200, 33, 91, 7, 150, 64, 12, 300, 41, 8, 77, 19]  # longer than qwen2's window (10)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared 2-core machine the spin-waits cost 5-10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict:
     """name -> (checkpoint dir, transformers model); never modified by the tests (they copy)."""

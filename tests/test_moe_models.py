@@ -43,15 +43,6 @@ RTOL, ATOL = 1e-4, 1e-5
 OPS = ReferenceOps("cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared 2-core machine the spin-waits cost 5-10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 class Tiny:
     def __init__(self, name, path, hf):
         self.name, self.path, self.hf = name, str(path), hf

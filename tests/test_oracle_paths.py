@@ -30,15 +30,6 @@ VOCAB = 300
 RTOL, ATOL = 1e-4, 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared 2-core machine the spin-waits cost 5-10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A tokenizer to copy into every generated checkpoint, and room for the checkpoints."""

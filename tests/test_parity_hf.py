@@ -55,15 +55,6 @@ def hf_generate(hf, prompt: list) -> list:
     return new
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared 2-core machine the spin-waits cost 5-10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request, tmp_path_factory) -> Tiny:
     path = tmp_path_factory.mktemp(request.param)

@@ -21,15 +21,6 @@ from deepinfer.models.ced.model import CEDForCausalLM
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared 2-core machine the spin-waits cost 5-10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def small_model(seed=0, std=0.02, **kw) -> CEDForCausalLM:
     """Every mechanism of the toy model (all layer modes, pool, MoE, fake quant) at a smaller width."""
     cfg = dict(vocab_size=320, hidden_size=64, num_heads=2, head_dim=32, rope_dim=8, q_lora_rank=32, out_groups=2,
