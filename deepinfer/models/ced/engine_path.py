@@ -160,14 +160,7 @@ def layer_engine(model, layer, h, P: Pass, src, meta, cache, ctx, stats):
         if layer.mode in ("full", "reindex"):
             stats["indexer_calls"][layer.i] += 1
             iq, iw = layer.index_query(x, cq)
-            scores = _row_scores(iq, iw, iks, P)
-            allowed = visible
-            if layer.is_decoder and layer.mode == "reindex":
-                allowed = visible & ctx[("pool", src_l)]
-            topk = fn.select_topk(scores, allowed, c.index_topk)
-            if layer.is_decoder and layer.mode == "full":
-                ctx[("pool", layer.i)] = fn.pool_mask(scores, visible, c.pool_block, c.pool_blocks)
-            ctx[("topk", layer.i)] = topk
+            topk = layer.choose_entries(_row_scores(iq, iw, iks, P), visible, ctx)
         else:
             topk = ctx[("topk", c.source_topk(layer.i))]
         valid = topk >= 0

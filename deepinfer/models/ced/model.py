@@ -94,6 +94,21 @@ class CEDLayer(nn.Module):
         w = F.linear(x, self.wiw) * c.index_heads ** -0.5
         return q, w
 
+    def choose_entries(self, scores, visible, ctx: dict):
+        """Top-K entry ids [Tq, K] of this full/reindex layer's queries from indexer scores [Tq, J].
+
+        A decoder reindex layer scores only the candidate pool of its full layer; a decoder full layer
+        builds that pool. Both land in ``ctx`` (shared by the layers of one pass)."""
+        c = self.c
+        allowed = visible
+        if self.is_decoder and self.mode == "reindex":
+            allowed = visible & ctx[("pool", c.source_full(self.i))]
+        topk = fn.select_topk(scores, allowed, c.index_topk)
+        if self.is_decoder and self.mode == "full":
+            ctx[("pool", self.i)] = fn.pool_mask(scores, visible, c.pool_block, c.pool_blocks)
+        ctx[("topk", self.i)] = topk
+        return topk
+
     def out_proj(self, o, pos):
         """o [T, H, D] attended latent -> inverse RoPE, grouped projection, final projection -> [T, d]."""
         c = self.c
@@ -256,14 +271,7 @@ class CEDForCausalLM(CEDEngineMixin, nn.Module):
                 if stats is not None:
                     stats.setdefault("indexer_layers", []).append(layer.i)
                 iq, iw = layer.index_query(x, cq)
-                scores = fn.index_scores(iq, iw, ik)
-                allowed = visible
-                if layer.is_decoder and layer.mode == "reindex":
-                    allowed = visible & ctx[("pool", src)]
-                topk = fn.select_topk(scores, allowed, c.index_topk)
-                if layer.is_decoder and layer.mode == "full":
-                    ctx[("pool", layer.i)] = fn.pool_mask(scores, visible, c.pool_block, c.pool_blocks)
-                ctx[("topk", layer.i)] = topk
+                topk = layer.choose_entries(fn.index_scores(iq, iw, ik), visible, ctx)
             else:
                 topk = ctx[("topk", c.source_topk(layer.i))]
             glob, gmask = fn.gather_rows(ents, topk)
