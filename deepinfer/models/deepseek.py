@@ -49,7 +49,7 @@ from torch import nn
 from .base import CausalLM, WeightError, hf_get
 from .expert_load import ExpertLoad
 from .llama import RMSNorm
-from .moe import MoEBlock
+from .moe import MoEBlock, MoEModel
 from .rope import RotaryEmbedding, rope_parameters
 
 log = logging.getLogger(__name__)
@@ -289,7 +289,7 @@ class Backbone(nn.Module):
         return self.norm(x, residual)[0]
 
 
-class DeepseekForCausalLM(CausalLM):
+class DeepseekForCausalLM(MoEModel, CausalLM):
     ARCH = ""
 
     def __init__(self, hf_config: dict, ops):
@@ -326,20 +326,6 @@ class DeepseekForCausalLM(CausalLM):
     def compute_logits(self, hidden):
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, w).float()
-
-    def end_step(self) -> None:
-        if self.expert_load is not None:
-            self.expert_load.end_step()
-
-    def moe_blocks(self) -> list:
-        return [m for m in self.modules() if isinstance(m, MoEBlock)]
-
-    def set_moe_impl(self, impl: str) -> None:
-        """Switch every MoE block to "routed" or "dense" experts (same function; dense is the oracle)."""
-        if impl not in ("routed", "dense"):
-            raise ValueError(f"impl must be 'routed' or 'dense', got {impl!r}")
-        for m in self.moe_blocks():
-            m.impl = impl
 
     # Oracle path.
     def forward_full(self, input_ids):

@@ -184,3 +184,22 @@ class MoEBlock(nn.Module):
             p = getattr(self, pname).data
             out[name] = (p[idx] if idx else p).clone()
         return out
+
+
+class MoEModel:
+    """What every MoE model adds to the model contract: its blocks, the dense/routed switch, the step's
+    expert-load record. Mixed into the model class (it reads ``self.expert_load``)."""
+
+    def moe_blocks(self) -> list:
+        return [m for m in self.modules() if isinstance(m, MoEBlock)]
+
+    def set_moe_impl(self, impl: str) -> None:
+        """Switch every MoE block to "routed" or "dense" experts (same function; dense is the oracle)."""
+        if impl not in ("routed", "dense"):
+            raise ValueError(f"impl must be 'routed' or 'dense', got {impl!r}")
+        for m in self.moe_blocks():
+            m.impl = impl
+
+    def end_step(self) -> None:
+        if getattr(self, "expert_load", None) is not None:
+            self.expert_load.end_step()

@@ -21,14 +21,14 @@ from typing import Iterable
 from .base import hf_get
 from .expert_load import ExpertLoad
 from .llama import LlamaForCausalLM
-from .moe import MoEBlock
+from .moe import MoEBlock, MoEModel
 
 
 def _expert_load_window(hf: dict) -> int:
     return int(hf.get("expert_load_window") or 64)
 
 
-class _MoELlama(LlamaForCausalLM):
+class _MoELlama(MoEModel, LlamaForCausalLM):
     """Shared by the three: ``spec(hf)`` gives (base Llama-family arch, per-layer MoEBlock kwargs or None)."""
 
     ARCH = ""
@@ -74,9 +74,6 @@ class _MoELlama(LlamaForCausalLM):
         raise NotImplementedError
 
     # Engine hooks.
-    def end_step(self) -> None:
-        self.expert_load.end_step()
-
     def forward_full(self, input_ids):
         """The oracle path; its routing is not engine work, so it is not counted in the expert load."""
         blocks = self.moe_blocks()
@@ -88,16 +85,6 @@ class _MoELlama(LlamaForCausalLM):
         finally:
             for m, load in zip(blocks, saved):
                 m.expert_load = load
-
-    def moe_blocks(self) -> list:
-        return [m for m in self.modules() if isinstance(m, MoEBlock)]
-
-    def set_moe_impl(self, impl: str) -> None:
-        """Switch every MoE block to "routed" or "dense" experts (same function; dense is the oracle)."""
-        if impl not in ("routed", "dense"):
-            raise ValueError(f"impl must be 'routed' or 'dense', got {impl!r}")
-        for m in self.moe_blocks():
-            m.impl = impl
 
 
 class MixtralForCausalLM(_MoELlama):
