@@ -6,12 +6,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.testing.models import build_tiny_hf_model
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"),
-    # Seen on the H200 (2026-11-29): replay hits an index-out-of-bounds device assert that eager decode does not;
-    # graphs are opt-in (enforce_eager=False) until this passes. strict: a pass here means remove this mark.
-    pytest.mark.xfail(strict=True, reason="CUDA-graph replay index assert, under investigation"),
-]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen3"])

@@ -53,9 +53,11 @@ class DecodeGraphs:
             "lens": torch.ones(B, dtype=torch.long, device=dev),
             "bt": torch.full((B, NB), self.scratch_block, dtype=torch.long, device=dev),
         }
-        q_index = torch.arange(B, device=dev)[:, None]
-        q_valid = torch.ones(B, 1, dtype=torch.bool, device=dev)
-        kv_pos = torch.arange(NB * bs, device=dev)
+        # Every tensor the graph reads must outlive it: a graph holds raw pointers, so a tensor freed after
+        # capture (say, one only a closure referenced) would be reused by the allocator under the graph.
+        st["q_index"] = q_index = torch.arange(B, device=dev)[:, None]
+        st["q_valid"] = q_valid = torch.ones(B, 1, dtype=torch.bool, device=dev)
+        st["kv_pos"] = kv_pos = torch.arange(NB * bs, device=dev)
 
         def forward():
             kv_slots = st["bt"][:, kv_pos // bs] * bs + kv_pos % bs  # [B, NB * bs]

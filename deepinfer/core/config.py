@@ -30,7 +30,7 @@ class EngineConfig:
     kv_cache_memory_gb: Optional[float] = None  # KV budget when num_kv_blocks is None; None: 0.5 on CPU, 60% of free GPU memory
     max_num_seqs: int = attrs.field(default=256, validator=_positive("max_num_seqs"))
     max_num_batched_tokens: int = attrs.field(default=4096, validator=_positive("max_num_batched_tokens"))
-    enforce_eager: bool = True  # False: capture CUDA graphs for decode on CUDA (experimental: see docs/benchmarks.md)
+    enforce_eager: bool = False  # True: never capture CUDA graphs (dense models' decode uses them on CUDA otherwise)
     seed: int = 0
     device: Optional[str] = None  # None: from the backend
 
