@@ -117,6 +117,15 @@ def test_bad_requests_fail_alone(llm):
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks  # nothing leaked
 
 
+def test_bad_argument_types_raise_clearly(llm):
+    with pytest.raises(TypeError, match="prompts must be"):
+        gen(llm, 123)
+    with pytest.raises(TypeError, match="sampling_params must be"):
+        gen(llm, ["a"], "greedy")
+    out = gen(llm, ["", "ok"])
+    assert out[0].error and "empty" in out[0].error and out[1].error is None
+
+
 def test_max_model_len_stops_with_length(llm):
     ids = list(range(10, 10 + 120))
     out = gen(llm, [ids], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))[0].outputs[0]

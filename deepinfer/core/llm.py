@@ -107,12 +107,18 @@ class LLM:
     def _add(self, prompts, sampling_params, stream: bool = False) -> list:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str, a list of token ids, a dict or a list of those, "
+                            f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
+            if not isinstance(sampling_params, (list, tuple)) or not all(
+                    isinstance(p, SamplingParams) for p in sampling_params):
+                raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")

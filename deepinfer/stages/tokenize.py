@@ -28,6 +28,8 @@ class TokenizeStage(Stage):
             else:
                 raise ValueError("prompt dict needs 'prompt_token_ids' or 'prompt'")
         elif isinstance(p, str):
+            if not p:
+                raise ValueError("prompt is empty (an empty string)")  # a BOS alone is not a prompt
             ids = self.tokenizer.encode(p)
         elif isinstance(p, (list, tuple)):
             ids = p
