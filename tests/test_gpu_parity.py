@@ -12,6 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 PROMPTS = [list(range(5, 5 + n)) for n in (13, 2, 27, 40)]
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+MOE = {"mixtral", "qwen2-moe", "qwen3-moe", "deepseek_v2", "deepseek_v2-qlora", "deepseek_v3"}
 
 
 def _tokens(llm):
@@ -43,8 +44,12 @@ def test_nvidia_bf16_prefill_logits_match_transformers(tmp_path, name):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()  # float32 on the CPU
         out = llm.engine.model.forward_full(torch.tensor(ids, device="cuda")).float().cpu()
-    err = (out - ref).abs().max() / ref.abs().max()
-    assert err < 3e-2, f"{name}: bf16 logits differ from transformers' float32 by {err:.3g} of max|logit|"
+    err = float((out - ref).abs().max() / ref.abs().max())
+    # bf16 rounding of a tiny random model: ~1e-2 of max|logit| for dense models; MoE routers can flip a
+    # near-tied expert choice under bf16 (the float32 test above shows the function itself is the same).
+    tol = 6e-2 if name in MOE else 3e-2
+    print(f"{name}: bf16 vs float32 transformers, max error {err:.3g} of max|logit| (tolerance {tol})")
+    assert err < tol, f"{name}: bf16 logits differ from transformers' float32 by {err:.3g} of max|logit|"
     # And the engine's own (paged) path in bf16 agrees with its full path on the greedy tokens' logits.
     lp = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0].prompt_logprobs
     full_lp = torch.log_softmax(out, -1)
