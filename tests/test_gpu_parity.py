@@ -53,8 +53,10 @@ def test_nvidia_bf16_prefill_logits_match_transformers(tmp_path, name):
     tol = 1.2e-1 if name in MOE else 3e-2
     print(f"{name}: ours (bf16, GPU) vs transformers: {err:.3g} of max|logit| (tolerance {tol})")
     assert err < tol, f"{name}: bf16 logits differ from transformers by {err:.3g} of max|logit|"
-    # And the engine's own (paged) path in bf16 agrees with its full path on the greedy tokens' logits.
+    # And the engine's own (paged) path in bf16 agrees with its full path on the prompt tokens' logprobs.
+    # MLA's engine path is the absorbed form (another order of bf16 roundings than the full path's
+    # unabsorbed one): up to 0.075 nats on the CPU for the tiny DeepSeek-V2 with q LoRA; others match exactly.
     lp = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0].prompt_logprobs
     full_lp = torch.log_softmax(out, -1)
     worst = max(abs(lp[p][ids[p]].logprob - full_lp[p - 1, ids[p]].item()) for p in range(1, len(ids)))
-    assert worst < 5e-2
+    assert worst < (1.5e-1 if name.startswith("deepseek") else 5e-2), f"{name}: paged vs full {worst:.3g} nats"
