@@ -125,6 +125,7 @@ def cmd_generate(args) -> int:
             raise UsageError("no prompt: pass PROMPT arguments or pipe the prompt text on stdin")
         prompts = [text[:-1] if text.endswith("\n") else text]
     llm = _load_llm(args)
+    params = _sampling_params(args, **llm.generation_defaults)  # flags win over the checkpoint's defaults
     outs = llm.generate(prompts, params, use_tqdm=not args.json and sys.stderr.isatty())
     status = EXIT_OK
     many = len(outs) > 1 or params.n > 1
@@ -158,6 +159,7 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     params = _sampling_params(args, max_tokens=256)
     llm = _load_llm(args)
+    params = _sampling_params(args, max_tokens=256, **llm.generation_defaults)
     tok = llm.tokenizer
     interactive = sys.stdin.isatty()
     history: list = [{"role": "system", "content": args.system}] if args.system else []

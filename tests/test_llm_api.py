@@ -157,3 +157,20 @@ def test_tqdm_default_on(llm, capsys):
 def test_unknown_engine_argument(llm):
     with pytest.raises(TypeError, match="unknown argument"):
         LLM(llm.model_path, not_a_setting=1)
+
+
+def test_generation_config_supplies_sampling_defaults(tmp_path):
+    import json
+
+    build_tiny_hf_model(tmp_path, "llama")
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    gen.update(temperature=0.0, top_k=5, do_sample=True)  # only vLLM's keys are read
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    llm = LLM(str(tmp_path), num_kv_blocks=32)
+    d = llm.get_default_sampling_params()
+    assert d.temperature == 0.0 and d.top_k == 5 and d.max_tokens == 16
+    default = llm.generate(["a b c"], use_tqdm=False)[0].outputs[0].token_ids
+    assert default == llm.generate(["a b c"], SamplingParams(temperature=0), use_tqdm=False)[0].outputs[0].token_ids
+    gen["temperature"] = -1  # invalid: ignored with a warning, not fatal
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    assert LLM(str(tmp_path), num_kv_blocks=32).get_default_sampling_params().temperature == 1.0

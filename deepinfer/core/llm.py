@@ -43,6 +43,32 @@ def choose_backend(registry, backend: Optional[str], device: Optional[str]):
     return entry.obj(device), backend
 
 
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model_path) -> dict:
+    """The sampling defaults a checkpoint's generation_config.json recommends (only the keys vLLM reads);
+    a value SamplingParams would reject is ignored with a warning rather than breaking every request."""
+    import json
+    from pathlib import Path
+
+    f = Path(model_path) / "generation_config.json"
+    if not f.exists():
+        return {}
+    try:
+        cfg = json.loads(f.read_text())
+    except json.JSONDecodeError as exc:
+        log.warning("ignoring %s: %s", f, exc)
+        return {}
+    out = {k: cfg[k] for k in GENERATION_KEYS if cfg.get(k) is not None}
+    try:
+        SamplingParams(**out)
+    except ValueError as exc:
+        log.warning("ignoring the sampling defaults of %s: %s", f, exc)
+        return {}
+    return out
+
+
 class LLM:
     """Load a checkpoint and generate. ``model=None`` loads the bundled demo model."""
 
@@ -93,8 +119,13 @@ class LLM:
         from ..backends.reference.sampling import SamplingBatch
 
         self.engine = Engine(config, net, self.tokenizer, pipeline, ops, num_blocks, max_len, SamplingBatch)
+        self.generation_defaults = generation_defaults(self.model_path)
         self.config, self.hf_config = config, hf_config
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the checkpoint's generation_config.json sampling defaults (as vLLM does)."""
+        return SamplingParams(**self.generation_defaults)
 
     @property
     def pipeline(self) -> Pipeline:
@@ -112,7 +143,7 @@ class LLM:
                             f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
