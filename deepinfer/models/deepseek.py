@@ -51,6 +51,7 @@ from .expert_load import ExpertLoad
 from .llama import RMSNorm
 from .moe import MoEBlock, MoEModel
 from .rope import RotaryEmbedding, rope_parameters
+from .weights import FusedCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +290,7 @@ class Backbone(nn.Module):
         return self.norm(x, residual)[0]
 
 
-class DeepseekForCausalLM(MoEModel, CausalLM):
+class DeepseekForCausalLM(MoEModel, FusedCheckpoint, CausalLM):
     ARCH = ""
 
     def __init__(self, hf_config: dict, ops):
@@ -337,91 +338,35 @@ class DeepseekForCausalLM(MoEModel, CausalLM):
         return self.compute_logits(self.model(input_ids, attend))
 
     # Weights.
-    def _delegates(self) -> dict:
-        """checkpoint prefix -> (module, our param prefix) of the submodules that load their own tensors."""
-        out = {}
-        for pname, mod in self.named_modules():
-            if hasattr(mod, "load_checkpoint_tensor"):
-                out[getattr(mod, "checkpoint_prefix", None) or pname] = (mod, pname)
-        return out
+    FUSED = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))  # the dense MLPs
+
+    def _fused_splits(self, fused: str) -> list:
+        return [self.config.intermediate_size] * 2
 
     def load_weights(self, weights: Iterable) -> None:
+        """The backbone's tensors; those of the multi-token-prediction layers beyond num_hidden_layers are
+        skipped with one log line (speculative decoding will use them)."""
         c = self.config
-        delegates = self._delegates()
-        owned = tuple(p + "." for _, p in delegates.values())
-        params = {n: p for n, p in self.named_parameters() if not n.startswith(owned)}
-        seen: set = set()
-        mtp_tensors, mtp_layers = 0, set()
-        for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue  # buffers some checkpoints carry; we compute them
-            m = _LAYER.match(name)
-            if m and int(m.group(1)) >= c.num_layers:
-                i = int(m.group(1))
-                if i >= c.num_layers + c.num_mtp_layers:
-                    raise WeightError(f"checkpoint tensor {name!r} does not belong to {self.arch} (config: "
-                                      f"{c.num_layers} layers + {c.num_mtp_layers} MTP layer(s))")
-                mtp_tensors += 1
-                mtp_layers.add(i)
-                continue
-            head = name.rsplit(".", 1)[0]
-            while head and head not in delegates:
-                head = head.rsplit(".", 1)[0] if "." in head else ""
-            if head:
-                delegates[head][0].load_checkpoint_tensor(name[len(head) + 1:], tensor, full_name=name)
-                continue
-            target, idx = name, None
-            for part, k in ((".mlp.gate_proj.", 0), (".mlp.up_proj.", 1)):
-                if part in name:
-                    target, idx = name.replace(part, ".mlp.gate_up_proj."), k
-            if target not in params:
-                if name.startswith("lm_head.") and self.lm_head is None:
-                    continue  # tied checkpoint that still stores the head
-                raise WeightError(f"checkpoint tensor {name!r} does not belong to {self.arch} "
-                                  f"(config: {c.num_layers} layers)")
-            p = params[target]
-            dst = p.data if idx is None else p.data.narrow(0, idx * c.intermediate_size, c.intermediate_size)
-            if tuple(tensor.shape) != tuple(dst.shape):
-                raise WeightError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                  f"expected {tuple(dst.shape)}")
-            dst.copy_(tensor.to(dst.dtype))
-            seen.add((target, idx))
-        missing = []
-        for pname in params:
-            if ".mlp.gate_up_proj." in pname:
-                for part, k in (("gate_proj", 0), ("up_proj", 1)):
-                    if (pname, k) not in seen:
-                        missing.append(pname.replace(".gate_up_proj.", f".{part}."))
-            elif (pname, None) not in seen:
-                missing.append(pname)
-        for prefix, (mod, _) in delegates.items():
-            missing += [f"{prefix}.{n}" for n in mod.missing_checkpoint_tensors()]
-        if missing:
-            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-            raise WeightError(f"checkpoint lacks tensor(s) {', '.join(missing[:3])}{more} needed by {self.arch}")
-        if mtp_tensors:
+        mtp_layers: list = []
+
+        def backbone():
+            for name, tensor in weights:
+                m = _LAYER.match(name)
+                if m and int(m.group(1)) >= c.num_layers:
+                    i = int(m.group(1))
+                    if i >= c.num_layers + c.num_mtp_layers:
+                        raise WeightError(f"checkpoint tensor {name!r} does not belong to {self.arch} (config: "
+                                          f"{c.num_layers} layers + {c.num_mtp_layers} MTP layer(s))")
+                    mtp_layers.append(i)
+                    continue
+                yield name, tensor
+
+        super().load_weights(backbone())
+        if mtp_layers:
             log.info("%s: skipped %d checkpoint tensor(s) of %d multi-token-prediction layer(s) (model.layers.%s; "
                      "num_nextn_predict_layers=%d): MTP weights are unused until speculative decoding uses them",
-                     self.arch, mtp_tensors, len(mtp_layers), ",".join(map(str, sorted(mtp_layers))),
+                     self.arch, len(mtp_layers), len(set(mtp_layers)), ",".join(map(str, sorted(set(mtp_layers)))),
                      c.num_mtp_layers)
-
-    def hf_state_dict(self) -> dict:
-        out = {}
-        delegates = self._delegates()
-        owned = tuple(p + "." for _, p in delegates.values())
-        for prefix, (mod, _) in delegates.items():
-            out.update({f"{prefix}.{n}": t for n, t in mod.checkpoint_tensors().items()})
-        for pname, p in self.named_parameters():
-            if pname.startswith(owned):
-                continue
-            if ".mlp.gate_up_proj." in pname:
-                gate, up = p.data.split(self.config.intermediate_size, dim=0)
-                out[pname.replace(".gate_up_proj.", ".gate_proj.")] = gate.contiguous()
-                out[pname.replace(".gate_up_proj.", ".up_proj.")] = up.contiguous()
-            else:
-                out[pname] = p.data.contiguous()
-        return out
-
 
 class DeepseekV2ForCausalLM(DeepseekForCausalLM):
     ARCH = "DeepseekV2ForCausalLM"

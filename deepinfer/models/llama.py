@@ -6,15 +6,15 @@ with q/k/v and gate/up fused on load (one matmul each instead of three/two).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
 
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CausalLM, WeightError, hf_get
+from .base import CausalLM, hf_get
 from .rope import RotaryEmbedding, rope_parameters
+from .weights import FusedCheckpoint
 
 
 @attrs.frozen
@@ -161,7 +161,9 @@ _FUSED = (("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_
           ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
 
 
-class LlamaForCausalLM(CausalLM):
+class LlamaForCausalLM(FusedCheckpoint, CausalLM):
+    FUSED = _FUSED
+
     def __init__(self, hf_config: dict, ops, arch: str = "LlamaForCausalLM", mlp_factory=None):
         super().__init__()
         self.config = c = LlamaConfig.from_hf(hf_config, arch)
@@ -217,87 +219,6 @@ class LlamaForCausalLM(CausalLM):
         if fused == "qkv_proj":
             return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         return [c.intermediate_size, c.intermediate_size]
-
-    def _target(self, name: str):
-        """Checkpoint name -> (our param name, shard index or None)."""
-        for fused, part, idx in _FUSED:
-            if f".{part}." in name:
-                return name.replace(f".{part}.", f".{fused}."), idx
-        return name, None
-
-    def _delegates(self) -> dict:
-        """Submodules that load their own checkpoint tensors (e.g. MoE blocks): checkpoint prefix -> (module,
-        our param prefix). A delegate implements load_checkpoint_tensor(local_name, tensor) and
-        missing_checkpoint_tensors() -> list of local names, and may set ``checkpoint_prefix``."""
-        out = {}
-        for pname, mod in self.named_modules():
-            if hasattr(mod, "load_checkpoint_tensor"):
-                out[getattr(mod, "checkpoint_prefix", None) or pname] = (mod, pname)
-        return out
-
-    def load_weights(self, weights: Iterable) -> None:
-        delegates = self._delegates()
-        owned = tuple(p + "." for _, p in delegates.values())
-        params = {n: p for n, p in self.named_parameters() if not n.startswith(owned)}
-        seen: set = set()
-        for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue  # buffers some checkpoints carry; we compute them
-            head = name.rsplit(".", 1)[0]
-            while head and head not in delegates:
-                head = head.rsplit(".", 1)[0] if "." in head else ""
-            if head:
-                delegates[head][0].load_checkpoint_tensor(name[len(head) + 1:], tensor, full_name=name)
-                continue
-            target, idx = self._target(name)
-            if target not in params:
-                if name.startswith("lm_head.") and self.lm_head is None:
-                    continue  # tied checkpoint that still stores the head
-                raise WeightError(f"checkpoint tensor {name!r} does not belong to {self.arch} "
-                                  f"(config: {self.config.num_layers} layers)")
-            p = params[target]
-            if idx is None:
-                dst = p.data
-            else:
-                splits = self._fused_splits(target.split(".")[-2])
-                off = sum(splits[:idx])
-                dst = p.data.narrow(0, off, splits[idx])
-            if tuple(tensor.shape) != tuple(dst.shape):
-                raise WeightError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor.to(dst.dtype))
-            seen.add((target, idx))
-        missing = []
-        for pname in params:
-            fused = pname.split(".")[-2] if pname.endswith((".weight", ".bias")) else ""
-            if fused in ("qkv_proj", "gate_up_proj"):
-                for f, part, idx in _FUSED:
-                    if f == fused and (pname, idx) not in seen:
-                        missing.append(pname.replace(f".{fused}.", f".{part}."))
-            elif (pname, None) not in seen:
-                missing.append(pname)
-        for prefix, (mod, _) in delegates.items():
-            missing += [f"{prefix}.{n}" for n in mod.missing_checkpoint_tensors()]
-        if missing:
-            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-            raise WeightError(f"checkpoint lacks tensor(s) {', '.join(missing[:3])}{more} needed by {self.arch}")
-
-    def hf_state_dict(self) -> dict:
-        out = {}
-        delegates = self._delegates()
-        owned = tuple(p + "." for _, p in delegates.values())
-        for prefix, (mod, _) in delegates.items():
-            out.update({f"{prefix}.{n}": t for n, t in mod.checkpoint_tensors().items()})
-        for pname, p in self.named_parameters():
-            if pname.startswith(owned):
-                continue
-            fused = pname.split(".")[-2]
-            if fused in ("qkv_proj", "gate_up_proj"):
-                parts = [part for f, part, _ in _FUSED if f == fused]
-                for part, t in zip(parts, p.data.split(self._fused_splits(fused), dim=0)):
-                    out[pname.replace(f".{fused}.", f".{part}.")] = t.contiguous()
-            else:
-                out[pname] = p.data.contiguous()
-        return out
 
 
 def factory(arch: str):
