@@ -6,7 +6,6 @@ with q/k/v and gate/up fused on load (one matmul each instead of three/two).
 
 from __future__ import annotations
 
-
 import attrs
 import torch
 import torch.nn.functional as F
