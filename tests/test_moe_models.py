@@ -24,15 +24,13 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.backends.reference.ops import ReferenceOps
-from deepinfer.core.kv_cache import blocks_needed
-from deepinfer.core.state import ScheduledBatch, Sequence
 from deepinfer.models.base import WeightError
 from deepinfer.models.expert_load import ExpertLoad
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.models.loader import CheckpointError, iter_weights
 from deepinfer.models.moe import MoEBlock
 from deepinfer.models.quant import FP8, dequantize_fp8_block, quantize_fp8_block
-from deepinfer.stages.forward import build_inputs
+from deepinfer.testing.engine import paged_prefill_logits as _paged_prefill_logits
 from deepinfer.testing.models import TINY, build_tiny_hf_model
 
 ARCHS = ["mixtral", "qwen2-moe", "qwen3-moe"]
@@ -93,29 +91,8 @@ def run(llm: LLM, prompts: list, params) -> list:
 
 
 def paged_prefill_logits(net, prompts: list, block_size: int, chunk: int) -> list:
-    """All prompts in one batch through the engine forward, ``chunk`` tokens per row per step -> logits [L, V]."""
-    total = sum(blocks_needed(len(p), block_size) for p in prompts)
-    perm = torch.randperm(total, generator=torch.Generator().manual_seed(chunk)).tolist()  # scattered blocks
-    kv = net.allocate_kv_cache(total * block_size, torch.float32, torch.device("cpu"))
-    seqs = []
-    for i, p in enumerate(prompts):
-        nb = blocks_needed(len(p), block_size)
-        seqs.append(Sequence(seq_id=i, request_id=str(i), index=0, token_ids=list(p), num_prompt_tokens=len(p),
-                             params=SamplingParams(), arrival=i, block_table=perm[:nb]))
-        perm = perm[nb:]
-    done, pieces = [0] * len(prompts), [[] for _ in prompts]
-    while any(d < len(p) for d, p in zip(done, prompts)):
-        rows = [i for i, p in enumerate(prompts) if done[i] < len(p)]
-        nums = [min(chunk, len(prompts[i]) - done[i]) for i in rows]
-        batch = ScheduledBatch(seqs=[seqs[i] for i in rows], num_tokens=nums, start=[done[i] for i in rows],
-                               samples=[done[i] + n == len(prompts[i]) for i, n in zip(rows, nums)])
-        ids, meta, qstart = build_inputs(batch, list(range(len(rows))), block_size, torch.device("cpu"))
-        with torch.no_grad():
-            logits = net.compute_logits(net(ids, meta, kv))
-        for r, i in enumerate(rows):
-            pieces[i].append(logits[qstart[r]:qstart[r + 1]])
-            done[i] += nums[r]
-    return [torch.cat(p) for p in pieces]
+    """All prompts in one batch through the engine forward (scattered blocks seeded by chunk)."""
+    return _paged_prefill_logits(net, prompts, block_size, chunk, seed=chunk, spare_blocks=0)
 
 
 def moe_blocks(net) -> list:

@@ -19,9 +19,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.core.kv_cache import blocks_needed
-from deepinfer.core.state import ScheduledBatch, Sequence
-from deepinfer.stages.forward import build_inputs
+from deepinfer.testing.engine import paged_prefill_logits
 from deepinfer.testing.models import TINY, build_tiny_hf_model
 
 ARCHS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3"]
@@ -75,37 +73,6 @@ def run(llm: LLM, prompts: list, params) -> list:
         assert o.error is None and o.finished
         assert o.outputs[0].finish_reason == "length"
     return [o.outputs[0].token_ids for o in outs]
-
-
-def paged_prefill_logits(net, prompts: list, block_size: int, chunk: int, seed: int = 0) -> list:
-    """Prefill every prompt through the engine forward, all in one batch, ``chunk`` tokens per row per step.
-
-    Blocks are handed out in a shuffled order, so block tables are non-contiguous and interleaved between
-    sequences. Returns the logits [L, V] of every prompt position.
-    """
-    total = sum(blocks_needed(len(p), block_size) for p in prompts) + 2
-    perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
-    kv = net.allocate_kv_cache(total * block_size, torch.float32, torch.device("cpu"))
-    seqs = []
-    for i, p in enumerate(prompts):
-        nb = blocks_needed(len(p), block_size)
-        seqs.append(Sequence(seq_id=i, request_id=str(i), index=0, token_ids=list(p), num_prompt_tokens=len(p),
-                             params=SamplingParams(), arrival=i, block_table=perm[:nb]))
-        perm = perm[nb:]
-    done = [0] * len(prompts)
-    pieces = [[] for _ in prompts]
-    while any(d < len(p) for d, p in zip(done, prompts)):
-        rows = [i for i, p in enumerate(prompts) if done[i] < len(p)]
-        nums = [min(chunk, len(prompts[i]) - done[i]) for i in rows]
-        batch = ScheduledBatch(seqs=[seqs[i] for i in rows], num_tokens=nums, start=[done[i] for i in rows],
-                               samples=[done[i] + n == len(prompts[i]) for i, n in zip(rows, nums)])
-        ids, meta, qstart = build_inputs(batch, list(range(len(rows))), block_size, torch.device("cpu"))
-        with torch.no_grad():
-            logits = net.compute_logits(net(ids, meta, kv))
-        for r, i in enumerate(rows):
-            pieces[i].append(logits[qstart[r]:qstart[r + 1]])
-            done[i] += nums[r]
-    return [torch.cat(p) for p in pieces]
 
 
 # Prefill logits.
