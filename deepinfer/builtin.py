@@ -58,15 +58,11 @@ def deepinfer_register_models(register):
     for arch in llama.ARCHITECTURES:
         register.model(architecture=arch, factory=llama.factory(arch))
 
-    from .models import moe_llama
+    from .models import deepseek, moe_llama
 
-    for arch in moe_llama.ARCHITECTURES:
-        register.model(architecture=arch, factory=moe_llama.factory(arch))
-
-    from .models import deepseek
-
-    for arch in deepseek.ARCHITECTURES:
-        register.model(architecture=arch, factory=deepseek.factory(arch))
+    for models in (moe_llama.MODELS, deepseek.MODELS):
+        for arch, cls in models.items():
+            register.model(architecture=arch, factory=cls)  # the class itself takes (hf_config, ops)
 
     def ced(hf_config, ops):
         from .models.ced.model import CEDForCausalLM

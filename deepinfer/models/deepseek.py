@@ -377,12 +377,3 @@ class DeepseekV3ForCausalLM(DeepseekForCausalLM):
 
 
 MODELS = {cls.ARCH: cls for cls in (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)}
-ARCHITECTURES = tuple(MODELS)
-
-
-def factory(arch: str):
-    cls = MODELS[arch]
-
-    def make(hf_config: dict, ops):
-        return cls(hf_config, ops)
-    return make

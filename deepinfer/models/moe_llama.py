@@ -132,12 +132,3 @@ class Qwen3MoeForCausalLM(_MoELlama):
 
 
 MODELS = {cls.ARCH: cls for cls in (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)}
-ARCHITECTURES = tuple(MODELS)
-
-
-def factory(arch: str):
-    cls = MODELS[arch]
-
-    def make(hf_config: dict, ops):
-        return cls(hf_config, ops)
-    return make
