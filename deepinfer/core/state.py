@@ -89,11 +89,6 @@ class ScheduledBatch:
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
 
-    @property
-    def is_prefill(self) -> list:
-        """[B] rows still consuming known tokens (prompt, or recompute after preemption) with more than one token."""
-        return [s.num_computed_tokens < s.num_tokens - 1 for s in self.seqs]
-
 
 class StepState:
     """One engine step over the whole batch. Plugins may add fields of their own."""

@@ -42,7 +42,8 @@ class VerifyStage(Stage):
                 state.logits = torch.empty(0, self.model.vocab_size, device=self.ops.device)
             return
         # Interleave back into batch order over the sampling rows.
-        is_dec = [i in set(rows) for i, s in enumerate(batch.samples) if s]
+        decode = set(rows)
+        is_dec = [i in decode for i, s in enumerate(batch.samples) if s]
         out = torch.empty(len(is_dec), dec.shape[1], dtype=dec.dtype, device=dec.device)
         mask = torch.tensor(is_dec, device=dec.device)
         out[mask] = dec
