@@ -27,6 +27,8 @@ class AttnMetadata:
     q_pos: torch.Tensor  # [B, max_q] int64 position of each padded query
     block_table: Optional[torch.Tensor] = None  # [B, max_kv // block_size] int64 block ids (0 where padded)
     block_size: int = 0
+    cu_q: Optional[torch.Tensor] = None  # [B + 1] int32: row b's queries are rows cu_q[b] .. cu_q[b+1]-1 of T
+    max_q: int = 0  # host copy of q_index.shape[1] (most queries of any row this step)
     # Per-row facts for models with per-sequence state (CED rings, compressors); host lists, read on the host.
     starts: list = attrs.field(factory=list)  # [B] first position computed this step
     nums: list = attrs.field(factory=list)  # [B] tokens computed this step

@@ -37,7 +37,8 @@ def build_inputs(batch, rows: list, block_size: int, device) -> tuple:
     to = dict(device=device, non_blocking=True)
     meta = AttnMetadata(positions=positions.to(**to), slot_mapping=slot.to(**to), seq_lens=torch.tensor(lens).to(**to),
                         q_index=q_index.to(**to), q_valid=q_valid.to(**to), kv_slots=kv_slots.to(**to),
-                        q_pos=q_pos.to(**to), block_table=bt.to(**to), block_size=block_size, starts=starts, nums=nums, block_tables=[s.block_table for s in seqs],
+                        q_pos=q_pos.to(**to), block_table=bt.to(**to), block_size=block_size,
+                        cu_q=torch.tensor(qstart, dtype=torch.int32).to(**to), max_q=max_q, starts=starts, nums=nums, block_tables=[s.block_table for s in seqs],
                         state_slots=[s.state_slot for s in seqs], replay_starts=[s.replay_start for s in seqs])
     return torch.tensor(ids, dtype=torch.long).to(**to), meta, qstart
 
