@@ -1,6 +1,13 @@
 """Suite-wide settings: the test models are tiny, so one torch thread is fastest, and on a shared 2-core
-machine it avoids OpenMP spin-waits that cost 5-10x."""
+machine it avoids OpenMP spin-waits that cost 5-10x. Triton's interpreter on machines without CUDA."""
+
+import os
 
 import torch
+
+# Without CUDA the nvidia backend's Triton kernels run in Triton's interpreter, which must be chosen before
+# anything imports triton (transformers does, so a test module cannot rely on being first).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(1)

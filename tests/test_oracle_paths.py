@@ -52,8 +52,9 @@ class CaptureLogits(Stage):
 
     def __call__(self, state) -> None:
         for r, i in enumerate(state.sample_rows):
-            seq = state.batch.seqs[i]
-            self.sink.setdefault(seq.request_id, []).append((seq.num_tokens, state.logits[r].detach().clone()))
+            seq, b = state.batch.seqs[i], state.batch
+            known = b.start[i] + b.num_tokens[i]  # the step's view (seq.num_tokens also counts pending tokens)
+            self.sink.setdefault(seq.request_id, []).append((known, state.logits[r].detach().clone()))
 
 
 def capture_pipeline(sink: dict) -> Pipeline:

@@ -79,8 +79,9 @@ class DecodeGraphs:
         self.graphs[(B, NB)] = (graph, st, out)
         return self.graphs[(B, NB)]
 
-    def run(self, ids: list, positions: list, block_tables: list) -> torch.Tensor:
-        """One decode step for len(ids) rows; returns float32 logits [rows, V]."""
+    def run(self, ids: list, positions: list, block_tables: list, future=None) -> torch.Tensor:
+        """One decode step for len(ids) rows; returns float32 logits [rows, V]. Negative ids are pending
+        tokens, read from ``future`` on the device (overlap scheduling)."""
         n = len(ids)
         nb = max(len(t) for t in block_tables)
         B, NB = _bucket(n, self.batch_buckets), _bucket(nb, self.block_buckets)
@@ -92,7 +93,12 @@ class DecodeGraphs:
                              [p + 1 for p in positions] + [1] * (B - n), slot], dtype=torch.long)
         host = host.pin_memory() if torch.cuda.is_available() else host
         dev = host.to(self.device, non_blocking=True)
-        st["ids"].copy_(dev[0])
+        if min(ids) < 0:
+            from ..stages.forward import resolve_future
+
+            st["ids"].copy_(resolve_future(dev[0], future))
+        else:
+            st["ids"].copy_(dev[0])
         st["pos"].copy_(dev[1])
         st["lens"].copy_(dev[2])
         st["slot"].copy_(dev[3])

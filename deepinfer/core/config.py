@@ -31,6 +31,9 @@ class EngineConfig:
     max_num_seqs: int = attrs.field(default=256, validator=_positive("max_num_seqs"))
     max_num_batched_tokens: int = attrs.field(default=4096, validator=_positive("max_num_batched_tokens"))
     enforce_eager: bool = False  # True: never capture CUDA graphs (dense models' decode uses them on CUDA otherwise)
+    # Overlap scheduling: launch step N+1 before collecting step N's tokens (decode inputs read them on the
+    # device). None: on for CUDA devices, off elsewhere (nothing runs asynchronously there to overlap).
+    overlap_scheduling: Optional[bool] = None
     seed: int = 0
     device: Optional[str] = None  # None: from the backend
 

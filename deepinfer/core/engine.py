@@ -40,6 +40,15 @@ class Request:
         return self.error is not None or all(s.finished for s in self.seqs)
 
 
+class _Launched:
+    """A step whose device work is queued: its state, sampling rows, and the tokens' copy to the host."""
+
+    def __init__(self, state, sample_seqs: list, t0: float):
+        self.state, self.sample_seqs, self.t0 = state, sample_seqs, t0
+        self.host_tokens = None
+        self.event = None
+
+
 class Engine:
     def __init__(self, config, model, tokenizer, pipeline, ops, num_blocks: int, max_model_len: int,
                  sampling_batch_cls):
@@ -75,6 +84,16 @@ class Engine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.stats = {"steps": 0, "step_time": 0.0, "forward_tokens": 0}
+        overlap = config.overlap_scheduling
+        self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
+        # Sampled tokens by launch parity: the next step's inputs read the previous step's half.
+        self.max_rows = config.max_num_seqs
+        self.future = torch.zeros(2 * self.max_rows, dtype=torch.long, device=self.device)
+        self._parity = 0
+        self._inflight = None
+        step_stages = self.stages["step"]
+        self._n_device_stages = next((i for i, st in enumerate(step_stages) if getattr(st, "host", False)),
+                                     len(step_stages))
 
     # Admission.
     def add_request(self, request_id: str, prompt, params: SamplingParams, stream: bool = False) -> Request:
@@ -123,40 +142,110 @@ class Engine:
                 s.finish_reason = "abort"
 
     def has_unfinished(self) -> bool:
-        return any(not r.reported_done for r in self.requests.values())
+        return self._inflight is not None or any(not r.reported_done for r in self.requests.values())
 
     # One step.
     def step(self) -> list:
         """Run one engine step; returns a RequestOutput for every request that finished, and for every
-        streamed request that changed."""
+        streamed request that changed.
+
+        A step is launched (schedule, device stages: forward and sampling, no host sync) and then collected
+        (wait for its tokens, host stages: detokenize and stop checks, fold into the sequences). With
+        overlap scheduling the next step is launched before this one is collected, its decode inputs read
+        the pending tokens on the device, and the results reported by a call are those of the step before.
+        """
         touched: dict = {}
-        for req in self.requests.values():  # errors found at admission are reported on the next step
-            if req.error is not None and not req.reported_done:
+        for req in self.requests.values():  # admission errors and aborts are reported on the next step
+            if not req.reported_done and (req.error is not None or (req.seqs and req.finished)):
                 touched[req.request_id] = req
-        batch = self.scheduler.schedule()
-        if batch is not None:
-            t0 = time.perf_counter()
-            sample_seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
-            sampling = self.sampling_batch_cls.build(
-                [s.params for s in sample_seqs], [s.prompt_token_ids for s in sample_seqs],
-                [s.output_token_ids for s in sample_seqs], [s.generator for s in sample_seqs],
-                self.model.vocab_size, self.tokenizer.eos_token_ids if self.tokenizer else (), self.device)
-            state = StepState(batch, sampling, self.kv_cache)
-            try:
-                for stage in self.stages["step"]:
-                    stage(state)
-            except Exception as exc:  # a failing step fails its batch, not the engine
-                self._fail_batch(batch, exc, touched)
-                return self._collect(touched)
-            self.scheduler.update(batch)
-            end_step = getattr(self.model, "end_step", None)
-            if end_step is not None:
-                end_step()  # e.g. close the step's expert-load record (no host sync)
-            self._fold(state, sample_seqs, touched)
-            self.stats["steps"] += 1
-            self.stats["forward_tokens"] += batch.total_tokens
-            self.stats["step_time"] += time.perf_counter() - t0
+        prev, self._inflight = self._inflight, None
+        if prev is not None and any(s.pending and s.params.needs_penalties for s in prev.sample_seqs):
+            self._collect_step(prev, touched)  # penalties count the output tokens: they must be known first
+            prev = None
+        launched = self._launch(touched)
+        if prev is not None:
+            self._collect_step(prev, touched)
+        if launched is not None:
+            if self.overlap:
+                self._inflight = launched
+            else:
+                self._collect_step(launched, touched)
         return self._collect(touched)
+
+    def sync(self) -> list:
+        """Collect the step in flight (overlap scheduling) without launching another; returns its outputs."""
+        touched: dict = {}
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._collect_step(prev, touched)
+        return self._collect(touched)
+
+    def _launch(self, touched: dict):
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return None
+        t0 = time.perf_counter()
+        batch.future = self.future
+        sample_seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
+        sampling = self.sampling_batch_cls.build(
+            [s.params for s in sample_seqs], [s.prompt_token_ids for s in sample_seqs],
+            # Pending tokens are counted (min_tokens) but not known; rows with penalties never have any here.
+            [s.output_token_ids + s.pending for s in sample_seqs], [s.generator for s in sample_seqs],
+            self.model.vocab_size, self.tokenizer.eos_token_ids if self.tokenizer else (), self.device)
+        state = StepState(batch, sampling, self.kv_cache)
+        try:
+            for stage in self.stages["step"][:self._n_device_stages]:
+                stage(state)
+        except Exception as exc:  # a failing step fails its batch, not the engine
+            self._fail_batch(batch, exc, touched)
+            return None
+        self.scheduler.update(batch)
+        end_step = getattr(self.model, "end_step", None)
+        if end_step is not None:
+            end_step()  # e.g. close the step's expert-load record (no host sync)
+        launched = _Launched(state, sample_seqs, t0)
+        S = len(sample_seqs)
+        if S:
+            # Publish the tokens: on the device for the next step's inputs, and copied to the host without
+            # blocking (collected later).
+            half = self._parity * self.max_rows
+            self.future[half:half + S].copy_(state.next_tokens)
+            launched.host_tokens = torch.empty(S, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            launched.host_tokens.copy_(state.next_tokens, non_blocking=True)
+            if self.device.type == "cuda":
+                launched.event = torch.cuda.Event()
+                launched.event.record()
+            for r, seq in enumerate(sample_seqs):
+                seq.pending.append(-1 - (half + r))
+                p = seq.params
+                if (p.max_tokens is not None and len(seq.output_token_ids) + len(seq.pending) >= p.max_tokens) \
+                        or seq.num_tokens >= self.max_model_len:
+                    seq.draining = True  # its last token is in flight: never schedule it again
+            self._parity ^= 1
+        self.stats["steps"] += 1
+        self.stats["forward_tokens"] += batch.total_tokens
+        self.stats["step_time"] += time.perf_counter() - t0
+        return launched
+
+    def _collect_step(self, launched, touched: dict) -> None:
+        """Wait for a launched step's tokens, run the host stages, fold the results into the sequences."""
+        state, sample_seqs = launched.state, launched.sample_seqs
+        t0 = time.perf_counter()
+        try:
+            if launched.event is not None:
+                launched.event.synchronize()  # this step only; the one launched after it keeps running
+            if launched.host_tokens is not None:
+                state.next_tokens = launched.host_tokens
+            for stage in self.stages["step"][self._n_device_stages:]:
+                stage(state)
+        except Exception as exc:
+            for seq in sample_seqs:
+                if seq.pending:
+                    seq.pending.pop(0)
+            self._fail_batch(state.batch, exc, touched)
+            return
+        self._fold(state, sample_seqs, touched)
+        self.stats["step_time"] += time.perf_counter() - t0
 
     def _fail_batch(self, batch, exc: Exception, touched: dict) -> None:
         log.exception("deepinfer: a step failed; failing its %d request(s)", len(batch.seqs))
@@ -198,6 +287,9 @@ class Engine:
             lp_rows = entries_from(state.logprobs, range(len(sample_seqs)), want, None)
         now = time.perf_counter()
         for r, (seq, upd) in enumerate(zip(sample_seqs, state.outputs)):
+            seq.pending.pop(0)  # this step's reference: the oldest pending one
+            if seq.finished:
+                continue  # finished (stop, abort, error) while this step was in flight: its token is dropped
             req = self.requests[seq.request_id]
             req.first_token_time = req.first_token_time or now
             seq.token_ids.append(upd.token_id)
@@ -212,7 +304,7 @@ class Engine:
                     d = {t: Logprob(l.logprob, l.rank, decode_token(self.tokenizer, t)) for t, l in d.items()}
                 seq.logprobs = (seq.logprobs or []) + [d]
             reason, stop_reason = upd.finish_reason, upd.stop_reason
-            if reason is None and seq.num_tokens >= self.max_model_len:
+            if reason is None and len(seq.token_ids) >= self.max_model_len:
                 reason = "length"
             if reason is not None:
                 seq.finish_reason, seq.stop_reason = reason, stop_reason

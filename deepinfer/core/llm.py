@@ -176,6 +176,7 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+            self.engine.sync()  # a step may still be in flight (overlap scheduling): leave none behind
         finally:
             if bar is not None:
                 bar.close()

@@ -65,14 +65,15 @@ class Scheduler:
         for seq in order:
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SeqStatus.RUNNING or seq.draining:
+                continue  # preempted earlier in this loop, or its last token is already being sampled
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self._grow(seq, n):
                 # The most recently admitted running sequence not already in this step (never take blocks back
-                # from a chosen row); seq itself when every later-admitted one is chosen.
+                # from a chosen row) nor draining (its blocks go back within a step); seq itself when every
+                # later-admitted one is chosen.
                 taken = {id(s) for s, _ in chosen}
-                victim = next(v for v in reversed(self.running) if id(v) not in taken)
+                victim = next(v for v in reversed(self.running) if id(v) not in taken and not v.draining)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:

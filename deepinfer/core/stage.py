@@ -11,6 +11,12 @@ an AdmitState); ``step`` stages run once per engine step over the whole batch
 (their state is a StepState). A stage that both reads and writes a field
 transforms it in place (a constrain stage masking ``logits``); it runs after
 the field's producer.
+
+Host stages (``host = True``, e.g. detokenize) read the step's sampled tokens on
+the host. The engine runs every step stage before the first host stage when it
+launches a step, and the host stages (with all that follow them) when it
+collects the step; with overlap scheduling the next step is launched in between,
+so the GPU never waits for detokenization or stop checks.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ class Stage:
     phase: ClassVar[str] = "step"  # "admit" | "step"
     reads: ClassVar[tuple] = ()
     writes: ClassVar[tuple] = ()
+    host: ClassVar[bool] = False  # reads step results on the host: runs at collection (see above)
     replaces: ClassVar[tuple] = ()  # names or kinds of stages whose fields this one may write instead of them
 
     def __call__(self, state: Any) -> None:  # pragma: no cover - the contract

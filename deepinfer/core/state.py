@@ -39,6 +39,11 @@ class Sequence:
     num_preemptions: int = 0
     replay_start: int = 0  # bounded-replay start; belongs to the request, survives preemption
     state_slot: int = -1  # per-sequence state (SWA rings, compressor tails) while it holds KV; scheduler-owned
+    # Tokens sampled by launched steps but not yet collected (engine-owned): each a negative reference into the
+    # engine's device buffer of future tokens, the input ids of the positions after token_ids. At most two
+    # (the step in flight and the one being launched) with overlap scheduling, at most one without.
+    pending: list = attrs.field(factory=list)
+    draining: bool = False  # its last token is pending (max_tokens / max_model_len): never scheduled again
     # Output side, owned by the engine (folded from detokenize/sample results).
     text: str = ""
     logprobs: Optional[list] = None
@@ -51,7 +56,16 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens, sampled-but-pending ones included (what the scheduler schedules over)."""
+        return len(self.token_ids) + len(self.pending)
+
+    def input_ids(self, start: int, n: int) -> list:
+        """Token ids of positions start .. start+n-1; pending positions give their future references (< 0)."""
+        known = self.token_ids[start:start + n]
+        if len(known) < n:
+            k = max(start - len(self.token_ids), 0)
+            known = known + self.pending[k:k + n - len(known)]
+        return known
 
     @property
     def prompt_token_ids(self) -> list:
@@ -84,6 +98,7 @@ class ScheduledBatch:
     num_tokens: list  # [B] tokens of each sequence computed this step
     start: list  # [B] first position computed this step (== seq.num_computed_tokens before the step)
     samples: list  # [B] bool: the step completes the sequence's known tokens, so it samples one
+    future: Optional[torch.Tensor] = None  # engine: device buffer that negative (pending) input ids index
 
     @property
     def total_tokens(self) -> int:

@@ -19,6 +19,7 @@ class SeqUpdate:
 class DetokenizeStage(Stage):
     name = "detokenize"
     kind = "detokenize"
+    host = True
     reads = ("next_tokens", "batch")
     writes = ("outputs",)
 

@@ -14,7 +14,7 @@ def build_inputs(batch, rows: list, block_size: int, device) -> tuple:
     nums = [batch.num_tokens[i] for i in rows]
     ids: list = []
     for s, st, n in zip(seqs, starts, nums):
-        ids.extend(s.token_ids[st:st + n])
+        ids.extend(s.input_ids(st, n))
     qstart = [0]
     for n in nums:
         qstart.append(qstart[-1] + n)
@@ -40,7 +40,18 @@ def build_inputs(batch, rows: list, block_size: int, device) -> tuple:
                         q_pos=q_pos.to(**to), block_table=bt.to(**to), block_size=block_size,
                         cu_q=torch.tensor(qstart, dtype=torch.int32).to(**to), max_q=max_q, starts=starts, nums=nums, block_tables=[s.block_table for s in seqs],
                         state_slots=[s.state_slot for s in seqs], replay_starts=[s.replay_start for s in seqs])
-    return torch.tensor(ids, dtype=torch.long).to(**to), meta, qstart
+    ids_t = torch.tensor(ids, dtype=torch.long).to(**to)
+    if ids and min(ids) < 0:
+        ids_t = resolve_future(ids_t, batch.future)
+    return ids_t, meta, qstart
+
+
+def resolve_future(ids: torch.Tensor, future) -> torch.Tensor:
+    """Replace pending references (-1 - i) by future[i], on the device: the token a launched step sampled
+    (overlap scheduling) is read where it lies, without waiting for it on the host."""
+    if future is None:
+        raise RuntimeError("input ids hold pending token references but the batch carries no future buffer")
+    return torch.where(ids < 0, future.reshape(-1)[(-1 - ids).clamp_(min=0)], ids)
 
 
 def decode_rows(batch) -> list:

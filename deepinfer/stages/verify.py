@@ -30,8 +30,8 @@ class VerifyStage(Stage):
             seqs = [batch.seqs[i] for i in rows]
             graphs = self.decode_graphs
             if graphs is not None and graphs.covers(len(rows), max(len(s.block_table) for s in seqs)):
-                dec = graphs.run([s.token_ids[batch.start[i]] for s, i in zip(seqs, rows)],
-                                 [batch.start[i] for i in rows], [s.block_table for s in seqs])
+                dec = graphs.run([s.input_ids(batch.start[i], 1)[0] for s, i in zip(seqs, rows)],
+                                 [batch.start[i] for i in rows], [s.block_table for s in seqs], batch.future)
             else:
                 ids, meta, _ = build_inputs(batch, rows, self.config.block_size, self.ops.device)
                 dec = self.model.compute_logits(self.model(ids, meta, state.kv_cache))  # [R, V]
@@ -41,11 +41,11 @@ class VerifyStage(Stage):
             if state.logits is None:  # nothing samples this step (only non-final prefill chunks)
                 state.logits = torch.empty(0, self.model.vocab_size, device=self.ops.device)
             return
-        # Interleave back into batch order over the sampling rows.
+        # Interleave back into batch order over the sampling rows (index copies: a boolean mask would sync).
         decode = set(rows)
         is_dec = [i in decode for i, s in enumerate(batch.samples) if s]
         out = torch.empty(len(is_dec), dec.shape[1], dtype=dec.dtype, device=dec.device)
-        mask = torch.tensor(is_dec, device=dec.device)
-        out[mask] = dec
-        out[~mask] = pre
+        to = dict(dtype=torch.long, device=dec.device)
+        out.index_copy_(0, torch.tensor([r for r, d in enumerate(is_dec) if d], **to), dec)
+        out.index_copy_(0, torch.tensor([r for r, d in enumerate(is_dec) if not d], **to), pre.to(dec.dtype))
         state.logits = out
