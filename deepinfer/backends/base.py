@@ -72,6 +72,16 @@ class Ops:
         """Store k, v [T, Hk, D] at cache rows ``slots`` [T] of k_cache/v_cache [num_slots, Hk, D]."""
         raise NotImplementedError
 
+    def apply_rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     interleaved: bool):
+        """Rotary embedding of q [T, H, D] and k [T, Hk, D] at positions [T] -> new (q, k); inputs untouched.
+
+        cos_sin_cache [P, R] = cat(cos, sin) of each position (R = rotary dim, even, <= D; its dtype is the
+        precision of the rotation, outputs are cast back to q/k's dtype); channels R.. pass through.
+        ``interleaved`` rotates adjacent channel pairs (GPT-J, DeepSeek), else the two halves of the first R
+        channels (neox rotate_half: Llama, Qwen). Positions must be < P (not checked: a host sync)."""
+        raise NotImplementedError
+
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata,
                         scale: float, window: Optional[int] = None,
                         sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -106,4 +116,47 @@ class Ops:
         raise NotImplementedError
 
     def compute_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
+        raise NotImplementedError
+
+    # Low-bit KV caches and the CED (DeepSeek-V4.1-Flash) engine path's attention and indexer.
+    def quantize_kv(self, x: torch.Tensor, fmt: str):
+        """x [..., C] -> (codes uint8, scales uint8 or None) in reference.lowbit's byte layout for ``fmt``."""
+        raise NotImplementedError
+
+    def dequantize_kv(self, codes: torch.Tensor, scales: Optional[torch.Tensor], fmt: str,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Inverse of quantize_kv: -> x [..., C] in ``dtype``."""
+        raise NotImplementedError
+
+    def ced_indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: tuple, key_fmt: str,
+                         entry_slots: torch.Tensor, q_rows: torch.Tensor, num_visible: torch.Tensor, k: int,
+                         allowed: Optional[torch.Tensor] = None, return_scores: bool = False):
+        """The CED indexer: score(t, j) = sum_h weights[t, h] * relu(q[t, h] . key(j)) over the entries of query
+        t's sequence, then its top-k allowed entries (ties to the lower id).
+
+        q [Tq, nh, dh]; weights [Tq, nh]; keys = (codes, scales) the paged index-key cache in ``key_fmt``;
+        entry_slots [R, J] int64: cache row of sequence r's entry j; q_rows [Tq] int64: each query's sequence
+        (a sequence's queries are contiguous); num_visible [Tq]: entries 0 .. n-1 are visible; allowed [Tq, J]
+        bool or None narrows them further. Returns (ids [Tq, k] int64, -1 where fewer than k are allowed;
+        scores [Tq, J] float32 when return_scores, else None). The reference orders ids by descending score;
+        kernels may return the same set in another order (-1s still last). Scores of entries that are not
+        visible are unspecified.
+        """
+        raise NotImplementedError
+
+    def ced_sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Optional[tuple],
+                             entry_slots: torch.Tensor, *, pos: torch.Tensor, cut: torch.Tensor,
+                             fresh_lo: torch.Tensor, fresh_start: torch.Tensor, ring_slot: torch.Tensor,
+                             window: int, ring_fmt: str, entry_fmt: str, sinks: Optional[torch.Tensor],
+                             scale: float) -> torch.Tensor:
+        """CED attention: one softmax per query over its sliding-window keys, its selected global entries and
+        the sink (a per-head logit in the denominator only). MQA over one latent: K = V.
+
+        q [Tq, H, D]; kv [Tq, D] the latents computed in this pass (row i belongs to query i). Query t's window
+        is positions max(pos - window + 1, cut, 0) .. pos: those >= fresh_lo are kv rows fresh_start + p -
+        fresh_lo, older ones are slot p % RING of ring row ``ring_slot`` in ring = (codes [S, RING, ...],
+        scales) in ``ring_fmt``. entries = (codes [N, ...], scales) the paged global KV in ``entry_fmt`` (None:
+        no global branch); entry_slots [Tq, K] int64 its rows per query, -1 = none. pos, cut, fresh_lo,
+        fresh_start, ring_slot: [Tq] int64. sinks [H] or None. Returns [Tq, H, D] in q's dtype.
+        """
         raise NotImplementedError

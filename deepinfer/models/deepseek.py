@@ -277,7 +277,7 @@ class Backbone(nn.Module):
     def __init__(self, c: DeepseekConfig, ops, expert_load, moe_impl: str):
         super().__init__()
         rotary = RotaryEmbedding(c.rope, max_position=c.max_position, device=ops.device,
-                                 is_neox_style=not c.rope_interleave)
+                                 is_neox_style=not c.rope_interleave, ops=ops)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c, i, rotary, ops, expert_load, moe_impl)
                                     for i in range(c.num_layers))

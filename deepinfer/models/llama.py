@@ -143,7 +143,7 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, c: LlamaConfig, ops, mlp_factory=None):
         super().__init__()
-        rotary = RotaryEmbedding(c.rope, max_position=c.max_position, device=ops.device)
+        rotary = RotaryEmbedding(c.rope, max_position=c.max_position, device=ops.device, ops=ops)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c, i, rotary, ops, mlp_factory) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_eps, ops)

@@ -261,11 +261,12 @@ class RotaryEmbedding:
     ``dtype`` is the precision of the cache and of the rotation math (keep float32 to match HF);
     outputs are cast back to the input dtype. ``is_neox_style`` rotates the two halves of the
     rotary channels (HF ``rotate_half``: Llama/Qwen/Mistral); False rotates adjacent pairs
-    (GPT-J / DeepSeek interleaved layout).
+    (GPT-J / DeepSeek interleaved layout). With ``ops`` (a backend) the rotation runs as
+    ``ops.apply_rotary``; without, as ``rotate`` (the reference op's body).
     """
 
     def __init__(self, params: dict, max_position: int, dtype=torch.float32, device=None,
-                 is_neox_style: bool = True):
+                 is_neox_style: bool = True, ops=None):
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be floating point, got {dtype}")
         if max_position <= 0:
@@ -277,6 +278,7 @@ class RotaryEmbedding:
         self.dtype = dtype
         self.device = device
         self.is_neox_style = is_neox_style
+        self.ops = ops
         self.inv_freq, self.attention_scaling = compute_inv_freq(self.params, device)
         self.cos_sin_cache = self._build_cache(max_position)  # [P, rotary_dim] = cat(cos, sin)
         self._reserved = False  # set by reserve(): positions are guaranteed to fit, skip the bounds check
@@ -317,23 +319,36 @@ class RotaryEmbedding:
                 # Grow geometrically so a slowly lengthening sequence doesn't rebuild every step.
                 self.cos_sin_cache = self._build_cache(max(needed, 2 * self.max_position))
 
-        cos_sin = self.cos_sin_cache.index_select(0, positions.to(self.cos_sin_cache.device))
-        cos, sin = cos_sin[:, None, :].chunk(2, dim=-1)  # each [T, 1, rotary_dim // 2]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        apply = rotate if self.ops is None else self.ops.apply_rotary
+        return apply(q, k, positions, self.cos_sin_cache, not self.is_neox_style)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot = x[..., : self.rotary_dim].to(self.dtype)
-        if self.is_neox_style:
-            x1, x2 = rot.chunk(2, dim=-1)
-        else:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        o1 = x1 * cos - x2 * sin
-        o2 = x2 * cos + x1 * sin
-        if self.is_neox_style:
-            rotated = torch.cat((o1, o2), dim=-1)
-        else:
-            rotated = torch.stack((o1, o2), dim=-1).flatten(-2)  # re-interleave pairs
-        rotated = rotated.to(x.dtype)
-        if self.rotary_dim == x.shape[-1]:
-            return rotated
-        return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
+
+def rotate(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+           interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, H, D] and k [T, Hk, D] by the cache rows [P, R] = cat(cos, sin) of ``positions`` [T].
+
+    The reference body of ``Ops.apply_rotary``: math in the cache's dtype, outputs in the inputs' dtypes,
+    channels R.. passed through; new tensors, inputs untouched.
+    """
+    cos_sin = cos_sin_cache.index_select(0, positions.to(cos_sin_cache.device))
+    cos, sin = cos_sin[:, None, :].chunk(2, dim=-1)  # each [T, 1, rotary_dim // 2]
+    return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    rotary_dim = 2 * cos.shape[-1]
+    rot = x[..., :rotary_dim].to(cos.dtype)
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    else:
+        x1, x2 = rot.chunk(2, dim=-1)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if interleaved:
+        rotated = torch.stack((o1, o2), dim=-1).flatten(-2)  # re-interleave pairs
+    else:
+        rotated = torch.cat((o1, o2), dim=-1)
+    rotated = rotated.to(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return rotated
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)

@@ -3,7 +3,9 @@
 A kernel runs when its inputs are CUDA tensors (or CPU tensors while the kernels were built for Triton's
 interpreter, TRITON_INTERPRET=1) and it supports their dtype and shape; otherwise the reference op
 runs, so every call gives the reference's function. Decode attention (one query per row, paged KV with
-a block table) runs the Triton kernel; prefill rows use the reference op.
+a block table) runs the Triton decode kernel; every other paged step (prefill chunks with or without a
+cached prefix, mixed prefill/decode batches) runs the Triton flash-attention prefill kernel over the same
+block table, given the metadata's cu_q/max_q.
 """
 
 from __future__ import annotations
@@ -68,15 +70,72 @@ class NvidiaOps(ReferenceOps):
             return triton_act.silu_and_mul(x)
         return super().silu_and_mul(x)
 
+    # Mixture of experts.
+    def moe_experts(self, x, w13, w2, weights, ids, *, clamp=None, impl="routed"):
+        """impl "routed" runs the fused Triton MoE (no host sync, CUDA-graph safe). It does not range-check
+        ids (that would sync): an id outside [0, E) is the router's bug and its pair contributes zero; the
+        reference path ("dense", or any input the kernel does not support) raises on it."""
+        from . import triton_moe  # imported on first use, like the reference's moe module
+
+        if impl == "routed" and kernel_device_ok(x, w13, w2, weights, ids) \
+                and triton_moe.supports(x, w13, w2, weights, ids):
+            self.kernel_calls["fused_moe"] += 1
+            return triton_moe.fused_experts(x, w13, w2, weights, ids, clamp=clamp)
+        return super().moe_experts(x, w13, w2, weights, ids, clamp=clamp, impl=impl)
+
     # Attention.
     def paged_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale, window=None, sinks=None):
         decode = meta.block_table is not None and meta.q_index.shape[1] == 1
+        if decode:  # MLA's absorbed decode (V = a prefix of the one latent KV head): every head per KV tile
+            from . import triton_mla
+
+            r = triton_mla.mla_call_rank(q, k_cache, v_cache, meta.block_table, meta.block_size, window, sinks)
+            if r and kernel_device_ok(q, k_cache, meta.block_table, meta.seq_lens):
+                self.kernel_calls["mla_decode"] += 1
+                return triton_mla.mla_decode(q, k_cache, meta.block_table, meta.block_size, meta.seq_lens, scale, r)
         if decode and kernel_device_ok(q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.q_pos, sinks) \
                 and triton_attention.supports(q, k_cache, v_cache, meta.block_table, meta.block_size, sinks):
             self.kernel_calls["paged_attention"] += 1
             return triton_attention.paged_decode(q, k_cache, v_cache, meta.block_table, meta.block_size,
                                                  meta.seq_lens, meta.q_pos[:, 0], scale, window, sinks)
+        from . import triton_prefill  # ragged rows (prefill chunks, mixed batches): flash attention, paged
+
+        if meta.cu_q is not None and meta.block_table is not None and meta.max_q > 0 and 0 < scale < float("inf") \
+                and kernel_device_ok(q, k_cache, v_cache, meta.block_table, meta.cu_q, meta.seq_lens, sinks) \
+                and triton_prefill.supports(q, k_cache, v_cache, meta.block_table, meta.block_size, meta.cu_q,
+                                            meta.seq_lens, sinks):
+            self.kernel_calls["paged_prefill"] += 1
+            return triton_prefill.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.block_size, meta.cu_q,
+                                                meta.seq_lens, meta.max_q, scale, window, sinks)
         return super().paged_attention(q, k_cache, v_cache, meta, scale, window, sinks)
+
+    # CED (DeepSeek-V4.1-Flash): window + top-K sparse attention over the FP8 rings and the paged FP4 KV in one
+    # pass, and the indexer's scores and top-K over the FP4 index keys (modules imported on first use).
+    def ced_sparse_attention(self, q, kv, ring, entries, entry_slots, *, pos, cut, fresh_lo, fresh_start, ring_slot,
+                             window, ring_fmt, entry_fmt, sinks, scale):
+        from . import triton_ced_attention as tca
+
+        where = dict(pos=pos, cut=cut, fresh_lo=fresh_lo, fresh_start=fresh_start, ring_slot=ring_slot)
+        if kernel_device_ok(q, kv, *ring, *(entries or ()), entry_slots, sinks, *where.values()) \
+                and tca.supports(q, kv, ring, entries, entry_slots, ring_fmt, entry_fmt, sinks):
+            self.kernel_calls["ced_sparse_attention"] += 1
+            return tca.sparse_attention(q, kv, ring, entries, entry_slots, window=window, ring_fmt=ring_fmt,
+                                        entry_fmt=entry_fmt, sinks=sinks, scale=scale, **where)
+        return super().ced_sparse_attention(q, kv, ring, entries, entry_slots, window=window, ring_fmt=ring_fmt,
+                                            entry_fmt=entry_fmt, sinks=sinks, scale=scale, **where)
+
+    def ced_indexer_topk(self, q, weights, keys, key_fmt, entry_slots, q_rows, num_visible, k, allowed=None,
+                         return_scores=False):
+        """The kernel returns the reference's set of ids in ascending order (see triton_ced_indexer)."""
+        from . import triton_ced_indexer as tci
+
+        if kernel_device_ok(q, weights, *keys, entry_slots, q_rows, num_visible, allowed) \
+                and tci.supports(q, weights, *keys, key_fmt, entry_slots):
+            self.kernel_calls["ced_indexer_topk"] += 1
+            return tci.indexer_topk(q, weights, *keys, key_fmt, entry_slots, q_rows, num_visible, k, allowed,
+                                    return_scores)
+        return super().ced_indexer_topk(q, weights, keys, key_fmt, entry_slots, q_rows, num_visible, k, allowed,
+                                        return_scores)
 
     # FP8 KV quantisation (the lowbit "fp8_e4m3_pow2" layout); other formats use the reference code.
     def quantize_kv(self, x: torch.Tensor, fmt: str):
@@ -85,6 +144,12 @@ class NvidiaOps(ReferenceOps):
         if fmt == triton_kvquant.FMT and kernel_device_ok(x) and triton_kvquant.supports_quantize(x):
             self.kernel_calls["quantize_kv"] += 1
             return triton_kvquant.quantize_fp8_pow2(x)
+        if fmt in ("fp4_e2m1_e4m3", "mxfp4") and kernel_device_ok(x):  # CED global KV and indexer keys
+            from . import triton_fp4
+
+            if triton_fp4.supports_quantize(x, fmt):
+                self.kernel_calls["quantize_kv"] += 1
+                return triton_fp4.quantize(x, fmt)
         return lowbit.quantize(x, fmt)
 
     def dequantize_kv(self, codes: torch.Tensor, scales: Optional[torch.Tensor], fmt: str,
@@ -97,4 +162,38 @@ class NvidiaOps(ReferenceOps):
                 and dtype in triton_kvquant.SUPPORTED_DTYPES:
             self.kernel_calls["dequantize_kv"] += 1
             return triton_kvquant.dequantize_fp8_pow2(codes, scales, dtype)
+        if fmt in ("fp4_e2m1_e4m3", "mxfp4") and kernel_device_ok(codes, scales):
+            from . import triton_fp4
+
+            if triton_fp4.supports_dequantize(codes, scales, fmt, dtype):
+                self.kernel_calls["dequantize_kv"] += 1
+                return triton_fp4.dequantize(codes, scales, fmt, dtype)
         return lowbit.dequantize(codes, scales, fmt, dtype)
+
+    # Sampling: the reference's penalties and exponential race around a Triton filter that does not sort the
+    # vocabulary; it keeps the same tokens, so seeded rows draw the same tokens as the reference.
+    def sample(self, logits, batch, generator=None):
+        from . import triton_sampling
+
+        if not batch.all_greedy and kernel_device_ok(logits, batch.temperature, batch.top_k, batch.top_p,
+                                                     batch.min_p) and triton_sampling.supports(logits):
+            self.kernel_calls["sampling_filter"] += 1
+            return triton_sampling.sample(logits, batch, generator)
+        return super().sample(logits, batch, generator)
+
+    # KV cache writes and rotary embeddings: one launch each.
+    def write_kv(self, k_cache, v_cache, k, v, slots):
+        from . import triton_kv_write
+
+        if kernel_device_ok(k_cache, v_cache, k, v, slots) and triton_kv_write.supports(k_cache, v_cache, k, v, slots):
+            self.kernel_calls["write_kv"] += 1
+            return triton_kv_write.write_kv(k_cache, v_cache, k, v, slots)
+        return super().write_kv(k_cache, v_cache, k, v, slots)
+
+    def apply_rotary(self, q, k, positions, cos_sin_cache, interleaved):
+        from . import triton_rope
+
+        if kernel_device_ok(q, k, positions, cos_sin_cache) and triton_rope.supports(q, k, positions, cos_sin_cache):
+            self.kernel_calls["apply_rotary"] += 1
+            return triton_rope.apply_rotary(q, k, positions, cos_sin_cache, interleaved)
+        return super().apply_rotary(q, k, positions, cos_sin_cache, interleaved)

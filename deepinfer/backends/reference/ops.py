@@ -69,6 +69,11 @@ class ReferenceOps(Ops):
         k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
+    def apply_rotary(self, q, k, positions, cos_sin_cache, interleaved):
+        from ...models.rope import rotate
+
+        return rotate(q, k, positions, cos_sin_cache, interleaved)
+
     def paged_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale, window=None, sinks=None):
         k = _gather_kv(k_cache, meta)  # [B, max_kv, Hk, D]
         if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[:-1] == k_cache.shape[:-1]:
@@ -111,3 +116,68 @@ class ReferenceOps(Ops):
         from .sampling import compute_logprobs
 
         return compute_logprobs(logits, token_ids, num_top)
+
+    # Low-bit KV caches and the CED engine path (the PyTorch code the CED engine path ran before it called ops).
+    def quantize_kv(self, x, fmt):
+        from . import lowbit
+
+        return lowbit.quantize(x, fmt)
+
+    def dequantize_kv(self, codes, scales, fmt, dtype=torch.float32):
+        from . import lowbit
+
+        return lowbit.dequantize(codes, scales, fmt, dtype)
+
+    def ced_indexer_topk(self, q, weights, keys, key_fmt, entry_slots, q_rows, num_visible, k, allowed=None,
+                         return_scores=False):
+        from ...models.ced import functional as fn  # select_topk is looked up at call time (tests wrap it)
+        from . import lowbit
+
+        Tq, J = q.shape[0], entry_slots.shape[1]
+        codes, scales = keys
+        scores = q.new_zeros(Tq, J, dtype=torch.float32)
+        if Tq:
+            # One sequence at a time against its own keys: no [Tq, J, dh] per-query copy of the keys.
+            rows, counts = torch.unique_consecutive(q_rows, return_counts=True)
+            a = 0
+            for r, n in zip(rows.tolist(), counts.tolist()):
+                sl = entry_slots[r]
+                kr = lowbit.dequantize(codes[sl], scales[sl] if scales is not None and scales.shape[-1] else None,
+                                       key_fmt, dtype=q.dtype)
+                scores[a:a + n] = fn.index_scores(q[a:a + n], weights[a:a + n], kr)
+                a += n
+        ok = torch.arange(J, device=q.device)[None, :] < num_visible[:, None]
+        if allowed is not None:
+            ok = ok & allowed
+        return fn.select_topk(scores, ok, k), (scores if return_scores else None)
+
+    def ced_sparse_attention(self, q, kv, ring, entries, entry_slots, *, pos, cut, fresh_lo, fresh_start, ring_slot,
+                             window, ring_fmt, entry_fmt, sinks, scale):
+        from ...models.ced import functional as fn
+        from . import lowbit
+
+        # Window keys [Tq, W, D]: fresh rows of kv, older positions dequantized from the ring.
+        Tq, W, D = q.shape[0], window, kv.shape[-1]
+        p = pos[:, None] - (W - 1) + torch.arange(W, device=q.device)[None, :]  # [Tq, W]
+        valid = (p >= cut[:, None]) & (p >= 0)
+        fresh = p >= fresh_lo[:, None]
+        fresh_idx = (fresh_start[:, None] + p - fresh_lo[:, None]).clamp(0, max(Tq - 1, 0))
+        keys = kv[fresh_idx] if Tq else kv.new_zeros(0, W, D)
+        from_ring = valid & ~fresh  # only these are read (and dequantized) from the ring
+        if bool(from_ring.any()):
+            codes, scales = ring
+            slots = ring_slot[:, None].expand_as(p)[from_ring]
+            r = p[from_ring].clamp(min=0) % codes.shape[1]
+            sc = scales[slots, r] if scales is not None and scales.shape[-1] else None
+            keys = keys.clone()
+            keys[from_ring] = lowbit.dequantize(codes[slots, r], sc, ring_fmt, dtype=kv.dtype)
+        # Selected entries [Tq, K, D] (zeros where none).
+        gmask = entry_slots >= 0
+        if entries is None or entries[0].shape[0] == 0 or entry_slots.numel() == 0:
+            glob = kv.new_zeros(Tq, entry_slots.shape[1], D)
+        else:
+            codes, scales = entries
+            sl = entry_slots.clamp(min=0)
+            sc = scales[sl] if scales is not None and scales.shape[-1] else None
+            glob = lowbit.dequantize(codes[sl], sc, entry_fmt, dtype=kv.dtype).masked_fill(~gmask[..., None], 0)
+        return fn.attend(q, keys, valid, glob, gmask, sinks, scale)

@@ -68,10 +68,13 @@ class CEDCache:
         bt = torch.tensor(block_table, dtype=torch.long, device=entry_ids.device)
         return bt[entry_ids // per] * per + entry_ids % per
 
-    def write_entries(self, layer: int, slots: torch.Tensor, e: torch.Tensor, k: torch.Tensor) -> None:
+    def write_entries(self, layer: int, slots: torch.Tensor, e: torch.Tensor, k: torch.Tensor,
+                      quantize=lowbit.quantize) -> None:
+        """Quantize entries e [n, D] and indexer keys k [n, dh] (with ``quantize``, e.g. an Ops' quantize_kv)
+        into cache rows ``slots`` [n]."""
         c = self.c
         for store, x, fmt in ((self.kv[layer], e, c.global_kv_format), (self.ik[layer], k, c.index_k_format)):
-            codes, scales = lowbit.quantize(x, fmt)
+            codes, scales = quantize(x, fmt)
             store[0][slots] = codes
             if scales is not None:
                 store[1][slots] = scales
@@ -85,8 +88,9 @@ class CEDCache:
         return out
 
     # SWA rings.
-    def ring_write(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor) -> None:
-        codes, scales = lowbit.quantize(kv, self.c.swa_kv_format)
+    def ring_write(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor,
+                   quantize=lowbit.quantize) -> None:
+        codes, scales = quantize(kv, self.c.swa_kv_format)
         r = pos % self.c.ring_size
         self.ring[layer][0][slots, r] = codes
         if scales is not None:

@@ -6,7 +6,11 @@ Per row (a sequence computing positions [a, b) this step, replay start s):
   previous chunk) and writes them to the paged cache before attention (visibility does the causality);
 - the decoder runs only over positions >= s, with its SWA cut at s (bounded replay; s = 0 is exact).
   The decoder's full layer still compresses every chunk token from the final encoder state.
-Queries gather their SWA keys from this chunk's fresh KV and, for older positions, from the ring.
+Queries take their SWA keys from this chunk's fresh KV and, for older positions, from the ring.
+
+Attention (window + selected entries + sink), the indexer's scores and top-K, and the caches' quantisation
+go through the model's ops (``ced_sparse_attention``, ``ced_indexer_topk``, ``quantize_kv``), which read the
+low-bit caches in place: the reference ops dequantize what they read, kernels dequantize in registers.
 """
 
 from __future__ import annotations
@@ -39,29 +43,21 @@ class Pass:
             qs.append(qs[-1] + k)
         self.tok = torch.tensor([qs[r] + (p - meta.starts[r]) for r, p in zip(self.rows, pos)], dtype=torch.long,
                                 device=device)
+        # Per query: its replay cut, first fresh position, offset of that position's row, and ring (state slot).
+        per_row = torch.tensor([cut, lo, self.lstart, list(meta.state_slots)], dtype=torch.long, device=device)
+        self.cut_t, self.lo_t, self.lstart_t, self.ring_slot = per_row[:, self.rows_t].unbind(0)
 
 
-def _swa_keys(model, layer, P: Pass, kv, cache, meta, device):
-    """[Tq, W, D] keys of each query and their mask, from fresh KV (this pass) or the ring."""
-    c = model.config
-    W = c.n_win
-    p = P.pos[:, None] - (W - 1) + torch.arange(W, device=device)[None, :]  # [Tq, W]
-    lo = torch.tensor(P.lo, device=device)[P.rows_t][:, None]
-    cut = torch.tensor(P.cut, device=device)[P.rows_t][:, None]
-    valid = (p >= cut) & (p >= 0)
-    fresh = p >= lo
-    lst = torch.tensor(P.lstart, device=device)[P.rows_t][:, None]
-    fresh_idx = (lst + p - lo).clamp(0, max(P.n - 1, 0))
-    keys = kv[fresh_idx] if P.n else kv.new_zeros(0, W, c.head_dim)
-    from_ring = valid & ~fresh  # older positions: only these are read (and dequantized) from the ring
-    if bool(from_ring.any()):
-        slots = torch.tensor(meta.state_slots, device=device)[P.rows_t][:, None].expand_as(p)
-        keys = keys.clone()
-        keys[from_ring] = cache.ring_read(layer.i, slots[from_ring], p[from_ring])
-    return keys, valid
+def _ops(model):
+    """The model's backend ops (the reference ops when the model was built without any)."""
+    if getattr(model, "ops", None) is None:
+        from ...backends.reference.ops import ReferenceOps
+
+        model.ops = ReferenceOps(next(model.parameters()).device)
+    return model.ops
 
 
-def _write_ring(layer, P: Pass, kv, cache, meta, device):
+def _write_ring(layer, P: Pass, kv, cache, meta, device, ops):
     c = layer.c
     keep = []
     for r in range(len(meta.starts)):
@@ -70,7 +66,7 @@ def _write_ring(layer, P: Pass, kv, cache, meta, device):
     if keep:
         idx = torch.tensor(keep, dtype=torch.long, device=device)
         slots = torch.tensor(meta.state_slots, device=device)[P.rows_t[idx]]
-        cache.ring_write(layer.i, slots, P.pos[idx], kv[idx])
+        cache.ring_write(layer.i, slots, P.pos[idx], kv[idx], quantize=ops.quantize_kv)
 
 
 def _compress_chunk(model, layer, xs, meta, cache, device):
@@ -102,12 +98,13 @@ def _compress_chunk(model, layer, xs, meta, cache, device):
     for r, j0, j1 in rows:
         n = j1 - j0
         slots = cache.entry_slots(layer.i, meta.block_tables[r], torch.arange(j0, j1, device=device))
-        cache.write_entries(layer.i, slots, e[off:off + n], k[off:off + n])
+        cache.write_entries(layer.i, slots, e[off:off + n], k[off:off + n], quantize=_ops(model).quantize_kv)
         off += n
 
 
-def _row_entries(layer_i, m, cache, meta, device):
-    """All entries complete after this step, per row: ([R, Jmax, D], [R, Jmax, dh], J per row)."""
+def _row_slots(m, cache, meta, device):
+    """Cache rows of every row's entries complete after this step: [R, Jmax] int64 (a row's ids past its own
+    count repeat its last entry's row; queries never see them)."""
     J = [(a + k) // m for a, k in zip(meta.starts, meta.nums)]
     Jmax = max(J) if J else 0
     ids = torch.arange(Jmax, device=device)
@@ -117,21 +114,22 @@ def _row_entries(layer_i, m, cache, meta, device):
         bt = torch.tensor(meta.block_tables[r] or [0], dtype=torch.long, device=device)
         jj = ids.clamp(max=max(J[r] - 1, 0))
         slots.append(bt[(jj // per).clamp(max=bt.numel() - 1)] * per + jj % per)
-    slots = torch.stack(slots) if slots else torch.zeros(0, 0, dtype=torch.long, device=device)
-    e, k = cache.read_entries(layer_i, slots)
-    return e, k, J
+    return torch.stack(slots) if slots else torch.zeros(0, 0, dtype=torch.long, device=device)
 
 
-def _row_scores(iq, iw, iks, P: Pass):
-    """Indexer scores [Tq, Jmax] of each query against its own sequence's keys, one row at a time, so no
-    [Tq, Jmax, dh] per-query copy of the keys is ever made (quadratic memory at long prompts)."""
-    out = iq.new_zeros(P.n, iks.shape[1], dtype=torch.float32)
-    bounds = P.lstart + [P.n]
-    for r in range(len(P.lstart)):
-        a, b = bounds[r], bounds[r + 1]
-        if b > a:
-            out[a:b] = fn.index_scores(iq[a:b], iw[a:b], iks[r])
-    return out
+def _choose_entries(ops, layer, iq, iw, keys, slots, P: Pass, num_visible, ctx):
+    """CEDLayer.choose_entries through the indexer op: a decoder reindex layer picks only from its full layer's
+    candidate pool; a decoder full layer builds that pool from its own scores."""
+    c = layer.c
+    pool = ctx[("pool", c.source_full(layer.i))] if layer.is_decoder and layer.mode == "reindex" else None
+    builds_pool = layer.is_decoder and layer.mode == "full"
+    topk, scores = ops.ced_indexer_topk(iq, iw, keys, c.index_k_format, slots, P.rows_t, num_visible, c.index_topk,
+                                        allowed=pool, return_scores=builds_pool)
+    if builds_pool:
+        visible = torch.arange(slots.shape[1], device=iq.device)[None, :] < num_visible[:, None]
+        ctx[("pool", layer.i)] = fn.pool_mask(scores, visible, c.pool_block, c.pool_blocks)
+    ctx[("topk", layer.i)] = topk
+    return topk
 
 
 def layer_engine(model, layer, h, P: Pass, src, meta, cache, ctx, stats):
@@ -142,40 +140,39 @@ def layer_engine(model, layer, h, P: Pass, src, meta, cache, ctx, stats):
     stats["layer_tokens"][layer.i] += P.n
     if P.n:
         stats["min_pos"][layer.i] = min(stats["min_pos"][layer.i], int(P.pos.min()))
+    ops = _ops(model)
     q, cq = layer.query(x, P.pos)
     kv = layer.swa_kv(x, P.pos)
-    swa, swa_mask = _swa_keys(model, layer, P, kv, cache, meta, device)
-    if layer.mode == "swa":
-        glob, gmask = kv.new_zeros(P.n, 0, c.head_dim), torch.zeros(P.n, 0, dtype=torch.bool, device=device)
-    else:
+    entries, sel = None, torch.zeros(P.n, 0, dtype=torch.long, device=device)  # swa layers: no global branch
+    if layer.mode != "swa":
         m = layer.m
         src_l = c.source_full(layer.i)
         if layer.mode == "full":
             xs = x if src is None else fn.rms(src, layer.attn_norm, c.rms_norm_eps)
             _compress_chunk(model, layer, xs, meta, cache, device)
-            ctx[("kv", layer.i)] = _row_entries(layer.i, m, cache, meta, device)
-        ents, iks, J = ctx[("kv", src_l)]
-        Jmax = ents.shape[1]
-        visible = torch.arange(Jmax, device=device)[None, :] < ((P.pos + 1) // m)[:, None]
+            ctx[("kv", layer.i)] = _row_slots(m, cache, meta, device)
+        slots = ctx[("kv", src_l)]  # [R, Jmax] cache rows of each row's entries
         if layer.mode in ("full", "reindex"):
             stats["indexer_calls"][layer.i] += 1
             iq, iw = layer.index_query(x, cq)
-            topk = layer.choose_entries(_row_scores(iq, iw, iks, P), visible, ctx)
+            topk = _choose_entries(ops, layer, iq, iw, cache.ik[src_l], slots, P, (P.pos + 1) // m, ctx)
         else:
             topk = ctx[("topk", c.source_topk(layer.i))]
-        valid = topk >= 0
-        if P.n and Jmax:
-            glob = ents[P.rows_t[:, None], topk.clamp(min=0)]
+        if P.n and slots.shape[1]:
+            sel = torch.where(topk >= 0, slots[P.rows_t[:, None], topk.clamp(min=0)], -1)  # [Tq, K] cache rows
         else:  # no query, or no complete entry yet in any row (topk is all -1)
-            glob = ents.new_zeros(P.n, topk.shape[1], c.head_dim)
-        gmask = valid
+            sel = torch.full_like(topk, -1)
+        entries = cache.kv[src_l]
     if P.n:
-        o = fn.attend(q, swa, swa_mask, glob, gmask, layer.sink, c.head_dim ** -0.5)
+        o = ops.ced_sparse_attention(q, kv, cache.ring[layer.i], entries, sel, pos=P.pos, cut=P.cut_t,
+                                     fresh_lo=P.lo_t, fresh_start=P.lstart_t, ring_slot=P.ring_slot,
+                                     window=c.n_win, ring_fmt=c.swa_kv_format, entry_fmt=c.global_kv_format,
+                                     sinks=layer.sink, scale=c.head_dim ** -0.5)
         h = h + layer.out_proj(o, P.pos)
         y, ids = layer.moe(fn.rms(h, layer.ffn_norm, c.rms_norm_eps))
         model.record_expert_load(layer.i, ids)
         h = h + y
-    _write_ring(layer, P, kv, cache, meta, device)
+    _write_ring(layer, P, kv, cache, meta, device, ops)
     return h
 
 

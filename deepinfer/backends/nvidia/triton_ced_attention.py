@@ -1,0 +1,271 @@
+"""CED sparse attention in Triton: sliding window + top-K compressed entries + sink, one softmax, one pass.
+
+Each CED query attends one shared latent (MQA, K = V, head dim D) over
+- its window keys: positions max(pos - W + 1, cut, 0) .. pos. Positions computed in this pass are rows of
+  the fresh KV ``kv`` (row fresh_start + p - fresh_lo for p >= fresh_lo); older ones live in the sequence's
+  FP8 ring (``fp8_e4m3_pow2``: E4M3 codes with a power-of-two scale per 32 channels, slot p % ring);
+- its selected global entries: cache rows ``entry_slots[t]`` (-1 = none) of the paged FP4 KV cache
+  (``fp4_e2m1_e4m3``, E2M1 nibbles with an E4M3 scale per 16 channels, or ``mxfp4``);
+- a per-head sink logit, which joins only the softmax denominator.
+
+A program owns one (query, head tile, split). It walks its share of the window tiles, then of the entry
+tiles, BLOCK_N keys at a time: it loads codes and scales, dequantises them in registers (exact: the
+products fit bf16) and keeps an online softmax in float32 (running max, denominator, unnormalised
+output). The heads form the M side of both products (padded to 16 rows), so each key is read once per
+head tile, and since K = V the tile loaded for the scores also serves the values. A tile with no visible
+key leaves the state untouched (no branch: the max is guarded against -inf). When the grid would be too
+small to fill the GPU (decode), the keys are split (flash-decoding) and triton_attention's merge kernel
+combines the partials and the sink. Split counts and loop bounds depend on shapes only, never on values,
+so the launch is safe inside a CUDA graph capture.
+
+Precision: as triton_attention: bf16/fp16 operands with float32 accumulation (float32 inputs use the
+"ieee" dot), probabilities rounded to q's dtype for the second product. Expect a relative error of a few
+1e-3 in bf16 and ~1e-7 in float32 against the reference op (which computes in float32).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_attention import LOG2E, _dot, _merge_kernel, _sm_count
+from .triton_fp4 import GROUPS, e4m3_value, e8m0_value, fp4_tile
+from .triton_norm import cast_rne, to_f32
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+RING_FMT = "fp8_e4m3_pow2"
+RING_GROUP = 32
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 1024
+
+
+@triton.jit
+def _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """Fold keys kv [BLOCK_N, BLOCK_D] (valid [BLOCK_N]) into the online softmax of q [BLOCK_H, BLOCK_D]."""
+    s = _dot(q, tl.trans(kv), DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep l = acc = 0, no NaN
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(cast_rne(p, kv.dtype), kv, DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _window_tile(kv_ptr, rc_row, rs_row, p, pos, fresh_lo, fresh_start, stride_kv, stride_rr, stride_rsr,
+                 RING, NG, BLOCK_G: tl.constexpr, DT: tl.constexpr):
+    """Window keys at positions p [BLOCK_N] (those <= pos): fresh rows of kv, or slots of the sequence's FP8 ring
+    (codes at rc_row, scales at rs_row; NG groups of 32 channels) -> ([BLOCK_N, BLOCK_G * 32] in DT, valid)."""
+    g = tl.arange(0, BLOCK_G)
+    ch = g[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCK_G, 32] channels, grouped as the ring's scales
+    valid = p <= pos
+    fresh = valid & (p >= fresh_lo)
+    ring = valid & (p < fresh_lo)
+    fmask = fresh[:, None] & (g < NG)[None, :]
+    frow = (fresh_start + p - fresh_lo).to(tl.int64)
+    f = tl.load(kv_ptr + frow[:, None, None] * stride_kv + ch[None, :, :], mask=fmask[:, :, None], other=0.0)
+    slot = (p % RING).to(tl.int64)
+    rmask = ring[:, None] & (g < NG)[None, :]
+    c = tl.load(rc_row + slot[:, None, None] * stride_rr + ch[None, :, :], mask=rmask[:, :, None], other=0)
+    sb = tl.load(rs_row + slot[:, None] * stride_rsr + g[None, :], mask=rmask, other=0).to(tl.int32)
+    r = cast_rne(e4m3_value(c.to(tl.int32)) * e8m0_value(sb)[:, :, None], DT)  # exact product, rounded once
+    kv = tl.where(fresh[:, None, None], f.to(DT), r)  # [BLOCK_N, BLOCK_G, 32]
+    return tl.reshape(kv, [p.shape[0], BLOCK_G * 32]), valid
+
+
+@triton.jit
+def _ced_attn_kernel(
+    q_ptr, kv_ptr, rc_ptr, rs_ptr, ec_ptr, es_ptr, sel_ptr, sinks_ptr,
+    pos_ptr, lo_ptr, flo_ptr, fst_ptr, rslot_ptr,
+    out_ptr, mid_m_ptr, mid_l_ptr, mid_o_ptr,
+    stride_qt, stride_qh, stride_kv,
+    stride_rs, stride_rr, stride_rss, stride_rsr,
+    stride_ec, stride_es, stride_sel,
+    stride_ot, stride_oh,
+    qk_scale, H, D, K, RING, NUM_SPLITS,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
+    HAS_ENTRIES: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    ht = tl.program_id(1)
+    split = tl.program_id(2)
+    heads = ht * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < H
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    DT = q.dtype
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    # Window: this split's tiles of positions lo .. pos.
+    pos = tl.load(pos_ptr + t)
+    lo = tl.load(lo_ptr + t)
+    fresh_lo = tl.load(flo_ptr + t)
+    fresh_start = tl.load(fst_ptr + t)
+    ring_row = tl.load(rslot_ptr + t).to(tl.int64)
+    rc_row = rc_ptr + ring_row * stride_rs
+    rs_row = rs_ptr + ring_row * stride_rss
+    n_off = tl.arange(0, BLOCK_N)
+    for i in range(WIN_TILES):
+        p = lo + (split * WIN_TILES + i) * BLOCK_N + n_off
+        kv, valid = _window_tile(kv_ptr, rc_row, rs_row, p, pos, fresh_lo, fresh_start, stride_kv, stride_rr,
+                                 stride_rsr, RING, D // 32, BLOCK_D // 32, DT)
+        m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+    if HAS_ENTRIES:  # selected entries: this split's tiles of entry_slots[t]
+        for i in range(SEL_TILES):
+            e = (split * SEL_TILES + i) * BLOCK_N + n_off
+            slot = tl.load(sel_ptr + t * stride_sel + e, mask=e < K, other=-1)
+            valid = slot >= 0
+            kv = fp4_tile(ec_ptr, es_ptr, slot, valid, stride_ec, stride_es, D // GROUP, BLOCK_D // GROUP, GROUP,
+                          E8M0)
+            m_i, l_i, acc = _online_step(q, cast_rne(kv, DT), valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+    if DIRECT:  # one split: add the sink and finish here
+        if HAS_SINKS:
+            sink = to_f32(tl.load(sinks_ptr + heads, mask=h_mask, other=0.0)) * 1.4426950408889634
+            m_f = tl.maximum(m_i, sink)
+            scale_old = tl.exp2(m_i - m_f)
+            l_i = l_i * scale_old + tl.exp2(sink - m_f)
+            acc = acc * scale_old[:, None]
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 cast_rne(acc / l_safe[:, None], out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+    else:  # partials [T, H, NUM_SPLITS] (m, l) and [T, H, NUM_SPLITS, BLOCK_D] (acc), as _merge_kernel reads them
+        ml = (t * H + heads) * NUM_SPLITS + split
+        tl.store(mid_m_ptr + ml, m_i, mask=h_mask)
+        tl.store(mid_l_ptr + ml, l_i, mask=h_mask)
+        tl.store(mid_o_ptr + ml[:, None] * BLOCK_D + d[None, :], acc, mask=h_mask[:, None])
+
+
+def supports(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Optional[tuple], entry_slots: torch.Tensor,
+             ring_fmt: str, entry_fmt: str, sinks: Optional[torch.Tensor] = None) -> bool:
+    """Whether sparse_attention can run these inputs (otherwise use the reference op)."""
+    if ring_fmt != RING_FMT or q.dim() != 3 or kv.dim() != 2 or entry_slots.dim() != 2:
+        return False
+    T, H, D = q.shape
+    if q.dtype not in SUPPORTED_DTYPES or kv.dtype != q.dtype or kv.shape != (T, D) or not 0 < D <= MAX_HEAD_DIM:
+        return False
+    if D % RING_GROUP or q.stride(2) != 1 or kv.stride(1) != 1:
+        return False
+    rc, rs = ring
+    if rs is None or rc.dtype != torch.uint8 or rs.dtype != torch.uint8 or rc.dim() != 3 or rs.dim() != 3:
+        return False
+    if rc.shape[2] != D or rs.shape != (*rc.shape[:2], D // RING_GROUP) or rc.stride(2) != 1 or rs.stride(2) != 1:
+        return False
+    if entry_slots.shape[0] != T or entry_slots.dtype != torch.int64:
+        return False
+    if entries is not None:
+        ec, es = entries
+        if entry_fmt not in GROUPS or es is None or ec.dtype != torch.uint8 or es.dtype != torch.uint8:
+            return False
+        if ec.dim() != 2 or ec.shape[1] != D // 2 or es.shape != (ec.shape[0], D // GROUPS[entry_fmt]):
+            return False
+        if ec.stride(1) != 1 or es.stride(1) != 1:
+            return False
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != H):
+        return False
+    return True
+
+
+def launch_config(H: int, D: int, dtype: torch.dtype) -> dict:
+    """Heads on the MMA's M side (16 rows at least; fewer rows per tile for wide heads so the float32
+    accumulator fits the registers), BLOCK_N keys per step. Chosen from ptxas' sm_90 spill report: none in
+    bf16 up to D = 256 and float32 at D = 128; a few dozen spilled words in bf16 at D = 512 (the bench latent),
+    where q's operand fragment alone takes 128 registers per thread."""
+    BLOCK_D = triton.next_power_of_2(D)
+    if INTERPRET:
+        BLOCK_N, num_warps = 16, 4
+    elif dtype == torch.float32:  # no tensor cores: keep the FMA products small
+        BLOCK_N, num_warps = 16, 8
+    else:
+        BLOCK_N = 64 if BLOCK_D <= 64 else (32 if BLOCK_D <= 256 else 16)
+        num_warps = 4 if BLOCK_D <= 64 else 8
+    return {"BLOCK_H": max(16, min(triton.next_power_of_2(H), 64 if BLOCK_D <= 128 else 16)), "BLOCK_D": BLOCK_D,
+            "BLOCK_N": BLOCK_N, "num_warps": num_warps}
+
+
+def choose_splits(rows: int, head_tiles: int, tiles: int, device: torch.device) -> int:
+    """Key splits so the grid fills the GPU (about 4 programs per SM), each split at least one tile.
+    Depends on shapes only."""
+    want = triton.cdiv(4 * _sm_count(device), max(1, rows * head_tiles))
+    return int(max(1, min(want, tiles, 16)))
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Optional[tuple],
+                     entry_slots: torch.Tensor, *, pos: torch.Tensor, cut: torch.Tensor, fresh_lo: torch.Tensor,
+                     fresh_start: torch.Tensor, ring_slot: torch.Tensor, window: int, entry_fmt: str,
+                     sinks: Optional[torch.Tensor], scale: float, ring_fmt: str = RING_FMT,
+                     num_splits: Optional[int] = None) -> torch.Tensor:
+    """One softmax per query over its window keys, its selected FP4 entries and the sink (see the module doc).
+
+    q [T, H, D]; kv [T, D] this pass's fresh latents (q's dtype); ring = (codes [S, RING, D], scales
+    [S, RING, D // 32]) uint8; entries = (codes [N, D // 2], scales [N, D // G]) uint8 or None (no global
+    branch); entry_slots [T, K] int64 cache rows, -1 = none; pos, cut, fresh_lo, fresh_start, ring_slot [T]
+    int64 per query; window W; sinks [H] or None. Returns [T, H, D] in q's dtype.
+    """
+    if not supports(q, kv, ring, entries, entry_slots, ring_fmt, entry_fmt, sinks):
+        raise ValueError(f"sparse_attention: unsupported inputs: q {q.dtype} {tuple(q.shape)}, kv {kv.dtype} "
+                         f"{tuple(kv.shape)}, ring_fmt {ring_fmt!r}, entry_fmt {entry_fmt!r}, entry_slots "
+                         f"{entry_slots.dtype} {tuple(entry_slots.shape)} (see triton_ced_attention.supports)")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    T, H, D = q.shape
+    for name, v in (("pos", pos), ("cut", cut), ("fresh_lo", fresh_lo), ("fresh_start", fresh_start),
+                    ("ring_slot", ring_slot)):
+        if v.shape != (T,) or v.dtype != torch.int64:
+            raise ValueError(f"{name} must be an int64 tensor [T={T}], got {v.dtype} {tuple(v.shape)}")
+    out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    rc, rs = ring
+    K = entry_slots.shape[1]
+    has_entries = entries is not None and K > 0
+    ec, es = entries if has_entries else (rc, rs)  # unused when there are no entries
+    if entry_slots.stride(1) != 1:
+        entry_slots = entry_slots.contiguous()
+    lo = torch.maximum(torch.maximum(pos - (window - 1), cut), torch.zeros_like(pos))  # first window position
+    cfg = launch_config(H, D, q.dtype)
+    BLOCK_H, BLOCK_N, BLOCK_D = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["BLOCK_D"]
+    num_ht = triton.cdiv(H, BLOCK_H)
+    win_tiles, sel_tiles = triton.cdiv(window, BLOCK_N), triton.cdiv(K, BLOCK_N) if has_entries else 0
+    S = num_splits if num_splits is not None else choose_splits(T, num_ht, max(win_tiles, sel_tiles), q.device)
+    S = max(1, int(S))
+    if S > 1:
+        mid_m = torch.empty((T, H, S), dtype=torch.float32, device=q.device)
+        mid_l = torch.empty((T, H, S), dtype=torch.float32, device=q.device)
+        mid_o = torch.empty((T, H, S, BLOCK_D), dtype=torch.float32, device=q.device)
+    else:
+        mid_m = mid_l = mid_o = out  # unused
+    has_sinks = sinks is not None
+    sinks_arg = sinks.contiguous() if has_sinks else q
+    _ced_attn_kernel[(T, num_ht, S)](
+        q, kv, rc, rs, ec, es, entry_slots, sinks_arg,
+        pos.contiguous(), lo, fresh_lo.contiguous(), fresh_start.contiguous(), ring_slot.contiguous(),
+        out, mid_m, mid_l, mid_o,
+        q.stride(0), q.stride(1), kv.stride(0),
+        rc.stride(0), rc.stride(1), rs.stride(0), rs.stride(1),
+        ec.stride(0), es.stride(0), entry_slots.stride(0),
+        out.stride(0), out.stride(1),
+        float(scale) * LOG2E, H, D, K, rc.shape[1], S,
+        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        WIN_TILES=triton.cdiv(win_tiles, S), SEL_TILES=triton.cdiv(sel_tiles, S),
+        GROUP=GROUPS.get(entry_fmt, 16), E8M0=entry_fmt == "mxfp4", HAS_ENTRIES=has_entries,
+        HAS_SINKS=has_sinks, DIRECT=S == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"],
+    )
+    if S > 1:
+        _merge_kernel[(T, H)](mid_m, mid_l, mid_o, sinks_arg, out, out.stride(0), out.stride(1), H, D, S,
+                              BLOCK_S=triton.next_power_of_2(S), BLOCK_DV=BLOCK_D, HAS_SINKS=has_sinks,
+                              num_warps=4)
+    return out

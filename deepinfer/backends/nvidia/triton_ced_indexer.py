@@ -1,0 +1,240 @@
+"""The CED indexer in Triton: scores against FP4 index keys read from the paged cache, then the top-K.
+
+score(t, j) = sum_h w[t, h] * relu(q[t, h] . k(j)) for the entries j of query t's sequence; the top-K
+of the visible (and allowed) entries are chosen, ties going to the lower entry id, as
+``models.ced.functional.select_topk`` chooses them.
+
+Two kernels:
+- ``_score_kernel``, one program per (query, tile of BLOCK_J entries): finds each entry's cache row
+  through the sequence's entry-slot table, dequantises the keys in registers (MXFP4 or FP4-E4M3, exact),
+  and computes the heads' dots on the tensor cores (all index heads form the M side). Tiles past the
+  query's visible entries store -inf without computing. The [Tq, J] float32 scores go to global memory
+  (4 bytes per entry against the 68 bytes of a key at dh = 128), which the decoder's candidate pool also
+  reads.
+- ``_topk_kernel``, one program per query: a threshold search instead of a sort. Scores are mapped to
+  int32 keys with the order of floats (-0.0 folded into +0.0); 32 counting passes find, bit by bit from
+  the top, the K-th largest key T; one more pass writes the entries above T and then the lowest-id entries
+  equal to T, in ascending id order, and -1 after the last. Rows up to BLOCK entries are read once and kept
+  in registers; longer rows are re-read per pass (from L2).
+
+So the selected set is exactly the reference's for the same scores. Scores computed here differ from the
+reference's float32 einsum in the last bits (summation order), so the set can differ where two entries'
+scores are within a few ulp of each other at the K-th place (exact ties, e.g. repeated keys, still agree).
+Ids come in ascending order, not by descending score as the reference returns them.
+
+Launch is capture-safe: shapes only decide the grid and loop counts, nothing is read back to the host.
+Scores must not be NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_attention import _dot
+from .triton_fp4 import GROUPS, fp4_tile
+from .triton_norm import cast_rne, to_f32
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEADS = 128
+MAX_HEAD_DIM = 512
+
+
+@triton.jit
+def _score_kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, slots_ptr, rows_ptr, nvis_ptr, out_ptr,
+                  stride_qt, stride_qh, stride_wt, stride_wh, stride_c, stride_s, stride_sr, stride_ot,
+                  NH, DH, J,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, GROUP: tl.constexpr,
+                  E8M0: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    j0 = tl.program_id(1) * BLOCK_J
+    j = j0 + tl.arange(0, BLOCK_J)
+    nvis = tl.minimum(tl.load(nvis_ptr + t), J)
+    vis = j < nvis
+    s = tl.full([BLOCK_J], float("-inf"), dtype=tl.float32)
+    if j0 < nvis:
+        row = tl.load(rows_ptr + t)
+        slot = tl.load(slots_ptr + row * stride_sr + j, mask=vis, other=0)  # [BLOCK_J] cache rows
+        k = fp4_tile(codes_ptr, scales_ptr, slot, vis, stride_c, stride_s, DH // GROUP, BLOCK_D // GROUP, GROUP,
+                     E8M0)  # [BLOCK_J, BLOCK_D]
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
+                    mask=(h < NH)[:, None] & (d < DH)[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+        # FP4 values are exact in bf16/fp16, so the keys join the MMA in q's dtype.
+        dots = _dot(q, tl.trans(cast_rne(k, q.dtype)), DOT_PRECISION)  # [BLOCK_H, BLOCK_J]
+        w = to_f32(tl.load(w_ptr + t * stride_wt + h * stride_wh, mask=h < NH, other=0.0))
+        s = tl.sum(w[:, None] * tl.maximum(dots, 0.0), axis=0)
+        s = tl.where(vis, s, float("-inf"))
+    tl.store(out_ptr + t * stride_ot + j, s, mask=j < J)
+
+
+@triton.jit
+def _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, j, nvis, HAS_ALLOWED: tl.constexpr):
+    """int32 keys with the order of the float scores of entries j, and whether each may be chosen."""
+    valid = j < nvis
+    if HAS_ALLOWED:
+        valid &= tl.load(allowed_ptr + t * stride_at + j, mask=valid, other=0) != 0
+    s = tl.load(scores_ptr + t * stride_st + j, mask=valid, other=0.0)
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with +0.0, as in the reference's sort
+    b = s.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b), valid
+
+
+@triton.jit
+def _topk_kernel(scores_ptr, nvis_ptr, allowed_ptr, out_ptr, stride_st, stride_at, stride_ot, J, K,
+                 HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+                 BLOCK_K: tl.constexpr, NUM_KT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    nvis = tl.minimum(tl.load(nvis_ptr + t), J)
+    offs = tl.arange(0, BLOCK)
+    if NUM_TILES == 1:  # the whole row stays in registers
+        key0, valid0 = _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, HAS_ALLOWED)
+    # The K-th largest key, bit by bit from the top, in the unsigned order of key + 2^31.
+    prefix = tl.full([], 0, dtype=tl.int64)
+    for b in range(32):
+        cand = prefix | (tl.full([], 1, dtype=tl.int64) << (tl.full([], 31, dtype=tl.int64) - b))
+        ck = (cand - 2147483648).to(tl.int32)
+        if NUM_TILES == 1:
+            cnt = tl.sum(((key0 >= ck) & valid0).to(tl.int32), axis=0)
+        else:
+            cnt = tl.full([], 0, dtype=tl.int32)
+            for i in range(NUM_TILES):
+                key, valid = _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i * BLOCK + offs, nvis,
+                                   HAS_ALLOWED)
+                cnt += tl.sum(((key >= ck) & valid).to(tl.int32), axis=0)
+        prefix = tl.where(cnt >= K, cand, prefix)
+    thr = (prefix - 2147483648).to(tl.int32)  # INT32_MIN (below every key) when fewer than K may be chosen
+    # Entries above the threshold, then ties at it by ascending id while the budget lasts.
+    above = tl.full([], 0, dtype=tl.int32)
+    for i in range(NUM_TILES):
+        if NUM_TILES == 1:
+            key, valid = key0, valid0
+        else:
+            key, valid = _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i * BLOCK + offs, nvis, HAS_ALLOWED)
+        above += tl.sum(((key > thr) & valid).to(tl.int32), axis=0)
+    budget = K - above
+    taken = tl.full([], 0, dtype=tl.int32)
+    ties = tl.full([], 0, dtype=tl.int32)
+    for i in range(NUM_TILES):
+        j = i * BLOCK + offs
+        if NUM_TILES == 1:
+            key, valid = key0, valid0
+        else:
+            key, valid = _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, j, nvis, HAS_ALLOWED)
+        eq = (valid & (key == thr)).to(tl.int32)
+        take = (valid & (key > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, axis=0) <= budget))
+        at = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(out_ptr + t * stride_ot + at, j.to(tl.int64), mask=take)
+        taken += tl.sum(take.to(tl.int32), axis=0)
+        ties += tl.sum(eq, axis=0)
+    for i in range(NUM_KT):
+        kk = i * BLOCK_K + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + t * stride_ot + kk, tl.full([BLOCK_K], -1, dtype=tl.int64), mask=(kk >= taken) & (kk < K))
+
+
+def _check_visibility(Tq: int, J: int, num_visible, allowed) -> None:
+    if not torch.is_tensor(num_visible) or num_visible.shape != (Tq,) \
+            or num_visible.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"num_visible must be an int32/int64 tensor [Tq={Tq}], got "
+                         f"{getattr(num_visible, 'dtype', type(num_visible))} "
+                         f"{tuple(getattr(num_visible, 'shape', ()))}")
+    if allowed is not None and (allowed.dtype != torch.bool or allowed.shape != (Tq, J)):
+        raise ValueError(f"allowed must be a bool tensor [Tq={Tq}, J={J}] or None, got {allowed.dtype} "
+                         f"{tuple(allowed.shape)}")
+
+
+def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
+                allowed: Optional[torch.Tensor] = None, block: Optional[int] = None) -> torch.Tensor:
+    """Top-k entry ids per row of scores [Tq, J] float32 among entries j < num_visible[t] (and allowed[t, j]):
+    [Tq, k] int64 in ascending id order, -1 after the last. The same set as select_topk (ties to the lower
+    id)."""
+    if scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be float32 [Tq, J], got {scores.dtype} {tuple(scores.shape)}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    Tq, J = scores.shape
+    _check_visibility(Tq, J, num_visible, allowed)
+    out = torch.empty((Tq, k), dtype=torch.int64, device=scores.device)
+    if Tq == 0:
+        return out
+    if J == 0:
+        return out.fill_(-1)
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    if allowed is not None and allowed.stride(1) != 1:
+        allowed = allowed.contiguous()
+    if block is None:
+        block = 32 if INTERPRET else min(4096, max(128, triton.next_power_of_2(J)))
+    num_tiles = triton.cdiv(J, block)
+    block_k = min(triton.next_power_of_2(k), 16 if INTERPRET else 1024)
+    al = allowed.view(torch.uint8) if allowed is not None else scores
+    _topk_kernel[(Tq,)](scores, num_visible.contiguous(), al, out, scores.stride(0),
+                        al.stride(0) if allowed is not None else 0, out.stride(0), J, k,
+                        HAS_ALLOWED=allowed is not None, BLOCK=block, NUM_TILES=num_tiles, BLOCK_K=block_k,
+                        NUM_KT=triton.cdiv(k, block_k), num_warps=8 if block >= 2048 else 4)
+    return out
+
+
+def supports(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, scales, fmt: str,
+             entry_slots: torch.Tensor) -> bool:
+    """Whether indexer_topk can run these inputs (otherwise use the reference op)."""
+    if fmt not in GROUPS or scales is None or q.dim() != 3 or weights.dim() != 2 or entry_slots.dim() != 2:
+        return False
+    Tq, nh, dh = q.shape
+    if q.dtype not in SUPPORTED_DTYPES or weights.dtype not in SUPPORTED_DTYPES or weights.shape != (Tq, nh):
+        return False
+    if not 0 < nh <= MAX_HEADS or not 0 < dh <= MAX_HEAD_DIM or dh % GROUPS[fmt] or q.stride(2) != 1:
+        return False
+    if codes.dtype != torch.uint8 or scales.dtype != torch.uint8 or codes.dim() != 2 or scales.dim() != 2:
+        return False
+    if codes.shape[1] != dh // 2 or scales.shape != (codes.shape[0], dh // GROUPS[fmt]):
+        return False
+    return codes.stride(1) == 1 and scales.stride(1) == 1 and entry_slots.dtype == torch.int64
+
+
+def launch_config(nh: int, dh: int) -> dict:
+    """The score kernel's tiles: all heads on the MMA's M side (at least 16 rows), BLOCK_J keys per program."""
+    return {"BLOCK_H": max(16, triton.next_power_of_2(nh)), "BLOCK_D": max(32, triton.next_power_of_2(dh)),
+            "BLOCK_J": 16 if INTERPRET else (64 if dh <= 128 else 32), "num_warps": 4}
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: str,
+                 entry_slots: torch.Tensor, q_rows: torch.Tensor, num_visible: torch.Tensor, k: int,
+                 allowed: Optional[torch.Tensor] = None, return_scores: bool = False):
+    """CED indexer over FP4 keys in the paged cache.
+
+    q [Tq, nh, dh] and weights [Tq, nh] (bf16/fp16/fp32); codes uint8 [N, dh // 2] and scales uint8
+    [N, dh // G] the index-key cache in ``fmt`` ("mxfp4" or "fp4_e2m1_e4m3"); entry_slots [R, J] int64 the
+    cache row of sequence r's entry j; q_rows [Tq] int64 each query's sequence; num_visible [Tq] entries
+    0 .. n-1 are visible; allowed [Tq, J] bool or None narrows them further. Returns (ids [Tq, k] int64
+    ascending, -1 after the last; scores [Tq, J] float32 with -inf past num_visible, or None).
+    """
+    if not supports(q, weights, codes, scales, fmt, entry_slots):
+        raise ValueError(f"indexer_topk: unsupported inputs: q {q.dtype} {tuple(q.shape)}, weights "
+                         f"{weights.dtype} {tuple(weights.shape)}, codes {codes.dtype} {tuple(codes.shape)}, "
+                         f"scales {getattr(scales, 'dtype', None)} {tuple(getattr(scales, 'shape', ()))}, "
+                         f"fmt {fmt!r}, entry_slots {entry_slots.dtype} {tuple(entry_slots.shape)}")
+    Tq, nh, dh = q.shape
+    J = entry_slots.shape[1]
+    if q_rows.shape != (Tq,) or q_rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"q_rows must be an int tensor [Tq={Tq}], got {q_rows.dtype} {tuple(q_rows.shape)}")
+    _check_visibility(Tq, J, num_visible, allowed)
+    scores = torch.empty((Tq, J), dtype=torch.float32, device=q.device)
+    if Tq and J:
+        if entry_slots.stride(1) != 1:
+            entry_slots = entry_slots.contiguous()
+        cfg = launch_config(nh, dh)
+        _score_kernel[(Tq, triton.cdiv(J, cfg["BLOCK_J"]))](
+            q, weights, codes, scales, entry_slots, q_rows.contiguous(), num_visible.contiguous(), scores,
+            q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), codes.stride(0), scales.stride(0),
+            entry_slots.stride(0), scores.stride(0), nh, dh, J,
+            BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"], BLOCK_J=cfg["BLOCK_J"], GROUP=GROUPS[fmt],
+            E8M0=fmt == "mxfp4", DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=cfg["num_warps"])
+    ids = topk_select(scores, num_visible, k, allowed)
+    return ids, (scores if return_scores else None)

@@ -1,0 +1,225 @@
+"""FP4 KV quantisation in Triton: ``fp4_e2m1_e4m3`` (CED global KV) and ``mxfp4`` (CED indexer keys).
+
+Byte layouts identical to ``reference.lowbit``: codes [..., C // 2] hold two E2M1 nibbles per byte (low
+nibble = even channel; bit 3 of a nibble is the sign); scales [..., C // G] are one byte per group:
+  fp4_e2m1_e4m3  G = 16, an E4M3 scale: the smallest E4M3 value s with 6 * s >= amax, capped at 448;
+  mxfp4          G = 32, an E8M0 exponent: floor(log2(amax)) - 2, clamped to [-127, 127] (byte 0 = 2^-127).
+An all-zero group gets scale byte 0. Values x / s are clamped to +-6 and rounded to the E2M1 grid
+(0, .5, 1, 1.5, 2, 3, 4, 6), ties to the even code; the sign nibble bit follows x's sign bit (-0.0 -> 0x8).
+
+Every bit is decided exactly as the reference decides it: the E4M3 scale by a binary search over the 127
+codes comparing 6 * s (exact in float32) with amax, x / s by a correctly rounded division (div_rn, not the
+approximate one) for E4M3 scales and by an exact multiplication with 2^-e for E8M0 ones, and the E2M1 code
+by comparisons with the exactly representable midpoints. Dequantisation multiplies a decoded nibble by the
+decoded scale (exact in float32) and rounds once to the output dtype.
+
+The ``@triton.jit`` decoders (``e2m1_value``, ``e4m3_value``, ``e8m0_value``, ``fp4_tile``) are shared with
+the CED attention and indexer kernels, which dequantise in registers. Like the FP8 kernels, these skip
+the reference's inf/NaN input check (a host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_norm import cast_rne, to_f32
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+GROUPS = {"fp4_e2m1_e4m3": 16, "mxfp4": 32}  # channels per scale byte
+FORMATS = tuple(GROUPS)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def e2m1_value(nib):
+    """int32 nibbles 0..15 -> float32 E2M1 values (bit 3 is the sign; 0x8 is -0.0)."""
+    e = (nib >> 1) & 3
+    m = nib & 1
+    norm = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)  # (1 + m/2) * 2^(e-1)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, norm)
+    return (mag.to(tl.int32, bitcast=True) | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_value(c):
+    """int32 float8_e4m3fn bytes -> float32 (0x7F / 0xFF -> NaN), as reference.lowbit decodes them."""
+    e = (c >> 3) & 0xF
+    m = c & 7
+    norm = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # (1 + m/8) * 2^(e-7)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, norm)  # subnormal: m * 2^-9
+    mag = tl.where((c & 0x7F) == 0x7F, float("nan"), mag)
+    # Sign by its bit (negation would lower to 0 - x and turn 0x80 into +0.0).
+    return (mag.to(tl.int32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e8m0_value(sb):
+    """int32 E8M0 bytes -> float32 2^(sb - 127) (byte 0 is the subnormal 2^-127, 255 is NaN)."""
+    bits = tl.where(sb == 0, 0x00400000, sb << 23)
+    return tl.where(sb == 255, float("nan"), bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def fp4_tile(codes_ptr, scales_ptr, rows, row_mask, stride_c, stride_s, NG, BLOCK_G: tl.constexpr,
+             GROUP: tl.constexpr, E8M0: tl.constexpr):
+    """Dequantise the FP4 rows ``rows`` [BLOCK_N] (int64 row ids; masked rows give 0) of a code array with NG
+    scale groups per row -> float32 [BLOCK_N, BLOCK_G * GROUP], exact. Loaded as [rows, groups, bytes] so each
+    scale byte is read once and broadcast over its group; channel 2i comes from byte i's low nibble."""
+    g = tl.arange(0, BLOCK_G)
+    j = tl.arange(0, GROUP // 2)
+    gmask = row_mask[:, None] & (g[None, :] < NG)  # [BLOCK_N, BLOCK_G]
+    byte = tl.load(codes_ptr + rows[:, None, None] * stride_c + (g[None, :, None] * (GROUP // 2) + j[None, None, :]),
+                   mask=gmask[:, :, None], other=0).to(tl.int32)  # [BLOCK_N, BLOCK_G, GROUP // 2]
+    sb = tl.load(scales_ptr + rows[:, None] * stride_s + g[None, :], mask=gmask, other=0).to(tl.int32)
+    if E8M0:
+        scale = e8m0_value(sb)[:, :, None]
+    else:
+        scale = e4m3_value(sb)[:, :, None]
+    vals = tl.interleave(e2m1_value(byte & 0xF) * scale, e2m1_value(byte >> 4) * scale)
+    return tl.reshape(vals, [rows.shape[0], BLOCK_G * GROUP])
+
+
+@triton.jit
+def _e2m1_code(q):
+    """float32 q with |q| <= 6 -> E2M1 magnitude code 0..7, nearest, ties to the even code."""
+    a = tl.abs(q)
+    lo = ((a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a > 1.75).to(tl.int32)
+          + (a > 2.5).to(tl.int32) + (a > 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    tie = (a == 0.25) | (a == 0.75) | (a == 1.25) | (a == 1.75) | (a == 2.5) | (a == 3.5) | (a == 5.0)
+    return lo + (tie & ((lo & 1) == 1)).to(tl.int32)
+
+
+@triton.jit
+def _quant_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, stride_s, NG,
+                  BLOCK_G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # group index within the row
+    g_mask = g < NG
+    j = tl.arange(0, GROUP // 2)
+    byte = g[:, None] * (GROUP // 2) + j[None, :]  # [BLOCK_G, GROUP // 2]: byte i holds channels 2i, 2i + 1
+    mask = g_mask[:, None]
+    x0 = to_f32(tl.load(x_ptr + row * stride_x + 2 * byte, mask=mask, other=0.0))
+    x1 = to_f32(tl.load(x_ptr + row * stride_x + 2 * byte + 1, mask=mask, other=0.0))
+    amax = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))  # [BLOCK_G]
+    if E8M0:
+        # floor(log2(amax)) - 2 from amax's exponent field (a subnormal amax gives < -127: clamp).
+        ebits = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        e = tl.where(ebits == 0, -127, tl.maximum(ebits - 129, -127))
+        sbyte = tl.where(amax > 0, e + 127, 0)
+        inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-e, a normal float32 for e in [-127, 125]
+        q0 = x0 * inv[:, None]  # exact, as the reference's division by a power of two
+        q1 = x1 * inv[:, None]
+    else:
+        # The smallest E4M3 code s in 0..126 with 6 * value(s) >= amax (126 if none): binary search.
+        lo = tl.zeros([BLOCK_G], dtype=tl.int32)
+        hi = tl.full([BLOCK_G], 126, dtype=tl.int32)
+        for _ in tl.static_range(7):
+            mid = (lo + hi) // 2
+            ok = e4m3_value(mid) * 6.0 >= amax
+            hi = tl.where(ok, mid, hi)
+            lo = tl.where(ok, lo, mid + 1)
+        sbyte = tl.minimum(lo, 126)  # lo passes 126 only when no code reaches amax (saturation)
+        scale = e4m3_value(sbyte)
+        safe = tl.where(scale > 0, scale, 1.0)
+        q0 = tl.math.div_rn(x0, safe[:, None])  # correctly rounded, like the reference's division
+        q1 = tl.math.div_rn(x1, safe[:, None])
+    c0 = _e2m1_code(tl.minimum(tl.abs(q0), 6.0)) | ((x0.to(tl.int32, bitcast=True) >> 28) & 8)
+    c1 = _e2m1_code(tl.minimum(tl.abs(q1), 6.0)) | ((x1.to(tl.int32, bitcast=True) >> 28) & 8)
+    tl.store(codes_ptr + row * stride_c + byte, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
+    tl.store(scales_ptr + row * stride_s + g, sbyte.to(tl.uint8), mask=g_mask)
+
+
+@triton.jit
+def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, stride_c, stride_s, stride_o, NG,
+                    BLOCK_G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    g_mask = g < NG
+    j = tl.arange(0, GROUP // 2)
+    byte = g[:, None] * (GROUP // 2) + j[None, :]
+    mask = g_mask[:, None]
+    c = tl.load(codes_ptr + row * stride_c + byte, mask=mask, other=0).to(tl.int32)
+    sb = tl.load(scales_ptr + row * stride_s + g, mask=g_mask, other=0).to(tl.int32)
+    if E8M0:
+        scale = e8m0_value(sb)
+    else:
+        scale = e4m3_value(sb)
+    dt = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * stride_o + 2 * byte, cast_rne(e2m1_value(c & 0xF) * scale[:, None], dt), mask=mask)
+    tl.store(out_ptr + row * stride_o + 2 * byte + 1, cast_rne(e2m1_value(c >> 4) * scale[:, None], dt), mask=mask)
+
+
+def _block_g(ng: int) -> int:
+    return max(1, min(32, triton.next_power_of_2(ng)))
+
+
+def supports_quantize(x: torch.Tensor, fmt: str) -> bool:
+    return fmt in GROUPS and x.dim() >= 1 and x.dtype in SUPPORTED_DTYPES and x.shape[-1] % GROUPS[fmt] == 0
+
+
+def supports_dequantize(codes: torch.Tensor, scales, fmt: str, dtype: torch.dtype) -> bool:
+    if fmt not in GROUPS or scales is None or dtype not in SUPPORTED_DTYPES:
+        return False
+    if codes.dtype != torch.uint8 or scales.dtype != torch.uint8 or codes.dim() < 1:
+        return False
+    C = 2 * codes.shape[-1]
+    return C % GROUPS[fmt] == 0 and tuple(scales.shape) == (*codes.shape[:-1], C // GROUPS[fmt])
+
+
+def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., C] (bf16/fp16/fp32) -> (codes uint8 [..., C // 2], scales uint8 [..., C // G]) exactly as
+    reference.lowbit.quantize(x, fmt) for finite x; fmt is "fp4_e2m1_e4m3" or "mxfp4"."""
+    if fmt not in GROUPS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    G = GROUPS[fmt]
+    if x.dim() < 1 or x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"x must be a bf16/fp16/fp32 tensor [..., C], got {x.dtype} {tuple(x.shape)}")
+    C = x.shape[-1]
+    if C % G:
+        raise ValueError(f"channel count C={C} must be a multiple of the {fmt} group size {G}")
+    NG = C // G
+    codes = torch.empty((*x.shape[:-1], C // 2), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((*x.shape[:-1], NG), dtype=torch.uint8, device=x.device)
+    x2 = x.reshape(-1, C)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    if M == 0 or NG == 0:
+        return codes, scales
+    c2, s2 = codes.view(-1, C // 2), scales.view(-1, NG)
+    BG = _block_g(NG)
+    _quant_kernel[(M, triton.cdiv(NG, BG))](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), NG,
+                                            BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4",
+                                            num_warps=4 if BG >= 8 else 1)
+    return codes, scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of quantize: codes uint8 [..., C // 2], scales uint8 [..., C // G] -> [..., C] in dtype,
+    exactly as reference.lowbit.dequantize."""
+    if not supports_dequantize(codes, scales, fmt, dtype):
+        raise ValueError(f"codes must be uint8 [..., C // 2] and scales uint8 [..., C // G] of a format in "
+                         f"{FORMATS}, dtype one of {SUPPORTED_DTYPES}; got fmt={fmt!r}, codes "
+                         f"{codes.dtype} {tuple(codes.shape)}, scales {getattr(scales, 'dtype', None)} "
+                         f"{tuple(getattr(scales, 'shape', ()))}, dtype {dtype}")
+    G = GROUPS[fmt]
+    C = 2 * codes.shape[-1]
+    NG = C // G
+    out = torch.empty((*codes.shape[:-1], C), dtype=dtype, device=codes.device)
+    c2, s2 = codes.reshape(-1, C // 2), scales.reshape(-1, NG)
+    if c2.stride(-1) != 1:
+        c2 = c2.contiguous()
+    if s2.numel() and s2.stride(-1) != 1:
+        s2 = s2.contiguous()
+    M = c2.shape[0]
+    if M == 0 or NG == 0:
+        return out
+    o2 = out.view(-1, C)
+    BG = _block_g(NG)
+    _dequant_kernel[(M, triton.cdiv(NG, BG))](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), NG,
+                                              BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4",
+                                              num_warps=4 if BG >= 8 else 1)
+    return out
