@@ -9,13 +9,13 @@ from deepinfer.testing.models import build_tiny_hf_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen3", "mixtral", "qwen3-moe", "deepseek_v2", "deepseek_v3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_decode_matches_eager(tmp_path, name, dtype):
     build_tiny_hf_model(tmp_path, name)
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 26)]  # 5 rows: padded to the 8-row bucket
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    kw = dict(device="cuda", dtype=dtype, num_kv_blocks=64, block_size=4)
+    kw = dict(device="cuda", dtype=dtype, num_kv_blocks=64, block_size=4, backend="nvidia")
     graphs = LLM(str(tmp_path), enforce_eager=False, **kw)
     eager = LLM(str(tmp_path), enforce_eager=True, **kw)
     a = [o.outputs[0].token_ids for o in graphs.generate(prompts, sp, use_tqdm=False)]

@@ -55,6 +55,7 @@ class Ops:
 
     name = "base"
     device: torch.device
+    moe_capture_safe = False  # moe_experts(impl="routed") never syncs with the host (so decode may be captured)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise NotImplementedError

@@ -278,6 +278,7 @@ class Backbone(nn.Module):
         super().__init__()
         rotary = RotaryEmbedding(c.rope, max_position=c.max_position, device=ops.device,
                                  is_neox_style=not c.rope_interleave, ops=ops)
+        self.rotary = rotary  # shared by every layer
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c, i, rotary, ops, expert_load, moe_impl)
                                     for i in range(c.num_layers))
@@ -304,6 +305,13 @@ class DeepseekForCausalLM(MoEModel, FusedCheckpoint, CausalLM):
         impl = hf_config.get("moe_impl") or "routed"
         self.model = Backbone(c, ops, self.expert_load, impl)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        # Decode can be captured when nothing in it reads the host: routed experts on a backend whose MoE
+        # kernels never sync (the reference's routed path reads expert counts back).
+        self.supports_cuda_graphs = not c.moe_layers or (impl == "routed" and getattr(ops, "moe_capture_safe", False))
+
+    def reserve_positions(self, n: int) -> None:
+        """The engine never asks for a position >= n (max_model_len): size RoPE once, drop its checks."""
+        self.model.rotary.reserve(n)
 
     # Engine path.
     def allocate_kv_cache(self, num_slots, dtype, device, **_):

@@ -61,6 +61,8 @@ class _MoELlama(MoEModel, LlamaForCausalLM):
         super().__init__(hf_config, ops, arch=self.BASE, mlp_factory=mlp_factory)
         self.arch = self.ARCH
         self.moe_layers = moe_layers
+        # Routed experts on a backend whose MoE kernels never sync can be captured in CUDA graphs.
+        self.supports_cuda_graphs = not moe_layers or (impl == "routed" and getattr(ops, "moe_capture_safe", False))
         self.expert_load = load
 
     # Per architecture.

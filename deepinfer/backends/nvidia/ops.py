@@ -38,6 +38,7 @@ def kernel_device_ok(*tensors: torch.Tensor) -> bool:
 
 class NvidiaOps(ReferenceOps):
     name = "nvidia"
+    moe_capture_safe = True  # routed moe_experts runs the fused kernel: no host sync (CUDA graphs may hold it)
 
     def __init__(self, device="cuda"):
         device = torch.device(device)
