@@ -34,8 +34,8 @@ def test_graph_logits_match_the_full_forward(tmp_path):
     graphs, seen = llm.engine.decode_graphs, []
     run = graphs.run
 
-    def spy(ids, positions, tables):
-        out = run(ids, positions, tables)
+    def spy(ids, positions, tables, future=None):
+        out = run(ids, positions, tables, future)
         seen.append((positions[0], out[0]))
         return out
 

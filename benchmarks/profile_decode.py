@@ -1,0 +1,126 @@
+"""Where a decode step's time goes, on the GPU: engine step vs CUDA-graph replay vs the kernels inside.
+
+    python benchmarks/profile_decode.py --batches 1 64 --out $OUT/profile.jsonl   # device run, ~1 min
+
+For the Llama-3.1-8B shape with random bf16 weights (as benchmarks/gpu_bench.py builds it), at each batch size:
+``step_ms``: steady engine step (wall, B sequences decoding, overlap scheduling as configured);
+``replay_ms``: the captured decode graph alone, replayed back to back (CUDA events) - the GPU's share;
+``kernels``: the top kernels by GPU time per step under torch.profiler (the graph's kernels are listed one by
+one), so the gap to the bandwidth roofline can be attributed. One JSONL row per batch size, and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_bench  # noqa: E402  (the same model shapes and builder)
+
+
+def steady_steps(llm, B: int, in_len: int, n_steps: int, vocab: int, profile: bool = False):
+    """Add B requests, step until each has a token, then time n_steps steps (optionally under the profiler)."""
+    from deepinfer import SamplingParams
+
+    eng = llm.engine
+    rng = random.Random(B)
+    sp = SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0.0)
+    rids = [f"p{B}-{profile}-{i}" for i in range(B)]
+    reqs = [eng.add_request(r, {"prompt_token_ids": gpu_bench.random_ids(rng, vocab, in_len)}, sp) for r in rids]
+    while not all(r.first_token_time for r in reqs):
+        eng.step()
+    for _ in range(4):
+        eng.step()
+    prof = None
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as tprofile
+
+        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(n_steps):
+                eng.step()
+            torch.cuda.synchronize()
+    else:
+        for _ in range(n_steps):
+            eng.step()
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    for r in rids:
+        eng.abort(r)
+    while eng.has_unfinished():
+        eng.step()
+    return 1e3 * dt / n_steps, prof
+
+
+def replay_ms(llm, B: int) -> float | None:
+    graphs = llm.engine.decode_graphs
+    keys = [k for k in (graphs.graphs if graphs else {}) if k[0] >= B]
+    if not keys:
+        return None
+    graph = graphs.graphs[min(keys)][0]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        graph.replay()
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 20
+
+
+def top_kernels(prof, n_steps: int, k: int = 18) -> list:
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t and e.key and not e.key.startswith(("ProfilerStep", "cudaGraphLaunch")) and e.device_type.name == "CUDA":
+            rows.append((e.key[:90], t / 1e3 / n_steps, e.count // n_steps))
+    rows.sort(key=lambda r: -r[1])
+    return [{"kernel": a, "ms_per_step": round(b, 4), "calls_per_step": c} for a, b, c in rows[:k]]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(gpu_bench.SHAPES))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--out", default="profile.jsonl")
+    ap.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
+    args = ap.parse_args()
+    cfg = gpu_bench.SHAPES[args.shape]
+    ns = argparse.Namespace(dtype="bfloat16", device="cuda", backend=None, build_in_dtype="auto")
+    overlap = {"auto": None, "on": True, "off": False}[args.overlap]
+    with tempfile.TemporaryDirectory() as d:
+        gpu_bench.write_model_dir(Path(d), cfg)
+        llm, _ = gpu_bench.build_llm(Path(d), ns, cfg, max_model_len=4096, overlap_scheduling=overlap)
+    vocab = cfg["vocab_size"]
+    rows = []
+    for B in args.batches:
+        step, _ = steady_steps(llm, B, args.input_len, args.steps, vocab)
+        rep = replay_ms(llm, B)
+        _, prof = steady_steps(llm, B, args.input_len, 8, vocab, profile=True)
+        row = {"shape": args.shape, "batch": B, "step_ms": round(step, 3), "replay_ms": rep and round(rep, 3),
+               "overlap": llm.engine.overlap, "kernels": top_kernels(prof, 8)}
+        rows.append(row)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    for r in rows:
+        print(f"\n== batch {r['batch']}: engine step {r['step_ms']} ms, graph replay {r['replay_ms']} ms "
+              f"(overlap {r['overlap']})")
+        print(f"{'ms/step':>9} {'calls':>5}  kernel")
+        for k in r["kernels"]:
+            print(f"{k['ms_per_step']:9.4f} {k['calls_per_step']:5d}  {k['kernel']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
