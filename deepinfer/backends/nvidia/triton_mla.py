@@ -32,7 +32,8 @@ in bf16 against a float64 oracle.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -234,6 +235,14 @@ def mla_call_rank(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return r if supports(q, k_cache, block_table, block_size, r) else 0
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # host integers: triton.cdiv is a constexpr function, ~3 us a call from Python
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def launch_config(H: int, r: int, rope: int, dtype: torch.dtype) -> dict:
     """Tile sizes from shapes (deterministic; no autotuning, so a launch is capture-safe).
 
@@ -241,41 +250,85 @@ def launch_config(H: int, r: int, rope: int, dtype: torch.dtype) -> dict:
     wgmma), BLOCK_N = 32 tokens, 8 warps, two pipeline stages. At r = 512, rope = 64 that is ~147 KB of
     shared memory (Q 64 x 576 and two K tiles 32 x 576) and ~255 registers with no spills; 16 or 32 heads
     use the mma.sync path at ~145 / 187 registers. 4 warps at 64 heads would hold acc [64, 512] float32 in
-    one warpgroup and spill; 16 warps cap registers at 128 and spill. float32 (tests, small models): 16
+    one warpgroup and spill; 16 warps cap registers at 128 and spill. One program of 128 heads is out of
+    reach: acc [128, 512] float32 alone is the whole register file. float32 (tests, small models): 16
     heads x 16 tokens. Numbers from ptxas for sm_90 (tests/test_triton_mla.py compiles these configs).
     """
-    BLOCK_R = triton.next_power_of_2(max(r, 16))
-    BLOCK_P = triton.next_power_of_2(max(rope, 16))
+    BLOCK_R = _pow2(max(r, 16))
+    BLOCK_P = _pow2(max(rope, 16))
     if INTERPRET:
         return dict(BLOCK_H=16, BLOCK_N=16, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, num_warps=4, num_stages=1)
     num_warps = 8 if BLOCK_R >= 256 else 4
     if dtype == torch.float32:
         return dict(BLOCK_H=16, BLOCK_N=16, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, num_warps=num_warps, num_stages=2)
-    BLOCK_H = max(16, min(64, triton.next_power_of_2(H)))
+    BLOCK_H = max(16, min(64, _pow2(H)))
     return dict(BLOCK_H=BLOCK_H, BLOCK_N=32, BLOCK_R=BLOCK_R, BLOCK_P=BLOCK_P, num_warps=num_warps, num_stages=2)
 
 
-def choose_splits(programs: int, max_ctx: int, row_bytes: int, part_bytes: int, device: torch.device,
-                  block_n: int) -> int:
+MIN_SPLIT_TILES = 2  # a split of one tile leaves the two-stage pipeline nothing to overlap
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_splits(programs: int, max_ctx: int, sms: int, block_n: int, tile_bytes: int, query_bytes: int,
+                  part_bytes: int) -> int:
     """Context splits from shapes only (programs = rows x head blocks, the block table's width), never values.
 
-    A program at 64 heads fills an SM (shared memory and registers), so the grid runs in waves of ``SMs``
-    programs. Modelled time in bytes moved per SM: waves x (this split's latent rows + its float32
-    partials, ``part_bytes``) + the merge's read of all partials spread over the SMs. Splitting pays while
-    the grid is short of a wave or a wave is barely over full (133 programs on 132 SMs), and stops where
-    the partials (~128 KB per program at 64 heads x 512) would cost more than the rows they save.
-    Each split gets at least one tile.
+    A program at 64 heads fills an SM (shared memory and registers: one program per SM), so the grid runs
+    in waves of ``sms`` programs and a second wave is serial time, not hidden latency. Modelled time in
+    bytes moved per SM: waves x (the split's KV tiles + the query it loads, ``query_bytes`` + its float32
+    partials, ``part_bytes``) + the merge's read of all partials spread over the SMs. At B = 1 and 4K
+    context (DeepSeek-V3, 132 SMs) that is ~43-64 splits (86-128 programs); splitting stops where a wave is
+    full (B = 32: 2, B >= 64: 1). Every split gets at least MIN_SPLIT_TILES tiles, and only counts whose
+    tile rounding leaves no split empty are considered (43, not 50: 50 splits of 3 tiles cover 128 tiles
+    with 43). Cached: a pure function of its integer arguments.
     """
     programs = max(1, programs)
-    sms = _sm_count(device)
-    most = max(1, min(MAX_SPLITS, max_ctx // block_n))
-    best, best_cost = 1, float("inf")
+    tiles = max(1, _cdiv(max_ctx, block_n))
+    most = max(1, min(MAX_SPLITS, tiles // MIN_SPLIT_TILES))
+    best, best_cost = 1, None
     for s in range(1, most + 1):
-        per_program = triton.cdiv(max_ctx, s) * row_bytes + (part_bytes if s > 1 else 0)
-        cost = triton.cdiv(programs * s, sms) * per_program + (programs * s * part_bytes / sms if s > 1 else 0)
-        if cost < best_cost:
+        per = _cdiv(tiles, s)  # tiles per split (the kernel rounds a row's share up to whole tiles)
+        if _cdiv(tiles, per) != s:
+            continue  # some split would be empty: a smaller count does the same work with fewer partials
+        cost = _cdiv(programs * s, sms) * (per * tile_bytes + query_bytes + (part_bytes if s > 1 else 0))
+        if s > 1:
+            cost += programs * s * part_bytes / sms  # the merge
+        if best_cost is None or cost < best_cost:
             best, best_cost = s, cost
     return best
+
+
+class _Launch(NamedTuple):
+    cfg: dict
+    head_blocks: int
+    splits: int
+    max_tiles: int  # interpreter loop bound
+    block_s: int  # merge: splits, padded to a power of two
+    block_c: int  # merge: output values per program
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(B: int, H: int, r: int, rope: int, dtype: torch.dtype, width: int, block_size: int, sms: int,
+          block_h: Optional[int], block_n: Optional[int], num_splits: Optional[int]) -> _Launch:
+    """Everything about a launch that follows from shapes, computed once per shape (host time matters at
+    small batches, where the GPU work is a few microseconds)."""
+    cfg = launch_config(H, r, rope, dtype)
+    for name, val, key in (("block_h", block_h, "BLOCK_H"), ("block_n", block_n, "BLOCK_N")):
+        if val is not None:
+            if int(val) < 16 or int(val) & (int(val) - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (a tensor-core tile side), got {val}")
+            cfg[key] = int(val)
+    BLOCK_H, BLOCK_N = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    head_blocks = _cdiv(H, BLOCK_H)
+    max_ctx = width * block_size
+    elt = torch.empty((), dtype=dtype).element_size()
+    if num_splits is None:
+        S = choose_splits(B * head_blocks, max_ctx, sms, BLOCK_N, BLOCK_N * (r + rope) * elt,
+                          BLOCK_H * (r + rope) * elt, BLOCK_H * r * 4)
+    else:
+        S = max(1, min(int(num_splits), MAX_SPLITS))
+    return _Launch(cfg, head_blocks, S, _cdiv(max_ctx, BLOCK_N) + 1 if INTERPRET else 0, max(2, _pow2(S)),
+                   min(cfg["BLOCK_R"], 128))
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, block_size: int,
@@ -322,19 +375,9 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
         block_table = block_table.contiguous()
     seq_lens = seq_lens.contiguous()
 
-    cfg = launch_config(H, r, D - r, q.dtype)
-    for name, val, key in (("block_h", block_h, "BLOCK_H"), ("block_n", block_n, "BLOCK_N")):
-        if val is not None:
-            if int(val) < 16 or int(val) & (int(val) - 1):
-                raise ValueError(f"{name} must be a power of two >= 16 (a tensor-core tile side), got {val}")
-            cfg[key] = int(val)
-    BLOCK_H, BLOCK_N = cfg["BLOCK_H"], cfg["BLOCK_N"]
-    head_blocks = triton.cdiv(H, BLOCK_H)
-    max_ctx = block_table.shape[1] * int(block_size)
-    if num_splits is None:
-        num_splits = choose_splits(B * head_blocks, max_ctx, D * q.element_size(), BLOCK_H * r * 4, q.device, BLOCK_N)
-    S = num_splits
-    S = max(1, min(int(S), MAX_SPLITS))
+    plan = _plan(B, H, r, D - r, q.dtype, block_table.shape[1], int(block_size), _sm_count(q.device),
+                 block_h, block_n, num_splits)
+    cfg, head_blocks, S = plan.cfg, plan.head_blocks, plan.splits
     if S > 1:
         mid_m = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
         mid_l = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
@@ -346,15 +389,14 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
         out, mid_m, mid_l, mid_o,
         q.stride(0), q.stride(1), rows.stride(0), block_table.stride(0), out.stride(0), out.stride(1),
         float(scale) * LOG2E, H, r, D - r, S,
-        DIRECT=S == 1, BLOCK_SIZE=int(block_size), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+        DIRECT=S == 1, BLOCK_SIZE=int(block_size), BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_R=cfg["BLOCK_R"], BLOCK_P=cfg["BLOCK_P"], PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERP_LOOP=INTERPRET, MAX_TILES=triton.cdiv(max_ctx, BLOCK_N) + 1 if INTERPRET else 0,
+        INTERP_LOOP=INTERPRET, MAX_TILES=plan.max_tiles,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if S > 1:
-        block_c = min(cfg["BLOCK_R"], 128)
-        _mla_merge_kernel[(B * H, triton.cdiv(r, block_c))](
+        _mla_merge_kernel[(B * H, _cdiv(r, plan.block_c))](
             mid_m, mid_l, mid_o, out, out.stride(0), out.stride(1), H, r, S,
-            BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_C=block_c, num_warps=4,
+            BLOCK_S=plan.block_s, BLOCK_C=plan.block_c, num_warps=4,
         )
     return out
