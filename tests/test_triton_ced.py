@@ -211,6 +211,22 @@ def test_sparse_attention_low_precision(rows, W, H, K, fmt, dtype, with_sinks, s
     assert rel_err(out, REF.ced_sparse_attention(*args, **kw)) < 1e-2
 
 
+@pytest.mark.parametrize("fmt", FP4)
+def test_sparse_attention_bench_latent_width(fmt):
+    """The bench latent's launch config (16 heads x D = 512: BLOCK_H 16, BLOCK_D 512, BLOCK_N 16, as compiled on
+    the GPU) on a few rows: decode rows, a chunk reading the ring, a swa-like row without entries; auto and
+    forced splits."""
+    args, kw = attention_case(gen(11), [(40, 1, 0), (300, 1, 0), (9, 3, 2)], 24, 4, 16, 512, 40, fmt, torch.bfloat16,
+                              True)
+    want = REF.ced_sparse_attention(*args, **kw)
+    cfg = triton_ced_attention.launch_config(16, 512, torch.bfloat16)
+    assert (cfg["BLOCK_H"], cfg["BLOCK_D"], cfg["BLOCK_N"]) == (16, 512, 16)
+    for splits in (None, 1, 7):
+        assert rel_err(triton_ced_attention.sparse_attention(*args, num_splits=splits, **kw), want) < 1e-2
+    none = (*args[:3], None, args[4][:, :0])
+    assert rel_err(triton_ced_attention.sparse_attention(*none, **kw), REF.ced_sparse_attention(*none, **kw)) < 1e-2
+
+
 def test_sparse_attention_ops_dispatch_fallback_and_errors():
     args, kw = attention_case(gen(3), [(9, 3, 2), (0, 2, 0)], 6, 2, 3, 32, 5, "mxfp4", torch.float32, True)
     ops = NvidiaOps(DEV)
@@ -512,13 +528,27 @@ tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 report = {}
 
 
+def kwidth_hazards(ttgir):
+    """MMAv2 dots with K below their operand layout's k tile (8 * kWidth). Triton 3.6 gives an operand traced
+    back to 8-bit loads a wide kWidth (8 past a tl.join of nibbles) and then computes such dots wrongly
+    (triton-lang/triton#11691): half of K counted twice, the rest dropped."""
+    bad = []
+    for line in ttgir.splitlines():
+        m = re.search(r"tt\.dot .*?tensor<(\d+)x(\d+)x(\w+), #ttg\.dot_op<\{opIdx = 0, parent = #\w+, "
+                      r"kWidth = (\d+)", line)
+        if m and int(m.group(2)) < 8 * int(m.group(4)):
+            bad.append(f"K={m.group(2)} {m.group(3)} kWidth={m.group(4)}")
+    return bad
+
+
 def compile_(fn, name, sig, const, div16=(), **opts):
     full = {a: sig.get(a, "constexpr") for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
              for a in list(div16) + [a for a, t in sig.items() if t.startswith("*")]}
     k = triton.compile(ASTSource(fn, full, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = k.asm.get("ptx", "")
-    row = {"smem": k.metadata.shared, "div_full": "div.full.f32" in ptx, "ftz_mul": "mul.ftz" in ptx}
+    row = {"smem": k.metadata.shared, "div_full": "div.full.f32" in ptx, "ftz_mul": "mul.ftz" in ptx,
+           "kwidth_hazards": kwidth_hazards(k.asm.get("ttgir", ""))}
     cuobjdump = os.path.join(tools, "cuobjdump")
     if "cubin" in k.asm and os.path.exists(cuobjdump):
         d = tempfile.mkdtemp()
@@ -533,7 +563,7 @@ def compile_(fn, name, sig, const, div16=(), **opts):
 ints = lambda *names: {n: "i32" for n in names}
 for dt in ("bf16", "fp32"):
     p = "*" + dt
-    for H, D in ((16, 128), (16, 512)):
+    for H, D in ((2, 32), (16, 128), (16, 512)):  # the engine test's tiny latent; a wide one; the bench latent
         cfg = tca.launch_config(H, D, torch.bfloat16 if dt == "bf16" else torch.float32)
         for direct in (True, False):
             sig = dict(q_ptr=p, kv_ptr=p, rc_ptr="*u8", rs_ptr="*u8", ec_ptr="*u8", es_ptr="*u8", sel_ptr="*i64",
@@ -549,16 +579,17 @@ for dt in ("bf16", "fp32"):
                      div16=("stride_qt", "stride_qh", "stride_kv", "stride_rs", "stride_rr", "stride_rss",
                             "stride_ec", "stride_sel", "stride_ot", "stride_oh", "H", "D", "K"),
                      num_warps=cfg["num_warps"])
-    icfg = tci.launch_config(16, 128)
-    compile_(tci._score_kernel, f"score_{dt}",
-             dict(q_ptr=p, w_ptr=p, codes_ptr="*u8", scales_ptr="*u8", slots_ptr="*i64", rows_ptr="*i64",
-                  nvis_ptr="*i64", out_ptr="*fp32", **ints("stride_qt", "stride_qh", "stride_wt", "stride_wh",
-                                                          "stride_c", "stride_s", "stride_sr", "stride_ot", "NH",
-                                                          "DH", "J")),
-             dict(BLOCK_H=icfg["BLOCK_H"], BLOCK_D=icfg["BLOCK_D"], BLOCK_J=icfg["BLOCK_J"], GROUP=32, E8M0=True,
-                  DOT_PRECISION="ieee" if dt == "fp32" else "tf32"),
-             div16=("stride_qt", "stride_qh", "stride_c", "stride_sr", "stride_ot", "NH", "DH"),
-             num_warps=icfg["num_warps"])
+    for nh, dh in ((16, 128), (2, 32)):  # the bench indexer; the engine test's
+        icfg = tci.launch_config(nh, dh)
+        compile_(tci._score_kernel, f"score_{dt}_dh{dh}",
+                 dict(q_ptr=p, w_ptr=p, codes_ptr="*u8", scales_ptr="*u8", slots_ptr="*i64", rows_ptr="*i64",
+                      nvis_ptr="*i64", out_ptr="*fp32", **ints("stride_qt", "stride_qh", "stride_wt", "stride_wh",
+                                                              "stride_c", "stride_s", "stride_sr", "stride_ot", "NH",
+                                                              "DH", "J")),
+                 dict(BLOCK_H=icfg["BLOCK_H"], BLOCK_D=icfg["BLOCK_D"], BLOCK_J=icfg["BLOCK_J"], GROUP=32,
+                      E8M0=True, DOT_PRECISION="ieee" if dt == "fp32" else "tf32"),
+                 div16=("stride_qt", "stride_qh", "stride_c", "stride_sr", "stride_ot", "NH", "DH"),
+                 num_warps=icfg["num_warps"])
     for fmt, G in triton_fp4.GROUPS.items():
         compile_(triton_fp4._quant_kernel, f"quant_{fmt}_{dt}",
                  dict(x_ptr=p, codes_ptr="*u8", scales_ptr="*u8", **ints("stride_x", "stride_c", "stride_s", "NG")),
@@ -576,9 +607,10 @@ print(json.dumps(report))
 
 
 def test_ced_kernels_compile_for_hopper():
-    """The compiled code path, which CPU CI never runs: every CED kernel compiles for sm_90; bf16 attention and
-    indexer scores use the tensor cores without local-memory spills at D = 128 / dh = 128; the quantisers
-    use correctly rounded division and keep subnormals (no flush-to-zero multiplies)."""
+    """The compiled code path, which CPU CI never runs: every CED kernel compiles for sm_90; bf16 attention (D = 32,
+    128, 512) and indexer scores (dh = 32, 128) use the tensor cores without local-memory spills and no MMA operand
+    has a kWidth Triton 3.6 miscompiles for its K (see kwidth_hazards); the quantisers use correctly rounded
+    division and keep subnormals (no flush-to-zero multiplies)."""
     import json
     import subprocess
     import sys
@@ -594,14 +626,15 @@ def test_ced_kernels_compile_for_hopper():
                           timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 2 * (4 + 1 + 4) + 2
-    for name in ("attn_bf16_D128_direct", "attn_bf16_D128_split", "attn_bf16_D512_direct", "score_bf16"):
+    assert len(report) == 2 * (6 + 2 + 4) + 2
+    hazards = {name: row["kwidth_hazards"] for name, row in report.items() if row["kwidth_hazards"]}
+    assert not hazards, f"MMA operands whose kWidth exceeds K / 8 (miscompiled by Triton 3.6): {hazards}"
+    for name in [n for n in report if n.startswith(("attn_bf16", "score_bf16"))]:
         sass = report[name].get("sass")
         if sass is None:
             continue  # no cuobjdump in this triton install
         assert sass.get("HMMA", 0) + sass.get("HGMMA", 0) > 0, (name, sass)
-        if "D512" not in name:  # the bench latent (D = 512) spills a few dozen words; see launch_config
-            assert sass.get("STL", 0) == 0 and sass.get("LDL", 0) == 0, f"{name}: local-memory spills: {sass}"
+        assert sass.get("STL", 0) == 0 and sass.get("LDL", 0) == 0, f"{name}: local-memory spills: {sass}"
     for name, row in report.items():
         if name.startswith(("quant_", "dequant_")):
             assert not row["ftz_mul"] and not row["div_full"], (name, row)

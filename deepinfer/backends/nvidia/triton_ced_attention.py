@@ -18,6 +18,11 @@ small to fill the GPU (decode), the keys are split (flash-decoding) and triton_a
 combines the partials and the sink. Split counts and loop bounds depend on shapes only, never on values,
 so the launch is safe inside a CUDA graph capture.
 
+Compiled code: the dequantised tiles pass an opaque identity (``triton_fp4.mma_operand``) before the products,
+since Triton 3.6 otherwise widens the MMA operands' kWidth for their 8-bit origin and miscomputes dots with
+small K (BLOCK_N = 16 at D = 512: half the keys counted twice, the rest dropped). tests/test_triton_ced.py
+checks the compiled kernels for such dots.
+
 Precision: as triton_attention: bf16/fp16 operands with float32 accumulation (float32 inputs use the
 "ieee" dot), probabilities rounded to q's dtype for the second product. Expect a relative error of a few
 1e-3 in bf16 and ~1e-7 in float32 against the reference op (which computes in float32).
@@ -32,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .triton_attention import LOG2E, _dot, _merge_kernel, _sm_count
-from .triton_fp4 import GROUPS, e4m3_value, e8m0_value, fp4_tile
+from .triton_fp4 import GROUPS, e4m3_value, e8m0_value, fp4_tile, mma_operand
 from .triton_norm import cast_rne, to_f32
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -73,7 +78,7 @@ def _window_tile(kv_ptr, rc_row, rs_row, p, pos, fresh_lo, fresh_start, stride_k
     rmask = ring[:, None] & (g < NG)[None, :]
     c = tl.load(rc_row + slot[:, None, None] * stride_rr + ch[None, :, :], mask=rmask[:, :, None], other=0)
     sb = tl.load(rs_row + slot[:, None] * stride_rsr + g[None, :], mask=rmask, other=0).to(tl.int32)
-    r = cast_rne(e4m3_value(c.to(tl.int32)) * e8m0_value(sb)[:, :, None], DT)  # exact product, rounded once
+    r = mma_operand(e4m3_value(c.to(tl.int32)) * e8m0_value(sb)[:, :, None], DT)  # exact product, rounded once
     kv = tl.where(fresh[:, None, None], f.to(DT), r)  # [BLOCK_N, BLOCK_G, 32]
     return tl.reshape(kv, [p.shape[0], BLOCK_G * 32]), valid
 
@@ -129,7 +134,7 @@ def _ced_attn_kernel(
             valid = slot >= 0
             kv = fp4_tile(ec_ptr, es_ptr, slot, valid, stride_ec, stride_es, D // GROUP, BLOCK_D // GROUP, GROUP,
                           E8M0)
-            m_i, l_i, acc = _online_step(q, cast_rne(kv, DT), valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+            m_i, l_i, acc = _online_step(q, mma_operand(kv, DT), valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if DIRECT:  # one split: add the sink and finish here
         if HAS_SINKS:
@@ -181,8 +186,8 @@ def supports(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Optional[t
 def launch_config(H: int, D: int, dtype: torch.dtype) -> dict:
     """Heads on the MMA's M side (16 rows at least; fewer rows per tile for wide heads so the float32
     accumulator fits the registers), BLOCK_N keys per step. Chosen from ptxas' sm_90 spill report: none in
-    bf16 up to D = 256 and float32 at D = 128; a few dozen spilled words in bf16 at D = 512 (the bench latent),
-    where q's operand fragment alone takes 128 registers per thread."""
+    bf16 up to D = 512 (the bench latent, where q's operand fragment alone takes 128 registers per thread) and
+    float32 at D = 128. BLOCK_N = 16 is safe only because mma_operand keeps the operands' kWidth at 2."""
     BLOCK_D = triton.next_power_of_2(D)
     if INTERPRET:
         BLOCK_N, num_warps = 16, 4

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .triton_attention import _dot
-from .triton_fp4 import GROUPS, fp4_tile
+from .triton_fp4 import GROUPS, fp4_tile, mma_operand
 from .triton_norm import cast_rne, to_f32
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -65,8 +65,13 @@ def _score_kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, slots_ptr, rows_ptr, nvis
         d = tl.arange(0, BLOCK_D)
         q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
                     mask=(h < NH)[:, None] & (d < DH)[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-        # FP4 values are exact in bf16/fp16, so the keys join the MMA in q's dtype.
-        dots = _dot(q, tl.trans(cast_rne(k, q.dtype)), DOT_PRECISION)  # [BLOCK_H, BLOCK_J]
+        # FP4 values are exact in bf16/fp16, so the keys join the MMA in q's dtype. Below K = BLOCK_D = 64 the
+        # Triton 3.6 kWidth bug (see mma_operand) applies; from 64 up the direct cast is right and cheaper.
+        if BLOCK_D < 64:
+            kq = mma_operand(k, q.dtype)
+        else:
+            kq = cast_rne(k, q.dtype)
+        dots = _dot(q, tl.trans(kq), DOT_PRECISION)  # [BLOCK_H, BLOCK_J]
         w = to_f32(tl.load(w_ptr + t * stride_wt + h * stride_wh, mask=h < NH, other=0.0))
         s = tl.sum(w[:, None] * tl.maximum(dots, 0.0), axis=0)
         s = tl.where(vis, s, float("-inf"))

@@ -14,8 +14,9 @@ by comparisons with the exactly representable midpoints. Dequantisation multipli
 decoded scale (exact in float32) and rounds once to the output dtype.
 
 The ``@triton.jit`` decoders (``e2m1_value``, ``e4m3_value``, ``e8m0_value``, ``fp4_tile``) are shared with
-the CED attention and indexer kernels, which dequantise in registers. Like the FP8 kernels, these skip
-the reference's inf/NaN input check (a host sync).
+the CED attention and indexer kernels, which dequantise in registers and hand the tiles to tl.dot through
+``mma_operand`` (a workaround for a Triton 3.6 miscompilation of small-K dots on such tiles). Like the FP8
+kernels, these skip the reference's inf/NaN input check (a host sync).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import triton.language as tl
 from .triton_norm import cast_rne, to_f32
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
+_INTERP = tl.constexpr(INTERPRET)
 GROUPS = {"fp4_e2m1_e4m3": 16, "mxfp4": 32}  # channels per scale byte
 FORMATS = tuple(GROUPS)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -79,6 +81,19 @@ def fp4_tile(codes_ptr, scales_ptr, rows, row_mask, stride_c, stride_s, NG, BLOC
         scale = e4m3_value(sb)[:, :, None]
     vals = tl.interleave(e2m1_value(byte & 0xF) * scale, e2m1_value(byte >> 4) * scale)
     return tl.reshape(vals, [rows.shape[0], BLOCK_G * GROUP])
+
+
+@triton.jit
+def mma_operand(x, DT: tl.constexpr):
+    """Dequantised float32 x -> DT for a tl.dot operand. Triton 3.6 gives an MMA operand traced back to 8-bit
+    loads a wide kWidth (8 for 16-bit operands past the nibble join, 4 without) and then miscomputes dots with
+    K < 8 * kWidth: part of K counted twice, the rest dropped (triton-lang/triton#11691). Compiled with a 16-bit
+    DT, x therefore first passes an opaque identity (inline asm with side effects, which that analysis does not
+    look through), so the operands keep the plain kWidth, right for any K >= 16."""
+    if not _INTERP and DT != tl.float32:
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x.to(tl.int32, bitcast=True)], dtype=tl.int32,
+                                      is_pure=False, pack=1).to(tl.float32, bitcast=True)
+    return cast_rne(x, DT)
 
 
 @triton.jit
