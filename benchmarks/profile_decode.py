@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench  # noqa: E402  (the same model shapes and builder)
 
 
-def steady_steps(llm, B: int, in_len: int, n_steps: int, vocab: int, profile: bool = False):
-    """Add B requests, step until each has a token, then time n_steps steps (optionally under the profiler)."""
+def steady_steps(llm, B: int, in_len: int, n_steps: int, vocab: int, profile=False):
+    """Add B requests, step until each has a token, then time n_steps steps (optionally under a profiler:
+    "gpu" torch.profiler, "host" cProfile with CUDA sync detection)."""
     from deepinfer import SamplingParams
 
     eng = llm.engine
@@ -41,7 +42,22 @@ def steady_steps(llm, B: int, in_len: int, n_steps: int, vocab: int, profile: bo
     prof = None
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    if profile:
+    if profile == "host":
+        import cProfile
+        import warnings
+
+        prof = cProfile.Profile()
+        torch.cuda.set_sync_debug_mode("warn")  # every synchronizing call warns: none should be in a launch
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            prof.enable()
+            for _ in range(n_steps):
+                eng.step()
+            prof.disable()
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        prof.syncs = sorted({str(w.message)[:160] for w in caught})
+    elif profile:
         from torch.profiler import ProfilerActivity, profile as tprofile
 
         with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -87,6 +103,17 @@ def top_kernels(prof, n_steps: int, k: int = 18) -> list:
     return [{"kernel": a, "ms_per_step": round(b, 4), "calls_per_step": c} for a, b, c in rows[:k]]
 
 
+def top_functions(prof, n_steps: int, k: int = 22) -> list:
+    """Host time per step by function (self time), from cProfile."""
+    import pstats
+
+    st = pstats.Stats(prof)
+    rows = [(f"{fn[0].split('/')[-1]}:{fn[1]}({fn[2]})", tt / n_steps * 1e3, nc // n_steps)
+            for fn, (cc, nc, tt, ct, callers) in st.stats.items()]
+    rows.sort(key=lambda r: -r[1])
+    return [{"function": a[:90], "ms_per_step": round(b, 4), "calls_per_step": c} for a, b, c in rows[:k]]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(gpu_bench.SHAPES))
@@ -107,9 +134,11 @@ def main() -> int:
     for B in args.batches:
         step, _ = steady_steps(llm, B, args.input_len, args.steps, vocab)
         rep = replay_ms(llm, B)
-        _, prof = steady_steps(llm, B, args.input_len, 8, vocab, profile=True)
+        _, prof = steady_steps(llm, B, args.input_len, 8, vocab, profile="gpu")
+        host_ms, hprof = steady_steps(llm, B, args.input_len, 16, vocab, profile="host")
         row = {"shape": args.shape, "batch": B, "step_ms": round(step, 3), "replay_ms": rep and round(rep, 3),
-               "overlap": llm.engine.overlap, "kernels": top_kernels(prof, 8)}
+               "overlap": llm.engine.overlap, "kernels": top_kernels(prof, 8), "syncs": hprof.syncs,
+               "host": top_functions(hprof, 16)}
         rows.append(row)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -119,6 +148,11 @@ def main() -> int:
         print(f"{'ms/step':>9} {'calls':>5}  kernel")
         for k in r["kernels"]:
             print(f"{k['ms_per_step']:9.4f} {k['calls_per_step']:5d}  {k['kernel']}")
+        print(f"host (cProfile self time per step); synchronizing calls seen: {len(r['syncs'])}")
+        for w in r["syncs"][:8]:
+            print("   sync:", w)
+        for k in r["host"]:
+            print(f"{k['ms_per_step']:9.4f} {k['calls_per_step']:5d}  {k['function']}")
     return 0
 
 
