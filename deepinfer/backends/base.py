@@ -14,6 +14,18 @@ import attrs
 import torch
 
 
+def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list (or CPU tensor) on ``device`` without blocking the host. ``torch.tensor(data, device="cuda")``
+    copies synchronously: the host waits for every kernel queued before it, which would undo overlap
+    scheduling; a pinned staging copy and a non-blocking transfer do not (the caching host allocator keeps
+    the staging buffer until the copy has run)."""
+    t = data.to(dtype) if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    device = torch.device(device)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @attrs.define(eq=False)
 class AttnMetadata:
     """How the step's ragged tokens map onto sequences and KV slots. Built once per forward."""

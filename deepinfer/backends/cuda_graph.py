@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttnMetadata
+from .base import AttnMetadata, to_device
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -91,8 +91,7 @@ class DecodeGraphs:
         slot = [t[p // bs] * bs + p % bs for t, p in zip(block_tables, positions)] + [pad * bs] * (B - n)
         host = torch.tensor([list(ids) + [0] * (B - n), list(positions) + [0] * (B - n),
                              [p + 1 for p in positions] + [1] * (B - n), slot], dtype=torch.long)
-        host = host.pin_memory() if torch.cuda.is_available() else host
-        dev = host.to(self.device, non_blocking=True)
+        dev = to_device(host, torch.long, self.device)
         if min(ids) < 0:
             from ..stages.forward import resolve_future
 
@@ -102,7 +101,7 @@ class DecodeGraphs:
         st["pos"].copy_(dev[1])
         st["lens"].copy_(dev[2])
         st["slot"].copy_(dev[3])
-        st["bt"].copy_(torch.tensor(bt, dtype=torch.long).to(self.device, non_blocking=True))
+        st["bt"].copy_(to_device(bt, torch.long, self.device))
         graph.replay()
         self.num_replays += 1
         return out[:n].clone()  # the static output is overwritten by the next replay

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.base import AttnMetadata
+from ..backends.base import AttnMetadata, to_device
 
 
 def build_inputs(batch, rows: list, block_size: int, device) -> tuple:
@@ -34,13 +34,15 @@ def build_inputs(batch, rows: list, block_size: int, device) -> tuple:
     q_valid = qi[None, :] < n_t[:, None]
     q_index = torch.where(q_valid, torch.tensor(qstart[:-1])[:, None] + qi[None, :], 0)
     q_pos = st_t[:, None] + qi[None, :]
-    to = dict(device=device, non_blocking=True)
-    meta = AttnMetadata(positions=positions.to(**to), slot_mapping=slot.to(**to), seq_lens=torch.tensor(lens).to(**to),
-                        q_index=q_index.to(**to), q_valid=q_valid.to(**to), kv_slots=kv_slots.to(**to),
-                        q_pos=q_pos.to(**to), block_table=bt.to(**to), block_size=block_size,
-                        cu_q=torch.tensor(qstart, dtype=torch.int32).to(**to), max_q=max_q, starts=starts, nums=nums, block_tables=[s.block_table for s in seqs],
+    def dev(t, dtype=torch.long):
+        return to_device(t, dtype, device)
+
+    meta = AttnMetadata(positions=dev(positions), slot_mapping=dev(slot), seq_lens=dev(lens),
+                        q_index=dev(q_index), q_valid=dev(q_valid, torch.bool), kv_slots=dev(kv_slots),
+                        q_pos=dev(q_pos), block_table=dev(bt), block_size=block_size,
+                        cu_q=dev(qstart, torch.int32), max_q=max_q, starts=starts, nums=nums, block_tables=[s.block_table for s in seqs],
                         state_slots=[s.state_slot for s in seqs], replay_starts=[s.replay_start for s in seqs])
-    ids_t = torch.tensor(ids, dtype=torch.long).to(**to)
+    ids_t = dev(ids)
     if ids and min(ids) < 0:
         ids_t = resolve_future(ids_t, batch.future)
     return ids_t, meta, qstart

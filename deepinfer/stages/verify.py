@@ -7,6 +7,7 @@ import attrs
 import torch
 
 from ..core.stage import Stage
+from ..backends.base import to_device
 from .forward import build_inputs, decode_rows
 
 
@@ -45,7 +46,7 @@ class VerifyStage(Stage):
         decode = set(rows)
         is_dec = [i in decode for i, s in enumerate(batch.samples) if s]
         out = torch.empty(len(is_dec), dec.shape[1], dtype=dec.dtype, device=dec.device)
-        to = dict(dtype=torch.long, device=dec.device)
-        out.index_copy_(0, torch.tensor([r for r, d in enumerate(is_dec) if d], **to), dec)
-        out.index_copy_(0, torch.tensor([r for r, d in enumerate(is_dec) if not d], **to), pre.to(dec.dtype))
+        out.index_copy_(0, to_device([r for r, d in enumerate(is_dec) if d], torch.long, dec.device), dec)
+        out.index_copy_(0, to_device([r for r, d in enumerate(is_dec) if not d], torch.long, dec.device),
+                        pre.to(dec.dtype))
         state.logits = out

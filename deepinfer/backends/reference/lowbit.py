@@ -31,6 +31,8 @@ from types import MappingProxyType
 
 import torch
 
+from ..base import to_device
+
 FORMATS = ("fp4_e2m1_e4m3", "mxfp4", "fp8_e4m3_pow2", "bf16", "fp32")
 
 # Channels per scale (1 = unscaled); read-only so it cannot turn into module state.
@@ -59,6 +61,11 @@ def e2m1_values() -> torch.Tensor:
     return torch.cat([pos, -pos])
 
 
+def _e2m1_grid(device) -> torch.Tensor:
+    """_E2M1_POS on ``device``, built there (torch.tensor(list, device=cuda) would block the host)."""
+    return to_device(_E2M1_POS, torch.float32, device)
+
+
 def _e4m3_positive(device) -> torch.Tensor:
     """Magnitudes of float8_e4m3fn codes 0..126 (bias 7, no inf; 127 is NaN): [127] float32, ascending."""
     code = torch.arange(_E4M3_MAX_CODE + 1, device=device)
@@ -71,7 +78,7 @@ def _e4m3_positive(device) -> torch.Tensor:
 def _e4m3_decode(bits: torch.Tensor) -> torch.Tensor:
     """uint8 float8_e4m3fn bits [...] -> float32 [...] (0x7F / 0xFF -> NaN)."""
     b = bits.long()
-    mag = torch.cat([_e4m3_positive(bits.device), torch.tensor([float("nan")], device=bits.device)])[b & 0x7F]
+    mag = torch.cat([_e4m3_positive(bits.device), torch.full((1,), float("nan"), device=bits.device)])[b & 0x7F]
     return torch.where((b & 0x80) != 0, -mag, mag)
 
 
@@ -134,7 +141,7 @@ def _quantize_fp4_e4m3(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = grid[sbits]  # [..., G]; 0 only for an all-zero group
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (xg / safe[..., None]).clamp(-_E2M1_MAX, _E2M1_MAX)  # [..., G, 16]
-    code = _encode_signed(q, torch.tensor(_E2M1_POS, device=xf.device), 0x8)
+    code = _encode_signed(q, _e2m1_grid(xf.device), 0x8)
     return _pack_nibbles(code.reshape(xf.shape)), sbits.to(torch.uint8)
 
 
@@ -144,7 +151,7 @@ def _quantize_mxfp4(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e = (E - 1 - 2).clamp(-127, 127)  # OCP MX: minus emax of E2M1 (2)
     sbits = torch.where(amax > 0, e + 127, torch.zeros_like(e)).to(torch.uint8)
     q = (xg / _e8m0_decode(sbits)[..., None]).clamp(-_E2M1_MAX, _E2M1_MAX)  # exact: power-of-two divide
-    code = _encode_signed(q, torch.tensor(_E2M1_POS, device=xf.device), 0x8)
+    code = _encode_signed(q, _e2m1_grid(xf.device), 0x8)
     return _pack_nibbles(code.reshape(xf.shape)), sbits
 
 

@@ -14,6 +14,7 @@ import attrs
 import torch
 
 from deepinfer.core.params import SamplingParams
+from deepinfer.backends.base import to_device
 
 _GREEDY_EPS = 1e-5  # same threshold as SamplingParams.greedy
 
@@ -56,13 +57,13 @@ class SamplingBatch:
             raise ValueError("params, prompt_ids, output_ids and generators must have one entry per row")
 
         def f32(vals) -> torch.Tensor:
-            return torch.tensor(vals, dtype=torch.float32, device=device)
+            return to_device(vals, torch.float32, device)
 
         greedy = [p.greedy for p in params]
         top_k = [p.effective_top_k for p in params]
         batch = dict(
             temperature=f32([0.0 if g else float(p.temperature) for p, g in zip(params, greedy)]),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_k=to_device(top_k, torch.int64, device),
             top_p=f32([float(p.top_p) for p in params]),
             min_p=f32([float(p.min_p) for p in params]),
             generators=[None if g else gen for g, gen in zip(greedy, generators)],
@@ -83,7 +84,7 @@ def _row_index(rows: Sequence[Sequence[int]], keep: Sequence[bool], device) -> t
     """(row, token) index pairs for every token of the kept rows, for scatter on `device`."""
     r = [i for i, (ids, k) in enumerate(zip(rows, keep)) if k for _ in ids]
     c = [int(t) for ids, k in zip(rows, keep) if k for t in ids]
-    return (torch.tensor(r, dtype=torch.int64, device=device), torch.tensor(c, dtype=torch.int64, device=device))
+    return to_device(r, torch.int64, device), to_device(c, torch.int64, device)
 
 
 def _build_penalties(params, prompt_ids, output_ids, vocab_size, device) -> dict:
@@ -99,9 +100,9 @@ def _build_penalties(params, prompt_ids, output_ids, vocab_size, device) -> dict
     prompt_mask = torch.zeros(S, vocab_size, dtype=torch.bool, device=device)  # [S, V]
     prompt_mask[_row_index(prompt_ids, keep, device)] = True
     return dict(
-        presence_penalty=torch.tensor([float(p.presence_penalty) for p in params], dtype=torch.float32, device=device),
-        frequency_penalty=torch.tensor([float(p.frequency_penalty) for p in params], dtype=torch.float32, device=device),
-        repetition_penalty=torch.tensor([float(p.repetition_penalty) for p in params], dtype=torch.float32, device=device),
+        presence_penalty=to_device([float(p.presence_penalty) for p in params], torch.float32, device),
+        frequency_penalty=to_device([float(p.frequency_penalty) for p in params], torch.float32, device),
+        repetition_penalty=to_device([float(p.repetition_penalty) for p in params], torch.float32, device),
         output_counts=counts,
         prompt_mask=prompt_mask,
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ...backends.base import to_device
 from ...backends.reference import lowbit
 from .config import CEDConfig
 
@@ -65,7 +66,7 @@ class CEDCache:
     # Paged global entries.
     def entry_slots(self, layer: int, block_table: list, entry_ids: torch.Tensor) -> torch.Tensor:
         per = self.block_size // self.c.ratio(layer)
-        bt = torch.tensor(block_table, dtype=torch.long, device=entry_ids.device)
+        bt = to_device(block_table, torch.long, entry_ids.device)
         return bt[entry_ids // per] * per + entry_ids % per
 
     def write_entries(self, layer: int, slots: torch.Tensor, e: torch.Tensor, k: torch.Tensor,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ...backends.base import to_device
 from . import functional as fn
 
 
@@ -35,8 +36,8 @@ class Pass:
             pos += range(lo[r], a + k)
             n += q
         self.n = n
-        self.rows_t = torch.tensor(self.rows, dtype=torch.long, device=device)
-        self.pos = torch.tensor(pos, dtype=torch.long, device=device)
+        self.rows_t = to_device(self.rows, torch.long, device)
+        self.pos = to_device(pos, torch.long, device)
         # Index of each query among the step's T tokens.
         qs = [0]
         for k in meta.nums:
@@ -44,7 +45,7 @@ class Pass:
         self.tok = torch.tensor([qs[r] + (p - meta.starts[r]) for r, p in zip(self.rows, pos)], dtype=torch.long,
                                 device=device)
         # Per query: its replay cut, first fresh position, offset of that position's row, and ring (state slot).
-        per_row = torch.tensor([cut, lo, self.lstart, list(meta.state_slots)], dtype=torch.long, device=device)
+        per_row = to_device([cut, lo, self.lstart, list(meta.state_slots)], torch.long, device)
         self.cut_t, self.lo_t, self.lstart_t, self.ring_slot = per_row[:, self.rows_t].unbind(0)
 
 
@@ -64,8 +65,8 @@ def _write_ring(layer, P: Pass, kv, cache, meta, device, ops):
         n_r = (P.lstart[r + 1] if r + 1 < len(P.lstart) else P.n) - P.lstart[r]
         keep += range(P.lstart[r] + max(0, n_r - c.ring_size), P.lstart[r] + n_r)
     if keep:
-        idx = torch.tensor(keep, dtype=torch.long, device=device)
-        slots = torch.tensor(meta.state_slots, device=device)[P.rows_t[idx]]
+        idx = to_device(keep, torch.long, device)
+        slots = to_device(meta.state_slots, torch.long, device)[P.rows_t[idx]]
         cache.ring_write(layer.i, slots, P.pos[idx], kv[idx], quantize=ops.quantize_kv)
 
 
@@ -111,7 +112,7 @@ def _row_slots(m, cache, meta, device):
     slots = []
     for r in range(len(J)):
         per = cache.block_size // m
-        bt = torch.tensor(meta.block_tables[r] or [0], dtype=torch.long, device=device)
+        bt = to_device(meta.block_tables[r] or [0], torch.long, device)
         jj = ids.clamp(max=max(J[r] - 1, 0))
         slots.append(bt[(jj // per).clamp(max=bt.numel() - 1)] * per + jj % per)
     return torch.stack(slots) if slots else torch.zeros(0, 0, dtype=torch.long, device=device)
