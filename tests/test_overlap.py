@@ -6,6 +6,7 @@ finished meanwhile, preemption, aborts, failures). Greedy and seeded outputs mus
 """
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from deepinfer import LLM, SamplingParams
@@ -23,7 +24,10 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(ckpt):
     # Few KV blocks: long batches preempt. max_num_seqs small: admission queues.
-    kw = dict(num_kv_blocks=24, block_size=4, max_model_len=64, max_num_seqs=6, max_num_batched_tokens=48)
+    # On the CPU: this checks bookkeeping, and identical tokens need identical arithmetic; on a GPU a step's
+    # batch (overlap samples a finished row's extra token) picks other GEMM kernels (test_overlap_on_gpu below).
+    kw = dict(num_kv_blocks=24, block_size=4, max_model_len=64, max_num_seqs=6, max_num_batched_tokens=48,
+              device="cpu", backend="reference")
     return LLM(ckpt, overlap_scheduling=False, **kw), LLM(ckpt, overlap_scheduling=True, **kw)
 
 
@@ -98,7 +102,7 @@ def test_abort_while_in_flight(pair):
 
 def test_failing_host_stage_fails_its_batch_only(ckpt):
     """A host stage that raises fails the requests of its step; the engine keeps serving."""
-    llm = LLM(ckpt, overlap_scheduling=True, num_kv_blocks=32, max_model_len=64)
+    llm = LLM(ckpt, overlap_scheduling=True, num_kv_blocks=32, max_model_len=64, device="cpu", backend="reference")
     det = llm.engine.stages["step"][-1]
     calls = {"n": 0}
     orig = type(det).__call__
@@ -127,3 +131,19 @@ def test_input_ids_reads_pending_references():
     assert s.num_tokens == 5
     assert s.input_ids(1, 4) == [2, 3, -5, -9]
     assert s.input_ids(3, 1) == [-5] and s.input_ids(4, 1) == [-9]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_overlap_on_gpu(ckpt):
+    """On the GPU, where the next step really runs while the host collects: float32 greedy tokens as without
+    overlap, and every step after the first reported one step late."""
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 26, 2)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (24, 5, 17, 1, 30, 12)]
+    kw = dict(device="cuda", backend="nvidia", dtype="float32", num_kv_blocks=64, block_size=4)
+    on, off = LLM(ckpt, overlap_scheduling=True, **kw), LLM(ckpt, overlap_scheduling=False, **kw)
+    assert on.engine.overlap and not off.engine.overlap
+    a = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    assert [len(x) for x in a] == [24, 5, 17, 1, 30, 12]
+    assert sum(x == y for x, y in zip(a, b)) >= 5  # float32 near-ties of a tiny random model may flip one
+    assert on.engine.pool.num_free == on.engine.pool.num_blocks
