@@ -43,8 +43,8 @@ class Request:
 class _Launched:
     """A step whose device work is queued: its state, sampling rows, and the tokens' copy to the host."""
 
-    def __init__(self, state, sample_seqs: list, t0: float):
-        self.state, self.sample_seqs, self.t0 = state, sample_seqs, t0
+    def __init__(self, state, sample_seqs: list):
+        self.state, self.sample_seqs = state, sample_seqs
         self.host_tokens = None
         self.event = None
 
@@ -203,7 +203,7 @@ class Engine:
         end_step = getattr(self.model, "end_step", None)
         if end_step is not None:
             end_step()  # e.g. close the step's expert-load record (no host sync)
-        launched = _Launched(state, sample_seqs, t0)
+        launched = _Launched(state, sample_seqs)
         S = len(sample_seqs)
         if S:
             # Publish the tokens: on the device for the next step's inputs, and copied to the host without
