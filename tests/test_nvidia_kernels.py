@@ -1,6 +1,6 @@
 """The nvidia backend's Triton kernels against the reference ops (and against float64 oracles).
 
-Without CUDA the kernels run on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set here before
+Without CUDA the kernels run on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py before
 any kernel module is imported), on tiny generated shapes; with CUDA the same property tests run compiled
 kernels, and the GPU-only tests add realistic shapes, bf16/fp16 tolerances and CUDA-graph capture.
 
@@ -20,46 +20,22 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton or any kernel module is imported
+from deepinfer.testing.kernels import (DEV, HAS_CUDA, capture_graph, examples, gen, gpu, poison_free_memory, rel_err,
+                                       run_compile_script, skip_module_without_kernels)
 
-pytest.importorskip("triton")
-
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+skip_module_without_kernels()
 
 from deepinfer.backends.base import AttnMetadata  # noqa: E402
 from deepinfer.backends.nvidia import triton_act, triton_attention, triton_kvquant, triton_norm  # noqa: E402
-from deepinfer.backends.nvidia.ops import INTERPRET, NvidiaOps  # noqa: E402
+from deepinfer.backends.nvidia.ops import NvidiaOps  # noqa: E402
 from deepinfer.backends.reference import lowbit  # noqa: E402
 from deepinfer.backends.reference.ops import ReferenceOps  # noqa: E402
 
-if not HAS_CUDA and not INTERPRET:
-    pytest.skip("no CUDA and the kernels were not built for Triton's interpreter (TRITON_INTERPRET=0?)",
-                allow_module_level=True)
-
-DEV = torch.device("cuda" if HAS_CUDA else "cpu")
 REF = ReferenceOps(DEV)
 OPS = NvidiaOps(DEV)
-FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-
-
-def poison_free_memory(nbytes: int) -> None:
-    """Fill, then free, a block of the allocator's memory with NaN so an unwritten output shows up."""
-    junk = torch.full((max(1, nbytes // 4) + 64,), float("nan"), device=DEV)
-    del junk
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double().to(out.device)
-    assert not torch.isnan(out).any(), "NaN in the kernel output"
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+FAST = examples(20)
 
 
 def ulp_close(out: torch.Tensor, ref: torch.Tensor, ulps: int = 2) -> None:
@@ -295,7 +271,7 @@ def oracle_decode(q, kc, vc, meta, scale, window, sinks):
     return out
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(30)
 @given(lens=st.lists(st.integers(1, 41), min_size=1, max_size=4), block_size=st.sampled_from([4, 8, 16]),
        Hk=st.sampled_from([1, 2]), G=st.sampled_from([1, 2, 3, 4]), D=st.sampled_from([16, 32, 64]),
        window=st.one_of(st.none(), st.integers(1, 12)), with_sinks=st.booleans(),
@@ -316,7 +292,7 @@ def test_paged_decode_float32(lens, block_size, Hk, G, D, window, with_sinks, sp
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(12)
 @given(lens=st.lists(st.integers(1, 30), min_size=1, max_size=3), block_size=st.sampled_from([4, 16]),
        G=st.sampled_from([1, 4]), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
        window=st.one_of(st.none(), st.integers(1, 9)), with_sinks=st.booleans(), seed=st.integers(0, 2**16))
@@ -331,7 +307,7 @@ def test_paged_decode_low_precision(lens, block_size, G, dtype, window, with_sin
     assert rel_err(out, oracle_decode(q, kc, vc, meta, D ** -0.5, window, sinks)) < 1e-2
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(8)
 @given(lens=st.lists(st.integers(1, 25), min_size=1, max_size=3), r=st.sampled_from([16, 32]),
        rope=st.sampled_from([8, 16]), H=st.sampled_from([1, 4]), seed=st.integers(0, 2**16))
 def test_paged_decode_mla_strided_values(lens, r, rope, H, seed):
@@ -451,14 +427,7 @@ def test_gpu_paged_decode_in_cuda_graph():
         return triton_attention.paged_decode(static["q"], kc_clean, vc_clean, static["bt"], 16, static["lens"],
                                              static["pos"], 0.125)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture_graph(run)
     for new_lens in ([40, 900, 7, 256], [1, 1, 1, 1], [33, 64, 950, 2]):
         lt = torch.tensor(new_lens, device=DEV)
         static["lens"].copy_(lt)
@@ -495,34 +464,18 @@ def test_gpu_norm_act_quant_realistic_shapes():
 
 # ------------------------------------------------------------------------------------------- compiled path
 _COMPILE_SCRIPT = r'''
-import collections, json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
 from deepinfer.backends.nvidia import triton_act, triton_attention, triton_kvquant, triton_norm
+from deepinfer.testing.kernels import compile_sm90, sass_row
 
 assert not triton_attention.INTERPRET
-tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 report = {}
 
 
 def compile_(fn, name, sig, const, div16=(), **opts):
-    """Compile for sm_90 as a launch with 16-byte-aligned pointers and these 16-divisible ints would
-    (Triton specialises every int argument divisible by 16, and every 16-byte-aligned pointer)."""
-    full = {a: sig.get(a, "constexpr") for a in fn.arg_names}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-             for a in list(div16) + [a for a, t in sig.items() if t.startswith("*")]}
-    k = triton.compile(ASTSource(fn, full, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-    row = {"smem": k.metadata.shared, "ftz": ".ftz" in k.asm.get("ptx", "")}
-    cuobjdump = os.path.join(tools, "cuobjdump")
-    if "cubin" in k.asm and os.path.exists(cuobjdump):
-        d = tempfile.mkdtemp()
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(k.asm["cubin"])
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
-        row["sass"] = dict(collections.Counter(re.findall(r"\b(LDG\.E\.128|LDGSTS\.E\.BYPASS\.128|HMMA|STL|LDL)\b", sass)))
-    report[name] = row
+    k = compile_sm90(fn, sig, const, div16, **opts)
+    report[name] = sass_row(k, r"\b(LDG\.E\.128|LDGSTS\.E\.BYPASS\.128|HMMA|STL|LDL)\b", smem=k.metadata.shared,
+                            ftz=".ftz" in k.asm.get("ptx", ""))
 
 
 ints = lambda *names: {n: "i32" for n in names}
@@ -567,20 +520,7 @@ def test_kernels_compile_for_hopper():
     """The compiled (non-interpreter) code path, which CPU CI never runs: every kernel compiles for sm_90
     through the bundled ptxas, and the decode kernel's SASS has tensor-core MMAs and 16-byte loads and no
     local-memory spills at the Llama head size."""
-    import json
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError:
-        pytest.skip("this triton has no ASTSource/GPUTarget API")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_compile_script(_COMPILE_SCRIPT)
     assert len(report) == 2 * (4 + 4 + 1)
     for name in ("decode_bf16_D128_direct", "decode_bf16_D128_split", "decode_fp32_D128_direct",
                  "decode_fp32_D128_split"):

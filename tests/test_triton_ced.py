@@ -19,45 +19,28 @@ What must hold:
 
 from __future__ import annotations
 
-import os
+from functools import partial
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton or any kernel module is imported
+from deepinfer.testing.kernels import (DEV, capture_graph, examples, gen, gpu, rel_err as _rel_err, run_compile_script,
+                                       skip_module_without_kernels)
 
-pytest.importorskip("triton")
-
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+skip_module_without_kernels()
 
 from deepinfer.backends.nvidia import triton_ced_attention, triton_ced_indexer, triton_fp4  # noqa: E402
-from deepinfer.backends.nvidia.ops import INTERPRET, NvidiaOps  # noqa: E402
+from deepinfer.backends.nvidia.ops import NvidiaOps  # noqa: E402
 from deepinfer.backends.reference import lowbit  # noqa: E402
 from deepinfer.backends.reference.ops import ReferenceOps  # noqa: E402
 
-if not HAS_CUDA and not INTERPRET:
-    pytest.skip("no CUDA and the kernels were not built for Triton's interpreter (TRITON_INTERPRET=0?)",
-                allow_module_level=True)
-
-DEV = torch.device("cuda" if HAS_CUDA else "cpu")
 REF = ReferenceOps(DEV)
 OPS = NvidiaOps(DEV)
-FAST = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+FAST = examples(15)
 FP4 = ("fp4_e2m1_e4m3", "mxfp4")
 NAN_SCALE = {"fp4_e2m1_e4m3": 0x7F, "mxfp4": 0xFF, "fp8_e4m3_pow2": 0xFF}  # a scale byte that decodes to NaN
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    assert not torch.isnan(out).any(), "NaN in the kernel output"
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+rel_err = partial(_rel_err, device="cpu")  # float64 norms on the host
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -189,7 +172,7 @@ def row_specs(draw, max_rows=3):
     return rows
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(15)
 @given(rows=row_specs(), W=st.integers(1, 20), allowance=st.integers(0, 3), H=st.integers(1, 5),
        D=st.sampled_from([32, 64]), K=st.integers(0, 20), fmt=st.sampled_from(FP4), with_sinks=st.booleans(),
        splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
@@ -200,7 +183,7 @@ def test_sparse_attention_float32(rows, W, allowance, H, D, K, fmt, with_sinks, 
     assert rel_err(out, ref) < 1e-5
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(6)
 @given(rows=row_specs(2), W=st.integers(1, 20), H=st.integers(1, 4), K=st.integers(0, 20),
        fmt=st.sampled_from(FP4), dtype=st.sampled_from([torch.bfloat16, torch.float16]), with_sinks=st.booleans(),
        seed=st.integers(0, 2**16))
@@ -302,7 +285,7 @@ def check_same_topk(ids, ref, ref_scores, tol):
                 assert abs(float(s[j]) - kth) <= tol, (t, sorted(a), sorted(b))
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(15)
 @given(row_js=st.lists(st.integers(0, 40), min_size=1, max_size=3), nh=st.integers(1, 4),
        dh=st.sampled_from([32, 64]), fmt=st.sampled_from(FP4), k=st.integers(1, 12), dup=st.booleans(),
        with_allowed=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -322,7 +305,7 @@ def test_indexer_topk_matches_reference(row_js, nh, dh, fmt, k, dup, with_allowe
     check_same_topk(ids.cpu(), ref.cpu(), ref_scores.cpu(), tol)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(10)
 @given(Tq=st.integers(1, 4), J=st.integers(1, 100), k=st.integers(1, 40), levels=st.integers(1, 6),
        with_allowed=st.booleans(), block=st.sampled_from([None, 16, 128]), seed=st.integers(0, 2**16))
 def test_topk_select_exact_ties(Tq, J, k, levels, with_allowed, block, seed):
@@ -436,14 +419,7 @@ def test_gpu_sparse_attention_in_cuda_graph():
         return fn(static["q"], static["kv"], args[2], args[3], static["sel"], **{k: static[k] for k in where},
                   **fixed)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture_graph(run)
     # Move every query back by up to 12 positions: its window then reads more of the ring (which holds the
     # ring_size = n_win + 12 positions before the query), and other slots of it.
     for shift in (0, -5, -12):
@@ -483,14 +459,7 @@ def test_gpu_indexer_in_cuda_graph():
     def run():
         return triton_ced_indexer.indexer_topk(static["q"], w, *keys, fmt, slots, q_rows, static["nvis"], c.index_topk)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ids, _ = run()
+    graph, (ids, _) = capture_graph(run)
     for _ in range(3):
         static["q"].copy_(torch.randn(q.shape, generator=gen(6)).to(q))
         static["nvis"].copy_(torch.tensor([5000, 4999, 1000, 3, 300, 0, 17, 200], device=DEV))
@@ -518,15 +487,12 @@ def test_gpu_fp4_quantisers_realistic_shapes():
 
 # ------------------------------------------------------------------------------------------- compiled path
 _COMPILE_SCRIPT = r'''
-import collections, json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re
 from deepinfer.backends.nvidia import triton_ced_attention as tca, triton_ced_indexer as tci, triton_fp4
+from deepinfer.testing.kernels import compile_sm90, sass_row
 import torch
 
 assert not tca.INTERPRET
-tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 report = {}
 
 
@@ -544,22 +510,11 @@ def kwidth_hazards(ttgir):
 
 
 def compile_(fn, name, sig, const, div16=(), **opts):
-    full = {a: sig.get(a, "constexpr") for a in fn.arg_names}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-             for a in list(div16) + [a for a, t in sig.items() if t.startswith("*")]}
-    k = triton.compile(ASTSource(fn, full, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+    k = compile_sm90(fn, sig, const, div16, **opts)
     ptx = k.asm.get("ptx", "")
-    row = {"smem": k.metadata.shared, "div_full": "div.full.f32" in ptx, "ftz_mul": "mul.ftz" in ptx,
-           "kwidth_hazards": kwidth_hazards(k.asm.get("ttgir", ""))}
-    cuobjdump = os.path.join(tools, "cuobjdump")
-    if "cubin" in k.asm and os.path.exists(cuobjdump):
-        d = tempfile.mkdtemp()
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(k.asm["cubin"])
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
-        row["sass"] = dict(collections.Counter(re.findall(r"\b(HMMA|HGMMA|STL|LDL|LDG\.E\.128)\b", sass)))
-    report[name] = row
+    report[name] = sass_row(k, r"\b(HMMA|HGMMA|STL|LDL|LDG\.E\.128)\b", smem=k.metadata.shared,
+                            div_full="div.full.f32" in ptx, ftz_mul="mul.ftz" in ptx,
+                            kwidth_hazards=kwidth_hazards(k.asm.get("ttgir", "")))
 
 
 ints = lambda *names: {n: "i32" for n in names}
@@ -613,21 +568,9 @@ def test_ced_kernels_compile_for_hopper():
     128, 512) and indexer scores (dh = 32, 128) use the tensor cores without local-memory spills and no MMA operand
     has a kWidth Triton 3.6 miscompiles for its K (see kwidth_hazards); the quantisers use correctly rounded
     division and keep subnormals (no flush-to-zero multiplies)."""
-    import json
-    import subprocess
-    import sys
     from pathlib import Path
 
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError:
-        pytest.skip("this triton has no ASTSource/GPUTarget API")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=Path(__file__).resolve().parents[1])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_compile_script(_COMPILE_SCRIPT, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert len(report) == 2 * (6 + 2 + 4) + 2
     hazards = {name: row["kwidth_hazards"] for name, row in report.items() if row["kwidth_hazards"]}
     assert not hazards, f"MMA operands whose kWidth exceeds K / 8 (miscompiled by Triton 3.6): {hazards}"

@@ -9,37 +9,22 @@ test_triton_rope.py (one subprocess builds both kernels).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton or any kernel module is imported
+from deepinfer.testing.kernels import DEV, capture_graph, examples, gen, gpu, skip_module_without_kernels
 
-pytest.importorskip("triton")
-
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+skip_module_without_kernels()
 
 from deepinfer.backends.nvidia import triton_kv_write  # noqa: E402
-from deepinfer.backends.nvidia.ops import INTERPRET, NvidiaOps  # noqa: E402
+from deepinfer.backends.nvidia.ops import NvidiaOps  # noqa: E402
 from deepinfer.backends.reference.ops import ReferenceOps  # noqa: E402
 
-if not HAS_CUDA and not INTERPRET:
-    pytest.skip("no CUDA and the kernels were not built for Triton's interpreter (TRITON_INTERPRET=0?)",
-                allow_module_level=True)
-
-DEV = torch.device("cuda" if HAS_CUDA else "cpu")
 REF = ReferenceOps(DEV)
-FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+FAST = examples(25)
 dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 _BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -168,14 +153,7 @@ def test_gpu_write_kv_in_cuda_graph():
     def run():
         triton_kv_write.write_kv(kc[1], vc[1], k, v, slots)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph, _ = capture_graph(run)
     for _ in range(3):
         kc.fill_(float("nan"))
         vc.fill_(float("nan"))

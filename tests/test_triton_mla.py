@@ -13,41 +13,20 @@ for sm_90 (no GPU needed) and reads ptxas' resource report: no spills, tensor-co
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton or any kernel module is imported
+from deepinfer.testing.kernels import (DEV, capture_graph, examples, gen, gpu, rel_err, run_compile_script,
+                                       skip_module_without_kernels)
 
-pytest.importorskip("triton")
-
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+skip_module_without_kernels()
 
 from deepinfer.backends.base import AttnMetadata  # noqa: E402
 from deepinfer.backends.nvidia import triton_attention, triton_mla  # noqa: E402
 from deepinfer.backends.reference.ops import ReferenceOps  # noqa: E402
 
-if not HAS_CUDA and not triton_mla.INTERPRET:
-    pytest.skip("no CUDA and the kernels were not built for Triton's interpreter (TRITON_INTERPRET=0?)",
-                allow_module_level=True)
-
-DEV = torch.device("cuda" if HAS_CUDA else "cpu")
 REF = ReferenceOps(DEV)
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double().to(out.device)
-    assert not torch.isnan(out).any(), "NaN in the kernel output"
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def mla_case(g, lens, block_size, H, r, rope, dtype, extra_width=0, form="3d", bt_dtype=torch.int64):
@@ -139,7 +118,7 @@ def run(q, cache, meta, r, scale, **kw):
 shapes = st.sampled_from([(32, 16), (24, 8), (16, 16), (40, 24)])  # (r, rope): powers of two and not
 
 
-@settings(max_examples=30, **SETTINGS)
+@examples(30)
 @given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=3), block_size=st.sampled_from([1, 3, 4, 16]),
        H=st.sampled_from([1, 4, 17]), shape=shapes, splits=st.sampled_from([None, 1, 2, 5]),
        extra_width=st.integers(0, 2), form=st.sampled_from(["3d", "2d", "strided"]),
@@ -156,7 +135,7 @@ def test_mla_decode_float32(lens, block_size, H, shape, splits, extra_width, for
     assert rel_err(out, reference(q, clean, meta, r, scale)) < 1e-5
 
 
-@settings(max_examples=15, **SETTINGS)
+@examples(15)
 @given(lens=st.lists(st.integers(1, 50), min_size=1, max_size=3), block_size=st.sampled_from([4, 16]),
        H=st.sampled_from([2, 16]), shape=shapes, dtype=st.sampled_from([torch.bfloat16, torch.float16]),
        splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
@@ -273,31 +252,22 @@ def test_choose_splits_from_shapes():
 
 # ------------------------------------------------------------------------------------------- compiled path
 _COMPILE_SCRIPT = r'''
-import json, os, re, subprocess, sys, tempfile
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re
+import torch
 from deepinfer.backends.nvidia import triton_mla as M
+from deepinfer.testing.kernels import compile_sm90, cuobjdump
 
 assert not M.INTERPRET
-tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 report = {}
 
 
 def compile_(fn, name, sig, const, div16, **opts):
-    full = {a: sig.get(a, "constexpr") for a in fn.arg_names}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-             for a in list(div16) + [a for a, t in sig.items() if t.startswith("*")]}
-    k = triton.compile(ASTSource(fn, full, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+    k = compile_sm90(fn, sig, const, div16, **opts)
     row = {"smem": k.metadata.shared}
-    cuobjdump = os.path.join(tools, "cuobjdump")
-    if "cubin" in k.asm and os.path.exists(cuobjdump):
-        path = os.path.join(tempfile.mkdtemp(), "k.cubin")
-        with open(path, "wb") as f:
-            f.write(k.asm["cubin"])
-        res = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
+    res = cuobjdump(k, "-res-usage")
+    if res is not None:
         m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", res)
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
+        sass = cuobjdump(k)
         row.update(regs=int(m.group(1)), stack=int(m.group(2)), local=int(m.group(3)),
                    hgmma=len(re.findall(r"\bHGMMA\.", sass)), hmma=len(re.findall(r"\bHMMA\.", sass)),
                    spill_ops=len(re.findall(r"\b(STL|LDL)\b", sass)))
@@ -328,20 +298,7 @@ print(json.dumps(report))
 def test_mla_kernels_compile_for_hopper():
     """The compiled path, which CPU CI never runs: the launch configs of DeepSeek-V3 (H = 128) and -V2-Lite
     (H = 16) build for sm_90 with no register spills; bf16 uses the tensor cores (wgmma at 64 heads)."""
-    import json
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError:
-        pytest.skip("this triton has no ASTSource/GPUTarget API")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_compile_script(_COMPILE_SCRIPT)
     assert len(report) == 2 * (4 + 1)
     for name, row in report.items():
         assert row["smem"] <= 227 * 1024, (name, row)
@@ -402,14 +359,7 @@ def test_gpu_mla_decode_in_cuda_graph():
     def launch():
         return triton_mla.mla_decode(static["q"], clean, static["bt"], 16, static["lens"], 0.07, 512)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        launch()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = launch()
+    graph, out = capture_graph(launch)
     for new_lens, shuffle in (([40, 900, 7, 2000], False), ([1, 1, 1, 1], False), ([33, 64, 1950, 0], True)):
         lt = torch.tensor(new_lens, device=DEV)
         static["lens"].copy_(lt)
@@ -464,17 +414,11 @@ def eager_us(fns, rounds=10):
 def graph_us(fns, rounds=4):
     """Microseconds per call of GPU time: the calls captured in one CUDA graph and replayed (how the engine
     runs decode; no launch overhead)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+    def once():
         for fn in fns:
             fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(rounds):
-            for fn in fns:
-                fn()
+
+    graph, _ = capture_graph(lambda: [once() for _ in range(rounds)], warmup=once)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,6 +1,6 @@
 """The fused Triton MoE (nvidia/triton_moe.py) against the reference experts (reference/moe.py).
 
-Without CUDA the kernels run through Triton's interpreter (TRITON_INTERPRET=1, set here before any kernel
+Without CUDA the kernels run through Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py before any kernel
 module is imported) on tiny shapes; with CUDA the same property tests run compiled kernels and the GPU-only
 tests add Qwen3-30B-A3B / DeepSeek-V3 shapes and CUDA-graph capture.
 
@@ -12,47 +12,21 @@ kernels leave unwritten shows up.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton or any kernel module is imported
+from deepinfer.testing.kernels import (DEV, capture_graph, examples, gen, gpu, no_host_sync, poison_free_memory,
+                                       rel_err, run_compile_script, skip_module_without_kernels)
 
-pytest.importorskip("triton")
-
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+skip_module_without_kernels()
 
 from deepinfer.backends.nvidia import triton_moe  # noqa: E402
-from deepinfer.backends.nvidia.ops import INTERPRET, NvidiaOps  # noqa: E402
+from deepinfer.backends.nvidia.ops import NvidiaOps  # noqa: E402
 from deepinfer.backends.reference import moe as ref_moe  # noqa: E402
 from deepinfer.models.quant import FP8, dequantize_fp8_block  # noqa: E402
 
-if not HAS_CUDA and not INTERPRET:
-    pytest.skip("no CUDA and the kernels were not built for Triton's interpreter (TRITON_INTERPRET=0?)",
-                allow_module_level=True)
-
-DEV = torch.device("cuda" if HAS_CUDA else "cpu")
-FAST = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def poison_free_memory(nbytes: int) -> None:
-    """Fill, then free, a block of the allocator's memory with NaN so an unwritten output shows up."""
-    junk = torch.full((max(1, nbytes // 4) + 64,), float("nan"), device=DEV)
-    del junk
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double().to(out.device)
-    assert not torch.isnan(out).any(), "NaN in the kernel output"
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+FAST = examples(12)
 
 
 def make_case(g, T, E, k, d, F, dtype=torch.float32, one_expert=None):
@@ -170,7 +144,7 @@ def test_strided_inputs_and_int32_ids():
     assert rel_err(out, ref_moe.experts_dense(xs, w13t, w2, weights, ids)) < 1e-5
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(3)
 @given(T=st.integers(1, 12), E=st.integers(1, 3), d=st.sampled_from([136, 160]), F=st.sampled_from([72, 136]),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
 def test_fp8_block_scaled_matches_dequantized_oracle(T, E, d, F, dtype, seed):
@@ -349,19 +323,7 @@ def test_gpu_cuda_graph_capture_and_replay_with_new_routing():
     def run():
         return ops.moe_experts(static["x"], w13, w2, static["weights"], static["ids"])
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()  # compile outside the sync check
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            run()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture_graph(run, warmup=lambda: (run(), no_host_sync(run)))  # compile outside the sync check
     for case in range(3):
         nx, nw, ni = _tokens(19 + case, T)
         if case == 1:
@@ -379,31 +341,18 @@ def test_gpu_cuda_graph_capture_and_replay_with_new_routing():
 
 # ------------------------------------------------------------------------------------------- compiled path
 _COMPILE_SCRIPT = r'''
-import collections, json, os, re, subprocess, tempfile
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
+import torch
 from deepinfer.backends.nvidia import triton_moe as tm
+from deepinfer.testing.kernels import compile_sm90, sass_row
 
 assert not tm.INTERPRET
-tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 report = {}
 
 
 def compile_(fn, name, sig, const, div16=(), **opts):
-    full = {a: sig.get(a, "constexpr") for a in fn.arg_names}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-             for a in list(div16) + [a for a, t in sig.items() if t.startswith("*")]}
-    k = triton.compile(ASTSource(fn, full, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-    row = {"smem": k.metadata.shared}
-    cuobjdump = os.path.join(tools, "cuobjdump")
-    if "cubin" in k.asm and os.path.exists(cuobjdump):
-        path = os.path.join(tempfile.mkdtemp(), "k.cubin")
-        with open(path, "wb") as f:
-            f.write(k.asm["cubin"])
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
-        row["sass"] = dict(collections.Counter(re.findall(r"\b(HMMA|HGMMA|STL|LDL)\b", sass)))
-    report[name] = row
+    k = compile_sm90(fn, sig, const, div16, **opts)
+    report[name] = sass_row(k, r"\b(HMMA|HGMMA|STL|LDL)\b", smem=k.metadata.shared)
 
 
 ints = lambda *names: {n: "i32" for n in names}
@@ -441,20 +390,7 @@ def test_kernels_compile_for_hopper():
     """The compiled path, which CPU CI never runs: the kernels build for sm_90 at the block sizes that
     launch_config picks for Qwen3-30B-A3B (decode, prefill; bf16 and FP8) without local-memory spills, on
     tensor cores (warpgroup MMAs from BLOCK_M 64), within the H200's 227 KB of shared memory."""
-    import json
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError:
-        pytest.skip("this triton has no ASTSource/GPUTarget API")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_compile_script(_COMPILE_SCRIPT)
     assert {"gemm1_bf16_BM16", "gemm1_bf16_BM64", "gemm1_bf16_BM128", "gemm2_fp8_BM16", "gemm2_fp8_BM64"} <= set(report)
     for name, row in report.items():
         assert row["smem"] <= 227 * 1024, (name, row)

@@ -15,43 +15,24 @@ reference op; bf16/fp16 < 1e-2.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton or any kernel module is imported
+from deepinfer.testing.kernels import (DEV, capture_graph, examples, gen, gpu, rel_err, run_compile_script,
+                                       skip_module_without_kernels)
 
-pytest.importorskip("triton")
-
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+skip_module_without_kernels()
 
 from deepinfer.backends.nvidia import triton_prefill  # noqa: E402
 from deepinfer.backends.nvidia.ops import INTERPRET, NvidiaOps  # noqa: E402
 from deepinfer.backends.reference.ops import ReferenceOps  # noqa: E402
 from deepinfer.stages.forward import build_inputs  # noqa: E402
 
-if not HAS_CUDA and not INTERPRET:
-    pytest.skip("no CUDA and the kernels were not built for Triton's interpreter (TRITON_INTERPRET=0?)",
-                allow_module_level=True)
-
-DEV = torch.device("cuda" if HAS_CUDA else "cpu")
 REF = ReferenceOps(DEV)
 SMALL_N = 8 if INTERPRET else 16  # the smallest key tile the kernel compiles with
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double().to(out.device)
-    assert not torch.isnan(out).any(), "NaN in the kernel output"
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def prefill_case(g, rows, block_size, H, Hk, D, Dv, dtype, window=None, mla=False, pool_blocks=None):
@@ -127,7 +108,7 @@ def run_kernel(q, kc, vc, meta, scale, window=None, sinks=None, **kw):
 row_lists = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 20)), min_size=1, max_size=4)
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(15)
 @given(rows=row_lists, block_size=st.sampled_from([1, 4, 16]), Hk=st.sampled_from([1, 2]), G=st.sampled_from([1, 3, 4]),
        dims=st.sampled_from([(16, 16), (24, 24), (48, 48), (40, 8), (16, 32), (96, 64)]),
        window=st.one_of(st.none(), st.integers(1, 24)), with_sinks=st.booleans(),
@@ -145,7 +126,7 @@ def test_paged_prefill_float32(rows, block_size, Hk, G, dims, window, with_sinks
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(8)
 @given(rows=row_lists, block_size=st.sampled_from([4, 16]), G=st.sampled_from([1, 4]),
        dtype=st.sampled_from([torch.bfloat16, torch.float16]), window=st.one_of(st.none(), st.integers(1, 9)),
        with_sinks=st.booleans(), seed=st.integers(0, 2**16))
@@ -162,7 +143,7 @@ def test_paged_prefill_low_precision_through_ops(rows, block_size, G, dtype, win
     assert rel_err(out, oracle(q, kc_clean, vc_clean, meta, D ** -0.5, window, sinks)) < 1e-2
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(8)
 @given(rows=row_lists, rank_rope=st.sampled_from([(16, 8), (32, 16)]), H=st.sampled_from([1, 4, 16]),
        seed=st.integers(0, 2**16))
 def test_paged_prefill_mla_strided_values(rows, rank_rope, H, seed):
@@ -347,14 +328,7 @@ def test_gpu_prefill_in_cuda_graph():
         return triton_prefill.paged_prefill(static["q"], kc_clean, vc_clean, static["bt"], 16, static["cu"],
                                             static["lens"], T, 128 ** -0.5)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture_graph(run)
     for new_rows in (rows, [(0, 1), (0, 1), (0, 1), (900, 297)], [(64, 100), (0, 100), (33, 50), (0, 50)]):
         assert sum(n for _, n in new_rows) == T
         _, _, _, m, _, _ = prefill_case(g, new_rows, **case)  # new block tables into the same 200-block pool
@@ -371,15 +345,12 @@ def test_gpu_prefill_in_cuda_graph():
 
 # ------------------------------------------------------------------------------------------- compiled path
 _COMPILE_SCRIPT = r'''
-import json, os, re, subprocess, sys, tempfile
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re
+import torch
 from deepinfer.backends.nvidia import triton_prefill as tp
+from deepinfer.testing.kernels import compile_sm90, cuobjdump
 
 assert not tp.INTERPRET
-tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-fn = tp._prefill_kernel
 report = {}
 for dt, D, Dv, vk in (("bf16", 64, 64, False), ("bf16", 128, 128, False), ("bf16", 192, 128, False),
                       ("bf16", 256, 256, False), ("bf16", 576, 512, True), ("fp32", 128, 128, False)):
@@ -393,18 +364,11 @@ for dt, D, Dv, vk in (("bf16", 64, 64, False), ("bf16", 128, 128, False), ("bf16
                  BLOCK_D1=cfg["BLOCK_D1"], BLOCK_D2=cfg["BLOCK_D2"], BLOCK_DV=cfg["BLOCK_DV"], SCAN=128,
                  HAS_WINDOW=True, HAS_SINKS=True, V_FROM_K=vk, DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
                  INTERP_LOOP=False, SCAN_ITERS=0, MAX_TILES=0)
-    full = {a: sig.get(a, "constexpr") for a in fn.arg_names}
-    div16 = [n for n in ints if n.startswith("stride")] + [a for a, t in sig.items() if t.startswith("*")]
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
-    k = triton.compile(ASTSource(fn, full, const, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    k = compile_sm90(tp._prefill_kernel, sig, const, [n for n in ints if n.startswith("stride")],
+                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     row = {"smem": k.metadata.shared}
-    cuobjdump = os.path.join(tools, "cuobjdump")
-    if "cubin" in k.asm and os.path.exists(cuobjdump):
-        path = os.path.join(tempfile.mkdtemp(), "k.cubin")
-        with open(path, "wb") as f:
-            f.write(k.asm["cubin"])
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
+    sass = cuobjdump(k)
+    if sass is not None:
         ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
         addr = [int(a, 16) for a, _ in ins]
         loops = []  # [target, branch] of every backward branch
@@ -424,20 +388,7 @@ def test_prefill_kernel_compiles_for_hopper():
     """The compiled code path, which CPU CI never runs: the kernel builds for sm_90 at every shipped config
     through the bundled ptxas; in bf16 the SASS has tensor-core MMAs; no key loop spills to local memory;
     shared memory fits an H200 SM (227 KB)."""
-    import json
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError:
-        pytest.skip("this triton has no ASTSource/GPUTarget API")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_compile_script(_COMPILE_SCRIPT)
     assert len(report) == 6
     for name, row in report.items():
         assert row["smem"] <= 227 * 1024, (name, row)

@@ -9,39 +9,25 @@ builds the rope and KV-write kernels for sm_90 (no GPU needed), since CPU CI nev
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton or any kernel module is imported
+from deepinfer.testing.kernels import (DEV, HAS_CUDA, capture_graph, examples, gen, gpu, run_compile_script,
+                                       skip_module_without_kernels)
 
-pytest.importorskip("triton")
-
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+skip_module_without_kernels()
 
 from deepinfer.backends.nvidia import triton_rope  # noqa: E402
-from deepinfer.backends.nvidia.ops import INTERPRET, NvidiaOps  # noqa: E402
+from deepinfer.backends.nvidia.ops import NvidiaOps  # noqa: E402
 from deepinfer.backends.reference.ops import ReferenceOps  # noqa: E402
 from deepinfer.models.rope import RotaryEmbedding, rope_parameters, rotate  # noqa: E402
 
-if not HAS_CUDA and not INTERPRET:
-    pytest.skip("no CUDA and the kernels were not built for Triton's interpreter (TRITON_INTERPRET=0?)",
-                allow_module_level=True)
-
-DEV = torch.device("cuda" if HAS_CUDA else "cpu")
-FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+FAST = examples(25)
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 YARN_DSV3 = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
 
 
 def cache_for(rope: dict, head_dim: int, rotary_dim: int, max_pos: int) -> torch.Tensor:
@@ -198,14 +184,7 @@ def test_gpu_rotary_in_cuda_graph():
     def run():
         return triton_rope.apply_rotary(q, k, pos, cs, False)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        qo, ko = run()
+    graph, (qo, ko) = capture_graph(run)
     for _ in range(3):
         q.copy_(torch.randn(q.shape, generator=g).to(q))
         k.copy_(torch.randn(k.shape, generator=g).to(k))
@@ -219,32 +198,17 @@ def test_gpu_rotary_in_cuda_graph():
 
 # ------------------------------------------------------------------------------------------- compiled path
 _COMPILE_SCRIPT = r'''
-import collections, json, os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
 from deepinfer.backends.nvidia import triton_kv_write as kw, triton_rope as tr
+from deepinfer.testing.kernels import compile_sm90, sass_row
 
 assert not tr.INTERPRET
-tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 report = {}
 
 
 def compile_(fn, name, sig, const, div16=(), **opts):
-    full = {a: sig.get(a, "constexpr") for a in fn.arg_names}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-             for a in list(div16) + [a for a, t in sig.items() if t.startswith("*")]}
-    k = triton.compile(ASTSource(fn, full, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-    row = {"ffma": "fma.rn" in k.asm["ptx"]}
-    cuobjdump = os.path.join(tools, "cuobjdump")
-    if os.path.exists(cuobjdump):
-        d = tempfile.mkdtemp()
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(k.asm["cubin"])
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
-        row["sass"] = dict(collections.Counter(re.findall(r"\b(LDG\.E\.128|STG\.E\.128|STL|LDL)\b", sass)))
-    report[name] = row
+    k = compile_sm90(fn, sig, const, div16, **opts)
+    report[name] = sass_row(k, r"\b(LDG\.E\.128|STG\.E\.128|STL|LDL)\b", ffma="fma.rn" in k.asm["ptx"])
 
 
 ints = lambda names: {n: "i32" for n in names.split()}
@@ -277,19 +241,7 @@ print(json.dumps(report))
 def test_rope_and_kv_write_compile_for_hopper():
     """Both kernels compile for sm_90; rope has no FMA (rounding as the reference); the Llama-sized launches
     use 16-byte loads and stores; nothing spills."""
-    import json
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError:
-        pytest.skip("this triton has no ASTSource/GPUTarget API")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_compile_script(_COMPILE_SCRIPT)
     assert len(report) == 2 * (3 + 2)
     for name, row in report.items():
         if name.startswith("rope"):

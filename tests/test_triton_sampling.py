@@ -11,40 +11,26 @@ ReferenceOps.sample for the same generators.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton or any kernel module is imported
+from deepinfer.testing.kernels import (DEV, HAS_CUDA, capture_graph, examples, gen, gpu, run_compile_script,
+                                       skip_module_without_kernels)
 
-pytest.importorskip("triton")
-
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+skip_module_without_kernels()
 
 from deepinfer.backends.nvidia import triton_sampling  # noqa: E402
-from deepinfer.backends.nvidia.ops import INTERPRET, NvidiaOps  # noqa: E402
+from deepinfer.backends.nvidia.ops import NvidiaOps  # noqa: E402
 from deepinfer.backends.reference.ops import ReferenceOps  # noqa: E402
 from deepinfer.backends.reference.sampling import SamplingBatch, _filter, _penalized  # noqa: E402
 from deepinfer.core.params import SamplingParams  # noqa: E402
 
-if not HAS_CUDA and not INTERPRET:
-    pytest.skip("no CUDA and the kernels were not built for Triton's interpreter (TRITON_INTERPRET=0?)",
-                allow_module_level=True)
-
-DEV = torch.device("cuda" if HAS_CUDA else "cpu")
-FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+FAST = examples(40)
 TOL = 1e-5  # top-p boundary band (cumulative mass) where the kept set may differ
 # Vocabulary sizes of the property tests: tiny under the interpreter, real ones (not powers of two) on a GPU.
 FILTER_VOCABS = [1, 2, 5, 31, 64, 100, 200] + ([1000, 4099, 50257, 151936] if HAS_CUDA else [])
 SAMPLE_VOCABS = [1000, 32000, 128256, 151936] if HAS_CUDA else [3, 50, 137]
-
-
-def gen(seed: int, device="cpu") -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
 
 
 def make_batch(temp, top_k, top_p, min_p, flags=(True, True, True)) -> SamplingBatch:
@@ -148,7 +134,7 @@ def build_batch(params, prompts, outputs, V):
     return SamplingBatch.build(params, prompts, outputs, gens, V, [0], DEV)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(12)
 @given(sampling_case())
 def test_sample_same_tokens_as_reference(case):
     """Penalties, bans, greedy/seeded/unseeded rows: the same generators draw the same tokens."""
@@ -320,14 +306,7 @@ def test_gpu_filter_in_cuda_graph():
     def run():
         return run_filter(logits, b)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture_graph(run)
     for step in range(3):
         logits.copy_(lm_like_logits(S, V, g))
         b.top_k.copy_(torch.randint(0, 100, (S,), generator=g).to(DEV))
@@ -339,15 +318,11 @@ def test_gpu_filter_in_cuda_graph():
 
 # ------------------------------------------------------------------------------------------- compiled path
 _COMPILE_SCRIPT = r'''
-import collections, json, os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
 from deepinfer.backends.nvidia import triton_sampling as ts
+from deepinfer.testing.kernels import compile_sm90, sass_counts
 
 assert not ts.INTERPRET
-tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-fn = ts._filter_kernel
 sig = dict(x_ptr="*fp32", out_ptr="*fp32", temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32", logminp_ptr="*fp32",
            stride_x="i32", stride_o="i32", V="i32", margin="fp32")
 cfg = ts.launch_config(151936)
@@ -355,19 +330,8 @@ report = {}
 for flags in ((True, True, True), (False, False, False), (True, False, True), (False, True, False)):
     const = dict(HAS_TOP_K=flags[0], HAS_TOP_P=flags[1], HAS_MIN_P=flags[2], BLOCK=cfg["BLOCK"], CHUNK=cfg["CHUNK"],
                  NPIV=ts.NP, N_ROUNDS=ts.ROUNDS, NB_B=ts.NB, LOOP=0)
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
-             for a in ["stride_x", "stride_o", "V"] + [a for a, t in sig.items() if t.startswith("*")]}
-    k = triton.compile(ASTSource(fn, {a: sig.get(a, "constexpr") for a in fn.arg_names}, const, attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"]))
-    row = {}
-    cuobjdump = os.path.join(tools, "cuobjdump")
-    if os.path.exists(cuobjdump):
-        d = tempfile.mkdtemp()
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(k.asm["cubin"])
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
-        row = dict(collections.Counter(re.findall(r"\b(LDG\.E\.128|STL|LDL)\b", sass)))
+    k = compile_sm90(ts._filter_kernel, sig, const, ("stride_x", "stride_o", "V"), num_warps=cfg["num_warps"])
+    row = sass_counts(k, r"\b(LDG\.E\.128|STL|LDL)\b") or {}
     report["".join("1" if f else "0" for f in flags)] = row
 print(json.dumps(report))
 '''
@@ -376,20 +340,7 @@ print(json.dumps(report))
 def test_filter_kernel_compiles_for_hopper():
     """The compiled path (CPU CI only runs the interpreter): every flag combination compiles for sm_90,
     without local-memory spills."""
-    import json
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except ImportError:
-        pytest.skip("this triton has no ASTSource/GPUTarget API")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_compile_script(_COMPILE_SCRIPT)
     assert len(report) == 4
     for name, sass in report.items():
         assert sass.get("STL", 0) == 0 and sass.get("LDL", 0) == 0, f"{name}: local-memory spills: {sass}"
