@@ -23,7 +23,7 @@ from functools import partial
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from deepinfer.testing.kernels import (DEV, capture_graph, examples, gen, gpu, rel_err as _rel_err, run_compile_script,
                                        skip_module_without_kernels)
@@ -308,9 +308,14 @@ def test_indexer_topk_matches_reference(row_js, nh, dh, fmt, k, dup, with_allowe
 @examples(10)
 @given(Tq=st.integers(1, 4), J=st.integers(1, 100), k=st.integers(1, 40), levels=st.integers(1, 6),
        with_allowed=st.booleans(), block=st.sampled_from([None, 16, 128]), seed=st.integers(0, 2**16))
+# A visible, allowed entry scored -inf (id 2) with a masked one below it: select_topk used to drop it there
+# (its -inf tail took the masked id 0 and turned it into -1) while the kernel chose it.
+@example(Tq=1, J=19, k=7, levels=6, with_allowed=True, block=None, seed=0)
+@example(Tq=1, J=19, k=7, levels=6, with_allowed=True, block=16, seed=0)
 def test_topk_select_exact_ties(Tq, J, k, levels, with_allowed, block, seed):
     """Scores from a handful of values (many exact ties, -0.0 next to +0.0, -inf): the same set as
-    select_topk, ties going to the lower id, whether the row fits one tile or spans several."""
+    select_topk, ties going to the lower id, whether the row fits one tile or spans several; an entry
+    scored -inf is never chosen."""
     from deepinfer.models.ced import functional as fn
 
     g = gen(seed)
@@ -327,6 +332,20 @@ def test_topk_select_exact_ties(Tq, J, k, levels, with_allowed, block, seed):
         mine, theirs = ids[t][ids[t] >= 0], ref[t][ref[t] >= 0]
         assert sorted(mine.tolist()) == sorted(theirs.tolist()) == mine.tolist()
         assert bool((ids[t][mine.numel():] == -1).all())
+        assert mine.numel() == min(k, int((ok[t] & (scores[t] != float("-inf"))).sum()))
+
+
+def test_topk_select_never_minus_inf():
+    """A visible -inf entry is not chosen even where no masked entry precedes it, by either side."""
+    from deepinfer.models.ced import functional as fn
+
+    scores = torch.tensor([[1.0, float("-inf"), 2.0, float("-inf")], [float("-inf")] * 4], device=DEV)
+    nvis = torch.tensor([4, 4], device=DEV)
+    want = [[0, 2, -1, -1], [-1] * 4]
+    for block in (None, 2):
+        assert triton_ced_indexer.topk_select(scores, nvis, 4, block=block).tolist() == want
+    ref = fn.select_topk(scores, torch.ones_like(scores, dtype=torch.bool), 4)
+    assert ref.tolist() == [[2, 0, -1, -1], [-1] * 4]  # by descending score there
 
 
 def test_indexer_errors_and_empty():

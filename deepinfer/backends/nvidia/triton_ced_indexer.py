@@ -2,7 +2,8 @@
 
 score(t, j) = sum_h w[t, h] * relu(q[t, h] . k(j)) for the entries j of query t's sequence; the top-K
 of the visible (and allowed) entries are chosen, ties going to the lower entry id, as
-``models.ced.functional.select_topk`` chooses them.
+``models.ced.functional.select_topk`` chooses them (an entry scored -inf is never chosen: fewer than K
+eligible entries leave -1 at the end).
 
 Two kernels:
 - ``_score_kernel``, one program per (query, tile of BLOCK_J entries): finds each entry's cache row
@@ -80,11 +81,13 @@ def _score_kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, slots_ptr, rows_ptr, nvis
 
 @triton.jit
 def _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, j, nvis, HAS_ALLOWED: tl.constexpr):
-    """int32 keys with the order of the float scores of entries j, and whether each may be chosen."""
+    """int32 keys with the order of the float scores of entries j, and whether each may be chosen: visible,
+    allowed and scored above -inf (select_topk's rule)."""
     valid = j < nvis
     if HAS_ALLOWED:
         valid &= tl.load(allowed_ptr + t * stride_at + j, mask=valid, other=0) != 0
     s = tl.load(scores_ptr + t * stride_st + j, mask=valid, other=0.0)
+    valid &= s != float("-inf")
     s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with +0.0, as in the reference's sort
     b = s.to(tl.int32, bitcast=True)
     return tl.where(b < 0, b ^ 0x7FFFFFFF, b), valid
@@ -155,9 +158,9 @@ def _check_visibility(Tq: int, J: int, num_visible, allowed) -> None:
 
 def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
                 allowed: Optional[torch.Tensor] = None, block: Optional[int] = None) -> torch.Tensor:
-    """Top-k entry ids per row of scores [Tq, J] float32 among entries j < num_visible[t] (and allowed[t, j]):
-    [Tq, k] int64 in ascending id order, -1 after the last. The same set as select_topk (ties to the lower
-    id)."""
+    """Top-k entry ids per row of scores [Tq, J] float32 among entries j < num_visible[t] (and allowed[t, j])
+    scored above -inf: [Tq, k] int64 in ascending id order, -1 after the last. The same set as select_topk
+    (ties to the lower id)."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be float32 [Tq, J], got {scores.dtype} {tuple(scores.shape)}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:

@@ -80,16 +80,18 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Ten
 
 
 def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k visible entries per query, [Tq, k] int64, -1 where fewer than k are visible.
+    """Top-k visible entries per query, [Tq, k] int64, -1 after the last where fewer than k are visible.
 
-    Ties break toward the lower index (stable), so every path picks the same set."""
+    Ties break toward the lower index (stable), so every path picks the same set. An entry scored -inf
+    counts as not visible: masked entries are -inf too, so keeping a visible -inf would depend on where
+    the masked ones sit in the sort."""
     J = scores.shape[1]
     if J == 0:
         return torch.full((scores.shape[0], k), -1, dtype=torch.long, device=scores.device)
     s = scores.masked_fill(~visible, float("-inf"))
     kk = min(k, J)
     order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :kk]
-    ok = torch.gather(visible, 1, order)
+    ok = torch.gather(s, 1, order) != float("-inf")
     idx = torch.where(ok, order, torch.full_like(order, -1))
     if kk < k:
         idx = torch.cat([idx, idx.new_full((idx.shape[0], k - kk), -1)], dim=1)
