@@ -1,8 +1,9 @@
 """NVIDIA backend: Triton kernels for the hot ops, each tested against the reference op.
 
-``ops.NvidiaOps`` subclasses the reference backend and overrides rms_norm, add_rms_norm, silu_and_mul
-and decode paged_attention (plus FP8 KV quantize/dequantize helpers); anything a kernel does not cover
-falls back to the reference op. Kernels run on CUDA tensors, or on CPU tensors under Triton's
+``ops.NvidiaOps`` subclasses the reference backend and overrides the hot ops: norms and activations,
+paged attention (decode, MLA decode, ragged prefill), fused MoE experts, rotary, KV write, the sampling
+filter, FP8/FP4/MXFP4 KV quantisation and the CED sparse attention and indexer (README "Backends" lists
+the modules); anything a kernel does not cover falls back to the reference op. Kernels run on CUDA tensors, or on CPU tensors under Triton's
 interpreter (``TRITON_INTERPRET=1``, set before the kernel modules are imported), which is how CI
 exercises them without a GPU.
 

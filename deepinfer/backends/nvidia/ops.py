@@ -138,7 +138,7 @@ class NvidiaOps(ReferenceOps):
         return super().ced_indexer_topk(q, weights, keys, key_fmt, entry_slots, q_rows, num_visible, k, allowed,
                                         return_scores)
 
-    # FP8 KV quantisation (the lowbit "fp8_e4m3_pow2" layout); other formats use the reference code.
+    # KV quantisation: kernels for the lowbit FP8 ("fp8_e4m3_pow2"), FP4 and MXFP4 layouts, the reference otherwise.
     def quantize_kv(self, x: torch.Tensor, fmt: str):
         """x [..., C] -> (codes, scales) exactly as reference.lowbit.quantize(x, fmt). The fp8 kernel
         skips the reference's inf/NaN check (a host sync)."""
