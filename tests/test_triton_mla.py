@@ -465,7 +465,7 @@ def test_gpu_mla_decode_split_sweep(B, ctx):
     generic kernel (run with -s). Asserts only that every variant is correct."""
     q, cache, metas = dense_case(B, ctx, copies=l2_copies(B, ctx), seed=B + ctx)
     want = oracle(q, cache, metas[0], 512, 0.07)
-    plan = triton_mla._plan(B, 128, 512, 64, torch.bfloat16, ctx // 64, 64, triton_mla._sm_count(DEV), None, None,
+    plan = triton_mla._plan(B, 128, 512, 64, torch.bfloat16, ctx // 64, 64, triton_mla.sm_count(DEV), None, None,
                             None)
     gb = B * ctx * 576 * 2 / 1e9
     t_gen = graph_us(generic_fns(q, cache, metas))

@@ -343,7 +343,7 @@ def test_gpu_cuda_graph_capture_and_replay_with_new_routing():
 _COMPILE_SCRIPT = r'''
 import json
 import torch
-from deepinfer.backends.nvidia import triton_moe as tm
+from deepinfer.backends.nvidia import triton_attention, triton_moe as tm
 from deepinfer.testing.kernels import compile_sm90, sass_row
 
 assert not tm.INTERPRET
@@ -356,7 +356,7 @@ def compile_(fn, name, sig, const, div16=(), **opts):
 
 
 ints = lambda *names: {n: "i32" for n in names}
-tm._SM_COUNT[0] = 132  # an H200
+triton_attention._SM_COUNT[0] = 132  # an H200 (the SM count the launch configs read)
 compile_(tm._count_kernel, "count", dict(ids_ptr="*i64", chunk_counts_ptr="*i32", **ints("N", "E", "CHUNK")),
          dict(S=64, EB=512, CHUNK_I=0), num_warps=4)
 compile_(tm._place_kernel, "place", dict(ids_ptr="*i64", chunk_counts_ptr="*i32", sorted_ptr="*i32",

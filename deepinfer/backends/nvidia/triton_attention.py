@@ -48,6 +48,20 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def finish_softmax(acc, m_i, l_i, sink_ptrs, row_mask, HAS_SINKS: tl.constexpr):
+    """acc / l for a tile of rows at the end of an online softmax (log2 domain), each row's sink logit (loaded
+    from ``sink_ptrs`` when HAS_SINKS) joining only the denominator; rows that saw no key give 0."""
+    if HAS_SINKS:
+        sink = to_f32(tl.load(sink_ptrs, mask=row_mask, other=0.0)) * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        scale_old = tl.exp2(m_i - m_f)
+        l_i = l_i * scale_old + tl.exp2(sink - m_f)
+        acc = acc * scale_old[:, None]
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    return acc / l_safe[:, None]
+
+
+@triton.jit
 def _attend_tile(q, m_i, l_i, acc, t0, end, k_base, v_base, bt_row, stride_ks, stride_vs, qk_scale,
                  d_off, d_mask, dv_off, dv_mask,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -141,14 +155,7 @@ def _decode_kernel(
                                          DOT_PRECISION)
 
     if DIRECT:  # one split: finish here
-        if HAS_SINKS:
-            sink = to_f32(tl.load(sinks_ptr + heads, mask=g_mask, other=0.0)) * 1.4426950408889634
-            m_f = tl.maximum(m_i, sink)
-            scale_old = tl.exp2(m_i - m_f)
-            l_i = l_i * scale_old + tl.exp2(sink - m_f)
-            acc = acc * scale_old[:, None]
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        o = acc / l_safe[:, None]
+        o = finish_softmax(acc, m_i, l_i, sinks_ptr + heads, g_mask, HAS_SINKS)
         tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + dv_off[None, :],
                  cast_rne(o, out_ptr.dtype.element_ty), mask=g_mask[:, None] & dv_mask[None, :])
     else:
@@ -194,9 +201,11 @@ def _merge_kernel(
 _SM_COUNT: dict = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); 4 for the interpreter, small so that tests
+    exercise the split paths."""
     if device.type != "cuda":
-        return 4  # the interpreter: small, so that tests exercise the split path
+        return 4
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
@@ -252,7 +261,7 @@ def choose_splits(rows: int, kv_heads: int, head_tiles: int, max_ctx: int, devic
     """Context splits so the grid fills the GPU: about 4 programs per SM, each split at least one tile.
     Depends on shapes only (rows, heads, the block table's width), never on values."""
     programs = max(1, rows * kv_heads * head_tiles)
-    want = triton.cdiv(4 * _sm_count(device), programs)
+    want = triton.cdiv(4 * sm_count(device), programs)
     most = max(1, max_ctx // block_n)
     return int(max(1, min(want, most, 64)))
 

@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import LOG2E, _dot, _merge_kernel, _sm_count
+from .triton_attention import LOG2E, _dot, _merge_kernel, finish_softmax, sm_count
 from .triton_fp4 import GROUPS, e4m3_value, e8m0_value, fp4_tile, mma_operand
-from .triton_norm import cast_rne, to_f32
+from .triton_norm import cast_rne
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 RING_FMT = "fp8_e4m3_pow2"
@@ -137,15 +137,9 @@ def _ced_attn_kernel(
             m_i, l_i, acc = _online_step(q, mma_operand(kv, DT), valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if DIRECT:  # one split: add the sink and finish here
-        if HAS_SINKS:
-            sink = to_f32(tl.load(sinks_ptr + heads, mask=h_mask, other=0.0)) * 1.4426950408889634
-            m_f = tl.maximum(m_i, sink)
-            scale_old = tl.exp2(m_i - m_f)
-            l_i = l_i * scale_old + tl.exp2(sink - m_f)
-            acc = acc * scale_old[:, None]
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = finish_softmax(acc, m_i, l_i, sinks_ptr + heads, h_mask, HAS_SINKS)
         tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 cast_rne(acc / l_safe[:, None], out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+                 cast_rne(o, out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
     else:  # partials [T, H, NUM_SPLITS] (m, l) and [T, H, NUM_SPLITS, BLOCK_D] (acc), as _merge_kernel reads them
         ml = (t * H + heads) * NUM_SPLITS + split
         tl.store(mid_m_ptr + ml, m_i, mask=h_mask)
@@ -203,7 +197,7 @@ def launch_config(H: int, D: int, dtype: torch.dtype) -> dict:
 def choose_splits(rows: int, head_tiles: int, tiles: int, device: torch.device) -> int:
     """Key splits so the grid fills the GPU (about 4 programs per SM), each split at least one tile.
     Depends on shapes only."""
-    want = triton.cdiv(4 * _sm_count(device), max(1, rows * head_tiles))
+    want = triton.cdiv(4 * sm_count(device), max(1, rows * head_tiles))
     return int(max(1, min(want, tiles, 16)))
 
 

@@ -39,11 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_attention import LOG2E, sm_count
 from .triton_norm import cast_rne, to_f32
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
-LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_RANK = 512  # kv_lora_rank: acc [BLOCK_H, r] lives in registers
 MAX_ROPE = 128
@@ -175,18 +175,6 @@ def _mla_merge_kernel(
 
 
 # ----------------------------------------------------------------------------------------------- host side
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: small, so that tests exercise the split path
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def _rows(cache: torch.Tensor) -> Optional[torch.Tensor]:
     """The cache as [slots, r + rope] (a view), or None when it has another shape."""
     if cache.dim() == 3 and cache.shape[1] == 1:
@@ -375,7 +363,7 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
         block_table = block_table.contiguous()
     seq_lens = seq_lens.contiguous()
 
-    plan = _plan(B, H, r, D - r, q.dtype, block_table.shape[1], int(block_size), _sm_count(q.device),
+    plan = _plan(B, H, r, D - r, q.dtype, block_table.shape[1], int(block_size), sm_count(q.device),
                  block_h, block_n, num_splits)
     cfg, head_blocks, S = plan.cfg, plan.head_blocks, plan.splits
     if S > 1:

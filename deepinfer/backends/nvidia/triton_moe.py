@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ..reference.moe import _check_experts
+from .triton_attention import sm_count
 from .triton_norm import cast_rne, to_f32
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -267,18 +268,6 @@ def _gemm2_kernel(
 
 
 # ------------------------------------------------------------------------------------------- host side
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def choose_block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per M-block from the mean pairs per expert: 16 (the smallest MMA tile) for decode-sized
     batches, 64 or 128 for prefill. Every expert's segment is padded to this, so it grows only when the
@@ -315,7 +304,7 @@ def launch_config(num_pairs: int, num_experts: int, F: int, d: int, device: torc
         cfg = dict(BLOCK_M=BM, BN1=32, BK1=32, BN2=32, BK2=32, warps1=warps, warps2=warps)
     elif BM <= 32:
         active = min(num_pairs, num_experts)
-        BN1 = 64 if active * triton.cdiv(F, 64) >= 2 * _sm_count(device) else 32
+        BN1 = 64 if active * triton.cdiv(F, 64) >= 2 * sm_count(device) else 32
         cfg = dict(BLOCK_M=BM, BN1=BN1, BK1=128, BN2=64, BK2=128, warps1=4, warps2=4)
     else:
         warps = 8 if BM >= 128 else 4

@@ -43,11 +43,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_attention import LOG2E, finish_softmax
 from .triton_norm import cast_rne, to_f32
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
-LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 1024  # beyond 576/512 the accumulator spills; correct, not tuned
 MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dim (the KV heads)
@@ -252,14 +252,7 @@ def _prefill_kernel(
                                          V_FROM_K, DOT_PRECISION)
 
     heads = kvh * G + r % G  # recomputed rather than held through the loops
-    if HAS_SINKS:
-        sink = to_f32(tl.load(sinks_ptr + heads, mask=r_valid, other=0.0)) * 1.4426950408889634
-        m_f = tl.maximum(m_i, sink)
-        scale_old = tl.exp2(m_i - m_f)
-        l_i = l_i * scale_old + tl.exp2(sink - m_f)
-        acc = acc * scale_old[:, None]
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    o = finish_softmax(acc, m_i, l_i, sinks_ptr + heads, r_valid, HAS_SINKS)
     dv_off = tl.arange(0, BLOCK_DV)
     out_rows = out_ptr + (q_start + qi).to(tl.int64) * stride_ot + heads.to(tl.int64) * stride_oh
     out_ptrs = out_rows[:, None] + dv_off[None, :]
