@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_kvquant import as_rows, block_g
 from .triton_norm import cast_rne, to_f32
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -166,10 +167,6 @@ def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, stride_c, stride_s, stride_o
     tl.store(out_ptr + row * stride_o + 2 * byte + 1, cast_rne(e2m1_value(c >> 4) * scale[:, None], dt), mask=mask)
 
 
-def _block_g(ng: int) -> int:
-    return max(1, min(32, triton.next_power_of_2(ng)))
-
-
 def supports_quantize(x: torch.Tensor, fmt: str) -> bool:
     return fmt in GROUPS and x.dim() >= 1 and x.dtype in SUPPORTED_DTYPES and x.shape[-1] % GROUPS[fmt] == 0
 
@@ -197,14 +194,12 @@ def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     NG = C // G
     codes = torch.empty((*x.shape[:-1], C // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((*x.shape[:-1], NG), dtype=torch.uint8, device=x.device)
-    x2 = x.reshape(-1, C)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = as_rows(x, C)
     M = x2.shape[0]
     if M == 0 or NG == 0:
         return codes, scales
     c2, s2 = codes.view(-1, C // 2), scales.view(-1, NG)
-    BG = _block_g(NG)
+    BG = block_g(NG)
     _quant_kernel[(M, triton.cdiv(NG, BG))](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), NG,
                                             BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4",
                                             num_warps=4 if BG >= 8 else 1)
@@ -224,16 +219,12 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str,
     C = 2 * codes.shape[-1]
     NG = C // G
     out = torch.empty((*codes.shape[:-1], C), dtype=dtype, device=codes.device)
-    c2, s2 = codes.reshape(-1, C // 2), scales.reshape(-1, NG)
-    if c2.stride(-1) != 1:
-        c2 = c2.contiguous()
-    if s2.numel() and s2.stride(-1) != 1:
-        s2 = s2.contiguous()
+    c2, s2 = as_rows(codes, C // 2), as_rows(scales, NG)
     M = c2.shape[0]
     if M == 0 or NG == 0:
         return out
     o2 = out.view(-1, C)
-    BG = _block_g(NG)
+    BG = block_g(NG)
     _dequant_kernel[(M, triton.cdiv(NG, BG))](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), NG,
                                               BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4",
                                               num_warps=4 if BG >= 8 else 1)

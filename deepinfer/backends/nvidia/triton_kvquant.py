@@ -102,8 +102,16 @@ def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, stride_c, stride_s, stride_o
     tl.store(out_ptr + row * stride_o + ch, cast_rne(out, out_ptr.dtype.element_ty), mask=mask)
 
 
-def _block_g(ng: int) -> int:
+def block_g(ng: int) -> int:
+    """Scale groups per program of the (de)quantisation kernels (this module's and triton_fp4's)."""
     return max(1, min(32, triton.next_power_of_2(ng)))
+
+
+def as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t [..., width] as [rows, width] with unit last stride, as the (de)quantisation kernels read it (a copy
+    only when the view's channels are strided)."""
+    t2 = t.reshape(-1, width)
+    return t2.contiguous() if t2.numel() and t2.stride(-1) != 1 else t2
 
 
 def supports_quantize(x: torch.Tensor) -> bool:
@@ -120,14 +128,12 @@ def quantize_fp8_pow2(x: torch.Tensor, check_finite: bool = False) -> tuple[torc
     NG = C // GROUP
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     scales = torch.empty((*x.shape[:-1], NG), dtype=torch.uint8, device=x.device)
-    x2 = x.reshape(-1, C)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = as_rows(x, C)
     M = x2.shape[0]
     if M == 0 or NG == 0:
         return codes, scales
     c2, s2 = codes.view(-1, C), scales.view(-1, NG)
-    BG = _block_g(NG)
+    BG = block_g(NG)
     _quant_kernel[(M, triton.cdiv(NG, BG))](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), NG,
                                             BLOCK_G=BG, GROUP_SIZE=GROUP, num_warps=4 if BG >= 8 else 1)
     return codes, scales
@@ -143,16 +149,12 @@ def dequantize_fp8_pow2(codes: torch.Tensor, scales: torch.Tensor,
                          f"got {codes.dtype} {tuple(codes.shape)} and {scales.dtype} {tuple(scales.shape)}")
     NG = C // GROUP
     out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    c2, s2 = codes.reshape(-1, C), scales.reshape(-1, NG)
-    if c2.stride(-1) != 1:
-        c2 = c2.contiguous()
-    if s2.numel() and s2.stride(-1) != 1:
-        s2 = s2.contiguous()
+    c2, s2 = as_rows(codes, C), as_rows(scales, NG)
     M = c2.shape[0]
     if M == 0 or NG == 0:
         return out
     o2 = out.view(-1, C)
-    BG = _block_g(NG)
+    BG = block_g(NG)
     _dequant_kernel[(M, triton.cdiv(NG, BG))](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), NG,
                                               BLOCK_G=BG, GROUP_SIZE=GROUP, num_warps=4 if BG >= 8 else 1)
     return out
