@@ -174,3 +174,38 @@ def test_generation_config_supplies_sampling_defaults(tmp_path):
     gen["temperature"] = -1  # invalid: ignored with a warning, not fatal
     (tmp_path / "generation_config.json").write_text(json.dumps(gen))
     assert LLM(str(tmp_path), num_kv_blocks=32).get_default_sampling_params().temperature == 1.0
+
+
+def test_leaving_a_stream_early_then_generate(llm):
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for _ in llm.stream("for i in", sp):
+        break  # the dropped iterator aborts its request
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks  # its blocks are back at once
+    outs = gen(llm, ["def g():", "x = 1"])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 12]
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    assert not llm.engine.requests  # the aborted request was reported and dropped, not left behind
+
+
+def test_paused_stream_survives_generate(llm):
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    want = gen(llm, ["for i in"], sp)[0].outputs[0].token_ids
+    it = llm.stream("for i in", sp)
+    first = next(it)
+    outs = gen(llm, ["def g():"])  # 12 tokens: the paused stream's request finishes meanwhile
+    assert len(outs[0].outputs[0].token_ids) == 12
+    rest = list(it)  # resumes with the latest output of its request
+    assert len(first.outputs[0].token_ids) == 1 and len(rest) == 1 and rest[0].finished
+    assert rest[0].outputs[0].token_ids == want
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+
+
+def test_interleaved_streams(llm):
+    long, short = (SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (8, 3))
+    want = [o.outputs[0].token_ids for o in gen(llm, ["a b", "c d"], [long, short])]
+    a, b = llm.stream("a b", long), llm.stream("c d", short)
+    next(a), next(b)
+    last_a = list(a)[-1]  # its steps finish b too: b's outputs are kept for b
+    last_b = list(b)[-1]
+    assert last_a.finished and last_b.finished
+    assert [last_a.outputs[0].token_ids, last_b.outputs[0].token_ids] == want

@@ -122,6 +122,7 @@ class LLM:
         self.generation_defaults = generation_defaults(self.model_path)
         self.config, self.hf_config = config, hf_config
         self._ids = itertools.count()
+        self._streams: dict = {}  # request id -> its latest undelivered output (None: none yet)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the checkpoint's generation_config.json sampling defaults (as vLLM does)."""
@@ -163,6 +164,7 @@ class LLM:
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list:
         """One RequestOutput per prompt, in order. A prompt is a str, a list of token ids or {"prompt_token_ids": [...]}."""
         ids = self._add(prompts, sampling_params)
+        own = set(ids)
         done: dict = {}
         bar = None
         if use_tqdm:
@@ -171,29 +173,54 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
         try:
             while len(done) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
+                for out in self._step():
+                    if out.finished and out.request_id in own:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
-            self.engine.sync()  # a step may still be in flight (overlap scheduling): leave none behind
+            self._stash(self.engine.sync())  # a step may still be in flight (overlap scheduling): leave none behind
         finally:
             if bar is not None:
                 bar.close()
+            for rid in own - done.keys():  # interrupted (an exception, Ctrl-C): stop the rest
+                self.engine.abort(rid)
         return [done[i] for i in ids]
 
     def stream(self, prompt, sampling_params: Optional[SamplingParams] = None) -> Iterator:
-        """Yield the cumulative RequestOutput of one request after every step that changed it."""
+        """Yield the cumulative RequestOutput of one request after every step that changed it.
+
+        Leaving the loop early (or dropping the iterator) aborts the request and frees its KV blocks. While
+        the iterator is paused, other calls (generate, another stream) keep its request running; it resumes
+        with the latest output.
+        """
         (rid,) = self._add([prompt], sampling_params, stream=True)
+        self._streams[rid] = None
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
+                out = self._streams.get(rid)
+                if out is None:
+                    self._step()
+                    continue
+                self._streams[rid] = None
+                yield out
+                if out.finished:
+                    return
         finally:
+            self._streams.pop(rid, None)
             self.engine.abort(rid)
+
+    def _step(self) -> list:
+        """One engine step; outputs of live streams are kept for their iterators, the rest returned."""
+        return self._stash(self.engine.step())
+
+    def _stash(self, outs: list) -> list:
+        rest = []
+        for out in outs:
+            if out.request_id in self._streams:
+                self._streams[out.request_id] = out  # cumulative: the latest one is all a stream needs
+            else:
+                rest.append(out)
+        return rest
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True) -> list:
