@@ -209,24 +209,36 @@ def cmd_chat(args) -> int:
 # --- plugins / pipeline ---------------------------------------------------------------------------------------
 
 def plugin_report() -> list:
-    """One dict per loaded plugin: name, origin, and what it registered (stages as kind/name)."""
+    """One dict per loaded plugin: name, origin, and what it registered (stages as kind/name).
+
+    A name two plugins registered is listed under both, marked: ``(kept, shadows P)`` on the one in use and
+    ``(shadowed by P)`` on the other.
+    """
     from .core.plugins import get_plugin_manager, get_registry, plugin_origin
 
     pm = get_plugin_manager()
-    by_plugin = get_registry(pm).by_plugin()
+    reg = get_registry(pm)
+    by_plugin = reg.by_plugin()
+    marks: dict = {}  # id(entry) -> its clash marks
+    for kept, lost in reg.shadowed:
+        marks.setdefault(id(kept), []).append(f"kept, shadows {lost.plugin}")
+        marks.setdefault(id(lost), []).append(f"shadowed by {kept.plugin}")
+        by_plugin.setdefault(lost.plugin, []).append(lost)
+
+    def labels(entries, category: str) -> list:
+        out = []
+        for e in sorted((e for e in entries if e.category == category), key=lambda e: (e.kind or "", e.name)):
+            notes = marks.get(id(e), []) + ([] if e.available is None or e.available() else ["unavailable"])
+            out.append((f"{e.kind}/{e.name}" if category == "stage" else e.name)
+                       + (f" ({'; '.join(notes)})" if notes else ""))
+        return out
+
     report = []
     for name, _plugin in pm.list_name_plugin():
         entries = by_plugin.get(name, [])
-        report.append({
-            "name": name,
-            "origin": plugin_origin(pm, name),
-            "stages": [f"{e.kind}/{e.name}" for e in sorted((e for e in entries if e.category == "stage"),
-                                                           key=lambda e: (e.kind or "", e.name))],
-            "backends": [e.name + ("" if e.available is None or e.available() else " (unavailable)")
-                         for e in sorted((e for e in entries if e.category == "backend"), key=lambda e: e.name)],
-            "models": sorted(e.name for e in entries if e.category == "model"),
-            "recipes": sorted(e.name for e in entries if e.category == "recipe"),
-        })
+        report.append({"name": name, "origin": plugin_origin(pm, name),
+                       **{key: labels(entries, cat) for key, cat in
+                          (("stages", "stage"), ("backends", "backend"), ("models", "model"), ("recipes", "recipe"))}})
     return report
 
 

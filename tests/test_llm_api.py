@@ -47,6 +47,15 @@ def test_n_completions_and_seed_independent_of_batch(llm):
     assert [c.token_ids for c in mixed.outputs] == [c.token_ids for c in alone.outputs]
 
 
+def test_completions_of_nearby_seeds_differ(llm):
+    sp = dict(max_tokens=10, temperature=1.0, ignore_eos=True)
+    s42 = gen(llm, ["hello"], SamplingParams(n=2, seed=42, **sp))[0].outputs
+    s43 = gen(llm, ["hello"], SamplingParams(n=2, seed=43, **sp))[0].outputs
+    assert s42[1].token_ids != s43[0].token_ids  # with seed + i they were the same draw
+    one = gen(llm, ["hello"], SamplingParams(seed=42, **sp))[0].outputs[0]
+    assert one.token_ids == s42[0].token_ids  # completion 0 keeps the seed itself
+
+
 def test_logprobs_and_cumulative(llm):
     out = gen(llm, ["def f"], SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True))[0].outputs[0]
     assert len(out.logprobs) == 6

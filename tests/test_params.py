@@ -4,12 +4,13 @@ import pytest
 
 from deepinfer import SamplingParams
 from deepinfer.core.config import EngineConfig
+from deepinfer.core.params import completion_seed
 
 BAD = [
     ("n", 0), ("n", 1.5), ("n", True), ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.0),
     ("min_tokens", -1), ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),
     ("temperature", "hot"), ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.01),
-    ("min_p", 1.5), ("seed", 1.5), ("seed", "x"), ("stop", [""]), ("stop", [3]), ("stop_token_ids", [-1]),
+    ("min_p", 1.5), ("seed", 1.5), ("seed", "x"), ("seed", 2**64), ("seed", -2**63 - 1), ("stop", [""]), ("stop", [3]), ("stop_token_ids", [-1]),
     ("stop_token_ids", ["a"]), ("ignore_eos", "yes"), ("logprobs", -1), ("logprobs", 21), ("prompt_logprobs", -1),
     ("presence_penalty", 2.5), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
     ("repetition_penalty", -1.0),
@@ -41,3 +42,12 @@ def test_defaults_and_conversions():
 def test_engine_config_invalid(field, value):
     with pytest.raises(ValueError, match=rf"EngineConfig\.{field}="):
         EngineConfig(**{field: value})
+
+
+def test_completion_seeds_of_nearby_seeds_do_not_overlap():
+    seeds = range(-64, 64)
+    derived = [completion_seed(s, i) for s in seeds for i in range(1, 16)]
+    assert [completion_seed(s, 0) for s in seeds] == list(seeds)  # completion 0 keeps the seed: n=1 unchanged
+    assert len(set(derived)) == len(derived) and not set(derived) & set(seeds)
+    assert all(0 <= d < 2**63 for d in derived)
+    assert completion_seed(2**64 - 1, 3) == completion_seed(-1, 3)  # torch's seeds are taken mod 2**64

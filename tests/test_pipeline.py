@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from deepinfer import Pipeline, PipelineError
 from deepinfer.core.plugins import get_registry, new_plugin_manager
 
-STEP = ["prefill", "verify", "sampler", "detokenize"]
+STEP = ["prefill", "forward", "verify", "sampler", "detokenize"]
 
 
 # Test stages: plain classes are enough, a factory only needs the contract's class attributes.
@@ -66,6 +66,11 @@ def reg():
 @pytest.fixture
 def ref(reg):
     return Pipeline.from_recipe("reference", registry=reg)
+
+
+def _spec(pipe, name):
+    (spec,) = [s for s in pipe.specs if s.name == name]
+    return spec
 
 
 def test_reference_recipe_order(ref):
@@ -128,6 +133,31 @@ def test_duplicate_stage_name(ref):
         ref.insert("sampler", after="detokenize")
 
 
+@pytest.mark.parametrize("target,old,name,kinds", [
+    ("sampler", "sampler", "tokenize", ("sample", "tokenize")),  # was "stage name(s) used twice: tokenize"
+    ("sample", "sampler", "detokenize", ("sample", "detokenize")),  # target by kind
+    ("verify", "verify", "scale", ("verify", "constrain")),  # a constrain stage does not do verify's job
+])
+def test_replace_with_another_kind_names_both_kinds(ref, target, old, name, kinds):
+    with pytest.raises(PipelineError) as exc:
+        ref.replace(target, name)
+    msg = str(exc.value)
+    assert (f"cannot replace {old!r} (kind {kinds[0]!r}) with {name!r} (kind {kinds[1]!r}): the kinds differ"
+            in msg)
+    assert "used twice" not in msg and "insert()" in msg
+
+
+def test_writer_names_the_stage_whose_value_the_engine_gets(ref):
+    assert ref.writer("logprobs") == "sampler" and ref.writer("next_tokens") == "sampler"
+    assert ref.writer("prompt_token_ids", phase="admit") == "tokenize" and ref.writer("prompt_token_ids") is None
+    assert ref.writer("batch") is None  # an engine input, not a stage's
+    seven = ref.replace("sample", "seven")
+    assert seven.writer("logprobs") is None and seven.writer("next_tokens") == "seven"
+    # A declared replacement runs after the stage it replaces, so its value is the one the engine gets.
+    assert ref.insert("seven", before="sampler").writer("next_tokens") == "seven"
+    assert ref.insert("scale", after="sampler").writer("logits") == "scale"  # the last transformer
+
+
 def test_insert_needs_one_anchor(ref):
     with pytest.raises(PipelineError, match="exactly one of before= or after="):
         ref.insert("scale")
@@ -142,9 +172,9 @@ def test_edits_return_new_pipelines_and_leave_the_original(ref):
     removed = inserted.remove("scale")
     with_args = replaced.with_args("seven", token=5)
     assert ref.specs == specs and ref.stage_names() == names, "an edit changed the original"
-    assert replaced.stage_names() == ["prefill", "verify", "seven", "detokenize"]
-    assert replaced.specs[3].args == {"token": 3} and with_args.specs[3].args == {"token": 5}
-    assert inserted.stage_names() == ["prefill", "verify", "scale", "sampler", "detokenize"]
+    assert replaced.stage_names() == [n.replace("sampler", "seven") for n in STEP]
+    assert _spec(replaced, "seven").args == {"token": 3} and _spec(with_args, "seven").args == {"token": 5}
+    assert inserted.stage_names() == [*STEP[:3], "scale", *STEP[3:]]
     assert removed.stage_names() == names and removed is not inserted
     assert all(p.recipe == "reference" and p.registry is ref.registry for p in (replaced, inserted, removed))
     # replace by name and by kind pick the same stage
@@ -162,7 +192,7 @@ def test_declared_replacement_may_write_the_same_field(ref, stage, where):
 
 def test_transformer_runs_between_producer_and_readers(ref):
     p = ref.insert("scale", before="prefill")  # listed first, but it reads logits
-    assert p.stage_names() == ["prefill", "verify", "scale", "sampler", "detokenize"]
+    assert p.stage_names() == [*STEP[:3], "scale", *STEP[3:]]
 
 
 @settings(max_examples=30, deadline=None)
@@ -172,7 +202,7 @@ def test_run_order_does_not_depend_on_list_order(perm):
     reg.stage(kind="constrain", name="scale", factory=ScaleLogits)
     p = Pipeline.from_stages(perm, registry=reg)
     assert p.stage_names("admit") == ["tokenize"]
-    assert p.stage_names("step") == ["prefill", "verify", "scale", "sampler", "detokenize"]
+    assert p.stage_names("step") == [*STEP[:3], "scale", *STEP[3:]]
 
 
 def test_describe_lists_every_stage_with_reads_and_writes(ref):
@@ -315,11 +345,11 @@ def test_build_passes_args_and_named_context(ref):
 
     bad = ref.replace("sample", "seven", colour=1)
     with pytest.raises(PipelineError, match=r"stage 'seven' could not be built with args \{'colour': 1\}"):
-        instantiate(bad.specs[3], {})
-    seven = ref.replace("sample", "seven", token=9).specs[3]
+        instantiate(_spec(bad, "seven"), {})
+    seven = _spec(ref.replace("sample", "seven", token=9), "seven")
     assert instantiate(seven, {"ops": None}).token == 9
     # A context object reaches the factory only when its signature names it, and the stage's own args win.
-    assert instantiate(ref.replace("sample", "seven").specs[3], {"token": 4, "ops": None}).token == 4
+    assert instantiate(_spec(ref.replace("sample", "seven"), "seven"), {"token": 4, "ops": None}).token == 4
     assert instantiate(seven, {"token": 4}).token == 9
 
 

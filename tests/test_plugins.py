@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import json
 from collections import Counter
 from types import SimpleNamespace
 
@@ -34,7 +35,7 @@ def exercises(*hooks):
     return mark
 
 
-BUILTIN_STAGES = {"tokenize": "tokenize", "prefill": "prefill", "verify": "verify", "sampler": "sample",
+BUILTIN_STAGES = {"tokenize": "tokenize", "prefill": "prefill", "forward": "forward", "verify": "verify", "sampler": "sample",
                   "detokenize": "detokenize"}
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Hello!"]
 
@@ -113,7 +114,7 @@ class TestPlugin:
     def deepinfer_register_recipes(self, register):
         register.recipe(name="always7", spec={
             "description": "the reference stages with a sampler that always picks token 7",
-            "stages": ["tokenize", "prefill", "verify", {"name": self.stage_name, "args": {"token": 7}},
+            "stages": ["tokenize", "prefill", "forward", "verify", {"name": self.stage_name, "args": {"token": 7}},
                        "detokenize"],
             "config": {"max_num_seqs": 2},
         })
@@ -206,13 +207,44 @@ def test_swapped_in_sampler_changes_generation(test_plugin, tiny_llama):
     assert llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids == [11] * 6
 
 
+def _no_logprobs_warnings(caplog) -> list:
+    return [r.getMessage() for r in caplog.records if "no stage of the pipeline writes 'logprobs'" in r.getMessage()]
+
+
+@exercises("deepinfer_register_stages")
+def test_requested_logprobs_without_a_writer_warn_once_per_engine(test_plugin, tiny_llama, caplog):
+    from deepinfer import LLM
+
+    pm, _ = test_plugin
+    base = Pipeline.from_recipe("reference", registry=get_registry(pm))
+    asks = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2)
+    out = LLM(tiny_llama, pipeline=base, num_kv_blocks=64).generate(PROMPTS[:1], asks, use_tqdm=False)
+    assert len(out[0].outputs[0].logprobs) == 2 and _no_logprobs_warnings(caplog) == []  # the sampler writes them
+
+    pipe = base.replace("sample", "always_token")
+    assert (base.writer("logprobs"), pipe.writer("logprobs"), pipe.writer("next_tokens")) == (
+        "sampler", None, "always_token")
+    llm = LLM(tiny_llama, pipeline=pipe, num_kv_blocks=64)
+    plain = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    llm.generate(PROMPTS[:1], plain, use_tqdm=False)
+    assert _no_logprobs_warnings(caplog) == []  # nobody asked
+    outs = llm.generate(PROMPTS, asks, use_tqdm=False)
+    assert all(o.outputs[0].logprobs is None for o in outs)
+    (msg,) = _no_logprobs_warnings(caplog)  # three requests asked; one warning
+    assert "the sampler was replaced by 'always_token', which does not" in msg
+    llm.generate(PROMPTS[:1], asks, use_tqdm=False)
+    assert len(_no_logprobs_warnings(caplog)) == 1
+    LLM(tiny_llama, pipeline=pipe, num_kv_blocks=64).generate(PROMPTS[:1], asks, use_tqdm=False)
+    assert len(_no_logprobs_warnings(caplog)) == 2  # once per engine: a new engine says it again
+
+
 @exercises("deepinfer_register_recipes", "deepinfer_register_stages")
 def test_plugin_recipe_builds_and_configures(test_plugin, tiny_llama):
     from deepinfer import LLM
 
     pm, _ = test_plugin
     pipe = Pipeline.from_recipe("always7", registry=get_registry(pm))
-    assert pipe.stage_names() == ["prefill", "verify", "always_token", "detokenize"]
+    assert pipe.stage_names() == ["prefill", "forward", "verify", "always_token", "detokenize"]
     llm = LLM(tiny_llama, pipeline=pipe, num_kv_blocks=64)
     assert llm.config.max_num_seqs == 2  # the recipe's config reached the engine
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
@@ -243,43 +275,121 @@ def test_plugin_backend_and_model_are_used_by_llm(tiny_llama):
     assert reg.get("model", "LlamaForCausalLM").plugin == BUILTIN
 
 
-# Conflicts.
+# Conflicts: two registrations of one name warn, keep one, and break nothing.
+
+@attrs.define(eq=False)
+class OtherConstantSample(ConstantSample):
+    """A second factory, so a test can tell which registration of a name was kept."""
+
 
 @attrs.define(eq=False)
 class SameStagePlugin:
     name: str = "dup"
     override: bool = False
+    factory: type = ConstantSample
 
     @hookimpl
     def deepinfer_register_stages(self, register):
-        register.stage(kind="sample", name=self.name, factory=ConstantSample, override=self.override)
+        register.stage(kind="sample", name=self.name, factory=self.factory, override=self.override)
+
+
+@pytest.fixture
+def register_plugins():
+    """register_plugins(pm, name=plugin, ...) registers in order; all are unregistered after the test."""
+    done = []
+
+    def register(pm, **plugins):
+        for name, plugin in plugins.items():
+            pm.register(plugin, name=name)
+            done.append((pm, plugin))
+
+    yield register
+    for pm, plugin in done:
+        pm.unregister(plugin)
+
+
+def _clash_warnings(caplog) -> list:
+    return [r.getMessage() for r in caplog.records if "is registered by both" in r.getMessage()]
 
 
 @exercises("deepinfer_register_stages")
-def test_two_plugins_same_stage_name_is_an_error_naming_both(fresh_pm):
-    one, two = SameStagePlugin(), SameStagePlugin()
-    fresh_pm.register(one, name="plugin-one")
-    fresh_pm.register(two, name="plugin-two")
-    try:
-        with pytest.raises(PluginError, match=r"stage 'dup' is registered twice") as exc:
-            get_registry(fresh_pm)
-        assert "'plugin-one'" in str(exc.value) and "'plugin-two'" in str(exc.value)
-    finally:
-        fresh_pm.unregister(one)
-        fresh_pm.unregister(two)
-    assert "dup" not in get_registry(fresh_pm).names("stage")
+def test_two_plugins_same_stage_name_warn_and_keep_the_first_loaded(fresh_pm, register_plugins, caplog):
+    register_plugins(fresh_pm, **{"plugin-one": SameStagePlugin(),
+                                  "plugin-two": SameStagePlugin(factory=OtherConstantSample)})
+    reg = get_registry(fresh_pm)  # does not raise: a clash must not take every command down
+    kept = reg.get("stage", "dup")
+    assert (kept.plugin, kept.obj) == ("plugin-one", ConstantSample)
+    ((k, lost),) = reg.shadowed
+    assert k is kept and (lost.plugin, lost.obj) == ("plugin-two", OtherConstantSample)
+    (msg,) = _clash_warnings(caplog)
+    assert "stage 'dup' is registered by both 'plugin-one' and 'plugin-two'" in msg
+    assert "keeping 'plugin-one''s (loaded first), 'plugin-two''s is shadowed" in msg
+    # A pipeline that uses the name builds with the kept factory; the clash is reported once per manager.
+    caplog.clear()
+    pipe = Pipeline.from_recipe("reference", registry=get_registry(fresh_pm)).replace("sample", "dup")
+    assert "dup [sample]  from plugin-one" in pipe.describe()
+    assert _clash_warnings(caplog) == []
 
 
 @exercises("deepinfer_register_stages")
-def test_shadowing_a_builtin_needs_override(fresh_pm):
+def test_a_clash_with_a_builtin_keeps_the_builtin_unless_override(fresh_pm, register_plugins, caplog):
+    from deepinfer.stages.sample import SampleStage
+
     plugin = SameStagePlugin(name="sampler")
-    fresh_pm.register(plugin, name="shadow")
-    with pytest.raises(PluginError, match=r"'deepinfer.builtin' and by 'shadow'.*override=True"):
-        get_registry(fresh_pm)
+    register_plugins(fresh_pm, shadow=plugin)
+    reg = get_registry(fresh_pm)
+    assert reg.get("stage", "sampler").plugin == BUILTIN and reg.get("stage", "sampler").obj is SampleStage
+    assert [(k.plugin, s.plugin) for k, s in reg.shadowed] == [(BUILTIN, "shadow")]
+    (msg,) = _clash_warnings(caplog)
+    assert "by both 'deepinfer.builtin' and 'shadow'; keeping 'deepinfer.builtin''s (the built-in)" in msg
+    assert "override=True" in msg
+    # override=True replaces the built-in on purpose: no warning, but the shadowed one is still recorded.
+    caplog.clear()
     plugin.override = True
     reg = get_registry(fresh_pm)
     assert reg.get("stage", "sampler").plugin == "shadow" and reg.get("stage", "sampler").obj is ConstantSample
-    fresh_pm.unregister(plugin)
+    assert [(k.plugin, s.plugin) for k, s in reg.shadowed] == [("shadow", BUILTIN)]
+    assert _clash_warnings(caplog) == []
+
+
+@exercises("deepinfer_register_stages")
+def test_two_overrides_of_a_builtin_keep_the_first(fresh_pm, register_plugins, caplog):
+    register_plugins(fresh_pm, **{"over-one": SameStagePlugin(name="sampler", override=True),
+                                  "over-two": SameStagePlugin(name="sampler", override=True,
+                                                              factory=OtherConstantSample)})
+    reg = get_registry(fresh_pm)
+    assert reg.get("stage", "sampler").plugin == "over-one"
+    assert [(k.plugin, s.plugin) for k, s in reg.shadowed] == [("over-one", BUILTIN), ("over-one", "over-two")]
+    (msg,) = _clash_warnings(caplog)
+    assert "'over-one' and 'over-two'; keeping 'over-one''s (loaded first)" in msg
+
+
+@exercises("deepinfer_register_stages")
+def test_deepinfer_plugins_lists_both_sides_of_a_clash(register_plugins, capsys, caplog):
+    """The command a user runs to diagnose a clash works through it and marks the kept and shadowed entries."""
+    from deepinfer.cli import main
+
+    register_plugins(get_plugin_manager(), **{"clash-one": SameStagePlugin(name="clash_stage"),
+                                              "clash-two": SameStagePlugin(name="clash_stage"),
+                                              "clash-builtin": SameStagePlugin(name="sampler")})
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+
+    def stages_of(plugin):
+        i = next(k for k, line in enumerate(lines) if line.startswith(f"{plugin}  ("))
+        return next(line for line in lines[i + 1:] if line.strip().startswith("stages:"))
+
+    assert "sample/clash_stage (kept, shadows clash-two)" in stages_of("clash-one")
+    assert "sample/clash_stage (shadowed by clash-one)" in stages_of("clash-two")
+    assert "sample/sampler (shadowed by deepinfer.builtin)" in stages_of("clash-builtin")
+    assert "sample/sampler (kept, shadows clash-builtin)" in stages_of(BUILTIN)
+    assert len(_clash_warnings(caplog)) == 2
+    assert main(["plugins", "--json"]) == 0
+    report = {p["name"]: p for p in json.loads(capsys.readouterr().out)}
+    assert report["clash-two"]["stages"] == ["sample/clash_stage (shadowed by clash-one)"]
+    assert main(["pipeline", "reference"]) == 0  # other commands keep working too
+    assert "sampler [sample]  from deepinfer.builtin" in capsys.readouterr().out
 
 
 def test_attrs_plugin_objects_do_not_compare_equal():
@@ -332,16 +442,19 @@ def test_top_a_found_through_entry_point(top_a_entry_point, monkeypatch):
     assert "top_a" not in _plugin_names(new_plugin_manager(load_entry_points=False))
 
 
-@pytest.mark.parametrize("allow,deny,loaded", [
-    ("", "", True),
-    ("top_a", "", True),
-    ("something_else", "", False),
-    (" top_a , other ", "", True),
-    ("", "top_a", False),
-    ("top_a", "top_a", False),  # the deny list wins
-    ("", "other,top_a", False),
+@pytest.mark.parametrize("allow,deny,loaded,unmatched", [
+    ("", "", True, {}),
+    ("top_a", "", True, {}),
+    ("something_else", "", False, {"DEEPINFER_PLUGINS": ["something_else"]}),
+    (" top_a , other ", "", True, {"DEEPINFER_PLUGINS": ["other"]}),
+    ("", "top_a", False, {}),
+    ("top_a", "top_a", False, {}),  # the deny list wins
+    ("", "other,top_a", False, {"DEEPINFER_DISABLE_PLUGINS": ["other"]}),
+    ("nope", "nada,zilch", False, {"DEEPINFER_PLUGINS": ["nope"], "DEEPINFER_DISABLE_PLUGINS": ["nada", "zilch"]}),
+    ("deepinfer.builtin", "", False, {}),  # names the built-in: always loaded, so it matches something
 ])
-def test_env_switches_for_entry_point_plugins(top_a_entry_point, monkeypatch, allow, deny, loaded):
+def test_env_switches_for_entry_point_plugins(top_a_entry_point, monkeypatch, caplog, allow, deny, loaded,
+                                              unmatched):
     monkeypatch.setenv("DEEPINFER_PLUGINS", allow)
     monkeypatch.setenv("DEEPINFER_DISABLE_PLUGINS", deny)
     pm = new_plugin_manager()
@@ -349,6 +462,14 @@ def test_env_switches_for_entry_point_plugins(top_a_entry_point, monkeypatch, al
     reg = get_registry(pm)
     assert ("top_a" in reg.names("stage")) is loaded
     assert "sampler" in reg.names("stage")  # the built-ins are not entry points: the allow list keeps them
+    # A name that matches no installed plugin is reported (a typo would otherwise silently load nothing).
+    installed = sorted({ep.name for ep in importlib.metadata.entry_points(group="deepinfer")})
+    warned = {r.getMessage().split()[1]: r.getMessage() for r in caplog.records
+              if "which no installed plugin is called" in r.getMessage()}
+    assert set(warned) == set(unmatched)
+    for var, names in unmatched.items():
+        assert f"{var} names {', '.join(repr(n) for n in names)}, which" in warned[var]
+        assert warned[var].endswith(f"(installed entry points: {', '.join(installed)})") and "top_a" in installed
 
 
 def test_disable_builtin(top_a_entry_point, monkeypatch):

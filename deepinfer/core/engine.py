@@ -81,6 +81,7 @@ class Engine:
                        decode_graphs=self.decode_graphs)
         self.stages = pipeline.build(context)
         self.requests: dict = {}
+        self.warned: set = set()  # what add_request has warned about (once per engine)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.stats = {"steps": 0, "step_time": 0.0, "forward_tokens": 0}
@@ -118,6 +119,11 @@ class Engine:
             req.error = f"{type(exc).__name__}: {exc}"
             log.warning("deepinfer: request %s failed at admission: %s", request_id, req.error)
             return req
+        if params.logprobs is not None and self.pipeline.writer("logprobs") is None and "logprobs" not in self.warned:
+            self.warned.add("logprobs")  # once per engine
+            log.warning("deepinfer: request %s asks for logprobs, but no stage of the pipeline writes 'logprobs' (the "
+                        "sampler was replaced by %r, which does not), so outputs carry none", request_id,
+                        self.pipeline.writer("next_tokens"))
         for i in range(params.n):
             gen = None
             if params.seed is not None:

@@ -160,6 +160,8 @@ class Pipeline:
             if s.phase not in PHASES:
                 raise PipelineError(f"stage {s.name!r} has unknown phase {s.phase!r}; expected one of {list(PHASES)}")
         self.order = {ph: _order(ph, [s for s in self.specs if s.phase == ph]) for ph in PHASES}
+        # field -> the stage whose value of it the engine sees (the last writer in run order), per phase
+        self._writers = {ph: {f: s.name for s in self.order[ph] for f in s.writes} for ph in PHASES}
 
     # Construction.
     @classmethod
@@ -203,10 +205,14 @@ class Pipeline:
         return Pipeline(specs, recipe=self.recipe, config=self.config, registry=self.registry)
 
     def replace(self, target: str, name: str, **args) -> "Pipeline":
-        """Swap the stage named (or of kind) ``target`` for the registered stage ``name``."""
+        """Swap the stage named (or of kind) ``target`` for the registered stage ``name`` of the same kind."""
         i = self._find(target)
         specs = list(self.specs)
-        specs[i] = _spec(self._reg(), name, args)
+        old, specs[i] = specs[i], _spec(self._reg(), name, args)
+        if specs[i].kind != old.kind:
+            raise PipelineError(f"cannot replace {old.name!r} (kind {old.kind!r}) with {name!r} (kind "
+                                f"{specs[i].kind!r}): the kinds differ. replace() swaps a stage for another of "
+                                f"its kind; use insert()/remove() or Pipeline.from_stages() to change the graph")
         return self._with(specs)
 
     def insert(self, name: str, *, before: Optional[str] = None, after: Optional[str] = None, **args) -> "Pipeline":
@@ -231,6 +237,14 @@ class Pipeline:
     # Inspection.
     def stage_names(self, phase: str = "step") -> list:
         return [s.name for s in self.order[phase]]
+
+    def writer(self, field: str, phase: str = "step") -> Optional[str]:
+        """The name of the stage whose value of ``field`` the engine gets, or None if no stage writes it.
+
+        Computed when the pipeline is built, so it is cheap enough for request admission (the engine asks
+        whether anything writes ``logprobs`` before it promises them to a request).
+        """
+        return self._writers[phase].get(field)
 
     def describe(self) -> str:
         lines = [f"Pipeline {self.recipe or '(custom)'}"]

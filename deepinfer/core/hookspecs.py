@@ -21,11 +21,14 @@ def deepinfer_register_stages(register) -> None:
     Called every time a registry is built (``get_registry``: when an LLM or a
     pipeline from a recipe is built), never per step, so it must only
     register and have no other side effects. ``kind`` is one of the
-    stage kinds (tokenize, prefix_cache, prefill, swa_replay, draft, verify,
-    constrain, sample, detokenize) or a new kind of the plugin's own. The
+    stage kinds (plugins.STAGE_KINDS: tokenize, prefix_cache, prefill,
+    swa_replay, draft, forward, verify, constrain, sample, detokenize) or a
+    new kind of the plugin's own. A name registered twice is kept once (the
+    built-in, else the first loaded) with a warning, unless the later one
+    passes ``override=True``. See docs/plugins.md for a worked example. The
     factory is called with the stage's keyword arguments plus whichever engine
     context objects (config, engine_config, model, ops, tokenizer, vocab_size,
-    device, generator) its signature names. The factory must carry the stage
+    device, generator, decode_graphs) its signature names. The factory must carry the stage
     contract's class attributes (reads, writes, optional phase/replaces), so
     pass the stage class itself. Returns nothing.
     """

@@ -16,6 +16,28 @@ def _check(cond: bool, field: str, value, why: str) -> None:
         raise ValueError(f"SamplingParams.{field}={value!r} is invalid: {why}")
 
 
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def completion_seed(seed: int, index: int) -> int:
+    """The generator seed of completion ``index`` of a request seeded ``seed``.
+
+    Completion 0 keeps ``seed`` (so an n=1 request draws what it always drew); completion i > 0 takes a
+    splitmix64 mix of (seed, i) in 63 bits, so nearby seeds share no stream (with ``seed + i``, completion 1
+    of seed 42 was completion 0 of seed 43).
+    """
+    if index == 0:
+        return seed
+    return _splitmix64(_splitmix64(seed & _M64) ^ index) >> 1
+
+
 def _as_tuple(v) -> tuple:
     if v is None:
         return ()
@@ -60,8 +82,9 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1,
                "top_k", self.top_k, "must be an int: -1 or 0 (disabled) or >= 1")
         _check(isinstance(self.min_p, num) and 0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
-        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-               "seed", self.seed, "must be None or an int")
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                     and -2**63 <= self.seed < 2**64),
+               "seed", self.seed, "must be None or an int in [-2**63, 2**64)")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings")
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "must be non-negative ints")

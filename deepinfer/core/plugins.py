@@ -3,8 +3,15 @@
 Built-ins register through the same hooks as third-party packages (found
 through the entry-point group ``deepinfer``). ``DEEPINFER_PLUGINS`` is a
 comma-separated allow list of entry-point names (empty = all);
-``DEEPINFER_DISABLE_PLUGINS`` a deny list. Registration runs at build time,
-so a Registry is computed on demand and never mutated during a step.
+``DEEPINFER_DISABLE_PLUGINS`` a deny list; a name in either that matches no
+installed plugin is reported. Registration runs at build time, so a Registry
+is computed on demand and never mutated during a step.
+
+Two registrations of one name do not stop the engine: the core keeps one (the
+built-in if either is, else the one loaded first) and logs a warning naming
+both plugins; a registration with ``override=True`` replaces the other on
+purpose, without a warning. Either way the pair is recorded in
+``Registry.shadowed``, so ``deepinfer plugins`` shows both.
 """
 
 from __future__ import annotations
@@ -23,8 +30,8 @@ from .hookspecs import PROJECT
 log = logging.getLogger(__name__)
 
 BUILTIN = "deepinfer.builtin"
-STAGE_KINDS = ("tokenize", "prefix_cache", "prefill", "swa_replay", "draft", "verify", "constrain", "sample",
-               "detokenize")
+STAGE_KINDS = ("tokenize", "prefix_cache", "prefill", "swa_replay", "draft", "forward", "verify", "constrain",
+               "sample", "detokenize")
 
 
 class PluginError(ValueError):
@@ -41,6 +48,7 @@ class Entry:
     plugin: str
     kind: Optional[str] = None  # stage kind
     available: Optional[Callable[[], bool]] = None
+    override: bool = False  # registered with override=True: replaces an earlier registration of the name on purpose
 
 
 @attrs.define(eq=False)
@@ -48,15 +56,28 @@ class Registry:
     """What the loaded plugins provide, keyed by category and name."""
 
     entries: dict = attrs.field(factory=dict)  # (category, name) -> Entry
+    shadowed: list = attrs.field(factory=list)  # (kept Entry, shadowed Entry) for every name registered twice
     current_plugin: str = "?"
+    reported: set = attrs.field(factory=set)  # clashes already warned about (shared per plugin manager)
 
     def _add(self, entry: Entry, override: bool) -> None:
         key = (entry.category, entry.name)
         old = self.entries.get(key)
-        if old is not None and not override:
-            raise PluginError(f"{entry.category} {entry.name!r} is registered twice: by {old.plugin!r} and by "
-                              f"{entry.plugin!r} (pass override=True to replace it on purpose)")
-        self.entries[key] = entry
+        if old is None:
+            self.entries[key] = entry
+        elif override and not old.override:  # replaced on purpose: no warning, but `deepinfer plugins` shows both
+            self.entries[key] = entry
+            self.shadowed.append((entry, old))
+        else:  # a clash: keep the first (built-ins register first), say so once per manager
+            self.shadowed.append((old, entry))
+            clash = (entry.category, entry.name, old.plugin, entry.plugin)
+            if clash not in self.reported:
+                self.reported.add(clash)
+                why = "the built-in" if old.plugin == BUILTIN else "loaded first"
+                log.warning("deepinfer: %s %r is registered by both %r and %r; keeping %r's (%s), %r's is shadowed. "
+                            "Disable one (DEEPINFER_DISABLE_PLUGINS), rename it, or register it with override=True "
+                            "to replace the other on purpose", entry.category, entry.name, old.plugin, entry.plugin,
+                            old.plugin, why, entry.plugin)
 
     # The typed register API that hookimpls call.
     def stage(self, kind: str, name: str, factory: Callable, override: bool = False) -> None:
@@ -64,19 +85,20 @@ class Registry:
             raise PluginError(f"plugin {self.current_plugin!r}: stage name must be a non-empty string, got {name!r}")
         if not callable(factory):
             raise PluginError(f"plugin {self.current_plugin!r}: stage {name!r} factory is not callable")
-        self._add(Entry("stage", name, factory, self.current_plugin, kind=kind), override)
+        self._add(Entry("stage", name, factory, self.current_plugin, kind=kind, override=override), override)
 
     def backend(self, name: str, factory: Callable, available: Callable[[], bool] = lambda: True,
                 override: bool = False) -> None:
-        self._add(Entry("backend", name, factory, self.current_plugin, available=available), override)
+        self._add(Entry("backend", name, factory, self.current_plugin, available=available, override=override),
+                  override)
 
     def model(self, architecture: str, factory: Callable, override: bool = False) -> None:
-        self._add(Entry("model", architecture, factory, self.current_plugin), override)
+        self._add(Entry("model", architecture, factory, self.current_plugin, override=override), override)
 
     def recipe(self, name: str, spec: dict, override: bool = False) -> None:
         if not isinstance(spec, dict) or "stages" not in spec:
             raise PluginError(f"plugin {self.current_plugin!r}: recipe {name!r} must be a dict with 'stages'")
-        self._add(Entry("recipe", name, spec, self.current_plugin), override)
+        self._add(Entry("recipe", name, spec, self.current_plugin, override=override), override)
 
     # Lookups.
     def names(self, category: str) -> list[str]:
@@ -100,9 +122,19 @@ def _csv_env(name: str) -> set:
     return {s.strip() for s in os.environ.get(name, "").split(",") if s.strip()}
 
 
+def _warn_unmatched(var: str, names: set, installed: list) -> None:
+    if names:
+        log.warning("deepinfer: %s names %s, which no installed plugin is called (installed entry points: %s)", var,
+                    ", ".join(repr(n) for n in sorted(names)), ", ".join(installed) or "none")
+
+
 def _load_entry_points(pm: pluggy.PluginManager) -> None:
     allow, deny = _csv_env("DEEPINFER_PLUGINS"), _csv_env("DEEPINFER_DISABLE_PLUGINS")
-    for ep in importlib.metadata.entry_points(group=PROJECT):
+    eps = importlib.metadata.entry_points(group=PROJECT)
+    installed = sorted({ep.name for ep in eps})
+    _warn_unmatched("DEEPINFER_PLUGINS", allow - {*installed, BUILTIN}, installed)
+    _warn_unmatched("DEEPINFER_DISABLE_PLUGINS", deny - {*installed, BUILTIN}, installed)
+    for ep in eps:
         if (allow and ep.name not in allow) or ep.name in deny or pm.has_plugin(ep.name):
             continue
         try:
@@ -150,10 +182,11 @@ _HOOKS = {
 def get_registry(pm: Optional[pluggy.PluginManager] = None) -> Registry:
     """Run every registration hook and return what they registered, with provenance."""
     pm = pm or get_plugin_manager()
-    reg = Registry()
+    reg = Registry(reported=_kept(pm, "deepinfer_reported", set))  # a clash is warned about once per manager
     for hook_name in _HOOKS:
         hook = getattr(pm.hook, hook_name)
-        # Built-ins first so a third-party override=True wins; call impls one by one to record who registered what.
+        # Built-ins first (they win a clash; an override=True replaces them); then in load order. Impls are
+        # called one by one to record who registered what.
         impls = sorted(hook.get_hookimpls(), key=lambda i: pm.get_name(i.plugin) != BUILTIN)
         for impl in impls:
             reg.current_plugin = pm.get_name(impl.plugin) or repr(impl.plugin)
@@ -162,11 +195,16 @@ def get_registry(pm: Optional[pluggy.PluginManager] = None) -> Registry:
     return reg
 
 
+def _kept(pm: pluggy.PluginManager, attr: str, factory: Callable):
+    """A record kept on the manager (it outlives every registry built from it)."""
+    if not hasattr(pm, attr):
+        setattr(pm, attr, factory())
+    return getattr(pm, attr)
+
+
 def origins(pm: pluggy.PluginManager) -> dict:
     """plugin name -> where it came from (distribution and entry point), kept on the manager."""
-    if not hasattr(pm, "deepinfer_origins"):
-        pm.deepinfer_origins = {}
-    return pm.deepinfer_origins
+    return _kept(pm, "deepinfer_origins", dict)
 
 
 def plugin_origin(pm: pluggy.PluginManager, name: str) -> str:
