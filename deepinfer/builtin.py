@@ -14,12 +14,13 @@ RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 @hookimpl
 def deepinfer_register_stages(register):
     from .stages.detokenize import DetokenizeStage
+    from .stages.model_call import ForwardStage
     from .stages.prefill import PrefillStage
     from .stages.sample import SampleStage
     from .stages.tokenize import TokenizeStage
     from .stages.verify import VerifyStage
 
-    for cls in (TokenizeStage, PrefillStage, VerifyStage, SampleStage, DetokenizeStage):
+    for cls in (TokenizeStage, PrefillStage, ForwardStage, VerifyStage, SampleStage, DetokenizeStage):
         register.stage(kind=cls.kind, name=cls.name, factory=cls)
 
 

@@ -39,3 +39,27 @@ class RequestOutput:
     prompt_logprobs: Optional[list] = None  # per prompt token: None for the first, then {token_id: Logprob}
     error: Optional[str] = None  # set when the request could not be served
     metrics: dict = attrs.field(factory=dict)
+
+
+# Logprob tensors -> the per-token {token_id: Logprob} dicts users read (host side, only when asked).
+def decode_token_text(tokenizer, tid: int):
+    if tokenizer is None:
+        return None
+    from .detokenizer import decode_token
+
+    return decode_token(tokenizer, tid)
+
+
+def entries_from(lp, rows, num_tops, tokenizer) -> list:
+    """lp: LogprobsTensors; rows: which rows; num_tops[r]: top-n asked by that row. One dict per row."""
+    ids = lp.top_ids.tolist()
+    tops = lp.top_logprobs.tolist()
+    tok_lp = lp.token_logprobs.tolist()
+    ranks = lp.token_ranks.tolist()
+    out = []
+    for r, n in zip(rows, num_tops):
+        d = {}
+        for j in range(min(n, len(ids[r]))):
+            d[ids[r][j]] = Logprob(tops[r][j], j + 1, decode_token_text(tokenizer, ids[r][j]))
+        out.append(d)
+    return out, tok_lp, ranks

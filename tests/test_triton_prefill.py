@@ -398,3 +398,26 @@ def test_prefill_kernel_compiles_for_hopper():
         assert row["spill_in_loop"] == 0, (name, row)
         if name.startswith("bf16"):
             assert row["mma"] > 0, (name, row)
+
+
+@examples(8)
+@given(decodes=st.lists(st.integers(0, 40), min_size=1, max_size=3), chunks=row_lists,
+       block_size=st.sampled_from([4, 16]), G=st.sampled_from([1, 4]), window=st.one_of(st.none(), st.integers(1, 9)),
+       with_sinks=st.booleans(), seed=st.integers(0, 2**16))
+def test_mixed_step_dispatches_each_kind_of_row(decodes, chunks, block_size, G, window, with_sinks, seed):
+    """A mixed step in one call (decode rows first, as the engine lays them out): the decode rows go to the
+    decode kernel and the chunks to the prefill kernel, and together they give the oracle's output."""
+    g = gen(seed)
+    Hk, D = 2, 32
+    H = Hk * G
+    chunks = chunks + [(5, 2)]  # at least one row with several queries
+    rows = [(p, 1) for p in decodes] + chunks
+    q, kc, vc, meta, kc_clean, vc_clean = prefill_case(g, rows, block_size, H, Hk, D, D, torch.float32, window)
+    meta.num_decodes = len(decodes)
+    sinks = torch.randn(H, generator=g).to(DEV) if with_sinks else None
+    ops = NvidiaOps(DEV)
+    out = ops.paged_attention(q, kc, vc, meta, D ** -0.5, window, sinks)
+    assert ops.kernel_calls["paged_attention"] == 1 and ops.kernel_calls["paged_prefill"] == 1
+    assert rel_err(out, oracle(q, kc_clean, vc_clean, meta, D ** -0.5, window, sinks)) < 1e-5
+    ref = REF.paged_attention(q, kc_clean, vc_clean, meta, D ** -0.5, window, sinks)
+    assert rel_err(out, ref) < 1e-5

@@ -26,6 +26,14 @@ def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
     return t.to(device)
 
 
+def resolve_future(ids: torch.Tensor, future) -> torch.Tensor:
+    """Replace pending references (-1 - i) by future[i], on the device: the token a launched step sampled
+    (overlap scheduling) is read where it lies, without waiting for it on the host."""
+    if future is None:
+        raise RuntimeError("input ids hold pending token references but the batch carries no future buffer")
+    return torch.where(ids < 0, future.reshape(-1)[(-1 - ids).clamp_(min=0)], ids)
+
+
 @attrs.define(eq=False)
 class AttnMetadata:
     """How the step's ragged tokens map onto sequences and KV slots. Built once per forward."""
@@ -41,6 +49,7 @@ class AttnMetadata:
     block_size: int = 0
     cu_q: Optional[torch.Tensor] = None  # [B + 1] int32: row b's queries are rows cu_q[b] .. cu_q[b+1]-1 of T
     max_q: int = 0  # host copy of q_index.shape[1] (most queries of any row this step)
+    num_decodes: int = 0  # host: the leading rows with exactly one query (a backend may give them its decode kernel)
     # Per-row facts for models with per-sequence state (CED rings, compressors); host lists, read on the host.
     starts: list = attrs.field(factory=list)  # [B] first position computed this step
     nums: list = attrs.field(factory=list)  # [B] tokens computed this step
@@ -48,6 +57,27 @@ class AttnMetadata:
     state_slots: list = attrs.field(factory=list)  # [B] per-sequence state slot (scheduler-assigned)
     replay_starts: list = attrs.field(factory=list)  # [B] bounded-replay start of each sequence
     cache: dict = attrs.field(factory=dict)  # per-window masks, built lazily and shared by layers
+
+    def split(self, nd: int) -> tuple:
+        """(rows [0, nd), rows [nd, B)) as two metadata objects over the first nd and the remaining tokens,
+        for nd leading rows of one query each (a mixed step's decode rows: see ``num_decodes``)."""
+        def host(lst, sl):
+            return lst[sl] if lst else lst
+
+        head, tail = slice(0, nd), slice(nd, None)
+        dec = AttnMetadata(positions=self.positions[:nd], slot_mapping=self.slot_mapping[:nd],
+                           seq_lens=self.seq_lens[head], q_index=self.q_index[head, :1], q_valid=self.q_valid[head, :1],
+                           kv_slots=self.kv_slots[head], q_pos=self.q_pos[head, :1],
+                           block_table=None if self.block_table is None else self.block_table[head],
+                           block_size=self.block_size, cu_q=None if self.cu_q is None else self.cu_q[:nd + 1],
+                           max_q=1, num_decodes=nd, **{k: host(getattr(self, k), head) for k in _HOST_ROWS})
+        pre = AttnMetadata(positions=self.positions[nd:], slot_mapping=self.slot_mapping[nd:],
+                           seq_lens=self.seq_lens[tail], q_index=(self.q_index[tail] - nd).clamp_(min=0),
+                           q_valid=self.q_valid[tail], kv_slots=self.kv_slots[tail], q_pos=self.q_pos[tail],
+                           block_table=None if self.block_table is None else self.block_table[tail],
+                           block_size=self.block_size, cu_q=None if self.cu_q is None else self.cu_q[nd:] - nd,
+                           max_q=self.max_q, num_decodes=0, **{k: host(getattr(self, k), tail) for k in _HOST_ROWS})
+        return dec, pre
 
     def mask(self, window: Optional[int] = None) -> torch.Tensor:
         """[B, max_q, max_kv] bool: key visible to query (causal, inside the context, inside the window)."""
@@ -60,6 +90,9 @@ class AttnMetadata:
                 m &= kv_pos[None, None, :] > qp - window
             self.cache[key] = m
         return self.cache[key]
+
+
+_HOST_ROWS = ("starts", "nums", "block_tables", "state_slots", "replay_starts")
 
 
 class Ops:

@@ -7,14 +7,16 @@ into a scratch block that belongs to no sequence and attend only to it; their lo
 Graphs are captured lazily, on the first step that needs a bucket, and share one memory pool.
 
 Only models whose decode forward has no host sync can be captured (``model.supports_cuda_graphs``); the
-verify stage falls back to the eager forward for the others and for rows the buckets don't cover.
+forward stage falls back to the eager forward for the others, for mixed steps and for rows the buckets
+don't cover. The graph ends at the final hidden states; the verify stage applies the LM head to the rows
+it scores.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import AttnMetadata, to_device
+from .base import AttnMetadata, resolve_future, to_device
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -64,7 +66,7 @@ class DecodeGraphs:
             meta = AttnMetadata(positions=st["pos"], slot_mapping=st["slot"], seq_lens=st["lens"], q_index=q_index,
                                 q_valid=q_valid, kv_slots=kv_slots, q_pos=st["pos"][:, None], block_table=st["bt"],
                                 block_size=bs)
-            return self.model.compute_logits(self.model(st["ids"], meta, self.kv_cache))
+            return self.model(st["ids"], meta, self.kv_cache)  # hidden [B, d]; the LM head runs eagerly after
 
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -80,7 +82,7 @@ class DecodeGraphs:
         return self.graphs[(B, NB)]
 
     def run(self, ids: list, positions: list, block_tables: list, future=None) -> torch.Tensor:
-        """One decode step for len(ids) rows; returns float32 logits [rows, V]. Negative ids are pending
+        """One decode step for len(ids) rows; returns the final hidden states [rows, d]. Negative ids are pending
         tokens, read from ``future`` on the device (overlap scheduling)."""
         n = len(ids)
         nb = max(len(t) for t in block_tables)
@@ -93,8 +95,6 @@ class DecodeGraphs:
                              [p + 1 for p in positions] + [1] * (B - n), slot], dtype=torch.long)
         dev = to_device(host, torch.long, self.device)
         if min(ids) < 0:
-            from ..stages.forward import resolve_future
-
             st["ids"].copy_(resolve_future(dev[0], future))
         else:
             st["ids"].copy_(dev[0])

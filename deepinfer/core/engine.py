@@ -13,13 +13,25 @@ from typing import Optional
 
 import torch
 
-from ..outputs import CompletionOutput, Logprob, RequestOutput
+from ..outputs import CompletionOutput, Logprob, RequestOutput, entries_from
 from .kv_cache import BlockPool, blocks_needed
-from .params import SamplingParams
+from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
+from .stage import RowError
 from .state import AdmitState, Sequence, SeqStatus, StepState
 
 log = logging.getLogger(__name__)
+
+
+def _guard_logits(state) -> None:
+    """Zero the logits of rows that hold a NaN or +inf or are all -inf (on the device, no host sync) and
+    record them in ``state.bad_rows``: the sampler then draws harmlessly and the engine fails those rows."""
+    lg = state.logits
+    if not isinstance(lg, torch.Tensor) or lg.ndim != 2 or lg.shape[0] == 0:
+        return
+    bad = torch.isnan(lg).any(-1) | torch.isposinf(lg).any(-1) | torch.isneginf(lg).all(-1)
+    lg.masked_fill_(bad[:, None], 0.0)
+    state.bad_rows = bad if state.bad_rows is None else state.bad_rows | bad
 
 
 class Request:
@@ -46,6 +58,7 @@ class _Launched:
     def __init__(self, state, sample_seqs: list):
         self.state, self.sample_seqs = state, sample_seqs
         self.host_tokens = None
+        self.host_bad = None  # [S] bool: rows whose logits were not finite
         self.event = None
 
 
@@ -74,7 +87,8 @@ class Engine:
                                               device=self.device, max_batch=config.max_num_seqs)
         self.kv_bytes_per_token = model.kv_bytes_per_token(dtype)
         self.pool = BlockPool(num_blocks)
-        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                                   watermark=config.watermark, aging_steps=config.scheduling_aging_steps)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         context = dict(config=config, model=model, ops=ops, tokenizer=tokenizer, vocab_size=model.vocab_size,
                        device=self.device, generator=self.generator, engine_config=config,
@@ -97,10 +111,14 @@ class Engine:
                                      len(step_stages))
 
     # Admission.
-    def add_request(self, request_id: str, prompt, params: SamplingParams, stream: bool = False) -> Request:
-        """Admit a request. ``stream``: report it after every step that changes it, not only when it finishes."""
+    def add_request(self, request_id: str, prompt, params: SamplingParams, stream: bool = False,
+                    priority: int = 0) -> Request:
+        """Admit a request. ``stream``: report it after every step that changes it, not only when it finishes.
+        ``priority``: lower is served first, ties by arrival (as vLLM's priority scheduling)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority={priority!r} is invalid: must be an int")
         req = Request(request_id, prompt, params)
         req.stream = stream
         self.requests[request_id] = req
@@ -127,9 +145,10 @@ class Engine:
         for i in range(params.n):
             gen = None
             if params.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
+                gen = torch.Generator(device=self.device).manual_seed(completion_seed(params.seed, i))
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=list(ids),
-                           num_prompt_tokens=len(ids), params=params, arrival=next(self._arrivals), generator=gen)
+                           num_prompt_tokens=len(ids), params=params, arrival=next(self._arrivals), priority=priority,
+                           generator=gen)
             replay = getattr(self.model, "replay_start_for", None)
             # Fixed for the request's life. Scoring a prompt needs every position, so no bounded replay then.
             if replay is not None and params.prompt_logprobs is None:
@@ -200,11 +219,11 @@ class Engine:
             self.model.vocab_size, self.tokenizer.eos_token_ids if self.tokenizer else (), self.device)
         state = StepState(batch, sampling, self.kv_cache)
         try:
-            for stage in self.stages["step"][:self._n_device_stages]:
-                stage(state)
-        except Exception as exc:  # a failing step fails its batch, not the engine
+            failed = self._run_stages(self.stages["step"][:self._n_device_stages], state)
+        except Exception as exc:  # untraceable: a failing step fails its batch, not the engine
             self._fail_batch(batch, exc, touched)
             return None
+        self._fail_rows(batch, failed, touched)  # traced to rows: those requests fail alone, the step goes on
         self.scheduler.update(batch)
         end_step = getattr(self.model, "end_step", None)
         if end_step is not None:
@@ -216,8 +235,12 @@ class Engine:
             # blocking (collected later).
             half = self._parity * self.max_rows
             self.future[half:half + S].copy_(state.next_tokens)
-            launched.host_tokens = torch.empty(S, dtype=torch.long, pin_memory=self.device.type == "cuda")
+            pin = self.device.type == "cuda"
+            launched.host_tokens = torch.empty(S, dtype=torch.long, pin_memory=pin)
             launched.host_tokens.copy_(state.next_tokens, non_blocking=True)
+            if state.bad_rows is not None:  # rows whose logits were not finite, read at collection
+                launched.host_bad = torch.empty(S, dtype=torch.bool, pin_memory=pin)
+                launched.host_bad.copy_(state.bad_rows, non_blocking=True)
             if self.device.type == "cuda":
                 launched.event = torch.cuda.Event()
                 launched.event.record()
@@ -242,27 +265,57 @@ class Engine:
                 launched.event.synchronize()  # this step only; the one launched after it keeps running
             if launched.host_tokens is not None:
                 state.next_tokens = launched.host_tokens
-            for stage in self.stages["step"][self._n_device_stages:]:
-                stage(state)
+            failed = self._run_stages(self.stages["step"][self._n_device_stages:], state)
         except Exception as exc:
             for seq in sample_seqs:
                 if seq.pending:
                     seq.pending.pop(0)
             self._fail_batch(state.batch, exc, touched)
             return
+        if launched.host_bad is not None:
+            rows = [i for i, smp in enumerate(state.batch.samples) if smp]
+            for r in launched.host_bad.nonzero().flatten().tolist():
+                failed.setdefault(rows[r], "the model produced non-finite logits (NaN or inf) for this request")
+        self._fail_rows(state.batch, failed, touched)
         self._fold(state, sample_seqs, touched)
         self.stats["step_time"] += time.perf_counter() - t0
 
+    def _run_stages(self, stages: list, state: StepState) -> dict:
+        """Run stages in order; returns {batch row: message} of the rows a stage traced a fault to (RowError),
+        and of rows whose logits are not finite (checked on the device after each stage that writes them)."""
+        failed: dict = {}
+        for stage in stages:
+            try:
+                stage(state)
+            except RowError as exc:
+                for i in exc.rows:
+                    failed.setdefault(i, f"stage {stage.name!r} failed for this request: {exc}")
+            if "logits" in stage.writes:
+                _guard_logits(state)
+        return failed
+
     def _fail_batch(self, batch, exc: Exception, touched: dict) -> None:
         log.exception("deepinfer: a step failed; failing its %d request(s)", len(batch.seqs))
-        for seq in batch.seqs:
-            req = self.requests[seq.request_id]
-            req.error = f"step failed: {type(exc).__name__}: {exc}"
-            for s in req.seqs:
-                if not s.finished:
-                    self.scheduler.finish(s)
-                    s.finish_reason = "error"
-            touched[req.request_id] = req
+        msg = f"step failed: {type(exc).__name__}: {exc}"
+        self._fail_rows(batch, dict.fromkeys(range(len(batch.seqs)), msg), touched, quiet=True)
+
+    def _fail_rows(self, batch, failed: dict, touched: dict, quiet: bool = False) -> None:
+        for i, msg in failed.items():
+            req = self.requests.get(batch.seqs[i].request_id)
+            if req is not None and not req.reported_done:  # not already failed and reported by an earlier step
+                self._fail_request(req, msg, touched, quiet)
+
+    def _fail_request(self, req: Request, message: str, touched: dict, quiet: bool = False) -> None:
+        """End every sequence of a request with an error; its blocks go back now."""
+        if req.error is None:
+            req.error = message
+            if not quiet:
+                log.warning("deepinfer: request %s failed: %s", req.request_id, message)
+        for s in req.seqs:
+            if not s.finished:
+                self.scheduler.finish(s)
+                s.finish_reason = "error"
+        touched[req.request_id] = req
 
     def _collect(self, touched: dict) -> list:
         outs = []
@@ -287,8 +340,6 @@ class Engine:
             seq.prompt_logprobs[start:] = entries
         lp_rows = None
         if state.logprobs is not None:
-            from ..stages.logprobs import entries_from
-
             want = [s.params.logprobs or 0 for s in sample_seqs]
             lp_rows = entries_from(state.logprobs, range(len(sample_seqs)), want, None)
         now = time.perf_counter()

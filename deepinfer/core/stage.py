@@ -35,3 +35,17 @@ class Stage:
 
     def __call__(self, state: Any) -> None:  # pragma: no cover - the contract
         raise NotImplementedError(f"stage {self.name!r} does not implement __call__")
+
+
+class RowError(Exception):
+    """Raised by a stage that can name the rows at fault (``rows``: indices into ``state.batch.seqs``).
+
+    The stage must have finished its work for every other row before raising. The engine fails the
+    requests of those rows alone (finish_reason "error", with this message) and the step goes on for the
+    rest. Any other exception cannot be traced to a row: it fails every request of the step, and the
+    engine keeps serving new ones.
+    """
+
+    def __init__(self, rows, message: str):
+        super().__init__(message)
+        self.rows = list(rows)

@@ -32,6 +32,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     arrival: int  # admission order, for FCFS and fairness
+    priority: int = 0  # lower is served first, ties by arrival (vLLM's priority scheduling)
     generator: Optional[torch.Generator] = None
     status: SeqStatus = SeqStatus.WAITING
     block_table: list = attrs.field(factory=list)  # owned by the scheduler's block pool
@@ -112,9 +113,11 @@ class StepState:
         self.batch = batch  # engine: scheduled sequences
         self.sampling = sampling  # engine: SamplingBatch of the sampling rows
         self.kv_cache = kv_cache  # engine: the paged KV tensors
-        self.prefill_logits: Optional[torch.Tensor] = None  # prefill: [B_p, V] last-position logits of prefill rows that sample
-        self.prompt_logprobs: Optional[dict] = None  # prefill: seq_id -> list of per-position prompt logprob entries
+        self.inputs: Any = None  # prefill: stages.forward.ForwardInputs, every row as one ragged token stream
+        self.hidden: Optional[torch.Tensor] = None  # forward: [T, d] final hidden states of the stream
         self.logits: Optional[torch.Tensor] = None  # verify: [S, V] logits of the sampling rows, in batch order
+        self.prompt_logprobs: Optional[dict] = None  # verify: seq_id -> (first position, prompt logprob entries)
+        self.bad_rows: Optional[torch.Tensor] = None  # engine: [S] bool, sampling rows whose logits were not finite
         self.next_tokens: Optional[torch.Tensor] = None  # sample: [S] int64
         self.logprobs: Any = None  # sample: LogprobsTensors or None
         self.outputs: Optional[list] = None  # detokenize: [S] SeqUpdate

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from ..core.stage import Stage
+from ..core.stage import RowError, Stage
 
 
 @attrs.define(frozen=True)
@@ -26,26 +26,37 @@ class DetokenizeStage(Stage):
     tokenizer: object
 
     def __call__(self, state) -> None:
-        from ..detokenizer import IncrementalDetokenizer, StopChecker
-
         batch = state.batch
         seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
         toks = state.next_tokens.tolist()  # the one host sync a step needs
         eos = self.tokenizer.eos_token_ids
-        outs = []
-        for seq, tok in zip(seqs, toks):
-            p = seq.params
-            if seq.detok is None:  # first token of this sequence: this stage owns its detokenizer
-                seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, p.skip_special_tokens)
-                seq.stopper = StopChecker(p.stop, p.stop_token_ids, eos, p.ignore_eos, p.min_tokens, p.max_tokens,
-                                          p.include_stop_str_in_output)
-            delta = seq.detok.step([tok])
-            text = seq.detok.text
-            reason, cut, stop_reason = seq.stopper.check(text, len(delta), tok, len(seq.output_token_ids) + 1)
-            if reason == "length":
-                seq.detok.flush()  # release text held back for an unfinished UTF-8 character
-                text = seq.detok.text
-            if cut is not None:
-                text = text[:cut]
-            outs.append(SeqUpdate(tok, text, reason, stop_reason))
+        outs, failed = [], {}
+        for r, (seq, tok) in enumerate(zip(seqs, toks)):
+            try:
+                outs.append(self._row(seq, tok, eos, self.tokenizer))
+            except Exception as exc:  # one row's text or stop check: that request alone fails
+                failed[r] = f"{type(exc).__name__}: {exc}"
+                outs.append(SeqUpdate(tok, seq.text))
         state.outputs = outs
+        if failed:
+            rows = [i for i, smp in enumerate(batch.samples) if smp]
+            raise RowError([rows[r] for r in failed], "; ".join(sorted(set(failed.values()))))
+
+    @staticmethod
+    def _row(seq, tok: int, eos, tokenizer) -> SeqUpdate:
+        from ..detokenizer import IncrementalDetokenizer, StopChecker
+
+        p = seq.params
+        if seq.detok is None:  # first token of this sequence: this stage owns its detokenizer
+            seq.detok = IncrementalDetokenizer(tokenizer, seq.prompt_token_ids, p.skip_special_tokens)
+            seq.stopper = StopChecker(p.stop, p.stop_token_ids, eos, p.ignore_eos, p.min_tokens, p.max_tokens,
+                                      p.include_stop_str_in_output)
+        delta = seq.detok.step([tok])
+        text = seq.detok.text
+        reason, cut, stop_reason = seq.stopper.check(text, len(delta), tok, len(seq.output_token_ids) + 1)
+        if reason == "length":
+            seq.detok.flush()  # release text held back for an unfinished UTF-8 character
+            text = seq.detok.text
+        if cut is not None:
+            text = text[:cut]
+        return SeqUpdate(tok, text, reason, stop_reason)

@@ -1,14 +1,24 @@
-"""Shared by the forward stages (prefill, verify): turn scheduled rows into model inputs."""
+"""The step's model inputs: every scheduled row (prefill chunks and decode tokens) as one ragged token stream.
+
+Rows are laid out single-token rows first (decode rows, and one-token chunks), then the longer chunks, so
+a backend can hand the leading ``num_decodes`` rows to its decode kernel and the rest to its prefill
+kernel inside the one model call. ``sample_index`` maps each sampling row (in batch order) to the stream
+position whose logits it samples from, so the layout never leaks into what later stages see.
+"""
 
 from __future__ import annotations
 
+from typing import Optional
+
+import attrs
 import torch
 
-from ..backends.base import AttnMetadata, to_device
+from ..backends.base import AttnMetadata, resolve_future, to_device
 
 
-def build_inputs(batch, rows: list, block_size: int, device) -> tuple:
-    """rows: indices into batch.seqs. Returns (input_ids [T], AttnMetadata, query_start list [R+1])."""
+def build_inputs(batch, rows: list, block_size: int, device, num_decodes: int = 0) -> tuple:
+    """rows: indices into batch.seqs, in stream order. Returns (input_ids [T], AttnMetadata, query_start
+    list [R+1]). ``num_decodes``: how many leading rows hold exactly one query (a dispatch hint)."""
     seqs = [batch.seqs[i] for i in rows]
     starts = [batch.start[i] for i in rows]
     nums = [batch.num_tokens[i] for i in rows]
@@ -34,33 +44,69 @@ def build_inputs(batch, rows: list, block_size: int, device) -> tuple:
     q_valid = qi[None, :] < n_t[:, None]
     q_index = torch.where(q_valid, torch.tensor(qstart[:-1])[:, None] + qi[None, :], 0)
     q_pos = st_t[:, None] + qi[None, :]
+
     def dev(t, dtype=torch.long):
         return to_device(t, dtype, device)
 
     meta = AttnMetadata(positions=dev(positions), slot_mapping=dev(slot), seq_lens=dev(lens),
                         q_index=dev(q_index), q_valid=dev(q_valid, torch.bool), kv_slots=dev(kv_slots),
                         q_pos=dev(q_pos), block_table=dev(bt), block_size=block_size,
-                        cu_q=dev(qstart, torch.int32), max_q=max_q, starts=starts, nums=nums, block_tables=[s.block_table for s in seqs],
-                        state_slots=[s.state_slot for s in seqs], replay_starts=[s.replay_start for s in seqs])
+                        cu_q=dev(qstart, torch.int32), max_q=max_q, starts=starts, nums=nums,
+                        block_tables=[s.block_table for s in seqs], state_slots=[s.state_slot for s in seqs],
+                        replay_starts=[s.replay_start for s in seqs], num_decodes=num_decodes)
     ids_t = dev(ids)
     if ids and min(ids) < 0:
         ids_t = resolve_future(ids_t, batch.future)
     return ids_t, meta, qstart
 
 
-def resolve_future(ids: torch.Tensor, future) -> torch.Tensor:
-    """Replace pending references (-1 - i) by future[i], on the device: the token a launched step sampled
-    (overlap scheduling) is read where it lies, without waiting for it on the host."""
-    if future is None:
-        raise RuntimeError("input ids hold pending token references but the batch carries no future buffer")
-    return torch.where(ids < 0, future.reshape(-1)[(-1 - ids).clamp_(min=0)], ids)
+@attrs.define(eq=False)
+class ForwardInputs:
+    """What the one model call of a step reads (prefill stage), built lazily: a CUDA-graph replay of a
+    decode-only step needs only the host lists, not the metadata tensors."""
+
+    batch: object  # ScheduledBatch
+    rows: list  # [R] indices into batch.seqs, in stream order (decode rows first)
+    where: list  # [R] stream row of each batch row (the inverse of rows)
+    qstart: list  # [R + 1] stream offset of each row's first token
+    sample_index: list  # [S] stream position of each sampling row's last token, sampling rows in batch order
+    num_decodes: int  # leading rows that are one token and sample (decode rows)
+    block_size: int
+    device: torch.device
+    _built: Optional[tuple] = None
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decodes == len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.qstart[-1]
+
+    def tensors(self) -> tuple:
+        """(input_ids [T], AttnMetadata), built once."""
+        if self._built is None:
+            ids, meta, _ = build_inputs(self.batch, self.rows, self.block_size, self.device, self.num_decodes)
+            self._built = (ids, meta)
+        return self._built
+
+    def row_span(self, i: int) -> tuple:
+        """Stream span [a, b) of batch row i."""
+        r = self.where[i]
+        return self.qstart[r], self.qstart[r + 1]
 
 
-def decode_rows(batch) -> list:
-    """Rows the verify stage owns: one new token that samples (plain decode; drafts come later)."""
-    return [i for i, (n, smp) in enumerate(zip(batch.num_tokens, batch.samples)) if smp and n == 1]
-
-
-def prefill_rows(batch) -> list:
-    owned = set(decode_rows(batch))
-    return [i for i in range(len(batch.seqs)) if i not in owned]
+def plan(batch, block_size: int, device) -> Optional[ForwardInputs]:
+    """Lay out a scheduled batch as one stream (decode rows first, then the rest in batch order); None when
+    nothing is scheduled."""
+    n = len(batch.seqs)
+    if n == 0:
+        return None
+    is_dec = [batch.num_tokens[i] == 1 and batch.samples[i] for i in range(n)]
+    rows = [i for i in range(n) if is_dec[i]] + [i for i in range(n) if not is_dec[i]]
+    qstart, where = [0], [0] * n
+    for r, i in enumerate(rows):
+        where[i] = r
+        qstart.append(qstart[-1] + batch.num_tokens[i])
+    sample_index = [qstart[where[i] + 1] - 1 for i in range(n) if batch.samples[i]]
+    return ForwardInputs(batch, rows, where, qstart, sample_index, sum(is_dec), block_size, torch.device(device))

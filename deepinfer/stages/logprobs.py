@@ -2,30 +2,7 @@
 
 from __future__ import annotations
 
-from ..outputs import Logprob
-
-
-def _decode(tokenizer, tid: int):
-    if tokenizer is None:
-        return None
-    from ..detokenizer import decode_token
-
-    return decode_token(tokenizer, tid)
-
-
-def entries_from(lp, rows, num_tops, tokenizer) -> list:
-    """lp: LogprobsTensors; rows: which rows; num_tops[r]: top-n asked by that row. One dict per row."""
-    ids = lp.top_ids.tolist()
-    tops = lp.top_logprobs.tolist()
-    tok_lp = lp.token_logprobs.tolist()
-    ranks = lp.token_ranks.tolist()
-    out = []
-    for r, n in zip(rows, num_tops):
-        d = {}
-        for j in range(min(n, len(ids[r]))):
-            d[ids[r][j]] = Logprob(tops[r][j], j + 1, _decode(tokenizer, ids[r][j]))
-        out.append(d)
-    return out, tok_lp, ranks
+from ..outputs import Logprob, decode_token_text as _decode, entries_from
 
 
 def prompt_logprob_entries(ops, logits, targets, num_top: int, tokenizer) -> list:

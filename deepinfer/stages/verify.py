@@ -1,52 +1,56 @@
-"""Step stage: run the model over decode rows (one token each; with no draft tokens, verify is plain decode)
-and assemble the logits of every sampling row in batch order."""
+"""Step stage: score the positions the step asked for from the forward's hidden states: the next-token
+logits of every sampling row (in batch order), and the prompt positions whose logprobs a request wants.
+With no draft tokens, verify is plain decode; a speculative verify accepts or rejects drafts here."""
 
 from __future__ import annotations
 
 import attrs
 import torch
 
-from ..core.stage import Stage
 from ..backends.base import to_device
-from .forward import build_inputs, decode_rows
+from ..core.stage import Stage
+from .logprobs import prompt_logprob_entries
 
 
 @attrs.define(eq=False)
 class VerifyStage(Stage):
     name = "verify"
     kind = "verify"
-    reads = ("batch", "kv_cache", "prefill_logits")
-    writes = ("logits",)
+    reads = ("inputs", "hidden")
+    writes = ("logits", "prompt_logprobs")
 
     model: object
-    config: object
     ops: object
-    decode_graphs: object = None  # backends.cuda_graph.DecodeGraphs on CUDA, else None (eager)
+    tokenizer: object = None
 
     def __call__(self, state) -> None:
-        batch = state.batch
-        rows = decode_rows(batch)
-        dec = None
-        if rows:
-            seqs = [batch.seqs[i] for i in rows]
-            graphs = self.decode_graphs
-            if graphs is not None and graphs.covers(len(rows), max(len(s.block_table) for s in seqs)):
-                dec = graphs.run([s.input_ids(batch.start[i], 1)[0] for s, i in zip(seqs, rows)],
-                                 [batch.start[i] for i in rows], [s.block_table for s in seqs], batch.future)
+        inp, hidden = state.inputs, state.hidden
+        state.prompt_logprobs = {}
+        if inp is None or not inp.sample_index:
+            state.logits = torch.empty(0, self.model.vocab_size, device=self.ops.device)
+        else:
+            if inp.sample_index == list(range(hidden.shape[0])):
+                rows = hidden  # a decode-only step: every stream row samples, in order
             else:
-                ids, meta, _ = build_inputs(batch, rows, self.config.block_size, self.ops.device)
-                dec = self.model.compute_logits(self.model(ids, meta, state.kv_cache))  # [R, V]
-        pre = state.prefill_logits
-        if pre is None or dec is None:
-            state.logits = dec if pre is None else pre
-            if state.logits is None:  # nothing samples this step (only non-final prefill chunks)
-                state.logits = torch.empty(0, self.model.vocab_size, device=self.ops.device)
-            return
-        # Interleave back into batch order over the sampling rows (index copies: a boolean mask would sync).
-        decode = set(rows)
-        is_dec = [i in decode for i, s in enumerate(batch.samples) if s]
-        out = torch.empty(len(is_dec), dec.shape[1], dtype=dec.dtype, device=dec.device)
-        out.index_copy_(0, to_device([r for r, d in enumerate(is_dec) if d], torch.long, dec.device), dec)
-        out.index_copy_(0, to_device([r for r, d in enumerate(is_dec) if not d], torch.long, dec.device),
-                        pre.to(dec.dtype))
-        state.logits = out
+                rows = hidden.index_select(0, to_device(inp.sample_index, torch.long, hidden.device))
+            state.logits = self.model.compute_logits(rows)  # [S, V]
+        if inp is not None:
+            self._prompt_logprobs(state, inp, hidden)
+
+    def _prompt_logprobs(self, state, inp, hidden) -> None:
+        batch = inp.batch
+        for i, seq in enumerate(batch.seqs):
+            want = seq.params.prompt_logprobs
+            if want is None:
+                continue
+            done = len(seq.prompt_logprobs or [])
+            st, n = batch.start[i], batch.num_tokens[i]
+            # Logits at position p predict token p + 1; keep those that predict prompt tokens.
+            stop = min(st + n, seq.num_prompt_tokens - 1)
+            if stop <= st or stop < done:
+                continue  # nothing to score, or already computed before a preemption
+            a, _ = inp.row_span(i)
+            logits = self.model.compute_logits(hidden[a: a + stop - st])
+            targets = torch.tensor(seq.token_ids[st + 1: stop + 1], device=logits.device)
+            state.prompt_logprobs[seq.seq_id] = (st + 1, prompt_logprob_entries(
+                self.ops, logits, targets, want, self.tokenizer))

@@ -86,6 +86,13 @@ class NvidiaOps(ReferenceOps):
 
     # Attention.
     def paged_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale, window=None, sinks=None):
+        nd = meta.num_decodes
+        if 0 < nd < meta.q_index.shape[0] and meta.max_q > 1:
+            # A mixed step: its decode rows (first in the stream) to the decode kernel, the chunks to the
+            # prefill kernel, inside the one forward.
+            dec, pre = meta.split(nd)
+            return torch.cat([self.paged_attention(q[:nd], k_cache, v_cache, dec, scale, window, sinks),
+                              self.paged_attention(q[nd:], k_cache, v_cache, pre, scale, window, sinks)])
         decode = meta.block_table is not None and meta.q_index.shape[1] == 1
         if decode:  # MLA's absorbed decode (V = a prefix of the one latent KV head): every head per KV tile
             from . import triton_mla
