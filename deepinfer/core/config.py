@@ -16,6 +16,18 @@ def _positive(name: str):
     return check
 
 
+def _non_negative(name: str):
+    def check(inst, attribute, value):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"EngineConfig.{name}={value!r} is invalid: must be an int >= 0")
+    return check
+
+
+def _watermark(inst, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"EngineConfig.watermark={value!r} is invalid: must be a fraction of the pool in [0, 1)")
+
+
 def _dtype(inst, attribute, value):
     if value not in DTYPES:
         raise ValueError(f"EngineConfig.dtype={value!r} is invalid: expected one of {DTYPES}")
@@ -30,6 +42,12 @@ class EngineConfig:
     kv_cache_memory_gb: Optional[float] = None  # KV budget when num_kv_blocks is None; None: 0.5 on CPU, 60% of free GPU memory
     max_num_seqs: int = attrs.field(default=256, validator=_positive("max_num_seqs"))
     max_num_batched_tokens: int = attrs.field(default=4096, validator=_positive("max_num_batched_tokens"))
+    # Admission keeps this fraction of the KV pool free (at least one block; 0: off) so a new sequence does not
+    # force the preemption of a running one; running sequences' growth may use it (vLLM's watermark).
+    watermark: float = attrs.field(default=0.01, validator=_watermark)
+    # A waiting sequence that does not fit may be passed over by later ones that do, in at most this many steps;
+    # then nothing behind it is admitted until it fits (0: strict head-of-line order). See core/scheduler.py.
+    scheduling_aging_steps: int = attrs.field(default=32, validator=_non_negative("scheduling_aging_steps"))
     enforce_eager: bool = False  # True: never capture CUDA graphs (dense models' decode uses them on CUDA otherwise)
     # Overlap scheduling: launch step N+1 before collecting step N's tokens (decode inputs read them on the
     # device). None: on for CUDA devices, off elsewhere (nothing runs asynchronously there to overlap).

@@ -136,7 +136,7 @@ class LLM:
         return self.tokenizer
 
     # Generation.
-    def _add(self, prompts, sampling_params, stream: bool = False) -> list:
+    def _add(self, prompts, sampling_params, stream: bool = False, priority: Optional[list] = None) -> list:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -154,16 +154,22 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; pass one, or one per prompt")
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif not isinstance(priority, (list, tuple)) or len(priority) != len(prompts) \
+                or not all(isinstance(p, int) and not isinstance(p, bool) for p in priority):
+            raise ValueError(f"priority={priority!r} is invalid: pass one int per prompt ({len(prompts)})")
         ids = []
-        for p, sp in zip(prompts, params):
+        for p, sp, prio in zip(prompts, params, priority):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, p, sp, stream=stream)
+            self.engine.add_request(rid, p, sp, stream=stream, priority=prio)
             ids.append(rid)
         return ids
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list:
-        """One RequestOutput per prompt, in order. A prompt is a str, a list of token ids or {"prompt_token_ids": [...]}."""
-        ids = self._add(prompts, sampling_params)
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True, priority: Optional[list] = None) -> list:
+        """One RequestOutput per prompt, in order. A prompt is a str, a list of token ids or {"prompt_token_ids": [...]}.
+        ``priority``: one int per prompt, lower served first, ties by arrival (as vLLM's)."""
+        ids = self._add(prompts, sampling_params, priority=priority)
         own = set(ids)
         done: dict = {}
         bar = None

@@ -1,67 +1,144 @@
-"""Continuous batching with chunked prefill and preemption by recompute.
+"""Continuous batching with chunked prefill, priorities and preemption by recompute.
 
-Each step: running sequences first (decodes, then prefill chunks), then new
-ones from the waiting queue, all under one token budget. When the pool runs
-out of blocks, the most recently admitted running sequence is preempted: its
-blocks are freed and it goes back to the front of the queue, to be recomputed
-from its known tokens later (its sampled tokens and generator are kept, so it
-finishes with the output it would have had). The scheduler never calls a
-model and never reads a tensor.
+Each step: running sequences first (decodes, then prefill chunks), then new ones from the waiting queue,
+all under one token budget. The scheduler never calls a model and never reads a tensor.
+
+- Order. A sequence's key is ``(priority, arrival)``: a lower priority value is served first, ties by
+  arrival (vLLM's priority scheduling; with every priority 0 it is FCFS). The waiting queue is a heap on
+  that key; running rows are scheduled decodes first, then prefill chunks, each in key order.
+- Preemption by recompute. When the pool runs out of blocks for a running row, the running sequence
+  with the largest key (lowest priority, then latest arrival) that is not already in this step nor
+  draining gives its blocks back (the row itself when every other candidate is taken). It goes back to
+  the waiting queue with its original key, so it resumes first among equals, and is later recomputed
+  from its known tokens (its sampled tokens and generator are kept, so it finishes with the output it
+  would have had). A step that preempts admits nothing.
+- Watermark. Admitting a sequence needs the blocks of its first chunk plus ``watermark_blocks`` free
+  (``watermark`` of the pool, at least one block; vLLM's 0.01), so an admission does not force the
+  preemption of a running sequence in the next steps: after a step that admits, at least
+  ``watermark_blocks`` are free. Running sequences' growth may dip into the watermark. With nothing
+  running there is nothing to protect, so the first admission needs only its blocks (a request as large
+  as the pool still runs).
+- Skip-ahead with aging. When a waiting sequence does not fit, later ones that fit may be admitted past
+  it; each step in which that happens counts as one pass-over. Once a sequence has been passed over
+  ``aging_steps`` times it reserves: nothing with a larger key is admitted until it fits (the running
+  ones finish or are preempted and give their blocks back). Bound: a waiting sequence is passed over by
+  later-keyed ones at most ``aging_steps`` times per stay in the queue; sequences with a smaller key
+  (higher priority, or earlier arrival at the same priority) are served first by definition and are not
+  counted. ``aging_steps=0`` is strict head-of-line order.
+- Bounded work. A step inspects at most ``MAX_SKIPPED`` waiting sequences that do not fit (plus the
+  ones it admits, at most ``max_num_seqs``) and pushes the skipped ones back: O((max_num_seqs +
+  MAX_SKIPPED) log W) for W waiting. Removing a running or waiting sequence (finish, abort, preemption)
+  is a dict deletion; a removed waiting entry is dropped lazily when it surfaces.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+import itertools
 from typing import Optional
 
 from .kv_cache import BlockPool, blocks_needed
 from .state import ScheduledBatch, Sequence, SeqStatus
 
+MAX_SKIPPED = 8  # waiting sequences that do not fit, inspected per step before admission gives up
+
+
+def _key(seq: Sequence) -> tuple:
+    return (seq.priority, seq.arrival)
+
+
+class WaitingQueue:
+    """Waiting sequences in key order: a heap with lazy removal. ``len`` and ``remove`` are O(1),
+    ``push`` and ``pop`` O(log n); iterating sorts (for inspection, not the hot path)."""
+
+    def __init__(self):
+        self._heap: list = []  # (priority, arrival, tie, seq); entries of removed sequences are stale
+        self._live: dict = {}  # seq -> its current heap entry
+        self._tie = itertools.count()
+
+    def push(self, seq: Sequence) -> None:
+        entry = (*_key(seq), next(self._tie), seq)
+        self._live[seq] = entry
+        heapq.heappush(self._heap, entry)
+
+    def pop(self) -> Sequence:
+        while True:
+            entry = heapq.heappop(self._heap)
+            seq = entry[-1]
+            if self._live.get(seq) is entry:
+                del self._live[seq]
+                return seq
+
+    def remove(self, seq: Sequence) -> bool:
+        if self._live.pop(seq, None) is None:
+            return False
+        if len(self._heap) > 2 * len(self._live) + 64:  # mostly stale: rebuild, amortised O(1) per removal
+            self._heap = list(self._live.values())
+            heapq.heapify(self._heap)
+        return True
+
+    def __contains__(self, seq) -> bool:
+        return seq in self._live
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self):
+        return (entry[-1] for entry in sorted(self._live.values()))
+
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+    """``running`` is a dict used as an ordered set (admission order); ``waiting`` a WaitingQueue."""
+
+    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 watermark: float = 0.01, aging_steps: int = 32):
         self.pool = pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque = deque()
-        self.running: list = []
+        self.watermark_blocks = max(1, int(watermark * pool.num_blocks)) if watermark > 0 else 0
+        self.aging_steps = aging_steps
+        self.waiting = WaitingQueue()
+        self.running: dict = {}  # seq -> None
         self.num_preemptions = 0
+        self._passed_over: dict = {}  # waiting seq -> steps in which a later-keyed sequence was admitted
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # per-sequence state slots (rings, tails)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _grow(self, seq: Sequence, n: int) -> bool:
+    def _grow(self, seq: Sequence, n: int, reserve: int = 0) -> bool:
+        """Give seq the blocks for n more tokens if that leaves ``reserve`` blocks free."""
         need = blocks_needed(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
         if need <= 0:
             return True
-        if not self.pool.can_allocate(need):
+        if not self.pool.can_allocate(need + reserve):
             return False
         seq.block_table.extend(self.pool.allocate(need))
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        del self.running[seq]
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
         self._release_slot(seq)
         seq.num_preemptions += 1
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.add(seq)  # with its original key: first among equals
         self.num_preemptions += 1
 
     def schedule(self) -> Optional[ScheduledBatch]:
         budget = self.max_num_batched_tokens
         chosen: list = []  # (seq, n)
+        taken: set = set()
         preempted = False
         # Decodes first (one token each), then running prefill chunks, so a long prompt never stalls decoding.
-        order = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
+        order = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, *_key(s)))
+        victims = sorted(self.running, key=_key)  # preemption candidates, the last one goes first
         for seq in order:
             if budget == 0:
                 break
@@ -69,11 +146,12 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or its last token is already being sampled
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self._grow(seq, n):
-                # The most recently admitted running sequence not already in this step (never take blocks back
-                # from a chosen row) nor draining (its blocks go back within a step); seq itself when every
-                # later-admitted one is chosen.
-                taken = {id(s) for s, _ in chosen}
-                victim = next(v for v in reversed(self.running) if id(v) not in taken and not v.draining)
+                # Never take blocks back from a chosen row, nor from a draining one (its blocks go back within
+                # a step); seq itself is always a candidate, so the search ends.
+                while (victims[-1].status is not SeqStatus.RUNNING or victims[-1] in taken
+                       or victims[-1].draining):
+                    victims.pop()
+                victim = victims.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -81,19 +159,10 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             chosen.append((seq, n))
+            taken.add(seq)
             budget -= n
-        # Admit waiting sequences in FCFS order; not in a step that had to preempt.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._grow(seq, n):
-                break
-            self.waiting.popleft()
-            seq.state_slot = self._free_slots.pop()
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            chosen.append((seq, n))
-            budget -= n
+        if not preempted:
+            budget = self._admit(chosen, budget)
         if not chosen:
             return None
         seqs = [s for s, _ in chosen]
@@ -101,6 +170,32 @@ class Scheduler:
         starts = [s.num_computed_tokens for s in seqs]
         samples = [s.num_computed_tokens + n == s.num_tokens for s, n in chosen]
         return ScheduledBatch(seqs=seqs, num_tokens=nums, start=starts, samples=samples)
+
+    def _admit(self, chosen: list, budget: int) -> int:
+        """Admit waiting sequences in key order, skipping ahead of ones that do not fit (see the module
+        docstring); appends to chosen and returns the budget left."""
+        skipped: list = []  # (seq, admissions before it was skipped)
+        admitted = 0
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.pop()
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._grow(seq, n, reserve=self.watermark_blocks if self.running else 0):
+                skipped.append((seq, admitted))
+                if self._passed_over.get(seq, 0) >= self.aging_steps or len(skipped) >= MAX_SKIPPED:
+                    break  # it reserves: nothing behind it is admitted until it fits
+                continue
+            self._passed_over.pop(seq, None)
+            seq.state_slot = self._free_slots.pop()
+            seq.status = SeqStatus.RUNNING
+            self.running[seq] = None
+            chosen.append((seq, n))
+            budget -= n
+            admitted += 1
+        for seq, before in skipped:
+            if admitted > before:
+                self._passed_over[seq] = self._passed_over.get(seq, 0) + 1
+            self.waiting.push(seq)
+        return budget
 
     def update(self, batch: ScheduledBatch) -> None:
         """Record that the step computed the scheduled tokens."""
@@ -110,9 +205,9 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or aborted) sequence's blocks."""
         if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+            del self.running[seq]
+        elif self.waiting.remove(seq):
+            self._passed_over.pop(seq, None)
         if seq.block_table:
             self.pool.free(seq.block_table)
             seq.block_table = []
