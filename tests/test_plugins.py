@@ -465,10 +465,10 @@ def test_env_switches_for_entry_point_plugins(top_a_entry_point, monkeypatch, ca
     # A name that matches no installed plugin is reported (a typo would otherwise silently load nothing).
     installed = sorted({ep.name for ep in importlib.metadata.entry_points(group="deepinfer")})
     warned = {r.getMessage().split()[1]: r.getMessage() for r in caplog.records
-              if "which no installed plugin is called" in r.getMessage()}
+              if "matching no installed plugin" in r.getMessage()}
     assert set(warned) == set(unmatched)
     for var, names in unmatched.items():
-        assert f"{var} names {', '.join(repr(n) for n in names)}, which" in warned[var]
+        assert f"{var} names {', '.join(repr(n) for n in names)}, matching no installed plugin" in warned[var]
         assert warned[var].endswith(f"(installed entry points: {', '.join(installed)})") and "top_a" in installed
 
 

@@ -124,7 +124,7 @@ def _csv_env(name: str) -> set:
 
 def _warn_unmatched(var: str, names: set, installed: list) -> None:
     if names:
-        log.warning("deepinfer: %s names %s, which no installed plugin is called (installed entry points: %s)", var,
+        log.warning("deepinfer: %s names %s, matching no installed plugin (installed entry points: %s)", var,
                     ", ".join(repr(n) for n in sorted(names)), ", ".join(installed) or "none")
 
 
