@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from ..outputs import CompletionOutput, Logprob, RequestOutput, entries_from
+from .block_tables import BlockTables
 from .kv_cache import BlockPool, blocks_needed
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
@@ -90,9 +91,11 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    watermark=config.watermark, aging_steps=config.scheduling_aging_steps)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.block_tables = BlockTables(config.max_num_seqs, blocks_needed(max_model_len, config.block_size),
+                                        self.device)
         context = dict(config=config, model=model, ops=ops, tokenizer=tokenizer, vocab_size=model.vocab_size,
                        device=self.device, generator=self.generator, engine_config=config,
-                       decode_graphs=self.decode_graphs)
+                       decode_graphs=self.decode_graphs, block_tables=self.block_tables)
         self.stages = pipeline.build(context)
         self.requests: dict = {}
         self.warned: set = set()  # what add_request has warned about (once per engine)
@@ -128,11 +131,12 @@ class Engine:
             st = AdmitState(request_id=request_id, prompt=prompt, params=params)
             for stage in self.stages["admit"]:
                 stage(st)
-            ids = list(st.prompt_token_ids)
+            ids = params.truncate(list(st.prompt_token_ids), self.max_model_len)
             req.prompt_token_ids = ids
             if len(ids) + 1 > self.max_model_len:
                 raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
                                  f"for output (prompt must be at most {self.max_model_len - 1} tokens)")
+            params = req.params = params.for_model(self.tokenizer, self.model.vocab_size, self.config.max_logprobs)
         except Exception as exc:  # the request fails alone
             req.error = f"{type(exc).__name__}: {exc}"
             log.warning("deepinfer: request %s failed at admission: %s", request_id, req.error)
@@ -184,7 +188,7 @@ class Engine:
             if not req.reported_done and (req.error is not None or (req.seqs and req.finished)):
                 touched[req.request_id] = req
         prev, self._inflight = self._inflight, None
-        if prev is not None and any(s.pending and s.params.needs_penalties for s in prev.sample_seqs):
+        if prev is not None and any(s.pending and s.params.needs_output_tokens for s in prev.sample_seqs):
             self._collect_step(prev, touched)  # penalties count the output tokens: they must be known first
             prev = None
         launched = self._launch(touched)
@@ -211,6 +215,7 @@ class Engine:
             return None
         t0 = time.perf_counter()
         batch.future = self.future
+        self.block_tables.sync(batch.seqs)  # only the blocks appended since the last step
         sample_seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
         sampling = self.sampling_batch_cls.build(
             [s.params for s in sample_seqs], [s.prompt_token_ids for s in sample_seqs],
@@ -370,6 +375,8 @@ class Engine:
 
     def _output(self, req: Request) -> RequestOutput:
         prompt = req.prompt if isinstance(req.prompt, str) else None
+        if isinstance(req.prompt, dict) and isinstance(req.prompt.get("prompt"), str):
+            prompt = req.prompt["prompt"]  # the text of {"prompt": ...}, or chat's rendered template
         if req.error is not None:
             comp = [CompletionOutput(index=0, text="", token_ids=[], finish_reason="error", error=req.error)]
             return RequestOutput(req.request_id, prompt, req.prompt_token_ids, comp, True, error=req.error)

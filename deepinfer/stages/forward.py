@@ -60,6 +60,46 @@ def build_inputs(batch, rows: list, block_size: int, device, num_decodes: int = 
     return ids_t, meta, qstart
 
 
+def device_inputs(batch, rows: list, block_size: int, tables, num_decodes: int = 0) -> tuple:
+    """What build_inputs returns, computed on the device from the persistent block tables
+    (core.block_tables.BlockTables, already synced): the host sends O(rows) numbers and the token ids, and
+    gathers, positions, slots and masks happen on the device with no sync. build_inputs is its oracle."""
+    device = tables.device
+    seqs = [batch.seqs[i] for i in rows]
+    starts = [batch.start[i] for i in rows]
+    nums = [batch.num_tokens[i] for i in rows]
+    ids: list = []
+    for s, st, n in zip(seqs, starts, nums):
+        ids.extend(s.input_ids(st, n))
+    qstart = [0]
+    for n in nums:
+        qstart.append(qstart[-1] + n)
+    T, R, max_q = qstart[-1], len(rows), max(nums)
+    lens_host = [st + n for st, n in zip(starts, nums)]
+    max_blocks = -(-max(lens_host) // block_size)
+    host = to_device([starts, nums, [s.state_slot for s in seqs], qstart[:-1]], torch.long, device)
+    starts_t, nums_t, slots_t, q0 = host[0], host[1], host[2], host[3]
+    cu_q = to_device(qstart, torch.int32, device)
+    bt = tables.table[slots_t, :max_blocks]  # [R, NB]
+    seq_of_tok = torch.repeat_interleave(torch.arange(R, device=device), nums_t, output_size=T)  # [T]
+    positions = starts_t[seq_of_tok] + torch.arange(T, device=device) - q0[seq_of_tok]
+    slot = bt[seq_of_tok, positions // block_size] * block_size + positions % block_size
+    kv_pos = torch.arange(max_blocks * block_size, device=device)
+    kv_slots = bt[:, kv_pos // block_size] * block_size + kv_pos % block_size  # [R, max_kv]
+    qi = torch.arange(max_q, device=device)
+    q_valid = qi[None, :] < nums_t[:, None]
+    q_index = torch.where(q_valid, q0[:, None] + qi[None, :], 0)
+    meta = AttnMetadata(positions=positions, slot_mapping=slot, seq_lens=starts_t + nums_t, q_index=q_index,
+                        q_valid=q_valid, kv_slots=kv_slots, q_pos=starts_t[:, None] + qi[None, :], block_table=bt,
+                        block_size=block_size, cu_q=cu_q, max_q=max_q, starts=starts, nums=nums,
+                        block_tables=[s.block_table for s in seqs], state_slots=[s.state_slot for s in seqs],
+                        replay_starts=[s.replay_start for s in seqs], num_decodes=num_decodes)
+    ids_t = to_device(ids, torch.long, device)
+    if ids and min(ids) < 0:
+        ids_t = resolve_future(ids_t, batch.future)
+    return ids_t, meta, qstart
+
+
 @attrs.define(eq=False)
 class ForwardInputs:
     """What the one model call of a step reads (prefill stage), built lazily: a CUDA-graph replay of a
@@ -73,6 +113,7 @@ class ForwardInputs:
     num_decodes: int  # leading rows that are one token and sample (decode rows)
     block_size: int
     device: torch.device
+    tables: object = None  # core.block_tables.BlockTables (synced) to build on the device; None: on the host
     _built: Optional[tuple] = None
 
     @property
@@ -86,7 +127,10 @@ class ForwardInputs:
     def tensors(self) -> tuple:
         """(input_ids [T], AttnMetadata), built once."""
         if self._built is None:
-            ids, meta, _ = build_inputs(self.batch, self.rows, self.block_size, self.device, self.num_decodes)
+            if self.tables is not None:
+                ids, meta, _ = device_inputs(self.batch, self.rows, self.block_size, self.tables, self.num_decodes)
+            else:
+                ids, meta, _ = build_inputs(self.batch, self.rows, self.block_size, self.device, self.num_decodes)
             self._built = (ids, meta)
         return self._built
 
@@ -96,7 +140,7 @@ class ForwardInputs:
         return self.qstart[r], self.qstart[r + 1]
 
 
-def plan(batch, block_size: int, device) -> Optional[ForwardInputs]:
+def plan(batch, block_size: int, device, tables=None) -> Optional[ForwardInputs]:
     """Lay out a scheduled batch as one stream (decode rows first, then the rest in batch order); None when
     nothing is scheduled."""
     n = len(batch.seqs)
@@ -109,4 +153,5 @@ def plan(batch, block_size: int, device) -> Optional[ForwardInputs]:
         where[i] = r
         qstart.append(qstart[-1] + batch.num_tokens[i])
     sample_index = [qstart[where[i] + 1] - 1 for i in range(n) if batch.samples[i]]
-    return ForwardInputs(batch, rows, where, qstart, sample_index, sum(is_dec), block_size, torch.device(device))
+    return ForwardInputs(batch, rows, where, qstart, sample_index, sum(is_dec), block_size, torch.device(device),
+                         tables)

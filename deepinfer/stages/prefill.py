@@ -18,6 +18,7 @@ class PrefillStage(Stage):
 
     config: object  # EngineConfig
     ops: object
+    block_tables: object = None  # core.block_tables.BlockTables (synced by the engine): metadata built on the device
 
     def __call__(self, state) -> None:
-        state.inputs = plan(state.batch, self.config.block_size, self.ops.device)
+        state.inputs = plan(state.batch, self.config.block_size, self.ops.device, self.block_tables)

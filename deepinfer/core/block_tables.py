@@ -1,0 +1,44 @@
+"""Every running sequence's block table in one device tensor, updated incrementally.
+
+Row ``state_slot`` of ``table`` [max_seqs, max_blocks] (int64) holds the block ids of the sequence that owns
+that slot. ``sync`` writes only what changed since the last step (blocks appended, or a slot that changed
+hands after a finish or a preemption) in one scatter, so the host does O(changed blocks) work per step and
+the step's metadata is gathered on the device (stages/forward.py ``device_inputs``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backends.base import to_device
+
+
+class BlockTables:
+    def __init__(self, max_seqs: int, max_blocks: int, device):
+        self.device = torch.device(device)
+        self.max_blocks = max_blocks
+        self.table = torch.zeros(max_seqs, max_blocks, dtype=torch.long, device=self.device)
+        # The block-table list a row mirrors (the scheduler only extends a table in place; releasing blocks
+        # gives the sequence a new list) and how many of its entries the row holds.
+        self._owner: list = [None] * max_seqs
+        self._count = [0] * max_seqs
+
+    def sync(self, seqs) -> None:
+        """Bring the rows of ``seqs`` (each with a state slot) up to date with their block tables."""
+        rows, cols, vals, reset = [], [], [], []
+        for s in seqs:
+            r, bt = s.state_slot, s.block_table
+            start = self._count[r] if self._owner[r] is bt else 0
+            if start == 0 and self._count[r]:
+                reset.append(r)  # entries past the new owner's table read 0, as padding does
+            if start < len(bt):
+                n = len(bt) - start
+                rows.extend([r] * n)
+                cols.extend(range(start, len(bt)))
+                vals.extend(bt[start:])
+            self._owner[r], self._count[r] = bt, len(bt)
+        if reset:
+            self.table[to_device(reset, torch.long, self.device)] = 0
+        if rows:
+            idx = to_device([rows, cols, vals], torch.long, self.device)
+            self.table[idx[0], idx[1]] = idx[2]
