@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Set up (CPU torch from the local wheel cache when present, the package with its test extra,
-# the example plugins) and run the test suite.
+# the example plugins) and run the test suite. With no arguments (the whole suite, as CI runs it), first
+# check the quickstart in a fresh venv holding only what the README's first command installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ $# -eq 0 ]; then bash scripts/check_plain_install.sh; fi
 python -m pip install -q "torch==2.13.0" 2>/dev/null || python -m pip install -q torch
 python -m pip install -q -e ".[test]"
 for p in plugins/*/; do [ -f "$p/pyproject.toml" ] && python -m pip install -q -e "$p"; done

@@ -69,13 +69,29 @@ def generation_defaults(model_path) -> dict:
     return out
 
 
+def set_threads(threads: Optional[int] = None) -> None:
+    """torch's CPU thread count: ``threads`` when given, else ``DEEPINFER_NUM_THREADS`` when set, else torch's
+    own default (one per core, slow on a machine whose cores are busy with other work)."""
+    name = "threads"
+    if threads is None:
+        env = os.environ.get("DEEPINFER_NUM_THREADS", "").strip()
+        if not env:
+            return
+        name, threads = "DEEPINFER_NUM_THREADS", int(env) if env.isdigit() else env
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"{name}={threads!r} is invalid: must be an int >= 1")
+    torch.set_num_threads(threads)
+
+
 class LLM:
     """Load a checkpoint and generate. ``model=None`` loads the bundled demo model."""
 
     def __init__(self, model: Optional[str] = None, recipe: str = "reference", pipeline: Optional[Pipeline] = None,
                  dtype: str = "auto", max_model_len: Optional[int] = None, backend: Optional[str] = None,
                  device: Optional[str] = None, tokenizer: Optional[str] = None, registry=None,
-                 hf_overrides: Optional[dict] = None, load_format: str = "auto", **engine_kwargs):
+                 hf_overrides: Optional[dict] = None, load_format: str = "auto", threads: Optional[int] = None,
+                 **engine_kwargs):
+        set_threads(threads)
         # One registry for stages, backends and models: the pipeline's when it brings one.
         registry = registry or (pipeline.registry if pipeline is not None and pipeline.registry else None) \
             or get_registry()
