@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.cli import main
 from deepinfer.models import loader
 from deepinfer.models.base import WeightError
 from deepinfer.models.llama import ARCHITECTURES
@@ -193,6 +194,35 @@ def test_index_naming_a_missing_shard(ckpts, tmp_path):
         small_llm(tmp_path / "sharded")
 
 
+def cli(capsys, *argv) -> tuple:
+    """(exit code, stderr) of the deepinfer command; stderr must be one clean error, never a traceback."""
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_safetensors_shard_is_a_checkpoint_error_naming_it(ckpts, tmp_path, capsys, damage):
+    files = write_shards(ckpts["llama"][0], tmp_path / "sharded", 3)
+    shard = tmp_path / "sharded" / files[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"\x00garbage" * 100)
+    with pytest.raises(CheckpointError) as info:
+        small_llm(tmp_path / "sharded")
+    msg = str(info.value)
+    assert str(shard) in msg and "truncated or corrupt" in msg
+    code, err = cli(capsys, "generate", "--model", tmp_path / "sharded", "--max-tokens", 1, "hi")
+    assert code == 2 and err.startswith("error: ") and files[1] in err and "truncated or corrupt" in err
+
+
+def test_corrupt_index_json_is_named(ckpts, tmp_path):
+    write_shards(ckpts["llama"][0], tmp_path / "sharded", 2)
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json is not valid JSON"):
+        small_llm(tmp_path / "sharded")
+
+
 # config.json spellings.
 
 def _v4_spelling(cfg: dict) -> None:
@@ -286,14 +316,18 @@ def test_model_path_that_is_a_file(ckpts, monkeypatch):
         loader.resolve_model_path(str(ckpts["llama"][0] / "model.safetensors"))
 
 
-def test_no_model_and_no_demo_is_a_clear_error(monkeypatch):
-    if (loader.DEMO_DIR / "config.json").exists():
-        pytest.skip("the bundled demo model is installed")
+def test_no_model_and_no_demo_is_a_clear_error(ckpts, tmp_path, monkeypatch, capsys):
+    """model=None is the demo model where there is one, else an error that says how to pass one."""
     monkeypatch.delenv("DEEPINFER_HF_MODEL_DIR", raising=False)
+    monkeypatch.setattr(loader, "DEMO_DIR", ckpts["llama"][0])
+    assert loader.resolve_model_path(None) == ckpts["llama"][0]
+    monkeypatch.setattr(loader, "DEMO_DIR", tmp_path)  # an empty directory: no demo installed
     with pytest.raises(CheckpointError) as info:
         LLM(model=None)
     msg = str(info.value)
-    assert "demo" in msg and "model=" in msg
+    assert "demo" in msg and "model=" in msg and str(tmp_path) in msg
+    code, err = cli(capsys, "generate", "hi")
+    assert code == 2 and "demo" in err and "--model" in err
 
 
 def test_dummy_load_format_needs_no_weights(tmp_path):
@@ -313,3 +347,142 @@ def test_dummy_load_format_needs_no_weights(tmp_path):
     assert norms and all(bool((p == 1).all()) for p in norms)
     with pytest.raises(ValueError, match="load_format"):
         LLM(str(tmp_path), load_format="pickle")
+
+
+# Resolving a model name: paths, ids in the local Hugging Face cache, and never the network.
+
+@pytest.fixture
+def no_network(monkeypatch) -> list:
+    """Every attempt to open a connection is recorded and refused; the test asserts the list stays empty."""
+    import socket
+
+    attempts = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise OSError("the network is off in this test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    return attempts
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch) -> Path:
+    """An empty Hugging Face hub cache of our own (what HF_HOME/hub or HF_HUB_CACHE would point at)."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # offline or not, the loader never goes online
+    monkeypatch.delenv("DEEPINFER_HF_MODEL_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return cache
+
+
+@pytest.mark.parametrize("name", ["./no-such-ckpt", "~/no-such-ckpt-deepinfer", "/no/such/ckpt", "a/b/c",
+                                  "dir\\ckpt", "../ckpt"])
+def test_a_path_that_does_not_exist_says_no_such_directory(hf_cache, no_network, name):
+    with pytest.raises(CheckpointError) as info:
+        loader.resolve_model_path(name)
+    msg = str(info.value)
+    assert "no such directory" in msg and repr(name) in msg and "Hugging Face" not in msg
+    assert not no_network
+
+
+def test_an_id_not_in_the_local_cache_says_how_to_put_it_there(hf_cache, no_network):
+    with pytest.raises(CheckpointError) as info:
+        loader.resolve_model_path("some-org/not-cached")
+    msg = str(info.value)
+    assert "not in the local Hugging Face cache" in msg and str(hf_cache) in msg
+    assert "hf download some-org/not-cached" in msg and "HF_HOME" in msg and "DEEPINFER_HF_MODEL_DIR" in msg
+    assert not no_network
+
+
+def test_an_id_in_the_local_cache_loads_from_its_snapshot(ckpts, hf_cache, no_network):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = hf_cache / "models--some-org--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = clone(ckpts["llama"][0], repo / "snapshots" / commit)
+    assert loader.resolve_model_path("some-org/tiny-llama") == snapshot
+    llm = small_llm("some-org/tiny-llama")
+    assert llm.model_path == snapshot
+    torch.testing.assert_close(logits(llm), logits(small_llm(ckpts["llama"][0])), rtol=0, atol=0)
+    assert not no_network
+
+
+# config.json without "architectures": model_type, as transformers maps it.
+
+def test_model_types_map_to_registered_architectures_as_transformers_does():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from deepinfer.core.plugins import get_registry
+
+    registered = set(get_registry().names("model"))
+    assert set(loader.MODEL_TYPES.values()) == registered  # every built-in architecture has its model_type
+    for model_type, arch in loader.MODEL_TYPES.items():
+        assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, arch) == arch, model_type  # ced is ours alone
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_config_without_architectures_uses_model_type(ckpts, tmp_path, name):
+    """qwen2 differs from llama (q/k/v bias, sliding windows), so building the wrong one would not load."""
+    d = clone(ckpts[name][0], tmp_path / "m")
+    cfg = edit_config(d, lambda c: c.pop("architectures") and None)
+    assert "architectures" not in cfg and cfg["model_type"] == name
+    torch.testing.assert_close(logits(small_llm(d)), logits(small_llm(ckpts[name][0])), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", None])
+def test_config_without_architectures_and_unknown_model_type(ckpts, tmp_path, model_type):
+    d = clone(ckpts["llama"][0], tmp_path / "m")
+    cfg = edit_config(d, lambda c: c.pop("architectures") and c.update(model_type=model_type))
+    assert "architectures" not in cfg and cfg["model_type"] == model_type
+    with pytest.raises(CheckpointError) as info:
+        small_llm(d)
+    msg = str(info.value)
+    assert "architectures" in msg and (model_type is None or repr(model_type) in msg)
+    for t in loader.MODEL_TYPES:
+        assert t in msg
+
+
+# max_model_len past the checkpoint's context.
+
+def test_max_model_len_longer_than_the_checkpoint_is_refused(ckpts, monkeypatch, capsys):
+    monkeypatch.delenv(loader.ALLOW_LONG_ENV, raising=False)
+    src = ckpts["llama"][0]  # max_position_embeddings 512
+    with pytest.raises(ValueError, match=r"max_model_len=100000.*512") as info:
+        small_llm(src, max_model_len=100000)
+    assert loader.ALLOW_LONG_ENV in str(info.value)
+    llm = LLM(str(src), max_model_len=512, num_kv_blocks=32, block_size=16)
+    assert llm.engine.max_model_len == 512  # the checkpoint's own length is fine
+    code, err = cli(capsys, "generate", "--model", src, "--max-model-len", 100000, "hi")
+    assert code == 2 and err.startswith("error: ") and "100000" in err and "512" in err
+
+
+def test_allow_long_max_model_len_warns(ckpts, monkeypatch, caplog):
+    monkeypatch.setenv(loader.ALLOW_LONG_ENV, "1")
+    with caplog.at_level("WARNING", logger=loader.__name__):
+        llm = LLM(str(ckpts["llama"][0]), max_model_len=2048, num_kv_blocks=128, block_size=16)
+    assert llm.engine.max_model_len == 2048
+    assert "garbage" in caplog.text and "2048" in caplog.text and "512" in caplog.text
+
+
+@pytest.mark.parametrize("scaling, expected", [
+    (None, 512),
+    ({"rope_type": "linear", "factor": 2.0}, 1024),
+    ({"type": "dynamic", "factor": 4.0}, 2048),  # the transformers-4 key
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, 512),  # DeepSeek-style
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}, 2048),  # Qwen-style
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}, 512),  # already included
+])
+def test_trained_len_follows_rope_scaling_as_vllm(scaling, expected):
+    for key in ("rope_scaling", "rope_parameters"):
+        assert loader.trained_len({key: scaling}, 512) == expected
+    if scaling is not None:
+        assert loader.check_max_model_len(expected, {"rope_scaling": scaling}, 512) == expected
+        with pytest.raises(ValueError, match=str(expected)):
+            loader.check_max_model_len(expected + 1, {"rope_scaling": scaling}, 512)

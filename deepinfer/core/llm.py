@@ -115,7 +115,7 @@ class LLM:
         if self.tokenizer.vocab_size > net.vocab_size:
             log.warning("tokenizer has %d tokens but the model only %d logits", self.tokenizer.vocab_size,
                         net.vocab_size)
-        max_len = config.max_model_len or net.max_position
+        max_len = loader.check_max_model_len(config.max_model_len, hf_config, net.max_position)
         per_block = net.kv_bytes_per_token(torch_dtype) * config.block_size
         num_blocks = config.num_kv_blocks
         if num_blocks is None:

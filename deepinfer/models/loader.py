@@ -1,9 +1,11 @@
 """Find a checkpoint, read config.json and safetensors, build the registered architecture.
 
-Never unpickles: .bin/.pt/.pth checkpoints are refused. Never runs remote code.
-Model resolution: an existing directory; else a Hugging Face id looked up under
-DEEPINFER_HF_MODEL_DIR, then in the Hugging Face cache (offline first); None is
-the bundled demo model (or DEEPINFER_HF_MODEL_DIR when it points at a checkpoint).
+Never unpickles: .bin/.pt/.pth checkpoints are refused. Never runs remote code. Never uses the network.
+Model resolution: an existing directory; else, for a name that can only be a path (absolute, starting with
+. or ~, or not of the form NAME or ORG/NAME), "no such directory"; else a Hugging Face id looked up under
+DEEPINFER_HF_MODEL_DIR, then in the local Hugging Face cache only; None is the bundled demo model (or
+DEEPINFER_HF_MODEL_DIR when it points at a checkpoint). A config.json without ``architectures`` is built
+from its ``model_type``, as transformers does.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -30,6 +34,15 @@ def _is_checkpoint(p: Path) -> bool:
     return p.is_dir() and (p / "config.json").exists()
 
 
+HF_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # a Hugging Face repo id: NAME or ORG/NAME
+
+
+def looks_like_path(model: str) -> bool:
+    """True for a name only a path can be: absolute, starting with . or ~, or with a separator (a backslash,
+    a second /) or character a Hugging Face id cannot hold. ORG/NAME could be either; it is taken as an id."""
+    return os.path.isabs(model) or model.startswith((".", "~")) or not HF_ID.fullmatch(model)
+
+
 def resolve_model_path(model: Optional[str]) -> Path:
     env = os.environ.get("DEEPINFER_HF_MODEL_DIR")
     if model is None:
@@ -42,32 +55,41 @@ def resolve_model_path(model: Optional[str]) -> Path:
     p = Path(model).expanduser()
     if p.is_dir():
         return p
+    if p.exists():
+        raise CheckpointError(f"model {model!r} is a file; pass the checkpoint directory that holds config.json")
+    if looks_like_path(model):
+        raise _no_such_directory(model)
     if env:
         for cand in (Path(env) / model, Path(env) / model.split("/")[-1]):
             if cand.is_dir():
                 return cand
-    if p.exists():
-        raise CheckpointError(f"model {model!r} is a file; pass the checkpoint directory that holds config.json")
-    return _from_hf_cache(model)
+    return _from_hf_cache(model, env)
 
 
-def _from_hf_cache(repo_id: str) -> Path:
+def _no_such_directory(model: str) -> CheckpointError:
+    return CheckpointError(f"model {model!r}: no such directory ({Path(model).expanduser().absolute()})")
+
+
+def _from_hf_cache(repo_id: str, env: Optional[str]) -> Path:
+    """The snapshot of ``repo_id`` in the local Hugging Face cache (HF_HOME / HF_HUB_CACHE); never the network."""
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import constants, snapshot_download
     except ImportError:  # pragma: no cover - a runtime dependency
         raise CheckpointError(f"model {repo_id!r} is not a directory and huggingface_hub is not installed") from None
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
-    except Exception as local_exc:
-        if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
-            raise CheckpointError(f"model {repo_id!r} is not a directory and is not in the Hugging Face cache "
-                                  f"(offline): {local_exc}") from None
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
-    except Exception as exc:
-        raise CheckpointError(f"model {repo_id!r} is not a local directory and could not be fetched from the "
-                              f"Hugging Face hub: {exc}") from None
+    except FileNotFoundError as exc:  # LocalEntryNotFoundError; its IncompleteSnapshotError has snapshot_path
+        why = f"its cached snapshot is incomplete ({exc})" if getattr(exc, "snapshot_path", None) else \
+            f"is not in the local Hugging Face cache ({constants.HF_HUB_CACHE})"
+    except ValueError:  # HFValidationError: not a valid repo id after all, so a path
+        raise _no_such_directory(repo_id) from None
+    looked = f" nor under DEEPINFER_HF_MODEL_DIR={env}" if env else ""
+    raise CheckpointError(
+        f"model {repo_id!r} is not a local directory{looked}, and {why}. DeepInfer never downloads: on a "
+        f"machine with network access run `hf download {repo_id}` (older huggingface_hub: `huggingface-cli "
+        f"download {repo_id}`) with HF_HOME pointing at the cache this machine reads, or copy the checkpoint "
+        "directory here and pass its path (or put it under DEEPINFER_HF_MODEL_DIR).")
 
 
 def load_config(path: Path) -> dict:
@@ -85,7 +107,10 @@ def safetensors_files(path: Path) -> list:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{index} is not valid JSON: {exc}") from None
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (path / f).exists()]
         if missing:
@@ -125,8 +150,15 @@ def iter_weights(path: Path, hf_config: Optional[dict] = None) -> Iterator:
     block = fp8_block_size(hf_config or {}) or (128, 128)
     files = safetensors_files(path)
     with ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        handles = {}  # shard handle -> its file
+        for f in files:
+            with _reading(f):
+                handles[stack.enter_context(safe_open(str(f), framework="pt"))] = f
         where = {name: fh for fh in handles for name in fh.keys()}  # tensor name -> its shard
+
+        def get(fh, name: str) -> torch.Tensor:
+            with _reading(handles[fh]):
+                return fh.get_tensor(name)
 
         def is_fp8(name: str) -> bool:
             return name in where and where[name].get_slice(name).get_dtype() in FP8_CODES
@@ -135,14 +167,28 @@ def iter_weights(path: Path, hf_config: Optional[dict] = None) -> Iterator:
             for name in fh.keys():
                 if name.endswith(SCALE_SUFFIX) and is_fp8(name[:-len(SCALE_SUFFIX)]):
                     continue  # consumed with its weight
-                t = fh.get_tensor(name)
+                t = get(fh, name)
                 if t.dtype in FP8_DTYPES:
                     scale_name = name + SCALE_SUFFIX
                     if scale_name not in where:
                         raise CheckpointError(f"checkpoint tensor {name!r} is {str(t.dtype).removeprefix('torch.')} "
                                               f"but the checkpoint has no {scale_name!r} to dequantize it with")
-                    t = _dequantize(name, t, where[scale_name].get_tensor(scale_name), block, dequantize_fp8_block)
+                    t = _dequantize(name, t, get(where[scale_name], scale_name), block, dequantize_fp8_block)
                 yield name, t
+
+
+@contextmanager
+def _reading(file: Path):
+    """Errors of safetensors (a truncated or corrupt file) and of the OS as a CheckpointError naming the file."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as exc:
+        raise CheckpointError(f"cannot read {file}: {exc}. The file is truncated or corrupt (an interrupted "
+                              "download or copy?); fetch it again") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {file}: {exc}") from None
 
 
 def _dequantize(name, w, scale_inv, block, dequantize) -> torch.Tensor:
@@ -185,16 +231,75 @@ def dummy_init_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> Non
                 p.normal_(0.0, std, generator=gen)
 
 
+# config.json model_type -> the architecture built when config.json has no "architectures" (as transformers'
+# AutoModelForCausalLM maps it).
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+               "deepseek_v3": "DeepseekV3ForCausalLM", "ced": "CEDForCausalLM"}
+
+
+def architecture(path: Path, hf_config: dict, supported: list) -> str:
+    """The registered architecture to build: the first of config.json's ``architectures`` that is supported;
+    without ``architectures``, the one its ``model_type`` stands for (MODEL_TYPES)."""
+    archs = hf_config.get("architectures") or []
+    if archs:
+        arch = next((a for a in archs if a in supported), None)
+        if arch is None:
+            raise CheckpointError(f"{path}: architecture {archs} is not supported; supported: {', '.join(supported)}")
+        return arch
+    model_type = hf_config.get("model_type")
+    arch = MODEL_TYPES.get(model_type)
+    if arch in supported:
+        log.info("%s: config.json has no architectures; model_type %r -> %s", path, model_type, arch)
+        return arch
+    types = ", ".join(t for t, a in MODEL_TYPES.items() if a in supported)
+    what = f"model_type {model_type!r} is not supported" if model_type else "no model_type either"
+    raise CheckpointError(f"{path}: config.json has no 'architectures' and {what}; supported model types: "
+                          f"{types}; or set 'architectures' to one of: {', '.join(supported)}")
+
+
+ALLOW_LONG_ENV = "DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def trained_len(hf_config: dict, max_position: int) -> int:
+    """The longest context the checkpoint was made for, as vLLM derives it: ``max_position`` (the model's
+    max_position_embeddings), times the RoPE scaling factor for linear and dynamic scaling; for yarn,
+    original_max_position_embeddings times the factor; llama3 scaling is already in max_position_embeddings."""
+    raw = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+    rope_type = (raw.get("rope_type") or raw.get("type")) if isinstance(raw, dict) else None
+    factor = raw.get("factor") if rope_type in ("linear", "dynamic", "yarn") else None
+    if not factor:
+        return max_position
+    base = raw.get("original_max_position_embeddings") if rope_type == "yarn" else None
+    return max(max_position, int((base or max_position) * float(factor)))
+
+
+def check_max_model_len(requested: Optional[int], hf_config: dict, max_position: int) -> int:
+    """The context length to serve: ``requested``, or the checkpoint's ``max_position`` when None.
+
+    More than the checkpoint was trained for (``trained_len``) is a ValueError naming both numbers, as in
+    vLLM, unless DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1; then a warning (positions past the trained length give
+    garbage for a RoPE model without scaling)."""
+    if requested is None:
+        return max_position
+    limit = trained_len(hf_config, max_position)
+    if requested <= limit:
+        return requested
+    source = f"max_position_embeddings={max_position}" + ("" if limit == max_position else " with RoPE scaling")
+    msg = f"max_model_len={requested} is longer than the checkpoint's context of {limit} ({source})"
+    if os.environ.get(ALLOW_LONG_ENV, "").strip().lower() not in ("1", "true", "yes"):
+        raise ValueError(f"{msg}; pass a max_model_len <= {limit}, or set {ALLOW_LONG_ENV}=1 to allow it anyway")
+    log.warning("%s; allowed by %s=1. Outputs past position %d may be garbage: a model is only trained to that "
+                "length (a RoPE model without rope scaling extrapolates badly)", msg, ALLOW_LONG_ENV, limit)
+    return requested
+
+
 def build_model(path: Path, hf_config: dict, ops, dtype: torch.dtype, device, registry, load_format: str = "auto"):
     """load_format: "auto" reads the safetensors; "dummy" fills random weights (no weight files needed)."""
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format={load_format!r} is invalid: expected 'auto' or 'dummy'")
-    archs = hf_config.get("architectures") or []
-    supported = registry.names("model")
-    arch = next((a for a in archs if a in supported), None)
-    if arch is None:
-        raise CheckpointError(f"{path}: architecture {archs or '(none in config.json)'} is not supported; "
-                              f"supported: {', '.join(supported)}")
+    arch = architecture(path, hf_config, registry.names("model"))
     entry = registry.get("model", arch)
     with torch.device("meta"):
         model = entry.obj(hf_config, ops)
