@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.testing.compare import MODEL_FACTOR, NEAR_TIE, assert_logits_close, assert_same_or_near_tie
 from deepinfer.testing.models import build_tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -14,18 +15,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA grap
 def test_graph_decode_matches_eager(tmp_path, name, dtype):
     build_tiny_hf_model(tmp_path, name)
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 26)]  # 5 rows: padded to the 8-row bucket
-    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)  # the top two of each step
     kw = dict(device="cuda", dtype=dtype, num_kv_blocks=64, block_size=4, backend="nvidia")
     graphs = LLM(str(tmp_path), enforce_eager=False, **kw)
     eager = LLM(str(tmp_path), enforce_eager=True, **kw)
     a = [o.outputs[0].token_ids for o in graphs.generate(prompts, sp, use_tqdm=False)]
-    b = [o.outputs[0].token_ids for o in eager.generate(prompts, sp, use_tqdm=False)]
+    b = [o.outputs[0] for o in eager.generate(prompts, sp, use_tqdm=False)]
     assert graphs.engine.decode_graphs is not None and graphs.engine.decode_graphs.num_replays > 0
     assert eager.engine.decode_graphs is None
-    if dtype == "float32":
-        assert a == b
-    else:  # bf16: the padded batch may round differently; most sequences must agree exactly
-        assert sum(x == y for x, y in zip(a, b)) >= 4
+    # The padded batch may pick other GEMM kernels and round differently: a sequence may part from the eager run
+    # only where the eager run's top two logits are a near-tie at that dtype's rounding of the logits.
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert_same_or_near_tie(x, y.token_ids, y.logprobs, NEAR_TIE[dtype], what=f"{name} {dtype}, prompt {i}")
 
 
 def test_graph_logits_match_the_full_forward(tmp_path):
@@ -34,9 +35,9 @@ def test_graph_logits_match_the_full_forward(tmp_path):
     graphs, seen = llm.engine.decode_graphs, []
     run = graphs.run
 
-    def spy(ids, positions, tables, future=None):
-        out = run(ids, positions, tables, future)
-        seen.append((positions[0], out[0]))
+    def spy(ids, positions, slots, num_blocks, future=None):
+        out = run(ids, positions, slots, num_blocks, future)  # hidden states; the logits are the LM head's
+        seen.append((positions[0], llm.engine.model.compute_logits(out[:1])[0]))
         return out
 
     graphs.run = spy
@@ -47,4 +48,4 @@ def test_graph_logits_match_the_full_forward(tmp_path):
     with torch.no_grad():
         full = llm.engine.model.forward_full(torch.tensor(tokens, device="cuda"))
     for pos, logits in seen:
-        torch.testing.assert_close(logits, full[pos], rtol=1e-4, atol=1e-4)
+        assert_logits_close(logits, full[pos], factor=MODEL_FACTOR, what=f"position {pos}")

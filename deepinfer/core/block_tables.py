@@ -8,16 +8,24 @@ the step's metadata is gathered on the device (stages/forward.py ``device_inputs
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..backends.base import to_device
 
 
 class BlockTables:
-    def __init__(self, max_seqs: int, max_blocks: int, device):
+    def __init__(self, max_seqs: int, max_blocks: int, device, scratch_block: Optional[int] = None):
+        """scratch_block: adds row ``scratch_row`` = max_seqs, every entry that block (padded rows of a CUDA
+        graph write their KV there and read only it)."""
         self.device = torch.device(device)
         self.max_blocks = max_blocks
-        self.table = torch.zeros(max_seqs, max_blocks, dtype=torch.long, device=self.device)
+        self.table = torch.zeros(max_seqs + (scratch_block is not None), max_blocks, dtype=torch.long,
+                                 device=self.device)
+        self.scratch_row = max_seqs if scratch_block is not None else None
+        if scratch_block is not None:
+            self.table[max_seqs] = scratch_block
         # The block-table list a row mirrors (the scheduler only extends a table in place; releasing blocks
         # gives the sequence a new list) and how many of its entries the row holds.
         self._owner: list = [None] * max_seqs

@@ -28,6 +28,40 @@ def _watermark(inst, attribute, value):
         raise ValueError(f"EngineConfig.watermark={value!r} is invalid: must be a fraction of the pool in [0, 1)")
 
 
+def _fraction(inst, attribute, value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+        raise ValueError(f"EngineConfig.{attribute.name}={value!r} is invalid: must be a fraction in (0, 1]")
+
+
+def _max_logprobs(inst, attribute, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+        raise ValueError(f"EngineConfig.max_logprobs={value!r} is invalid: must be an int >= 0, or -1 (no limit)")
+
+
+def _optional_bool(inst, attribute, value):
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"EngineConfig.{attribute.name}={value!r} is invalid: must be a bool")
+
+
+def _only(name: str, allowed, why: str):
+    def check(inst, attribute, value):
+        if value != allowed or isinstance(value, bool) != isinstance(allowed, bool):
+            raise ValueError(f"EngineConfig.{name}={value!r} is not supported: only {allowed!r}; {why}")
+    return check
+
+
+def _quantization(inst, attribute, value):
+    if value not in (None, "fp8"):
+        raise ValueError(f"EngineConfig.quantization={value!r} is not supported: None (what the checkpoint "
+                         "says) or 'fp8' (an FP8 block-quantized checkpoint); online quantization is not implemented")
+
+
+def _sizes(inst, attribute, value):
+    if value is not None and (not isinstance(value, (list, tuple)) or not value or any(
+            not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in value)):
+        raise ValueError(f"EngineConfig.cuda_graph_sizes={value!r} is invalid: must be a non-empty list of ints >= 1")
+
+
 def _dtype(inst, attribute, value):
     if value not in DTYPES:
         raise ValueError(f"EngineConfig.dtype={value!r} is invalid: expected one of {DTYPES}")
@@ -49,11 +83,27 @@ class EngineConfig:
     # then nothing behind it is admitted until it fits (0: strict head-of-line order). See core/scheduler.py.
     scheduling_aging_steps: int = attrs.field(default=32, validator=_non_negative("scheduling_aging_steps"))
     enforce_eager: bool = False  # True: never capture CUDA graphs (dense models' decode uses them on CUDA otherwise)
+    # Decode batch sizes captured as CUDA graphs at start-up (capped at max_num_seqs); None: 1, 2, 4, 8, 16, 24,
+    # 32, 48, ... 256. A decode step of n rows replays the smallest size >= n; larger ones run eagerly.
+    cuda_graph_sizes: Optional[list] = attrs.field(default=None, validator=_sizes)
     # Overlap scheduling: launch step N+1 before collecting step N's tokens (decode inputs read them on the
     # device). None: on for CUDA devices, off elsewhere (nothing runs asynchronously there to overlap).
     overlap_scheduling: Optional[bool] = None
     seed: int = 0
     device: Optional[str] = None  # None: from the backend
+    # vLLM's names, where the meaning carries over (see core/vllm_compat.py for the ones refused).
+    # CUDA: the share of total device memory the engine may hold, weights included; the KV cache gets what the
+    # share leaves after loading. None: 60% of the free memory. Ignored on the CPU; kv_cache_memory_gb wins.
+    gpu_memory_utilization: Optional[float] = attrs.field(default=None, validator=_fraction)
+    max_logprobs: int = attrs.field(default=20, validator=_max_logprobs)  # most logprobs a request may ask; -1: all
+    enable_prefix_caching: Optional[bool] = attrs.field(default=None, validator=_optional_bool)  # not implemented yet
+    kv_cache_dtype: str = attrs.field(default="auto", validator=_only("kv_cache_dtype", "auto", (
+        "the KV cache takes the model's dtype (CED checkpoints keep their own FP8/FP4 formats)")))
+    quantization: Optional[str] = attrs.field(default=None, validator=_quantization)  # the checkpoint's own
+    tensor_parallel_size: int = attrs.field(default=1, validator=_only(
+        "tensor_parallel_size", 1, "tensor parallelism is not implemented yet; one device serves the model"))
+    speculative_config: Optional[dict] = attrs.field(default=None, validator=_only(
+        "speculative_config", None, "speculative decoding (draft and verify stages) is not implemented yet"))
 
     def __attrs_post_init__(self) -> None:
         if self.kv_cache_memory_gb is not None and not (isinstance(self.kv_cache_memory_gb, (int, float))

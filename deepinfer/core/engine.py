@@ -79,20 +79,24 @@ class Engine:
         reserve = getattr(model, "reserve_positions", None)
         if reserve is not None:
             reserve(max_model_len)
-        self.decode_graphs = None
-        if use_graphs:
-            from ..backends.cuda_graph import DecodeGraphs
-
-            self.decode_graphs = DecodeGraphs(model, self.kv_cache, config.block_size, scratch_block=num_blocks,
-                                              max_blocks=blocks_needed(max_model_len, config.block_size),
-                                              device=self.device, max_batch=config.max_num_seqs)
         self.kv_bytes_per_token = model.kv_bytes_per_token(dtype)
         self.pool = BlockPool(num_blocks)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    watermark=config.watermark, aging_steps=config.scheduling_aging_steps)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.block_tables = BlockTables(config.max_num_seqs, blocks_needed(max_model_len, config.block_size),
-                                        self.device)
+                                        self.device, scratch_block=num_blocks if use_graphs else None)
+        self.decode_graphs = None
+        self.graph_bytes = 0
+        if use_graphs:  # captured now, at start-up, not while serving
+            from ..backends.cuda_graph import DecodeGraphs, capture_sizes
+
+            self.decode_graphs = DecodeGraphs(model, self.kv_cache, self.block_tables, config.block_size,
+                                              self.device, capture_sizes(config.cuda_graph_sizes, config.max_num_seqs))
+            with torch.no_grad():
+                self.graph_bytes = self.decode_graphs.capture_all(progress=log.isEnabledFor(logging.INFO))
+            log.info("CUDA graphs: %d captured (batch sizes %s), %.2f GiB", len(self.decode_graphs.graphs),
+                     list(self.decode_graphs.batch_buckets), self.graph_bytes / 2**30)
         context = dict(config=config, model=model, ops=ops, tokenizer=tokenizer, vocab_size=model.vocab_size,
                        device=self.device, generator=self.generator, engine_config=config,
                        decode_graphs=self.decode_graphs, block_tables=self.block_tables)

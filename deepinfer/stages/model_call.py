@@ -27,10 +27,11 @@ class ForwardStage(Stage):
         graphs, batch = self.decode_graphs, inp.batch
         if graphs is not None and inp.decode_only:
             seqs = [batch.seqs[i] for i in inp.rows]
-            if graphs.covers(len(seqs), max(len(s.block_table) for s in seqs)):
+            nb = max(len(s.block_table) for s in seqs)
+            if graphs.covers(len(seqs), nb):
                 starts = [batch.start[i] for i in inp.rows]
                 state.hidden = graphs.run([s.input_ids(st, 1)[0] for s, st in zip(seqs, starts)], starts,
-                                          [s.block_table for s in seqs], batch.future)
+                                          [s.state_slot for s in seqs], nb, batch.future)
                 return
         ids, meta = inp.tensors()
         state.hidden = self.model(ids, meta, state.kv_cache)  # [T, d]
