@@ -281,8 +281,9 @@ def bench(model: Optional[str] = None, num_prompts: int = 32, input_len: int = 6
           prompts_file: Optional[str] = None, seed: int = 0, recipe: str = "throughput",
           max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
           dtype: str = "auto", max_model_len: Optional[int] = None, warmups: int = 1,
-          out: Optional[str] = None, echo=print) -> dict:
-    """Load, warm up, run once, write a JSONL row (when ``out``) and print the table; returns the row."""
+          out: Optional[str] = None, threads: Optional[int] = None, echo=print) -> dict:
+    """Load, warm up, run once, write a JSONL row (only when ``out`` is given) and print the table; returns
+    the row. ``threads``: torch CPU threads (``LLM(threads=)``)."""
     from .core.llm import LLM
 
     if output_len < 1:
@@ -302,7 +303,7 @@ def bench(model: Optional[str] = None, num_prompts: int = 32, input_len: int = 6
 
             longest = max(len(ids) for ids in as_token_ids(Tokenizer.from_dir(resolve_model_path(model)), texts))
         max_model_len = longest + output_len
-    llm = LLM(model=model, recipe=recipe, dtype=dtype, max_model_len=max_model_len, **kwargs)
+    llm = LLM(model=model, recipe=recipe, dtype=dtype, max_model_len=max_model_len, threads=threads, **kwargs)
     if texts is not None:
         prompts = as_token_ids(llm.tokenizer, texts)
     else:

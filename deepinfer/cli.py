@@ -21,14 +21,37 @@ class UsageError(ValueError):
     """A bad command-line value found after parsing; printed as ``error: ...`` with exit status 2."""
 
 
+class _OwnRequestErrors(logging.Filter):
+    """The commands report each failed request themselves (``error: prompt i: ...``), so the engine's warning
+    about the same failure (``deepinfer: request %s failed...``) is dropped rather than printed twice."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("deepinfer: request %s failed")
+
+
+_OWN_REQUEST_ERRORS = _OwnRequestErrors()
+
+
 # --- argument groups shared by subcommands -------------------------------------------------------------------
 
-def _model_args(p: argparse.ArgumentParser, recipe: str = "reference") -> None:
+def _model_args(p: argparse.ArgumentParser, recipe: str = "reference",
+                max_model_len: str = "the checkpoint's") -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint directory or Hugging Face id (default: the bundled demo model)")
     p.add_argument("--recipe", default=recipe, help=f"pipeline recipe (default: {recipe}); see `deepinfer pipeline`")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the checkpoint's)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: float32 on "
+                                                   "the CPU, the checkpoint's dtype on a GPU)")
+    p.add_argument("--max-model-len", type=int, default=None, help=f"context length (default: {max_model_len})")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for torch (default: DEEPINFER_NUM_THREADS if set, else torch's own choice, "
+                        "one per core); on a busy machine 1 or 2 is often much faster")
+
+
+def _threads(args) -> Optional[int]:
+    """--threads, validated (None when not given)."""
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads={args.threads} is invalid: must be >= 1")
+    return args.threads
 
 
 # SamplingParams fields the flags set; None means "SamplingParams' own default".
@@ -36,21 +59,31 @@ _SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed
                    "logprobs")
 
 
-def _sampling_args(p: argparse.ArgumentParser, n: bool = True) -> None:
+# Where a sampling flag's default comes from when it is not given: the checkpoint's generation_config.json
+# (the keys LLM.generation_defaults reads), else SamplingParams' own default.
+_CKPT_DEFAULT = "default: the checkpoint's generation_config.json, else {}"
+
+
+def _sampling_args(p: argparse.ArgumentParser, n: bool = True, max_tokens: int = 16) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=None, help="tokens to generate per completion (default 16)")
-    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
-    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 or -1: off)")
-    g.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the top probability")
-    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    g.add_argument("--stop", action="extend", nargs="+", default=None, metavar="S",
-                   help="stop string(s); repeatable")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help=f"tokens to generate per completion (default {max_tokens})")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (" + _CKPT_DEFAULT.format("1.0") + ")")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass in (0, 1] (" + _CKPT_DEFAULT.format("1.0: off") + ")")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="keep the k most likely tokens; 0 or -1: off (" + _CKPT_DEFAULT.format("off") + ")")
+    g.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens below min_p x the top probability (" + _CKPT_DEFAULT.format("0: off") + ")")
+    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: unseeded)")
+    g.add_argument("--stop", action="append", default=None, metavar="S",
+                   help="stop string (excluded from the output); repeat the flag for several: --stop a --stop b")
     g.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past EOS")
     if n:
-        g.add_argument("--n", type=int, default=None, help="completions per prompt")
+        g.add_argument("--n", type=int, default=None, help="completions per prompt (default 1)")
         g.add_argument("--logprobs", type=int, default=None, metavar="N",
-                       help="return the top-N logprobs of every generated token")
+                       help="with --json: report the top-N logprobs of every generated token")
 
 
 def _sampling_params(args, **defaults):
@@ -69,7 +102,8 @@ def _load_llm(args, **extra):
     from .models.loader import CheckpointError
 
     try:
-        return LLM(model=args.model, recipe=args.recipe, dtype=args.dtype, max_model_len=args.max_model_len, **extra)
+        return LLM(model=args.model, recipe=args.recipe, dtype=args.dtype, max_model_len=args.max_model_len,
+                   threads=_threads(args), **extra)
     except CheckpointError as exc:
         _demo_hint(args, exc)
 
@@ -103,7 +137,7 @@ def _logprobs_json(entries: Optional[list], token_ids: list) -> Optional[list]:
 
 
 def _completion_json(c, with_logprobs: bool) -> dict:
-    d = {"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+    d = {"index": c.index, "text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
     if c.stop_reason is not None:
         d["stop_reason"] = c.stop_reason
     if with_logprobs:
@@ -115,6 +149,10 @@ def _completion_json(c, with_logprobs: bool) -> dict:
 
 
 def cmd_generate(args) -> int:
+    """Text output: each completion's text (with a ``--- prompt i ---`` header when there are several);
+    ``--json``: one object per prompt, ``{index, prompt, prompt_token_ids, completions: [...], error?}``."""
+    if args.logprobs is not None and not args.json:
+        raise UsageError("--logprobs needs --json (the text output prints only the completions)")
     params = _sampling_params(args)  # validated before the (slow) model load
     prompts = list(args.prompts)
     if not prompts:
@@ -135,11 +173,8 @@ def cmd_generate(args) -> int:
             print(f"error: prompt {i}: {out.error}", file=sys.stderr)
         if args.json:
             obj = {"index": i, "prompt": prompts[i] if isinstance(prompts[i], str) else None,
-                   "prompt_token_ids": list(out.prompt_token_ids)}
-            comps = [_completion_json(c, params.logprobs is not None) for c in out.outputs]
-            obj.update(comps[0])
-            if len(comps) > 1:
-                obj["outputs"] = comps
+                   "prompt_token_ids": list(out.prompt_token_ids),
+                   "completions": [_completion_json(c, params.logprobs is not None) for c in out.outputs]}
             if out.error:
                 obj["error"] = out.error
             print(json.dumps(obj, ensure_ascii=False))
@@ -156,12 +191,18 @@ def cmd_generate(args) -> int:
 
 # --- chat -----------------------------------------------------------------------------------------------------
 
+CHAT_MAX_TOKENS = 256
+
+
 def cmd_chat(args) -> int:
-    params = _sampling_params(args, max_tokens=256)
+    """Interactive on a terminal (``user>`` / ``assistant>`` prompts); otherwise each reply is printed after
+    a ``--- reply N ---`` line (N from 1), so replies of several lines stay apart."""
+    params = _sampling_params(args, max_tokens=CHAT_MAX_TOKENS)
     llm = _load_llm(args)
-    params = _sampling_params(args, max_tokens=256, **llm.generation_defaults)
+    params = _sampling_params(args, max_tokens=CHAT_MAX_TOKENS, **llm.generation_defaults)
     tok = llm.tokenizer
     interactive = sys.stdin.isatty()
+    status, replies = EXIT_OK, 0
     history: list = [{"role": "system", "content": args.system}] if args.system else []
     if interactive:
         print("chat: type a message; /reset clears the history, /exit or Ctrl-D quits", file=sys.stderr)
@@ -180,9 +221,12 @@ def cmd_chat(args) -> int:
         if not msg.strip():
             continue
         history.append({"role": "user", "content": msg})
-        ids = tok.encode(tok.apply_chat_template(history, add_generation_prompt=True))
+        ids = tok.encode(tok.apply_chat_template(history, tokenize=False, add_generation_prompt=True))
         if interactive:
             print("assistant> ", end="", flush=True)
+        else:
+            replies += 1
+            print(f"--- reply {replies} ---", flush=True)
         shown, final = "", None
         for out in llm.stream({"prompt_token_ids": ids}, params):
             final = out
@@ -194,7 +238,11 @@ def cmd_chat(args) -> int:
                 sys.stdout.flush()
                 shown = text
         if final is None or final.error:
-            print(f"\nerror: {final.error if final else 'no output'}", file=sys.stderr)
+            if shown:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            print(f"error: {final.error if final else 'no output'}", file=sys.stderr)
+            status = EXIT_REQUEST_FAILED
             history.pop()
             continue
         reply = final.outputs[0].text
@@ -203,7 +251,7 @@ def cmd_chat(args) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
         history.append({"role": "assistant", "content": reply})
-    return EXIT_OK
+    return status
 
 
 # --- plugins / pipeline ---------------------------------------------------------------------------------------
@@ -270,38 +318,34 @@ def cmd_pipeline(args) -> int:
 # --- init-model / bench ---------------------------------------------------------------------------------------
 
 def cmd_init_model(args) -> int:
-    from .init_model import create_checkpoint, num_parameters
+    from .init_model import ARCHS, create_checkpoint, num_parameters
 
-    cfg = create_checkpoint(args.out, arch=args.arch, size=args.size, seed=args.seed, vocab_size=args.vocab_size,
-                            init_std=args.init_std)
+    size = ARCHS[args.arch].default_size if args.size is None else args.size
+    cfg = create_checkpoint(args.out, arch=args.arch, size=size, seed=args.seed, vocab_size=args.vocab_size,
+                            init_std=args.init_std, force=args.force)
     n = num_parameters(args.out)
     if args.vocab_size is not None and cfg["vocab_size"] < args.vocab_size:
         print(f"note: the built-in tokenizer corpus offers {cfg['vocab_size']} tokens, not {args.vocab_size}; "
               "the model's vocab matches the tokenizer", file=sys.stderr)
-    print(f"wrote {cfg['architectures'][0]} ({args.size}: {cfg['num_hidden_layers']} layers, d={cfg['hidden_size']}, "
+    print(f"wrote {cfg['architectures'][0]} ({size}: {cfg['num_hidden_layers']} layers, d={cfg['hidden_size']}, "
           f"vocab {cfg['vocab_size']}, {n / 1e6:.2f}M parameters, seed {args.seed}) to {args.out}")
     return EXIT_OK
 
 
 def cmd_bench(args) -> int:
-    import torch
-
     from .bench import bench
 
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 1")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads={args.threads} is invalid: must be >= 1")
-        torch.set_num_threads(args.threads)
+    threads = _threads(args)
     from .models.loader import CheckpointError
 
     try:
         bench(model=args.model, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
               prompts_file=args.prompts_file, seed=args.seed, recipe=args.recipe, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, max_model_len=args.max_model_len,
-              warmups=args.warmups, out=args.out or None)
+              warmups=args.warmups, out=args.out or None, threads=threads)
     except CheckpointError as exc:
         _demo_hint(args, exc)
     return EXIT_OK
@@ -324,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _sampling_args(p)
     p.add_argument("--json", action="store_true",
-                   help="one JSON object per prompt: text, token_ids, finish_reason (and logprobs if asked)")
+                   help="one JSON object per line and prompt: index, prompt, prompt_token_ids, completions (a "
+                        "list of {index, text, token_ids, finish_reason, logprobs if asked}), error if it failed")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat on stdin/stdout",
@@ -332,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "/reset clears the history; /exit or EOF quits.")
     _model_args(p)
     p.add_argument("--system", default=None, help="system prompt")
-    _sampling_args(p, n=False)
+    _sampling_args(p, n=False, max_tokens=CHAT_MAX_TOKENS)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("plugins", help="list loaded plugins and what each provides")
@@ -345,28 +390,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_pipeline)
 
     p = sub.add_parser("init-model", help="write a random-weight checkpoint (config.json, safetensors, tokenizer)")
-    p.add_argument("--arch", required=True, choices=sorted(ARCHS))
-    p.add_argument("--size", default="tiny", choices=sorted({s for a in ARCHS.values() for s in a.sizes}))
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", required=True, choices=sorted(ARCHS), help="architecture to write")
+    groups: dict = {}  # (sizes, default) -> architectures
+    for name, a in sorted(ARCHS.items()):
+        groups.setdefault((tuple(a.sizes), a.default_size), []).append(name)
+    sizes = "; ".join(f"{', '.join(names)}: {'|'.join(s)} (default {d})" for (s, d), names in groups.items())
+    p.add_argument("--size", default=None, choices=sorted({s for a in ARCHS.values() for s in a.sizes}),
+                   help=f"model size, per architecture: {sizes}")
+    p.add_argument("--out", required=True, metavar="DIR", help="new or empty directory to write")
+    p.add_argument("--force", action="store_true",
+                   help="write into a non-empty DIR, first removing the checkpoint files there (weights, shard "
+                        "index, configs, tokenizer); other files are kept")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="tokenizer/model vocab (default 1024; the built-in corpus caps it near 1185)")
-    p.add_argument("--init-std", type=float, default=DEFAULT_INIT_STD, help="std of the normal weight init")
+    p.add_argument("--init-std", type=float, default=DEFAULT_INIT_STD,
+                   help=f"std of the normal weight init (default {DEFAULT_INIT_STD})")
     p.set_defaults(func=cmd_init_model)
 
-    p = sub.add_parser("bench", help="offline throughput benchmark; writes a JSONL row and prints a table")
-    _model_args(p, recipe="throughput")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=64, help="tokens per random prompt")
-    p.add_argument("--output-len", type=int, default=64, help="tokens generated per prompt (EOS ignored)")
+    p = sub.add_parser("bench", help="offline throughput benchmark; prints a table (and a JSONL row with --out)")
+    _model_args(p, recipe="throughput", max_model_len="the longest prompt + --output-len")
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts, all submitted at once (default 32)")
+    p.add_argument("--input-len", type=int, default=64, help="tokens per random prompt (default 64)")
+    p.add_argument("--output-len", type=int, default=64, help="tokens generated per prompt, EOS ignored (default 64)")
     p.add_argument("--prompts-file", default=None, metavar="F",
                    help="prompt texts, one per line, instead of random ids")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="batch size cap (default: the recipe's)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--warmups", type=int, default=1, help="short untimed runs first")
-    p.add_argument("--out", default="results.jsonl", help="JSONL file to append the row to ('' = none)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default: the recipe's)")
+    p.add_argument("--warmups", type=int, default=1, help="short untimed runs first (default 1)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="JSONL file to append the result row to (default: none, only the table is printed)")
     p.set_defaults(func=cmd_bench)
     return parser
 
@@ -379,7 +434,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("deepinfer.core.engine").addFilter(_OWN_REQUEST_ERRORS)  # once: the same object each call
     try:
+        if hasattr(args, "threads"):
+            _threads(args)  # a bad --threads is refused before stdin is read or a model loads
         return args.func(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

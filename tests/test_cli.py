@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,12 +117,14 @@ def test_generate_json(ckpt, capsys):
                              "--max-tokens", 5, "--temperature", 0, "--ignore-eos", "--json", "--logprobs", 2)
     assert code == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
-    assert [r["prompt"] for r in rows] == ["hello world", "def f("]
+    assert [r["prompt"] for r in rows] == ["hello world", "def f("] and [r["index"] for r in rows] == [0, 1]
     for r in rows:
-        assert len(r["token_ids"]) == 5 and r["finish_reason"] == "length"
-        assert isinstance(r["text"], str)
-        assert len(r["logprobs"]) == 5
-        for tok, entry in zip(r["token_ids"], r["logprobs"]):
+        assert set(r) == {"index", "prompt", "prompt_token_ids", "completions"}
+        (c,) = r["completions"]
+        assert c["index"] == 0 and len(c["token_ids"]) == 5 and c["finish_reason"] == "length"
+        assert isinstance(c["text"], str)
+        assert len(c["logprobs"]) == 5
+        for tok, entry in zip(c["token_ids"], c["logprobs"]):
             assert entry["token_id"] == tok and entry["logprob"] <= 0
             assert entry["rank"] == 1  # greedy picks the top token
             assert len(entry["top"]) >= 2
@@ -135,7 +138,7 @@ def test_generate_matches_the_api_and_reads_stdin(ckpt, llm, capsys, monkeypatch
                            "--json", stdin="Once upon\n", monkeypatch=monkeypatch)
     assert code == 0
     (row,) = [json.loads(line) for line in out.splitlines()]
-    assert row["prompt"] == "Once upon" and row["token_ids"] == want.token_ids
+    assert row["prompt"] == "Once upon" and row["completions"][0]["token_ids"] == want.token_ids
     code, out, _ = run_cli(capsys, "generate", "Once upon", "--model", ckpt, *SHORT, "--max-tokens", 4,
                            "--temperature", 0)
     assert code == 0 and out == want.text + "\n"
@@ -146,7 +149,9 @@ def test_generate_n_completions(ckpt, capsys):
                            "--seed", 1, "--ignore-eos", "--json")
     assert code == 0
     (row,) = [json.loads(line) for line in out.splitlines()]
-    assert len(row["outputs"]) == 3 and all(len(o["token_ids"]) == 3 for o in row["outputs"])
+    assert set(row) == {"index", "prompt", "prompt_token_ids", "completions"}  # no completion's fields on top
+    assert [c["index"] for c in row["completions"]] == [0, 1, 2]
+    assert all(len(c["token_ids"]) == 3 for c in row["completions"])
 
 
 def test_a_failed_prompt_fails_alone_with_exit_1(ckpt, capsys):
@@ -154,8 +159,93 @@ def test_a_failed_prompt_fails_alone_with_exit_1(ckpt, capsys):
                              "--model", ckpt, "--max-model-len", 16, "--max-tokens", 2, "--json")
     assert code == 1 and "error: prompt 1:" in err and "max_model_len" in err
     ok, bad = [json.loads(line) for line in out.splitlines()]
-    assert len(ok["token_ids"]) >= 1 and "error" not in ok
-    assert bad["finish_reason"] == "error" and "max_model_len" in bad["error"]
+    assert len(ok["completions"][0]["token_ids"]) >= 1 and "error" not in ok
+    assert bad["completions"][0]["finish_reason"] == "error" and "max_model_len" in bad["error"]
+
+
+def test_a_failed_prompt_is_reported_once_in_a_real_process(ckpt):
+    p = subprocess.run([sys.executable, "-m", "deepinfer.cli", "generate", "hi", "x " * 40, "--model", str(ckpt),
+                        "--max-model-len", "16", "--max-tokens", "2", "--threads", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stdout.startswith("--- prompt 0 ---\n")
+    assert p.stderr.count("max_model_len") == 1 and p.stderr.startswith("error: prompt 1:"), p.stderr
+
+
+def test_stop_takes_one_value_per_flag(ckpt, capsys):
+    from deepinfer.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--stop", "a", "--stop", "b c", "prompt"])
+    assert args.stop == ["a", "b c"] and args.prompts == ["prompt"]
+    code, out, err = run_cli(capsys, "generate", "--stop", "sys", "import os", "--model", ckpt, *SHORT,
+                             "--max-tokens", 2, "--json")
+    assert code == 0, err
+    assert json.loads(out)["prompt"] == "import os"
+
+
+def test_logprobs_without_json_is_a_usage_error(capsys):
+    code, out, err = run_cli(capsys, "generate", "x", "--logprobs", 2)
+    assert code == 2 and out == "" and err.startswith("error:") and "--json" in err
+
+
+def _option_help(command: str, flag: str) -> str:
+    from deepinfer.cli import build_parser
+
+    sub = next(a for a in build_parser()._subparsers._group_actions if command in a.choices).choices[command]
+    return next(a.help for a in sub._actions if flag in a.option_strings)
+
+
+@pytest.mark.parametrize("command,stdin", [("generate", None), ("chat", "hi\n")])
+def test_help_states_the_sampling_defaults_used(ckpt, tmp_path, capsys, monkeypatch, command, stdin):
+    """--max-tokens' stated default is the one used; the temperature comes from generation_config.json."""
+    import re
+    import shutil
+
+    from deepinfer.core.llm import LLM
+
+    model = tmp_path / "m"
+    shutil.copytree(ckpt, model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.25}))
+    used = []
+    for name in ("generate", "stream"):
+        real = getattr(LLM, name)
+        monkeypatch.setattr(LLM, name, lambda self, prompts, params=None, *a, _real=real, **k:
+                            used.append(params) or _real(self, prompts, params, *a, **k))
+    argv = [command, "--model", model, *SHORT, "--ignore-eos"] + (["hello"] if stdin is None else [])
+    code, _, err = run_cli(capsys, *argv, stdin=stdin, monkeypatch=monkeypatch)
+    assert code == 0, err
+    stated = int(re.search(r"default (\d+)", _option_help(command, "--max-tokens")).group(1))
+    assert used[0].max_tokens == stated and used[0].temperature == 0.25
+    assert "generation_config.json" in _option_help(command, "--temperature")
+
+
+def test_threads_sets_torch_threads_and_is_validated(ckpt, capsys):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # so that 1 is a change
+    try:
+        code, _, err = run_cli(capsys, "generate", "hi", "--model", ckpt, *SHORT, "--max-tokens", 1,
+                               "--threads", 1)
+        assert code == 0, err
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    for command in ("generate", "chat", "bench"):
+        code, _, err = run_cli(capsys, command, "--model", ckpt, "--threads", 0)
+        assert code == 2 and "--threads=0" in err, command
+
+
+def test_threads_from_the_environment(ckpt, capsys, monkeypatch):
+    before = torch.get_num_threads()
+    monkeypatch.setenv("DEEPINFER_NUM_THREADS", "two")
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", ckpt, *SHORT)
+    assert code == 2 and "DEEPINFER_NUM_THREADS='two' is invalid" in err
+    monkeypatch.setenv("DEEPINFER_NUM_THREADS", "1")
+    torch.set_num_threads(2)  # so that 1 is a change
+    try:
+        code, _, err = run_cli(capsys, "generate", "hi", "--model", ckpt, *SHORT, "--max-tokens", 1)
+        assert code == 0 and torch.get_num_threads() == 1, err
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("flag,value,field", [("--temperature", "-1", "temperature"), ("--top-p", "2", "top_p"),
@@ -201,10 +291,12 @@ def test_chat_keeps_history_and_stops_at_exit(ckpt, capsys, monkeypatch):
     assert code == 0
     assert len(prompt_lens) == 2  # two turns; the line after /exit is never sent
     assert prompt_lens[1] > prompt_lens[0] + 3  # turn 2 carries turn 1 and its reply
-    assert len(out.splitlines()) == 2
+    # Not a terminal: each reply comes after a "--- reply N ---" line.
+    parts = re.split(r"^--- reply (\d+) ---\n", out, flags=re.M)
+    assert parts[0] == "" and parts[1::2] == ["1", "2"] and all(p.endswith("\n") for p in parts[2::2])
     code, out, _ = run_cli(capsys, "chat", "--model", ckpt, *SHORT, "--max-tokens", 2,
                            stdin="one turn then EOF\n", monkeypatch=monkeypatch)
-    assert code == 0 and len(out.splitlines()) == 1
+    assert code == 0 and out.startswith("--- reply 1 ---\n") and out.count("--- reply") == 1
 
 
 # --- plugins / pipeline -------------------------------------------------------------------------------------
@@ -254,8 +346,13 @@ BENCH_KEYS = {"model", "arch", "backend", "device", "dtype", "recipe", "num_prom
 
 def test_bench_writes_a_reproducible_row(ckpt, tmp_path, capsys):
     out_file = tmp_path / "r.jsonl"
-    code, out, err = run_cli(capsys, "bench", "--model", ckpt, "--num-prompts", 3, "--input-len", 8,
-                             "--output-len", 4, "--max-num-seqs", 2, "--warmups", 0, "--out", out_file)
+    before = torch.get_num_threads()
+    try:
+        code, out, err = run_cli(capsys, "bench", "--model", ckpt, "--num-prompts", 3, "--input-len", 8,
+                                 "--output-len", 4, "--max-num-seqs", 2, "--warmups", 0, "--out", out_file,
+                                 "--threads", 1)
+    finally:
+        torch.set_num_threads(before)
     assert code == 0, err
     assert "out tok/s" in out and "deepinfer" in out
     (row,) = [json.loads(line) for line in out_file.read_text().splitlines()]
@@ -265,7 +362,7 @@ def test_bench_writes_a_reproducible_row(ckpt, tmp_path, capsys):
     assert row["input_tokens"] == 24 and row["output_tokens"] == 12  # EOS ignored: exactly output_len each
     assert row["steps"] >= 4 + 1  # max_num_seqs=2: the third prompt waits for a free slot
     assert row["ttft_max_s"] > row["ttft_p50_s"] > 0
-    assert row["model_ms_per_step"] > 0 and row["torch_threads"] == torch.get_num_threads()
+    assert row["model_ms_per_step"] > 0 and row["torch_threads"] == 1
     assert abs(row["output_tok_s"] * row["wall_s"] - 12) < 1e-6
 
 
@@ -278,6 +375,14 @@ def test_bench_prompts_file(ckpt, tmp_path, capsys):
     assert code == 0, err
     row = json.loads(out_file.read_text())
     assert row["num_prompts"] == 3 and row["output_tokens"] == 6 and row["prompts_file"] == str(f.resolve())
+
+
+def test_bench_writes_no_file_without_out(ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(capsys, "bench", "--model", ckpt, "--num-prompts", 1, "--input-len", 4,
+                             "--output-len", 1, "--warmups", 0)
+    assert code == 0, err
+    assert "out tok/s" in out and "wrote" not in out and list(tmp_path.iterdir()) == []
 
 
 def test_bench_rejects_bad_sizes(capsys):
