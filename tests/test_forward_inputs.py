@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from deepinfer.core.block_tables import BlockTables
 from deepinfer.core.params import SamplingParams
 from deepinfer.core.state import ScheduledBatch, Sequence
-from deepinfer.stages.forward import build_inputs, device_inputs, plan
+from deepinfer.core.inputs import build_inputs, device_inputs, plan
 
 FIELDS = ("positions", "slot_mapping", "seq_lens", "q_index", "q_valid", "kv_slots", "q_pos", "block_table", "cu_q")
 

@@ -1,7 +1,7 @@
 """The ragged paged prefill kernel (triton_prefill.paged_prefill) against the reference op and a float64 oracle.
 
 Without CUDA the kernel runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before any kernel
-module is imported) on tiny batches built exactly as the engine builds them (stages.forward.build_inputs over
+module is imported) on tiny batches built exactly as the engine builds them (core.inputs.build_inputs over
 fake sequences on a shuffled block pool): prefill rows with and without a cached prefix, decode rows mixed in,
 GQA/MQA, sliding windows, sinks, head dims that are not powers of two, Dv != D, MLA's strided value view. Cache
 rows that no visible key uses are NaN in the kernel's caches, so a stray read shows. With CUDA the GPU-only
@@ -29,7 +29,7 @@ skip_module_without_kernels()
 from deepinfer.backends.nvidia import triton_prefill  # noqa: E402
 from deepinfer.backends.nvidia.ops import INTERPRET, NvidiaOps  # noqa: E402
 from deepinfer.backends.reference.ops import ReferenceOps  # noqa: E402
-from deepinfer.stages.forward import build_inputs  # noqa: E402
+from deepinfer.core.inputs import build_inputs  # noqa: E402
 
 REF = ReferenceOps(DEV)
 SMALL_N = 8 if INTERPRET else 16  # the smallest key tile the kernel compiles with

@@ -3,7 +3,7 @@
 Row ``state_slot`` of ``table`` [max_seqs, max_blocks] (int64) holds the block ids of the sequence that owns
 that slot. ``sync`` writes only what changed since the last step (blocks appended, or a slot that changed
 hands after a finish or a preemption) in one scatter, so the host does O(changed blocks) work per step and
-the step's metadata is gathered on the device (stages/forward.py ``device_inputs``).
+the step's metadata is gathered on the device (core/inputs.py ``device_inputs``).
 """
 
 from __future__ import annotations

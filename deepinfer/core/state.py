@@ -113,7 +113,7 @@ class StepState:
         self.batch = batch  # engine: scheduled sequences
         self.sampling = sampling  # engine: SamplingBatch of the sampling rows
         self.kv_cache = kv_cache  # engine: the paged KV tensors
-        self.inputs: Any = None  # prefill: stages.forward.ForwardInputs, every row as one ragged token stream
+        self.inputs: Any = None  # prefill: core.inputs.ForwardInputs, every row as one ragged token stream
         self.hidden: Optional[torch.Tensor] = None  # forward: [T, d] final hidden states of the stream
         self.logits: Optional[torch.Tensor] = None  # verify: [S, V] logits of the sampling rows, in batch order
         self.prompt_logprobs: Optional[dict] = None  # verify: seq_id -> (first position, prompt logprob entries)

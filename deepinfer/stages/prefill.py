@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 
 from ..core.stage import Stage
-from .forward import plan
+from ..core.inputs import plan
 
 
 @attrs.define(eq=False)

@@ -7,7 +7,7 @@ import torch
 from ..core.kv_cache import blocks_needed
 from ..core.params import SamplingParams
 from ..core.state import ScheduledBatch, Sequence
-from ..stages.forward import build_inputs
+from ..core.inputs import build_inputs
 
 
 def paged_prefill_logits(net, prompts: list, block_size: int, chunk: int, seed: int = 0,

@@ -1,4 +1,4 @@
-"""The step's model inputs: every scheduled row (prefill chunks and decode tokens) as one ragged token stream.
+"""The step's model inputs (laid out by the prefill stage, read by the forward and verify stages): every scheduled row (prefill chunks and decode tokens) as one ragged token stream.
 
 Rows are laid out single-token rows first (decode rows, and one-token chunks), then the longer chunks, so
 a backend can hand the leading ``num_decodes`` rows to its decode kernel and the rest to its prefill
