@@ -150,8 +150,25 @@ def _load_chat_templates(root: Path, tok_config: dict) -> dict[str, str]:
     return {}
 
 
+class BatchEncoding(dict):
+    """What ``tokenizer(text)`` returns, as transformers does: a dict (``input_ids``, ``attention_mask``) whose
+    keys are also attributes."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 class Tokenizer:
-    """A checkpoint's tokenizer: encode/decode, special token ids, and chat template rendering."""
+    """A checkpoint's tokenizer: encode/decode, special token ids, and chat template rendering.
+
+    It answers the calls people make on a transformers tokenizer (``tok(text)``, ``encode``, ``decode``,
+    ``batch_decode``, ``apply_chat_template``, ``convert_ids_to_tokens``, ``eos_token_id``, ``len(tok)``) the
+    way transformers does, except that ``decode`` skips special tokens unless told not to (as outputs do)
+    and ``vocab_size`` counts the added tokens (every id the model may see).
+    """
 
     def __init__(
         self,
@@ -299,16 +316,68 @@ class Tokenizer:
                 ids.append(self._eos_for_encode)
         return ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        ids = list(ids)
+    def __call__(self, text: str | Sequence[str], add_special_tokens: bool = True, padding: bool | str = False,
+                 return_tensors: str | None = None, return_attention_mask: bool = True) -> BatchEncoding:
+        """transformers' ``tokenizer(text)``: {input_ids, attention_mask} of a str, or lists of them for a list
+        of str. ``padding=True`` (or "longest") pads on the right with pad_token_id; ``return_tensors="pt"``
+        gives [B, T] (or [1, T]) int64 tensors and needs equal lengths or padding."""
+        single = isinstance(text, str)
+        if not single and not (isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text)):
+            raise TypeError(f"tokenizer(text=...) needs a str or a list of str, got {type(text).__name__}")
+        if padding not in (False, True, "longest", "do_not_pad"):
+            raise ValueError(f"padding={padding!r} is invalid: True / 'longest' (pad to the longest) or False")
+        if return_tensors not in (None, "pt"):
+            raise ValueError(f"return_tensors={return_tensors!r} is invalid: None (lists) or 'pt' (torch tensors)")
+        ids = [self.encode(t, add_special_tokens=add_special_tokens) for t in ([text] if single else text)]
+        mask = [[1] * len(row) for row in ids]
+        if padding in (True, "longest") and ids:
+            if self.pad_token_id is None:
+                raise ValueError(f"{self._source}: padding needs a pad token, and the tokenizer has none")
+            width = max(len(row) for row in ids)
+            mask = [m + [0] * (width - len(m)) for m in mask]
+            ids = [row + [self.pad_token_id] * (width - len(row)) for row in ids]
+        if return_tensors == "pt":
+            import torch
+
+            if len({len(row) for row in ids}) > 1:
+                raise ValueError("return_tensors='pt' needs rows of one length: pass padding=True")
+            ids, mask = torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+        elif single:
+            ids, mask = ids[0], mask[0]
+        out = BatchEncoding(input_ids=ids)
+        if return_attention_mask:
+            out["attention_mask"] = mask
+        return out
+
+    def __len__(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def decode(self, ids: int | Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids (a list, a 1-d tensor or one int)."""
+        if hasattr(ids, "tolist"):  # a tensor
+            ids = ids.tolist()
+        ids = [ids] if isinstance(ids, int) else list(ids)
         if skip_special_tokens:
             # The backend only skips tokens flagged special in tokenizer.json; the configs may name more.
             ids = [i for i in ids if i not in self.all_special_ids]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> list[str]:
+    def batch_decode(self, sequences, skip_special_tokens: bool = True) -> list[str]:
+        """decode() of each row (lists of ids, or a 2-d tensor)."""
+        rows = sequences.tolist() if hasattr(sequences, "tolist") else sequences
+        return [self.decode(row, skip_special_tokens=skip_special_tokens) for row in rows]
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str]:
+        """The token string of an id (one str for one int, as transformers), or of each id in a list."""
         if isinstance(ids, int):
-            ids = [ids]
+            return self.convert_ids_to_tokens([ids])[0]
         out = []
         for i in ids:
             tok = self._tok.id_to_token(i) if i >= 0 else None
@@ -319,6 +388,11 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list:
+        if isinstance(tokens, str):
+            return self.token_to_id(tokens)
+        return [self.token_to_id(t) for t in tokens]
 
     # ------------------------------------------------------------ chat template
     @property
@@ -344,8 +418,19 @@ class Tokenizer:
         )
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **kwargs
-    ) -> str:
+        self, messages: list[dict], tokenize: bool = True, add_generation_prompt: bool = False, tools=None,
+        return_dict: bool = False, **kwargs
+    ) -> str | list[int] | BatchEncoding:
+        """The rendered conversation, with transformers' defaults: token ids (as transformers 4; ``return_dict=True``
+        gives {input_ids, attention_mask} as transformers 5), or the text with ``tokenize=False``. Token ids
+        are the text's without added special tokens (the template writes them)."""
+        text = self._render_chat(messages, add_generation_prompt, tools, kwargs)
+        if not tokenize:
+            return text
+        ids = self.encode(text, add_special_tokens=False)
+        return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids)) if return_dict else ids
+
+    def _render_chat(self, messages, add_generation_prompt: bool, tools, kwargs: dict) -> str:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ValueError(f"messages must be a list of dicts, got {messages!r}")
         source = self._select_template(kwargs.pop("chat_template", None), tools)

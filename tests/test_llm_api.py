@@ -153,7 +153,7 @@ def test_stream_yields_growing_text(llm):
 def test_chat_uses_template(llm):
     msgs = [{"role": "user", "content": "hi"}]
     out = llm.chat(msgs, GREEDY, use_tqdm=False)[0]
-    text = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    text = llm.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert out.prompt_token_ids == llm.tokenizer.encode(text)
     assert len(llm.chat([msgs, msgs], GREEDY, use_tqdm=False)) == 2
 

@@ -11,9 +11,13 @@ BAD = [
     ("min_tokens", -1), ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),
     ("temperature", "hot"), ("top_p", 0.0), ("top_p", 1.01), ("top_k", -2), ("top_k", 2.5), ("min_p", -0.01),
     ("min_p", 1.5), ("seed", 1.5), ("seed", "x"), ("seed", 2**64), ("seed", -2**63 - 1), ("stop", [""]), ("stop", [3]), ("stop_token_ids", [-1]),
-    ("stop_token_ids", ["a"]), ("ignore_eos", "yes"), ("logprobs", -1), ("logprobs", 21), ("prompt_logprobs", -1),
+    ("stop_token_ids", ["a"]), ("ignore_eos", "yes"), ("logprobs", -1), ("logprobs", 2.0), ("prompt_logprobs", -1),
     ("presence_penalty", 2.5), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
-    ("repetition_penalty", -1.0),
+    ("repetition_penalty", -1.0), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}), ("logit_bias", {5: "x"}),
+    ("logit_bias", {5: float("inf")}), ("logit_bias", [1, 2]), ("allowed_token_ids", []), ("allowed_token_ids", [-1]),
+    ("allowed_token_ids", ["a"]), ("bad_words", [""]), ("bad_words", ["  "]), ("bad_words", [3]),
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 1.5),
+    ("logits_processors", [3]),
 ]
 
 

@@ -436,3 +436,107 @@ def test_bfloat16_logits():
     assert torch.equal(got, sample(as_f32, mk()))
     lp = compute_logprobs(logits, got, 2)
     assert lp.token_logprobs.dtype == torch.float32 and lp.top_logprobs.dtype == torch.float32
+
+
+# ------------------------------------------------- logit bias, allowed tokens, bad words, logits processors
+
+
+def with_bad_words(p: SamplingParams, *ids) -> SamplingParams:
+    """p as admission leaves it for bad words tokenized to `ids` (token tuples)."""
+    import attrs
+
+    return attrs.evolve(p, _bad_words_token_ids=tuple(ids))
+
+
+def test_logit_bias_steers_its_row_only():
+    logits = torch.tensor([[3.0, 1.0, 0.0, 0.0]] * 2)
+    params = [SamplingParams(temperature=0.0, logit_bias={2: 5.0}), SamplingParams(temperature=0.0)]
+    batch = build(params, 4)
+    assert sample(logits, batch).tolist() == [2, 0]
+    want = logits.clone()
+    want[0, 2] += 5.0
+    torch.testing.assert_close(process_logits(logits, batch), want)  # temperature 1 for greedy rows
+
+
+def test_allowed_token_ids_bound_every_draw():
+    V = 50
+    logits = torch.randn(2, V, generator=gen(3))
+    allowed = [7, 11, 40]
+    params = [SamplingParams(allowed_token_ids=allowed, seed=1), SamplingParams(temperature=0.0, allowed_token_ids=[9])]
+    for seed in range(30):
+        got = sample(logits, build(params, V, gens=[gen(seed), None]))
+        assert got[0].item() in allowed and got[1].item() == 9
+    support = torch.isfinite(process_logits(logits, build(params, V)))
+    assert torch.nonzero(support[0]).flatten().tolist() == allowed
+
+
+def test_bad_word_last_token_banned_only_after_its_prefix():
+    logits = torch.tensor([[0.0, 0.0, 0.0, 5.0, 9.0, 1.0]])  # greedy: 4, then 3
+    p = with_bad_words(SamplingParams(temperature=0.0), (2, 4), (5,))
+    assert sample(logits, build([p], 6, outputs=[[1]])).item() == 4  # prefix (2,) not at the tail
+    assert sample(logits, build([p], 6, outputs=[[4, 2]])).item() == 3  # ...now it is: 4 would complete it
+    assert sample(logits, build([p], 6, outputs=[[2, 1]])).item() == 4  # only the tail counts
+    banned = build([p], 6, outputs=[[]]).banned
+    assert banned[0].tolist() == [False] * 5 + [True]  # a one-token bad word is always banned
+
+
+def test_logits_processors_get_the_row_and_run_before_temperature():
+    seen = []
+
+    def two(out, row):
+        seen.append(("two", list(out), row.shape))
+        row = row.clone()
+        row[1] = 100.0
+        return row
+
+    def three(prompt, out, row):
+        seen.append(("three", list(prompt), list(out)))
+        return row * 2
+
+    logits = torch.zeros(2, 4)
+    params = [SamplingParams(temperature=0.5, logits_processors=[two, three]), SamplingParams(temperature=0.5)]
+    batch = build(params, 4, prompts=[[1, 2], [3]], outputs=[[3], [0]])
+    before = logits.clone()
+    got = process_logits(logits, batch)
+    assert torch.equal(logits, before)  # the input is untouched
+    assert seen == [("two", [3], (4,)), ("three", [1, 2], [3])]
+    assert got[0].tolist() == [0.0, 400.0, 0.0, 0.0]  # (100 * 2) / temperature 0.5
+    assert got[1].tolist() == [0.0] * 4
+    bad = build([SamplingParams(logits_processors=[lambda out, row: row[:2]])], 4)
+    with pytest.raises(ValueError, match="logits_processors"):
+        process_logits(logits[:1], bad)
+
+
+def test_bias_comes_before_penalties():
+    # Token 0 is in the prompt: repetition_penalty divides a positive logit and multiplies a negative one, so
+    # the order matters; vLLM adds the bias first (1 - 2 = -1, then * 2).
+    logits = torch.tensor([[1.0, 0.0]])
+    p = SamplingParams(repetition_penalty=2.0, logit_bias={0: -2.0})
+    got = process_logits(logits, build([p], 2, prompts=[[0]]))
+    assert got[0, 0].item() == -2.0
+
+
+def test_nvidia_sampler_applies_the_logit_controls():
+    pytest.importorskip("triton")
+    from deepinfer.backends.nvidia.ops import INTERPRET, NvidiaOps
+    from deepinfer.backends.reference.ops import ReferenceOps
+    from deepinfer.testing.kernels import DEV, HAS_CUDA
+
+    if not HAS_CUDA and not INTERPRET:
+        pytest.skip("no CUDA and no Triton interpreter")
+    V = 40
+    logits = torch.randn(4, V, generator=gen(5)).to(DEV)
+    params = [SamplingParams(top_k=5, seed=1, logit_bias={3: 4.0}),
+              SamplingParams(top_p=0.9, seed=2, allowed_token_ids=[1, 2, 30]),
+              with_bad_words(SamplingParams(min_p=0.1, seed=3), (6, 8)),
+              SamplingParams(top_k=3, seed=4, logits_processors=[lambda out, row: row.flip(0)])]
+
+    def batch():
+        return SamplingBatch.build(params, [[1]] * 4, [[6]] * 4, [torch.Generator(DEV).manual_seed(s) for s in range(4)],
+                                   V, [], DEV)
+
+    ops = NvidiaOps(DEV)
+    got = ops.sample(logits, batch())
+    assert ops.kernel_calls["sampling_filter"] == 1  # the Triton filter ran, after the controls
+    assert torch.equal(got, ReferenceOps(DEV).sample(logits, batch()))
+    assert got[1].item() in (1, 2, 30) and got[2].item() != 8

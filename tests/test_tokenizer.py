@@ -113,7 +113,7 @@ def test_bos_added_once(tok):
 
 
 def test_bos_not_doubled_after_chat_template(tok):
-    prompt = tok.apply_chat_template(MESSAGES)
+    prompt = tok.apply_chat_template(MESSAGES, tokenize=False)
     assert prompt.startswith(BOS)
     ids = tok.encode(prompt)
     assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
@@ -198,8 +198,8 @@ def test_convert_ids_to_tokens(tok):
 
 
 def test_chat_template_with_and_without_generation_prompt(tok):
-    with_prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True)
-    without = tok.apply_chat_template(MESSAGES, add_generation_prompt=False)
+    with_prompt = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    without = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=False)
     expected = f"{BOS}{IM_START}system\nbe brief{IM_END}\n{IM_START}user\nhi 🙂{IM_END}\n"
     assert without == expected
     assert with_prompt == expected + f"{IM_START}assistant\n"
@@ -209,15 +209,15 @@ def test_no_chat_template_is_a_clear_error(tmp_path):
     t = build_test_tokenizer(tmp_path, chat_template=None)
     assert t.chat_template is None
     with pytest.raises(ValueError, match="no chat template"):
-        t.apply_chat_template(MESSAGES)
+        t.apply_chat_template(MESSAGES, tokenize=False)
     # An explicit override still works.
-    assert t.apply_chat_template(MESSAGES, chat_template="{{ messages|length }}") == "2"
+    assert t.apply_chat_template(MESSAGES, tokenize=False, chat_template="{{ messages|length }}") == "2"
 
 
 def test_chat_template_override_and_extra_kwargs(tok):
     out = tok.apply_chat_template(
         MESSAGES, chat_template="{{ eos_token }}|{{ flavour }}|{{ add_generation_prompt }}", flavour="x",
-        add_generation_prompt=False,
+        add_generation_prompt=False, tokenize=False,
     )
     assert out == f"{EOS}|x|False"
 
@@ -225,44 +225,44 @@ def test_chat_template_override_and_extra_kwargs(tok):
 def test_named_chat_templates(tok_dir, tmp_path):
     templates = [{"name": "default", "template": "D"}, {"name": "tool_use", "template": "T{{ tools|length }}"}]
     t = Tokenizer.from_dir(edit_config(tok_dir, tmp_path, chat_template=templates))
-    assert t.apply_chat_template(MESSAGES) == "D"
-    assert t.apply_chat_template(MESSAGES, tools=[{"name": "f"}]) == "T1"
-    assert t.apply_chat_template(MESSAGES, chat_template="tool_use", tools=[]) == "T0"
+    assert t.apply_chat_template(MESSAGES, tokenize=False) == "D"
+    assert t.apply_chat_template(MESSAGES, tokenize=False, tools=[{"name": "f"}]) == "T1"
+    assert t.apply_chat_template(MESSAGES, tokenize=False, chat_template="tool_use", tools=[]) == "T0"
 
 
 def test_chat_template_from_jinja_file(tok_dir, tmp_path):
     d = edit_config(tok_dir, tmp_path, chat_template=...)
     (d / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.role }}]{% endfor %}")
-    assert Tokenizer.from_dir(d).apply_chat_template(MESSAGES) == "[system][user]"
+    assert Tokenizer.from_dir(d).apply_chat_template(MESSAGES, tokenize=False) == "[system][user]"
 
 
 def test_chat_template_helpers(tok):
-    assert tok.apply_chat_template(MESSAGES, chat_template="{{ {'a': '<b>'}|tojson }}") == '{"a": "<b>"}'
+    assert tok.apply_chat_template(MESSAGES, tokenize=False, chat_template="{{ {'a': '<b>'}|tojson }}") == '{"a": "<b>"}'
     with pytest.raises(jinja2.TemplateError, match="only user turns"):
-        tok.apply_chat_template(MESSAGES, chat_template="{{ raise_exception('only user turns') }}")
+        tok.apply_chat_template(MESSAGES, tokenize=False, chat_template="{{ raise_exception('only user turns') }}")
     loop = "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}"
-    assert tok.apply_chat_template(MESSAGES, chat_template=loop) == "system"
+    assert tok.apply_chat_template(MESSAGES, tokenize=False, chat_template=loop) == "system"
     gen = "{% generation %}{{ messages[0].content }}{% endgeneration %}"
-    assert tok.apply_chat_template(MESSAGES, chat_template=gen) == "be brief"
+    assert tok.apply_chat_template(MESSAGES, tokenize=False, chat_template=gen) == "be brief"
 
 
 def test_chat_template_trims_blocks_like_hf(tok):
     template = "{% for m in messages %}\n    {{ m.role }}\n{% endfor %}"
-    assert tok.apply_chat_template(MESSAGES, chat_template=template) == "    system\n    user\n"
+    assert tok.apply_chat_template(MESSAGES, tokenize=False, chat_template=template) == "    system\n    user\n"
 
 
 def test_chat_template_is_sandboxed(tok):
     with pytest.raises(jinja2.exceptions.SecurityError):
-        tok.apply_chat_template(MESSAGES, chat_template="{{ ''.__class__.__mro__ }}")
+        tok.apply_chat_template(MESSAGES, tokenize=False, chat_template="{{ ''.__class__.__mro__ }}")
     with pytest.raises(jinja2.exceptions.SecurityError):
-        tok.apply_chat_template(MESSAGES, chat_template="{% set x = messages.append(1) %}")
+        tok.apply_chat_template(MESSAGES, tokenize=False, chat_template="{% set x = messages.append(1) %}")
     with pytest.raises(jinja2.exceptions.SecurityError):
-        tok.apply_chat_template(MESSAGES, chat_template="{% set ns = namespace(__x=1) %}")
+        tok.apply_chat_template(MESSAGES, tokenize=False, chat_template="{% set ns = namespace(__x=1) %}")
 
 
 def test_chat_template_syntax_error_is_value_error(tok):
     with pytest.raises(ValueError, match="syntax error"):
-        tok.apply_chat_template(MESSAGES, chat_template="{% for %}")
+        tok.apply_chat_template(MESSAGES, tokenize=False, chat_template="{% for %}")
 
 
 def test_matches_transformers(tok_dir, tok):
@@ -272,7 +272,58 @@ def test_matches_transformers(tok_dir, tok):
     assert tok.encode(text) == hf.encode(text)
     assert tok.decode(tok.encode(text)) == hf.decode(hf.encode(text), skip_special_tokens=True)
     for gen in (True, False):
-        assert tok.apply_chat_template(MESSAGES, add_generation_prompt=gen) == hf.apply_chat_template(
+        assert tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=gen) == hf.apply_chat_template(
             MESSAGES, tokenize=False, add_generation_prompt=gen
         )
     assert DEFAULT_CHAT_TEMPLATE == hf.chat_template
+
+
+# ------------------------------------------------------------ transformers' calls, on the demo tokenizer
+
+
+def test_demo_tokenizer_answers_like_transformers():
+    from collections.abc import Mapping
+    from pathlib import Path
+
+    import torch
+
+    import deepinfer
+
+    transformers = pytest.importorskip("transformers")
+    demo = Path(deepinfer.__file__).parent / "assets" / "demo"
+    hf = transformers.AutoTokenizer.from_pretrained(str(demo))
+    tok = Tokenizer.from_dir(demo)
+    texts = ["def f(x):\n    return x", "héllo 🙂 <|im_end|>", "a"]
+    for t in texts:
+        enc = tok(t)
+        assert dict(enc) == dict(hf(t)) and enc.input_ids == enc["input_ids"]
+        for special in (True, False):
+            assert tok.encode(t, add_special_tokens=special) == hf.encode(t, add_special_tokens=special)
+            assert tok(t, add_special_tokens=special)["input_ids"] == hf(t, add_special_tokens=special)["input_ids"]
+        ids = hf.encode(t)
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+        assert tok.decode(torch.tensor(ids)) == tok.decode(ids) and tok.decode(ids[1]) == hf.decode(ids[1])
+    assert dict(tok(texts)) == dict(hf(texts))
+    ours, theirs = tok(texts, padding=True, return_tensors="pt"), hf(texts, padding=True, return_tensors="pt")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    with pytest.raises(ValueError, match="padding=True"):
+        tok(texts, return_tensors="pt")
+    rows = [hf.encode(t) for t in texts]
+    assert tok.batch_decode(rows, skip_special_tokens=True) == hf.batch_decode(rows, skip_special_tokens=True)
+    assert tok.batch_decode(ours["input_ids"][:1]) == [tok.decode(ours["input_ids"][0])]
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "x"}]
+    for kw in ({}, {"add_generation_prompt": True}, {"add_generation_prompt": False}):
+        assert tok.apply_chat_template(msgs, tokenize=False, **kw) == hf.apply_chat_template(msgs, tokenize=False, **kw)
+        want = hf.apply_chat_template(msgs, **kw)  # transformers 5: a BatchEncoding; 4: the ids
+        want = want["input_ids"] if isinstance(want, Mapping) else want
+        assert tok.apply_chat_template(msgs, **kw) == want
+        assert tok.apply_chat_template(msgs, tokenize=True, return_dict=True, **kw)["input_ids"] == want
+
+    assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == (hf.eos_token_id, hf.pad_token_id, hf.bos_token_id)
+    assert len(tok) == len(hf) and tok.vocab_size == hf.vocab_size
+    assert tok.convert_ids_to_tokens(5) == hf.convert_ids_to_tokens(5)
+    assert tok.convert_ids_to_tokens([5, 300]) == hf.convert_ids_to_tokens([5, 300])
+    assert tok.convert_tokens_to_ids(["<|im_end|>", "!"]) == hf.convert_tokens_to_ids(["<|im_end|>", "!"])
+    assert tok.get_vocab() == hf.get_vocab()

@@ -241,7 +241,8 @@ def test_script_writes_a_checkpoint_that_loads_and_generates(tmp_path):
     llm = LLM(str(out), num_kv_blocks=32, block_size=16, device="cpu")
     tok = llm.get_tokenizer()
     assert tok.bos_token_id == 0 and set(tok.eos_token_ids) == {1, 4} and tok.add_bos_token
-    assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                              add_generation_prompt=True)
     res = llm.generate(["import os\n\ndef "], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
                        use_tqdm=False)
     assert len(res[0].outputs[0].token_ids) == 6

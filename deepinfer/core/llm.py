@@ -11,12 +11,14 @@ import attrs
 import torch
 
 from ..models import loader
+from ..models.quant import fp8_block_size
 from .config import EngineConfig, config_fields
 from .engine import Engine
 from .graph import Pipeline
 from .kv_cache import blocks_needed
 from .params import SamplingParams
 from .plugins import get_registry
+from .vllm_compat import drop_vllm_keywords
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,24 @@ def set_threads(threads: Optional[int] = None) -> None:
     torch.set_num_threads(threads)
 
 
+def kv_budget_gb(config: EngineConfig, mem_info: Optional[tuple]) -> float:
+    """The KV cache's budget in GiB when neither num_kv_blocks nor kv_cache_memory_gb is set. mem_info: the
+    device's (free, total) bytes after the weights are loaded (CUDA), None elsewhere (0.5 GiB). With
+    gpu_memory_utilization the KV cache gets that share of the total less everything in use; else 60% of free."""
+    if mem_info is None:
+        return 0.5
+    free, total = mem_info
+    share = config.gpu_memory_utilization
+    if share is None:
+        return 0.6 * free / 2**30
+    budget = share * total - (total - free)
+    if budget <= 0:
+        raise ValueError(f"EngineConfig.gpu_memory_utilization={share!r} leaves no room for the KV cache: "
+                         f"{(total - free) / 2**30:.2f} of the device's {total / 2**30:.2f} GiB are in use after "
+                         "loading the weights (raise it, or set kv_cache_memory_gb or num_kv_blocks)")
+    return budget / 2**30
+
+
 class LLM:
     """Load a checkpoint and generate. ``model=None`` loads the bundled demo model."""
 
@@ -97,6 +117,7 @@ class LLM:
             or get_registry()
         if pipeline is None:
             pipeline = Pipeline.from_recipe(recipe, registry=registry)
+        engine_kwargs = drop_vllm_keywords(engine_kwargs)
         unknown = set(engine_kwargs) - config_fields()
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {sorted(unknown)}; engine settings: {sorted(config_fields())}")
@@ -107,6 +128,13 @@ class LLM:
         ops, self.backend_name = choose_backend(registry, backend, config.device)
         self.model_path = loader.resolve_model_path(model)
         hf_config = {**loader.load_config(self.model_path), **(hf_overrides or {})}
+        if config.quantization == "fp8" and fp8_block_size(hf_config) is None:
+            raise ValueError(f"EngineConfig.quantization='fp8' needs an FP8 checkpoint (config.json "
+                             f"quantization_config.quant_method 'fp8'); {self.model_path} is not one, and online "
+                             "quantization is not implemented")
+        if config.enable_prefix_caching:
+            log.warning("enable_prefix_caching=True: prefix caching is not implemented yet; every prompt is "
+                        "prefilled in full (outputs are the same)")
         torch_dtype = loader.torch_dtype(config.dtype, hf_config, ops.device)
         net = loader.build_model(self.model_path, hf_config, ops, torch_dtype, ops.device, registry, load_format)
         from ..tokenizer import Tokenizer
@@ -121,10 +149,8 @@ class LLM:
         if num_blocks is None:
             gb = config.kv_cache_memory_gb
             if gb is None:
-                if ops.device.type == "cuda":
-                    gb = 0.6 * torch.cuda.mem_get_info(ops.device)[0] / 2**30  # after the weights are loaded
-                else:
-                    gb = 0.5
+                cuda = ops.device.type == "cuda"
+                gb = kv_budget_gb(config, torch.cuda.mem_get_info(ops.device) if cuda else None)  # after the weights
             budget = int(gb * 2**30) // per_block
             # No point in more blocks than max_num_seqs full-length sequences could use.
             num_blocks = max(1, min(budget, config.max_num_seqs * blocks_needed(max_len, config.block_size)))
@@ -251,8 +277,9 @@ class LLM:
         kw = {"chat_template": chat_template} if chat_template else {}
         prompts = []
         for conv in convs:
-            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **kw)
-            prompts.append({"prompt_token_ids": self.tokenizer.encode(text)})
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                      **kw)
+            prompts.append({"prompt_token_ids": self.tokenizer.encode(text), "prompt": text})  # prompt: for outputs
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outs
 

@@ -6,6 +6,7 @@ the object is built; an invalid value raises ValueError naming the field.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import attrs
@@ -41,9 +42,38 @@ def completion_seed(seed: int, index: int) -> int:
 def _as_tuple(v) -> tuple:
     if v is None:
         return ()
-    if isinstance(v, (str, int)):
+    if isinstance(v, (str, int)) or callable(v):
         return (v,)
     return tuple(v)
+
+
+def _opt_tuple(v) -> Optional[tuple]:
+    return None if v is None else _as_tuple(v)
+
+
+def _opt_dict(v) -> Optional[dict]:
+    return dict(v) if isinstance(v, dict) else v
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def _check_ids(field: str, ids, vocab_size: int) -> None:
+    bad = [t for t in ids if t >= vocab_size]
+    _check(not bad, field, bad[:5], f"token id(s) outside the model's vocabulary [0, {vocab_size})")
+
+
+def bad_words_token_ids(words, tokenizer) -> tuple:
+    """Token sequences of each bad word, as vLLM finds them: the word alone and, when that gives another
+    first token but as many tokens, the word after a space (how it is spelled mid-sentence)."""
+    out: list = []
+    for word in words:
+        for prefix in ("", " "):
+            ids = tuple(tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+            if ids and (not prefix or not out or (ids[0] != out[-1][0] and len(ids) == len(out[-1]))):
+                out.append(ids)
+    return tuple(out)
 
 
 @attrs.frozen
@@ -66,6 +96,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Logit processing, applied to the raw logits before penalties and temperature (logprobs stay raw).
+    logit_bias: Optional[dict] = attrs.field(default=None, converter=_opt_dict, hash=False)  # {token id: added}
+    allowed_token_ids: Optional[tuple] = attrs.field(default=None, converter=_opt_tuple)  # only these sampled
+    bad_words: tuple = attrs.field(default=(), converter=_as_tuple)  # never completed (last token banned)
+    truncate_prompt_tokens: Optional[int] = None  # k: keep the last k prompt tokens; -1: max_model_len - 1
+    # fn(output_token_ids, logits[V]) -> logits[V] (or fn(prompt_token_ids, output_token_ids, logits)), per
+    # row in Python, so slower than the batched fields.
+    logits_processors: tuple = attrs.field(default=(), converter=_as_tuple)
+    # Filled at admission (for_model): the token sequences of bad_words.
+    _bad_words_token_ids: tuple = attrs.field(default=(), alias="_bad_words_token_ids", repr=False)
 
     def __attrs_post_init__(self) -> None:
         num = (int, float)
@@ -91,13 +131,27 @@ class SamplingParams:
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            _check(v is None or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 20),
-                   name, v, "must be None or an int in [0, 20]")
+            _check(v is None or _is_id(v), name, v, "must be None or an int >= 0 (at most LLM(max_logprobs=...))")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             _check(isinstance(v, num) and -2 <= v <= 2, name, v, "must be in [-2, 2]")
         _check(isinstance(self.repetition_penalty, num) and 0 < self.repetition_penalty <= 10,
                "repetition_penalty", self.repetition_penalty, "must be in (0, 10]")
+        bias = self.logit_bias
+        _check(bias is None or (isinstance(bias, dict) and all(_is_id(t) for t in bias)
+                                and all(isinstance(b, num) and not isinstance(b, bool) and math.isfinite(b)
+                                        for b in bias.values())),
+               "logit_bias", bias, "must be None or a dict {token id (int >= 0): finite number}")
+        allowed = self.allowed_token_ids
+        _check(allowed is None or (allowed and all(_is_id(t) for t in allowed)), "allowed_token_ids", allowed,
+               "must be None or a non-empty list of token ids (ints >= 0)")
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words", self.bad_words,
+               "must be strings with a non-space character")
+        t = self.truncate_prompt_tokens
+        _check(t is None or (isinstance(t, int) and not isinstance(t, bool) and (t >= 1 or t == -1)),
+               "truncate_prompt_tokens", t, "must be None, -1 (max_model_len - 1) or an int >= 1")
+        _check(all(callable(f) for f in self.logits_processors), "logits_processors", self.logits_processors,
+               "must be callables fn(output_token_ids, logits) -> logits")
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +164,38 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_output_tokens(self) -> bool:
+        """The sampler reads this row's output tokens (so they must be known, not pending, when it runs)."""
+        return self.needs_penalties or bool(self.bad_words) or bool(self.logits_processors)
+
+    @property
+    def bad_words_token_ids(self) -> tuple:
+        return self._bad_words_token_ids
+
+    def for_model(self, tokenizer, vocab_size: int, max_logprobs: int) -> "SamplingParams":
+        """These params checked against one model and made ready to sample: token ids inside its vocabulary,
+        logprobs within max_logprobs (-1: no limit), bad_words tokenized. Raises ValueError naming the field;
+        the engine then fails the request alone."""
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            _check(v is None or max_logprobs < 0 or v <= max_logprobs, name, v,
+                   f"more than max_logprobs={max_logprobs} (raise it with LLM(max_logprobs=...))")
+        _check_ids("logit_bias", self.logit_bias or (), vocab_size)
+        _check_ids("allowed_token_ids", self.allowed_token_ids or (), vocab_size)
+        if not self.bad_words:
+            return self
+        _check(tokenizer is not None, "bad_words", self.bad_words, "need a tokenizer")
+        return attrs.evolve(self, _bad_words_token_ids=bad_words_token_ids(self.bad_words, tokenizer))
+
+    def truncate(self, prompt_token_ids: list, max_model_len: int) -> list:
+        """The prompt after truncate_prompt_tokens: its last k tokens (vLLM's left truncation)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_token_ids
+        k = max_model_len - 1 if k == -1 else k
+        return prompt_token_ids[-k:] if len(prompt_token_ids) > k else prompt_token_ids
 
 
 PromptType = Union[str, list, dict]

@@ -8,6 +8,7 @@ the batch and over rows that carry their own seeded generator.
 
 from __future__ import annotations
 
+import inspect
 from typing import Sequence
 
 import attrs
@@ -30,7 +31,7 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor | None  # [S] float32
     output_counts: torch.Tensor | None  # [S, V] float32 count of each token in the output so far
     prompt_mask: torch.Tensor | None  # [S, V] bool, token occurs in the prompt
-    banned: torch.Tensor | None  # [S, V] bool, tokens that may not be sampled now
+    banned: torch.Tensor | None  # [S, V] bool, tokens that may not be sampled now (min_tokens, allowed_token_ids, bad_words)
     generators: list  # [S] torch.Generator | None; None for greedy rows (they never draw)
     all_greedy: bool
     all_random: bool
@@ -40,6 +41,9 @@ class SamplingBatch:
     use_top_k: bool = True
     use_top_p: bool = True
     use_min_p: bool = True
+    logit_bias: torch.Tensor | None = None  # [S, V] float32 added to the logits; None when no row has a bias
+    # [S] None or (fns, prompt ids, output ids): SamplingParams.logits_processors of the rows that have them.
+    processors: list | None = None
 
     @classmethod
     def build(
@@ -77,6 +81,10 @@ class SamplingBatch:
         )
         batch.update(_build_penalties(params, prompt_ids, output_ids, vocab_size, device))
         batch["banned"] = _build_banned(params, output_ids, vocab_size, eos_token_ids, device)
+        batch["logit_bias"] = _build_bias(params, vocab_size, device)
+        if any(p.logits_processors for p in params):
+            batch["processors"] = [(p.logits_processors, list(pr), list(out)) if p.logits_processors else None
+                                   for p, pr, out in zip(params, prompt_ids, output_ids)]
         return cls(**batch)
 
 
@@ -108,21 +116,77 @@ def _build_penalties(params, prompt_ids, output_ids, vocab_size, device) -> dict
     )
 
 
+def _bad_word_ends(p: SamplingParams, out: Sequence[int]) -> set[int]:
+    """Last tokens of the bad words whose other tokens end the output: sampling one would complete the word."""
+    ends = set()
+    for ids in p.bad_words_token_ids:
+        k = len(ids) - 1
+        if k == 0 or (len(out) >= k and list(out[len(out) - k:]) == list(ids[:k])):
+            ends.add(ids[-1])
+    return ends
+
+
 def _build_banned(params, output_ids, vocab_size, eos_token_ids, device) -> torch.Tensor | None:
-    """Stop tokens of rows still under min_tokens. EOS counts as a stop token unless ignore_eos."""
+    """Tokens a row may not sample now: its stop tokens while under min_tokens (EOS too unless ignore_eos),
+    the tokens that would complete a bad word, and every token outside allowed_token_ids."""
     rows = []
     for p, out in zip(params, output_ids):
-        ids: set[int] = set()
+        ids: set[int] = _bad_word_ends(p, out) if p.bad_words_token_ids else set()
         if len(out) < p.min_tokens:
             ids.update(p.stop_token_ids)
             if not p.ignore_eos:
                 ids.update(eos_token_ids)
         rows.append(sorted(t for t in ids if 0 <= t < vocab_size))  # an id outside the vocab can't be sampled anyway
-    if not any(rows):
+    restrict = [p.allowed_token_ids is not None for p in params]
+    if not any(rows) and not any(restrict):
         return None
     banned = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)  # [S, V]
     banned[_row_index(rows, [True] * len(rows), device)] = True
+    if any(restrict):
+        allowed = torch.zeros_like(banned)  # [S, V]
+        allowed[_row_index([p.allowed_token_ids or () for p in params], restrict, device)] = True
+        banned |= ~allowed & to_device(restrict, torch.bool, device).unsqueeze(1)
     return banned
+
+
+def _build_bias(params, vocab_size, device) -> torch.Tensor | None:
+    keep = [bool(p.logit_bias) for p in params]
+    if not any(keep):
+        return None
+    bias = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)  # [S, V]
+    ids = [list(p.logit_bias or ()) for p in params]
+    vals = [float(b) for p, k in zip(params, keep) if k for b in p.logit_bias.values()]
+    bias[_row_index(ids, keep, device)] = to_device(vals, torch.float32, device)
+    return bias
+
+
+def apply_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """SamplingParams.logits_processors, row by row in Python (vLLM v0's per-request callables): each gets the
+    row's output token ids (and its prompt ids first, if it takes three arguments) and its logits [V], and
+    returns new logits [V]. logits: [S, V] float32; returns a new tensor (the input itself when no row has any)."""
+    if batch.processors is None:
+        return logits
+    logits = logits.clone()
+    for i, entry in enumerate(batch.processors):
+        if entry is None:
+            continue
+        fns, prompt, out = entry
+        row = logits[i]
+        for fn in fns:
+            row = fn(prompt, list(out), row) if _takes_prompt(fn) else fn(list(out), row)
+            if not isinstance(row, torch.Tensor) or row.shape != logits[i].shape:
+                raise ValueError(f"SamplingParams.logits_processors: {fn!r} returned "
+                                 f"{getattr(row, 'shape', type(row).__name__)}, not a tensor of shape "
+                                 f"{tuple(logits[i].shape)}")
+        logits[i] = row
+    return logits
+
+
+def _takes_prompt(fn) -> bool:
+    try:
+        return len(inspect.signature(fn).parameters) == 3
+    except (TypeError, ValueError):  # a builtin without a signature: the two-argument form
+        return False
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -142,8 +206,11 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _penalized(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """float32 logits [S, V] after penalties and banned tokens; never modifies the input."""
-    logits = logits.float()
+    """float32 logits [S, V] after logits processors, logit bias, penalties and banned tokens (vLLM's order);
+    never modifies the input."""
+    logits = apply_processors(logits.float(), batch)
+    if batch.logit_bias is not None:
+        logits = logits + batch.logit_bias
     logits = apply_penalties(logits, batch)
     if batch.banned is not None:
         logits = logits.masked_fill(batch.banned, float("-inf"))
