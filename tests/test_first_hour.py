@@ -221,10 +221,16 @@ def test_logits_processors_see_the_known_output(overlap):
     assert outs[1].outputs[0].token_ids == tokens(llm)
 
 
-def test_a_failing_logits_processor_fails_its_step_not_the_engine(llm):
+def test_a_failing_logits_processor_fails_its_request_alone(llm):
     def broken(out, logits):
-        raise RuntimeError("boom")
+        if len(out) == 2:
+            raise RuntimeError("boom")
+        return logits
 
-    out = gen(llm, [PROMPT], SamplingParams(**GREEDY, logits_processors=[broken]))[0]
-    assert out.outputs[0].finish_reason == "error" and "boom" in out.error
-    assert gen(llm, [PROMPT], SamplingParams(**GREEDY))[0].outputs[0].token_ids == tokens(llm)
+    outs = gen(llm, [PROMPT, PROMPT, "x = 1"], [SamplingParams(**GREEDY),
+                                               SamplingParams(**GREEDY, logits_processors=[broken]),
+                                               SamplingParams(**GREEDY, logits_processors=[lambda out, lg: lg[:3]])])
+    assert outs[0].error is None and outs[0].outputs[0].token_ids == tokens(llm)
+    assert outs[1].outputs[0].finish_reason == "error" and "RuntimeError: boom" in outs[1].error
+    assert outs[2].outputs[0].finish_reason == "error" and "not a tensor of shape" in outs[2].error
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks

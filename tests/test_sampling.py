@@ -502,9 +502,11 @@ def test_logits_processors_get_the_row_and_run_before_temperature():
     assert seen == [("two", [3], (4,)), ("three", [1, 2], [3])]
     assert got[0].tolist() == [0.0, 400.0, 0.0, 0.0]  # (100 * 2) / temperature 0.5
     assert got[1].tolist() == [0.0] * 4
-    bad = build([SamplingParams(logits_processors=[lambda out, row: row[:2]])], 4)
-    with pytest.raises(ValueError, match="logits_processors"):
-        process_logits(logits[:1], bad)
+    bad = build([SamplingParams(logits_processors=[lambda out, row: row[:2]]),
+                 SamplingParams(logits_processors=[two])], 4)
+    got = process_logits(logits, bad)  # a bad row keeps its logits and is recorded; the others go on
+    assert got[0].tolist() == [0.0] * 4 and got[1, 1].item() == 100.0
+    assert list(bad.processor_errors) == [0] and "not a tensor of shape (4,)" in bad.processor_errors[0]
 
 
 def test_bias_comes_before_penalties():
@@ -532,8 +534,8 @@ def test_nvidia_sampler_applies_the_logit_controls():
               SamplingParams(top_k=3, seed=4, logits_processors=[lambda out, row: row.flip(0)])]
 
     def batch():
-        return SamplingBatch.build(params, [[1]] * 4, [[6]] * 4, [torch.Generator(DEV).manual_seed(s) for s in range(4)],
-                                   V, [], DEV)
+        gens = [torch.Generator(DEV).manual_seed(s) for s in range(4)]
+        return SamplingBatch.build(params, [[1]] * 4, [[6]] * 4, gens, V, [], DEV)
 
     ops = NvidiaOps(DEV)
     got = ops.sample(logits, batch())

@@ -313,7 +313,8 @@ def test_demo_tokenizer_answers_like_transformers():
     assert tok.batch_decode(rows, skip_special_tokens=True) == hf.batch_decode(rows, skip_special_tokens=True)
     assert tok.batch_decode(ours["input_ids"][:1]) == [tok.decode(ours["input_ids"][0])]
 
-    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "x"}]
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "x"}]
     for kw in ({}, {"add_generation_prompt": True}, {"add_generation_prompt": False}):
         assert tok.apply_chat_template(msgs, tokenize=False, **kw) == hf.apply_chat_template(msgs, tokenize=False, **kw)
         want = hf.apply_chat_template(msgs, **kw)  # transformers 5: a BatchEncoding; 4: the ids

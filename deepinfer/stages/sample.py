@@ -7,7 +7,7 @@ from typing import Optional
 import attrs
 import torch
 
-from ..core.stage import Stage
+from ..core.stage import RowError, Stage
 
 
 @attrs.define(eq=False)
@@ -29,3 +29,7 @@ class SampleStage(Stage):
         state.logprobs = None
         if batch.max_num_logprobs >= 0:
             state.logprobs = self.ops.compute_logprobs(logits, state.next_tokens, batch.max_num_logprobs)
+        if batch.processor_errors:  # a request's logits processor raised: that request fails alone
+            rows = [i for i, smp in enumerate(state.batch.samples) if smp]
+            errors = batch.processor_errors
+            raise RowError([rows[r] for r in errors], "; ".join(sorted(set(errors.values()))))

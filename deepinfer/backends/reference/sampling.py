@@ -31,7 +31,7 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor | None  # [S] float32
     output_counts: torch.Tensor | None  # [S, V] float32 count of each token in the output so far
     prompt_mask: torch.Tensor | None  # [S, V] bool, token occurs in the prompt
-    banned: torch.Tensor | None  # [S, V] bool, tokens that may not be sampled now (min_tokens, allowed_token_ids, bad_words)
+    banned: torch.Tensor | None  # [S, V] bool, tokens not to sample now (min_tokens, allowed_token_ids, bad_words)
     generators: list  # [S] torch.Generator | None; None for greedy rows (they never draw)
     all_greedy: bool
     all_random: bool
@@ -44,6 +44,8 @@ class SamplingBatch:
     logit_bias: torch.Tensor | None = None  # [S, V] float32 added to the logits; None when no row has a bias
     # [S] None or (fns, prompt ids, output ids): SamplingParams.logits_processors of the rows that have them.
     processors: list | None = None
+    # Written by sampling: {row: message} of rows whose logits processor raised (they drew from raw logits).
+    processor_errors: dict = attrs.field(factory=dict)
 
     @classmethod
     def build(
@@ -163,7 +165,9 @@ def _build_bias(params, vocab_size, device) -> torch.Tensor | None:
 def apply_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """SamplingParams.logits_processors, row by row in Python (vLLM v0's per-request callables): each gets the
     row's output token ids (and its prompt ids first, if it takes three arguments) and its logits [V], and
-    returns new logits [V]. logits: [S, V] float32; returns a new tensor (the input itself when no row has any)."""
+    returns new logits [V]. logits: [S, V] float32; returns a new tensor (the input itself when no row has any).
+    A row whose processor raises, or returns anything but a [V] tensor, keeps its logits and is recorded in
+    batch.processor_errors, for the sample stage to fail that request alone."""
     if batch.processors is None:
         return logits
     logits = logits.clone()
@@ -172,12 +176,15 @@ def apply_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
             continue
         fns, prompt, out = entry
         row = logits[i]
-        for fn in fns:
-            row = fn(prompt, list(out), row) if _takes_prompt(fn) else fn(list(out), row)
-            if not isinstance(row, torch.Tensor) or row.shape != logits[i].shape:
-                raise ValueError(f"SamplingParams.logits_processors: {fn!r} returned "
-                                 f"{getattr(row, 'shape', type(row).__name__)}, not a tensor of shape "
-                                 f"{tuple(logits[i].shape)}")
+        try:
+            for fn in fns:
+                row = fn(prompt, list(out), row) if _takes_prompt(fn) else fn(list(out), row)
+                if not isinstance(row, torch.Tensor) or row.shape != logits[i].shape:
+                    raise ValueError(f"{fn!r} returned {getattr(row, 'shape', type(row).__name__)}, not a tensor "
+                                     f"of shape {tuple(logits[i].shape)}")
+        except Exception as exc:  # the user's code: its request fails, the batch goes on
+            batch.processor_errors[i] = f"SamplingParams.logits_processors: {type(exc).__name__}: {exc}"
+            continue
         logits[i] = row
     return logits
 
