@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.core.llm import kv_budget_gb
+from deepinfer.core.kv_sizing import MemoryProfile, plan_kv
 from deepinfer.core.config import EngineConfig
 from deepinfer.testing.models import build_tiny_hf_model
 
@@ -90,14 +90,14 @@ def test_quantization_fp8_needs_an_fp8_checkpoint(tiny, tmp_path):
 
 
 def test_kv_budget_from_gpu_memory_utilization():
+    """The share is of the device's total memory, less what is in use after loading and the profiled peak
+    (the arithmetic; core/kv_sizing.py and tests/test_kv_sizing.py hold the rest)."""
     GiB = 2**30
-    assert kv_budget_gb(EngineConfig(), None) == 0.5  # CPU: the share is not used
-    assert kv_budget_gb(EngineConfig(gpu_memory_utilization=0.5), None) == 0.5
-    assert kv_budget_gb(EngineConfig(), (50 * GiB, 100 * GiB)) == pytest.approx(30)  # 60% of free
-    # 90% of 100 GiB less the 20 GiB in use.
-    assert kv_budget_gb(EngineConfig(gpu_memory_utilization=0.9), (80 * GiB, 100 * GiB)) == pytest.approx(70)
-    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.2 leaves no room .* 30.00 of the device's 100.00"):
-        kv_budget_gb(EngineConfig(gpu_memory_utilization=0.2), (70 * GiB, 100 * GiB))
+    prof = MemoryProfile(total=100 * GiB, in_use=20 * GiB, peak_step=0, graph_reserve=0)
+    assert plan_kv(EngineConfig(gpu_memory_utilization=0.9, max_num_seqs=10**6), GiB, 0, 16, False,
+                   prof).num_blocks == 70
+    with pytest.raises(ValueError, match=r"cache holds 0"):
+        plan_kv(EngineConfig(gpu_memory_utilization=0.2), GiB, 0, 16, False, prof)
 
 
 def test_threads_keyword_and_environment(tiny, monkeypatch):

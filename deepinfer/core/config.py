@@ -73,7 +73,7 @@ class EngineConfig:
     max_model_len: Optional[int] = attrs.field(default=None, validator=_positive("max_model_len"))  # None: from config
     block_size: int = attrs.field(default=16, validator=_positive("block_size"))
     num_kv_blocks: Optional[int] = attrs.field(default=None, validator=_positive("num_kv_blocks"))  # None: from memory
-    kv_cache_memory_gb: Optional[float] = None  # KV budget when num_kv_blocks is None; None: 0.5 on CPU, 60% of free GPU memory
+    kv_cache_memory_gb: Optional[float] = None  # KV budget when num_kv_blocks is None; None: 0.5 on CPU, a profile run on CUDA
     max_num_seqs: int = attrs.field(default=256, validator=_positive("max_num_seqs"))
     max_num_batched_tokens: int = attrs.field(default=4096, validator=_positive("max_num_batched_tokens"))
     # Admission keeps this fraction of the KV pool free (at least one block; 0: off) so a new sequence does not
@@ -92,9 +92,10 @@ class EngineConfig:
     seed: int = 0
     device: Optional[str] = None  # None: from the backend
     # vLLM's names, where the meaning carries over (see core/vllm_compat.py for the ones refused).
-    # CUDA: the share of total device memory the engine may hold, weights included; the KV cache gets what the
-    # share leaves after loading. None: 60% of the free memory. Ignored on the CPU; kv_cache_memory_gb wins.
-    gpu_memory_utilization: Optional[float] = attrs.field(default=None, validator=_fraction)
+    # CUDA: the share of total device memory the engine may hold, weights, activations and CUDA graphs
+    # included; the KV cache gets what is left after a profile run (core/kv_sizing.py). Ignored on the CPU and
+    # when num_kv_blocks or kv_cache_memory_gb is set.
+    gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
     max_logprobs: int = attrs.field(default=20, validator=_max_logprobs)  # most logprobs a request may ask; -1: all
     enable_prefix_caching: Optional[bool] = attrs.field(default=None, validator=_optional_bool)  # not implemented yet
     kv_cache_dtype: str = attrs.field(default="auto", validator=_only("kv_cache_dtype", "auto", (

@@ -15,6 +15,7 @@ import torch
 
 from ..outputs import CompletionOutput, Logprob, RequestOutput, entries_from
 from .block_tables import BlockTables
+from .sampling_state import SamplingState
 from .kv_cache import BlockPool, blocks_needed
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
@@ -64,11 +65,9 @@ class _Launched:
 
 
 class Engine:
-    def __init__(self, config, model, tokenizer, pipeline, ops, num_blocks: int, max_model_len: int,
-                 sampling_batch_cls):
+    def __init__(self, config, model, tokenizer, pipeline, ops, num_blocks: int, max_model_len: int):
         self.config, self.model, self.tokenizer, self.pipeline, self.ops = config, model, tokenizer, pipeline, ops
         self.max_model_len = max_model_len
-        self.sampling_batch_cls = sampling_batch_cls
         self.device = ops.device
         dtype = next(model.parameters()).dtype
         use_graphs = (not config.enforce_eager and self.device.type == "cuda"
@@ -84,6 +83,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    watermark=config.watermark, aging_steps=config.scheduling_aging_steps)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.sampling_state = SamplingState(config.max_num_seqs, model.vocab_size,
+                                            tokenizer.eos_token_ids if tokenizer else (), self.device)
         self.block_tables = BlockTables(config.max_num_seqs, blocks_needed(max_model_len, config.block_size),
                                         self.device, scratch_block=num_blocks if use_graphs else None)
         self.decode_graphs = None
@@ -221,11 +222,7 @@ class Engine:
         batch.future = self.future
         self.block_tables.sync(batch.seqs)  # only the blocks appended since the last step
         sample_seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
-        sampling = self.sampling_batch_cls.build(
-            [s.params for s in sample_seqs], [s.prompt_token_ids for s in sample_seqs],
-            # Pending tokens are counted (min_tokens) but not known; rows with penalties never have any here.
-            [s.output_token_ids + s.pending for s in sample_seqs], [s.generator for s in sample_seqs],
-            self.model.vocab_size, self.tokenizer.eos_token_ids if self.tokenizer else (), self.device)
+        sampling = self.sampling_state.batch(sample_seqs)  # gathered from the slots on the device
         state = StepState(batch, sampling, self.kv_cache)
         try:
             failed = self._run_stages(self.stages["step"][:self._n_device_stages], state)
@@ -233,6 +230,7 @@ class Engine:
             self._fail_batch(batch, exc, touched)
             return None
         self._fail_rows(batch, failed, touched)  # traced to rows: those requests fail alone, the step goes on
+        self.sampling_state.record(state.next_tokens)  # penalty counts grow on the device
         self.scheduler.update(batch)
         end_step = getattr(self.model, "end_step", None)
         if end_step is not None:

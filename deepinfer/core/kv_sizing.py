@@ -143,7 +143,7 @@ def run_dummy_step(model, ops, dtype, block_size: int, num_tokens: int, max_mode
     max_model_len (or decode_rows rows of one new token each), then the LM head and the sampler (top-p, so
     its sort runs) over sample_rows rows. Device-agnostic; the caller measures memory around it. Returns the
     bytes of the temporary KV cache (not part of the step's own peak)."""
-    from ..backends.reference.sampling import SamplingBatch
+    from ..layout import SamplingBatch
     from .inputs import build_inputs
     from .params import SamplingParams
 

@@ -85,24 +85,6 @@ def set_threads(threads: Optional[int] = None) -> None:
     torch.set_num_threads(threads)
 
 
-def kv_budget_gb(config: EngineConfig, mem_info: Optional[tuple]) -> float:
-    """The KV cache's budget in GiB when neither num_kv_blocks nor kv_cache_memory_gb is set. mem_info: the
-    device's (free, total) bytes after the weights are loaded (CUDA), None elsewhere (0.5 GiB). With
-    gpu_memory_utilization the KV cache gets that share of the total less everything in use; else 60% of free."""
-    if mem_info is None:
-        return 0.5
-    free, total = mem_info
-    share = config.gpu_memory_utilization
-    if share is None:
-        return 0.6 * free / 2**30
-    budget = share * total - (total - free)
-    if budget <= 0:
-        raise ValueError(f"EngineConfig.gpu_memory_utilization={share!r} leaves no room for the KV cache: "
-                         f"{(total - free) / 2**30:.2f} of the device's {total / 2**30:.2f} GiB are in use after "
-                         "loading the weights (raise it, or set kv_cache_memory_gb or num_kv_blocks)")
-    return budget / 2**30
-
-
 class LLM:
     """Load a checkpoint and generate. ``model=None`` loads the bundled demo model."""
 
@@ -144,27 +126,31 @@ class LLM:
             log.warning("tokenizer has %d tokens but the model only %d logits", self.tokenizer.vocab_size,
                         net.vocab_size)
         max_len = loader.check_max_model_len(config.max_model_len, hf_config, net.max_position)
-        per_block = net.kv_bytes_per_token(torch_dtype) * config.block_size
-        num_blocks = config.num_kv_blocks
-        if num_blocks is None:
-            gb = config.kv_cache_memory_gb
-            if gb is None:
-                cuda = ops.device.type == "cuda"
-                gb = kv_budget_gb(config, torch.cuda.mem_get_info(ops.device) if cuda else None)  # after the weights
-            budget = int(gb * 2**30) // per_block
-            # No point in more blocks than max_num_seqs full-length sequences could use.
-            num_blocks = max(1, min(budget, config.max_num_seqs * blocks_needed(max_len, config.block_size)))
-        if max_len > num_blocks * config.block_size:
-            log.warning("max_model_len %d exceeds the KV pool (%d tokens); capping it", max_len,
-                        num_blocks * config.block_size)
-            max_len = num_blocks * config.block_size
-        from ..backends.reference.sampling import SamplingBatch
-
-        self.engine = Engine(config, net, self.tokenizer, pipeline, ops, num_blocks, max_len, SamplingBatch)
+        self.kv_plan = self._plan_kv(config, net, ops, torch_dtype, max_len)
+        num_blocks, max_len = self.kv_plan.num_blocks, self.kv_plan.max_model_len
+        self.engine = Engine(config, net, self.tokenizer, pipeline, ops, num_blocks, max_len)
         self.generation_defaults = generation_defaults(self.model_path)
         self.config, self.hf_config = config, hf_config
         self._ids = itertools.count()
         self._streams: dict = {}  # request id -> its latest undelivered output (None: none yet)
+
+    @staticmethod
+    def _plan_kv(config, net, ops, dtype, max_len: int):
+        """The KV pool: from num_kv_blocks, kv_cache_memory_gb, or (CUDA) a profile run (core/kv_sizing.py)."""
+        from .kv_sizing import cache_layout, plan_kv, profile_memory
+
+        per_block, fixed = cache_layout(net, dtype, config.block_size, config.max_num_seqs)
+        profile = None
+        if ops.device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gb is None:
+            graph_batch = 0
+            if not config.enforce_eager and getattr(net, "supports_cuda_graphs", False):
+                from ..backends.cuda_graph import capture_sizes
+
+                graph_batch = max(capture_sizes(config.cuda_graph_sizes, config.max_num_seqs))
+            profile = profile_memory(net, ops, dtype, config, max_len, graph_batch)
+        plan = plan_kv(config, per_block, fixed, max_len, config.max_model_len is not None, profile)
+        log.info("%s", plan.describe())
+        return plan
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the checkpoint's generation_config.json sampling defaults (as vLLM does)."""

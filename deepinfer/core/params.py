@@ -167,8 +167,9 @@ class SamplingParams:
 
     @property
     def needs_output_tokens(self) -> bool:
-        """The sampler reads this row's output tokens (so they must be known, not pending, when it runs)."""
-        return self.needs_penalties or bool(self.bad_words) or bool(self.logits_processors)
+        """The sampler reads this row's output tokens on the host (so they must be known, not pending, when it
+        runs). Penalties do not: their token counts grow on the device (core/sampling_state.py)."""
+        return bool(self.bad_words) or bool(self.logits_processors)
 
     @property
     def bad_words_token_ids(self) -> tuple:
