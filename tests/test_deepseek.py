@@ -38,7 +38,7 @@ from deepinfer.models.base import WeightError
 from deepinfer.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from deepinfer.models.moe import MoEBlock
 from deepinfer.core.inputs import build_inputs
-from deepinfer.testing.compare import MODEL_FACTOR, assert_logits_close
+from deepinfer.testing.compare import MODEL_FACTOR, assert_greedy_matches, assert_logits_close, hf_greedy
 from deepinfer.testing.models import TINY, build_tiny_hf_model
 
 ARCHS = ["deepseek_v2", "deepseek_v2-qlora", "deepseek_v3"]
@@ -46,19 +46,9 @@ NEW_TOKENS = 32
 PROMPT_LENS = [13, 2, 27, 40]  # the batch of 4
 
 
-def hf_generate(hf, prompt: list, n: int = NEW_TOKENS) -> list:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          pad_token_id=hf.config.pad_token_id)
-    new = out[0, len(prompt):].tolist()
-    assert len(new) == n, "transformers stopped early; the reference must run every step"
-    return new
-
-
 def build(path, name: str):
     """The tiny checkpoint; for V3 a random e_score_correction_bias is written (transformers inits it to 0)."""
-    hf = build_tiny_hf_model(path, name)
+    hf = build_tiny_hf_model(path, name, random_norms_and_biases=True)
     if name.startswith("deepseek_v3"):
         g = torch.Generator().manual_seed(7)
         with torch.no_grad():
@@ -80,7 +70,7 @@ class Tiny:
         self.prompts = [torch.randint(5, hf.config.vocab_size, (n,), generator=g).tolist() for n in PROMPT_LENS]
         with torch.no_grad():
             self.hf_logits = [hf(torch.tensor([p])).logits[0].float() for p in self.prompts]
-        self.hf_greedy = [hf_generate(hf, p) for p in self.prompts]
+        self.hf_greedy, self.hf_scores = map(list, zip(*(hf_greedy(hf, p, NEW_TOKENS) for p in self.prompts)))
 
     def llm(self, **kw) -> LLM:
         kw.setdefault("num_kv_blocks", 64)
@@ -207,12 +197,12 @@ def test_engine_prefill_matches_hf(tiny, block_size, chunk):
 
 def test_greedy_single_prompt(tiny):
     llm = tiny.llm(max_num_batched_tokens=8)  # the 40-token prompt is prefilled in 5 chunks
-    assert run(llm, [tiny.prompts[3]], greedy()) == [tiny.hf_greedy[3]]
+    assert_greedy_matches(run(llm, [tiny.prompts[3]], greedy()), [tiny.hf_greedy[3]], [tiny.hf_scores[3]])
 
 
 def test_greedy_batch(tiny):
     llm = tiny.llm(max_num_batched_tokens=16, block_size=3)
-    assert run(llm, tiny.prompts, greedy()) == tiny.hf_greedy
+    assert_greedy_matches(run(llm, tiny.prompts, greedy()), tiny.hf_greedy, tiny.hf_scores)
 
 
 # ------------------------------------------------------------------ absorbed (engine) vs unabsorbed (oracle)

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.core.state import Sequence
+from deepinfer.testing.compare import NEAR_TIE, assert_greedy_matches
 from deepinfer.testing.models import build_tiny_hf_model
 
 
@@ -145,12 +146,15 @@ def test_overlap_on_gpu(ckpt):
     """On the GPU, where the next step really runs while the host collects: float32 greedy tokens as without
     overlap, and every step after the first reported one step late."""
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 26, 2)]
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (24, 5, 17, 1, 30, 12)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=2)  # logprobs: the top two
+              for m in (24, 5, 17, 1, 30, 12)]
     kw = dict(device="cuda", backend="nvidia", dtype="float32", num_kv_blocks=64, block_size=4)
     on, off = LLM(ckpt, overlap_scheduling=True, **kw), LLM(ckpt, overlap_scheduling=False, **kw)
     assert on.engine.overlap and not off.engine.overlap
     a = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
-    b = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    b = [o.outputs[0] for o in off.generate(prompts, params, use_tqdm=False)]
     assert [len(x) for x in a] == [24, 5, 17, 1, 30, 12]
-    assert sum(x == y for x, y in zip(a, b)) >= 5  # float32 near-ties of a tiny random model may flip one
+    # Overlap changes a step's batch (a finished row's extra token), so cuBLAS may pick another GEMM and round
+    # differently: a sequence may part from the synchronous run only at a near-tie of that run's top two logits.
+    assert_greedy_matches(a, [y.token_ids for y in b], [y.logprobs for y in b], NEAR_TIE["float32"])
     assert on.engine.pool.num_free == on.engine.pool.num_blocks

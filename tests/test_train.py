@@ -17,6 +17,7 @@ from deepinfer.models.ced import functional as fn
 from deepinfer.models.ced import train as T
 from deepinfer.models.ced.config import CEDConfig
 from deepinfer.models.ced.model import CEDForCausalLM
+from deepinfer.testing.compare import MODEL_FACTOR, assert_logits_close
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,8 +53,8 @@ def test_rows_match_forward_full_per_replay_start(std):
         for b in range(4):
             s = int(starts[b])
             logits, hid = m.forward_full(ids[b], replay_start=s, return_hidden=True)
-            torch.testing.assert_close(h[b, s:], hid, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(m.logits(h[b, s:]), logits, rtol=1e-4, atol=1e-4)
+            assert_logits_close(h[b, s:], hid, factor=MODEL_FACTOR, what=f"hidden, row {b}")
+            assert_logits_close(m.logits(h[b, s:]), logits, factor=MODEL_FACTOR, what=f"logits, row {b}")
 
 
 def test_bounded_rows_are_engine_prefills():
@@ -69,7 +70,7 @@ def test_bounded_rows_are_engine_prefills():
         for r in range(len(seq)):
             i = int(last[r])
             _, hid = m.forward_full(ids[seq[r], :i + 1], replay_start=max(0, i + 1 - W), return_hidden=True)
-            torch.testing.assert_close(got[r], hid[-1], rtol=1e-5, atol=1e-5)
+            assert_logits_close(got[r], hid[-1], factor=MODEL_FACTOR, what=f"row {r}")
 
 
 def test_eval_stream_scores_every_target_once_and_exact_matches_forward_full():

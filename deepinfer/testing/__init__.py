@@ -1,9 +1,13 @@
 """Public test helpers: hypothesis strategies, oracles (the slow twins of the fast paths), assert_close,
-and builders of tiny real checkpoints (models.py, ced.py, tokenizers.py)."""
+the parity comparisons of compare.py (assert_logits_close: a bound scaled to each row's magnitude;
+assert_greedy_matches: greedy tokens equal or parting only at a near-tie of the reference), and builders of tiny
+real checkpoints (models.py, ced.py, tokenizers.py)."""
 
 from __future__ import annotations
 
 import torch
+
+from .compare import assert_greedy_matches, assert_logits_close, assert_same_or_near_tie
 
 _TOL = {torch.float64: (1e-7, 1e-9), torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2),
         torch.float16: (5e-3, 5e-3)}
@@ -17,4 +21,4 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol=None, atol=N
                                rtol=r if rtol is None else rtol, atol=a if atol is None else atol)
 
 
-__all__ = ["assert_close"]
+__all__ = ["assert_close", "assert_greedy_matches", "assert_logits_close", "assert_same_or_near_tie"]

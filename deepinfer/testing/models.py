@@ -70,8 +70,11 @@ def _config_class(arch: str):
 
 
 def build_tiny_hf_model(out_dir, name: str = "llama", seed: int = 0, vocab_size: int = 512,
-                        max_position_embeddings: int = 512, init_range: float = 0.1, dtype: str = "float32"):
-    """Write a random-weight checkpoint (config.json, model.safetensors, tokenizer files) and return the HF model."""
+                        max_position_embeddings: int = 512, init_range: float = 0.1, dtype: str = "float32",
+                        random_norms_and_biases: bool = False):
+    """Write a random-weight checkpoint (config.json, model.safetensors, tokenizer files) and return the HF model.
+    ``random_norms_and_biases``: norm weights 1 + N(0, 0.2^2) and biases N(0, init_range^2) instead of transformers'
+    ones and zeros, which a model that drops a norm weight or a bias would still match."""
     import torch
     import transformers
 
@@ -85,5 +88,12 @@ def build_tiny_hf_model(out_dir, name: str = "llama", seed: int = 0, vocab_size:
                               eos_token_id=tok.eos_token_ids[0], pad_token_id=tok.pad_token_id, **spec)
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(cfg).to(getattr(torch, dtype)).eval()
+    if random_norms_and_biases:
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n or n.endswith(".bias"):
+                    noise = torch.randn(p.shape, generator=g).to(p.dtype)
+                    p.copy_(1 + 0.2 * noise if "norm" in n else init_range * noise)
     model.save_pretrained(out, safe_serialization=True)
     return model
