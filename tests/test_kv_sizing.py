@@ -90,3 +90,21 @@ def test_a_default_length_is_capped(caplog):
     with caplog.at_level(logging.WARNING):
         plan = plan_kv(EngineConfig(block_size=16, num_kv_blocks=10), 1024, 0, 1000, explicit_len=False)
     assert plan.max_model_len == 160 and "capping max_model_len at 160" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the profile run measures CUDA memory")
+def test_profile_run_on_cuda(tmp_path, caplog):
+    from deepinfer import LLM, SamplingParams
+
+    build_tiny_hf_model(tmp_path, "llama")
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(tmp_path), device="cuda", max_num_seqs=32, gpu_memory_utilization=0.5)
+    plan = llm.kv_plan
+    p = plan.profile
+    assert plan.source.startswith("profile") and p is not None and p.peak_step > 0 and p.graph_reserve > 0
+    # The pool fits in the share: in use after loading + peak + graphs + cache <= 0.5 x total.
+    cache = plan.num_blocks * plan.bytes_per_block + plan.fixed_bytes
+    assert p.in_use + p.peak_step + p.graph_reserve + cache <= 0.5 * p.total
+    assert "KV cache:" in caplog.text and "max concurrency" in caplog.text
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
