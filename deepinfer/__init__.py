@@ -3,7 +3,7 @@
 from .core.graph import Pipeline, PipelineError
 from .core.hookspecs import hookimpl, hookspec
 from .core.params import SamplingParams
-from .core.stage import Stage
+from .core.stage import RowError, Stage
 from .outputs import CompletionOutput, Logprob, RequestOutput
 
 __version__ = "0.1.0"
@@ -19,4 +19,4 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "Pipeline", "PipelineError",
-           "Stage", "hookimpl", "hookspec", "__version__"]
+           "Stage", "RowError", "hookimpl", "hookspec", "__version__"]
