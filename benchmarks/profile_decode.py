@@ -122,13 +122,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--out", default="profile.jsonl")
     ap.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs: profile the eager step's host time")
     args = ap.parse_args()
     cfg = gpu_bench.SHAPES[args.shape]
     ns = argparse.Namespace(dtype="bfloat16", device="cuda", backend=None, build_in_dtype="auto")
     overlap = {"auto": None, "on": True, "off": False}[args.overlap]
     with tempfile.TemporaryDirectory() as d:
         gpu_bench.write_model_dir(Path(d), cfg)
-        llm, _ = gpu_bench.build_llm(Path(d), ns, cfg, max_model_len=4096, overlap_scheduling=overlap)
+        llm, _ = gpu_bench.build_llm(Path(d), ns, cfg, max_model_len=4096, overlap_scheduling=overlap,
+                                     enforce_eager=args.eager, num_kv_blocks=4096)
     vocab = cfg["vocab_size"]
     rows = []
     for B in args.batches:
