@@ -1,4 +1,5 @@
-"""The offline throughput workload behind ``deepinfer bench`` (and benchmarks/hf_compare.py).
+"""The offline throughput workload behind ``deepinfer bench`` (and benchmarks/hf_compare.py); the serving
+workload (``--request-rate``, requests arriving over time) is in bench_serving.py.
 
 N prompts of random token ids (or texts from a file), greedy, a fixed number of
 output tokens each, all submitted at once. Measured: wall time, output and
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import random
@@ -31,14 +33,16 @@ from .core.params import SamplingParams
 
 # --- prompts -------------------------------------------------------------------------------------------
 
-def random_prompts(tokenizer, num_prompts: int, input_len: int, seed: int = 0) -> list:
-    """num_prompts lists of input_len token ids, drawn uniformly from the non-special vocabulary."""
-    if num_prompts < 1 or input_len < 1:
-        raise ValueError(f"bench needs num_prompts >= 1 and input_len >= 1, got {num_prompts} and {input_len}")
+def random_prompts(tokenizer, num_prompts: int, input_len, seed: int = 0) -> list:
+    """num_prompts lists of token ids drawn uniformly from the non-special vocabulary; input_len is one length
+    for all, or a list of num_prompts lengths."""
+    lens = [input_len] * num_prompts if isinstance(input_len, int) else list(input_len)
+    if num_prompts < 1 or len(lens) != num_prompts or min(lens) < 1:
+        raise ValueError(f"bench needs num_prompts >= 1 and input lengths >= 1, got {num_prompts} and {input_len}")
     special = set(tokenizer.all_special_ids)
     pool = [i for i in range(tokenizer.vocab_size) if i not in special]
     rng = random.Random(seed)
-    return [rng.choices(pool, k=input_len) for _ in range(num_prompts)]
+    return [rng.choices(pool, k=n) for n in lens]
 
 
 def read_prompts_file(path: str | os.PathLike, num_prompts: Optional[int] = None) -> list:
@@ -96,28 +100,32 @@ class ModelTimer:
 
 # --- the run ----------------------------------------------------------------------------------------------
 
-def bench_params(output_len: int, ban_eos: bool = False) -> SamplingParams:
-    """Greedy, exactly output_len tokens. ban_eos=True masks EOS like HF's min_new_tokens instead of
-    sampling through it (ignore_eos); hf_compare uses it so both engines choose among the same tokens."""
+def bench_params(output_len: int, ban_eos: bool = False, sampling: Optional[dict] = None) -> SamplingParams:
+    """Greedy (or ``sampling``'s SamplingParams fields, e.g. temperature), exactly output_len tokens. ban_eos=True
+    masks EOS like HF's min_new_tokens instead of sampling through it (ignore_eos); hf_compare uses it so both
+    engines choose among the same tokens."""
+    kw = {"temperature": 0.0, **(sampling or {})}
     if ban_eos:
-        return SamplingParams(max_tokens=output_len, min_tokens=output_len, temperature=0.0)
-    return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+        return SamplingParams(max_tokens=output_len, min_tokens=output_len, **kw)
+    return SamplingParams(max_tokens=output_len, ignore_eos=True, **kw)
 
 
-def _pct(xs: list, q: float) -> float:
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between order statistics (numpy's default); xs must not be empty."""
     xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    k = (len(xs) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def run(llm, prompts: Sequence, output_len: int, ban_eos: bool = False) -> dict:
+def run(llm, prompts: Sequence, output_len: int, ban_eos: bool = False, sampling: Optional[dict] = None) -> dict:
     """Generate for every prompt (token id lists or texts) at once; return the measurements and outputs.
 
     The returned dict's ``token_ids`` holds each prompt's output ids (not for the JSONL row).
     """
     engine = llm.engine
-    params = bench_params(output_len, ban_eos)
+    params = bench_params(output_len, ban_eos, sampling)
     reqs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
     steps0, step_time0 = engine.stats["steps"], engine.stats["step_time"]
     with ModelTimer(engine.model, engine.device) as timer:
@@ -141,7 +149,7 @@ def run(llm, prompts: Sequence, output_len: int, ban_eos: bool = False) -> dict:
         "output_tok_s": out_tok / wall,
         "total_tok_s": (in_tok + out_tok) / wall,
         "ttft_mean_s": statistics.fmean(ttft),
-        "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_p50_s": percentile(ttft, 50),
         "ttft_max_s": max(ttft),
         "step_ms": per_step(step_time),  # inside Engine.step's timed part (stages + fold)
         "model_ms_per_step": per_step(timer.seconds),  # model forward + compute_logits
@@ -252,6 +260,8 @@ TABLE_COLUMNS = (
 
 
 def _cell(row: dict, key, fmt) -> str:
+    if callable(key):
+        return key(row)
     if key is None:  # in/out lengths; prompts from a file have no fixed input length: show the mean
         inp = row.get("input_len")
         if inp is None and row.get("input_tokens") and row.get("num_prompts"):
@@ -281,13 +291,31 @@ def bench(model: Optional[str] = None, num_prompts: int = 32, input_len: int = 6
           prompts_file: Optional[str] = None, seed: int = 0, recipe: str = "throughput",
           max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
           dtype: str = "auto", max_model_len: Optional[int] = None, warmups: int = 1,
-          out: Optional[str] = None, threads: Optional[int] = None, echo=print) -> dict:
+          out: Optional[str] = None, threads: Optional[int] = None, request_rate: Optional[float] = None,
+          burstiness: float = 1.0, input_len_range: Optional[Sequence[int]] = None,
+          output_len_range: Optional[Sequence[int]] = None, sampling: Optional[dict] = None, echo=print) -> dict:
     """Load, warm up, run once, write a JSONL row (only when ``out`` is given) and print the table; returns
-    the row. ``threads``: torch CPU threads (``LLM(threads=)``)."""
+    the row. ``threads``: torch CPU threads (``LLM(threads=)``). ``sampling``: SamplingParams fields over greedy.
+
+    With ``request_rate`` (inf: all at once) or a length range, the serving workload of bench_serving.py:
+    requests arrive over time, lengths drawn from the (LO, HI) ranges (default: the fixed lengths)."""
+    from . import bench_serving as serving
     from .core.llm import LLM
 
     if output_len < 1:
         raise ValueError(f"bench output_len={output_len} is invalid: must be >= 1")
+    is_serving = request_rate is not None or input_len_range is not None or output_len_range is not None
+    if is_serving:
+        if prompts_file and input_len_range:
+            raise ValueError("--input-len-range does not apply to --prompts-file (its prompts have their lengths)")
+        input_len_range = None if prompts_file else tuple(input_len_range or (input_len, input_len))
+        output_len_range = tuple(output_len_range or (output_len, output_len))
+        request_rate = float("inf") if request_rate is None else request_rate
+        arrivals = serving.arrival_times(num_prompts, request_rate, burstiness, seed)
+        in_lens = serving.draw_lengths(num_prompts, *input_len_range, seed, "input") if input_len_range else None
+        out_lens = serving.draw_lengths(num_prompts, *output_len_range, seed, "output")
+    else:
+        in_lens, out_lens = input_len, [output_len] * num_prompts
     kwargs = {}
     if max_num_seqs is not None:
         kwargs["max_num_seqs"] = max_num_seqs
@@ -296,39 +324,54 @@ def bench(model: Optional[str] = None, num_prompts: int = 32, input_len: int = 6
     texts = read_prompts_file(prompts_file, num_prompts) if prompts_file else None
     if max_model_len is None:
         # Size the KV pool for this workload: the default (max_num_seqs full contexts) allocates far more.
-        longest = input_len
         if texts is not None:
             from .models.loader import resolve_model_path
             from .tokenizer import Tokenizer
 
             longest = max(len(ids) for ids in as_token_ids(Tokenizer.from_dir(resolve_model_path(model)), texts))
-        max_model_len = longest + output_len
+        else:
+            longest = max(in_lens) if is_serving else input_len
+        max_model_len = longest + max(out_lens)
     llm = LLM(model=model, recipe=recipe, dtype=dtype, max_model_len=max_model_len, threads=threads, **kwargs)
     if texts is not None:
         prompts = as_token_ids(llm.tokenizer, texts)
     else:
-        prompts = random_prompts(llm.tokenizer, num_prompts, input_len, seed)
+        prompts = random_prompts(llm.tokenizer, num_prompts, in_lens, seed)
     for _ in range(warmups):
-        warmup(llm, prompts, output_len)
-    res = run(llm, prompts, output_len)
-    res.pop("token_ids")
-    row = {
-        "bench": "deepinfer bench",
-        "engine": "deepinfer",
-        **engine_settings(llm),
-        "num_prompts": len(prompts),
-        "input_len": input_len if texts is None else None,
-        "output_len": output_len,
-        "prompts_file": str(Path(prompts_file).resolve()) if prompts_file else None,
-        "seed": seed,
-        "sampling": {"temperature": 0.0, "ignore_eos": True, "max_tokens": output_len},
-        "warmups": warmups,
-        **res,
-        **machine_info(),
-    }
+        warmup(llm, prompts, max(out_lens))
+    row = {"bench": "deepinfer bench", "engine": "deepinfer", **engine_settings(llm), "num_prompts": len(prompts)}
+    params = {"temperature": 0.0, **(sampling or {}), "ignore_eos": True}
+    if is_serving:
+        lines, duration, steps = serving.serve(llm.engine, prompts, out_lens, arrivals, sampling)
+        row.update({
+            "workload": "serving",
+            "request_rate": request_rate if math.isfinite(request_rate) else "inf",  # JSON has no inf
+            "burstiness": burstiness,
+            "input_len_range": list(input_len_range) if input_len_range else None,
+            "output_len_range": list(output_len_range),
+            "prompts_file": str(Path(prompts_file).resolve()) if prompts_file else None,
+            "seed": seed,
+            "sampling": params,  # max_tokens: each request's drawn output length
+            "warmups": warmups,
+            "steps": steps,
+            **serving.summarize(lines, duration),
+        })
+    else:
+        res = run(llm, prompts, output_len, sampling=sampling)
+        res.pop("token_ids")
+        row.update({
+            "input_len": input_len if texts is None else None,
+            "output_len": output_len,
+            "prompts_file": str(Path(prompts_file).resolve()) if prompts_file else None,
+            "seed": seed,
+            "sampling": {**params, "max_tokens": output_len},
+            "warmups": warmups,
+            **res,
+        })
+    row.update(machine_info())
     if out:
         append_jsonl(out, [row])
-    echo(format_table([row]))
+    echo(serving.format_tables(row) if is_serving else format_table([row]))
     if out:
         echo(f"wrote 1 row to {out}")
     return row

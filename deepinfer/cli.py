@@ -341,11 +341,16 @@ def cmd_bench(args) -> int:
     threads = _threads(args)
     from .models.loader import CheckpointError
 
+    if args.burstiness is not None and args.request_rate is None:
+        raise UsageError("--burstiness needs --request-rate")
+    sampling = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k") if getattr(args, k) is not None}
     try:
         bench(model=args.model, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
               prompts_file=args.prompts_file, seed=args.seed, recipe=args.recipe, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, max_model_len=args.max_model_len,
-              warmups=args.warmups, out=args.out or None, threads=threads)
+              warmups=args.warmups, out=args.out or None, threads=threads, request_rate=args.request_rate,
+              burstiness=1.0 if args.burstiness is None else args.burstiness, input_len_range=args.input_len_range,
+              output_len_range=args.output_len_range, sampling=sampling)
     except CheckpointError as exc:
         _demo_hint(args, exc)
     return EXIT_OK
@@ -408,18 +413,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"std of the normal weight init (default {DEFAULT_INIT_STD})")
     p.set_defaults(func=cmd_init_model)
 
-    p = sub.add_parser("bench", help="offline throughput benchmark; prints a table (and a JSONL row with --out)")
-    _model_args(p, recipe="throughput", max_model_len="the longest prompt + --output-len")
-    p.add_argument("--num-prompts", type=int, default=32, help="prompts, all submitted at once (default 32)")
+    p = sub.add_parser("bench", help="throughput benchmark, offline or (--request-rate) serving; prints a table "
+                                     "(and a JSONL row with --out)")
+    _model_args(p, recipe="throughput", max_model_len="the longest prompt + the longest output")
+    p.add_argument("--num-prompts", type=int, default=32,
+                   help="prompts, all submitted at once unless --request-rate (default 32)")
     p.add_argument("--input-len", type=int, default=64, help="tokens per random prompt (default 64)")
     p.add_argument("--output-len", type=int, default=64, help="tokens generated per prompt, EOS ignored (default 64)")
     p.add_argument("--prompts-file", default=None, metavar="F",
                    help="prompt texts, one per line, instead of random ids")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts, arrivals and lengths (default 0)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="batch size cap (default: the recipe's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: the recipe's)")
     p.add_argument("--warmups", type=int, default=1, help="short untimed runs first (default 1)")
+    g = p.add_argument_group("serving workload (--request-rate or a length range; reports TTFT, ITL, TPOT, E2E)")
+    g.add_argument("--request-rate", type=float, default=None, metavar="R",
+                   help="requests/s arriving as a Poisson process (inf: all at once)")
+    g.add_argument("--burstiness", type=float, default=None, metavar="K",
+                   help="gamma inter-arrival times of shape K (default 1: Poisson; < 1 burstier, > 1 steadier)")
+    g.add_argument("--input-len-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="prompt lengths drawn uniformly from LO..HI (default: --input-len)")
+    g.add_argument("--output-len-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="output lengths drawn uniformly from LO..HI, EOS ignored (default: --output-len)")
+    g = p.add_argument_group("sampling (default greedy)")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 0)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (default 1.0: off)")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely (default 0: off)")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="JSONL file to append the result row to (default: none, only the table is printed)")
     p.set_defaults(func=cmd_bench)
