@@ -102,7 +102,8 @@ class Engine:
                        device=self.device, generator=self.generator, engine_config=config,
                        decode_graphs=self.decode_graphs, block_tables=self.block_tables)
         self.stages = pipeline.build(context)
-        self.requests: dict = {}
+        self.requests: dict = {}  # not yet reported as finished
+        self._to_report: list = []  # failed at admission or aborted since the last step
         self.warned: set = set()  # what add_request has warned about (once per engine)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -145,6 +146,7 @@ class Engine:
         except Exception as exc:  # the request fails alone
             req.error = f"{type(exc).__name__}: {exc}"
             log.warning("deepinfer: request %s failed at admission: %s", request_id, req.error)
+            self._to_report.append(req)
             return req
         if params.logprobs is not None and self.pipeline.writer("logprobs") is None and "logprobs" not in self.warned:
             self.warned.add("logprobs")  # once per engine
@@ -174,9 +176,10 @@ class Engine:
             if not s.finished:
                 self.scheduler.finish(s)
                 s.finish_reason = "abort"
+        self._to_report.append(req)
 
     def has_unfinished(self) -> bool:
-        return self._inflight is not None or any(not r.reported_done for r in self.requests.values())
+        return self._inflight is not None or bool(self.requests)  # reported requests leave self.requests
 
     # One step.
     def step(self) -> list:
@@ -188,13 +191,13 @@ class Engine:
         overlap scheduling the next step is launched before this one is collected, its decode inputs read
         the pending tokens on the device, and the results reported by a call are those of the step before.
         """
-        touched: dict = {}
-        for req in self.requests.values():  # admission errors and aborts are reported on the next step
-            if not req.reported_done and (req.error is not None or (req.seqs and req.finished)):
-                touched[req.request_id] = req
+        # Admission errors and aborts are reported on the next step (no scan over every request: per-step
+        # work does not grow with the number of idle requests).
+        touched: dict = {r.request_id: r for r in self._to_report if not r.reported_done}
+        self._to_report = []
         prev, self._inflight = self._inflight, None
         if prev is not None and any(s.pending and s.params.needs_output_tokens for s in prev.sample_seqs):
-            self._collect_step(prev, touched)  # penalties count the output tokens: they must be known first
+            self._collect_step(prev, touched)  # bad words / logits processors read the output tokens on the host
             prev = None
         launched = self._launch(touched)
         if prev is not None:
@@ -332,8 +335,8 @@ class Engine:
             outs.append(self._output(req))
             if req.finished:
                 req.reported_done = True
-        for rid in [r for r, q in self.requests.items() if q.reported_done]:
-            del self.requests[rid]
+            if req.reported_done:
+                self.requests.pop(req.request_id, None)
         return outs
 
     def _fold(self, state: StepState, sample_seqs: list, touched: dict) -> None:
