@@ -85,6 +85,11 @@ class Ops:
     def compute_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
         raise NotImplementedError
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        """Structured outputs, in place: logits[rows[i], v] = -inf unless bit v % 32 of bitmask[i, v // 32] is set.
+        logits [S, V] float, bitmask [R, W] int32 (W >= ceil(V / 32)), rows [R] int64 distinct row indices."""
+        raise NotImplementedError
+
     # Low-bit KV caches and the CED (DeepSeek-V4.1-Flash) engine path's attention and indexer.
     def quantize_kv(self, x: torch.Tensor, fmt: str):
         """x [..., C] -> (codes uint8, scales uint8 or None) in reference.lowbit's byte layout for ``fmt``."""

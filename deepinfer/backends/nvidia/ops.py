@@ -189,6 +189,14 @@ class NvidiaOps(ReferenceOps):
             return triton_sampling.sample(logits, batch, generator)
         return super().sample(logits, batch, generator)
 
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        from . import triton_bitmask
+
+        if kernel_device_ok(logits, bitmask, rows) and triton_bitmask.supports(logits, bitmask, rows):
+            self.kernel_calls["apply_token_bitmask"] += 1
+            return triton_bitmask.apply_token_bitmask(logits, bitmask, rows)
+        return super().apply_token_bitmask(logits, bitmask, rows)
+
     # KV cache writes and rotary embeddings: one launch each.
     def write_kv(self, k_cache, v_cache, k, v, slots):
         from . import triton_kv_write

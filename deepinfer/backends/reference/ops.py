@@ -117,6 +117,11 @@ class ReferenceOps(Ops):
 
         return compute_logprobs(logits, token_ids, num_top)
 
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        from .bitmask import apply_token_bitmask
+
+        apply_token_bitmask(logits, bitmask, rows)
+
     # Low-bit KV caches and the CED engine path (the PyTorch code the CED engine path ran before it called ops).
     def quantize_kv(self, x, fmt):
         from . import lowbit
