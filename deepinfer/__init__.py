@@ -2,7 +2,7 @@
 
 from .core.graph import Pipeline, PipelineError
 from .core.hookspecs import hookimpl, hookspec
-from .core.params import SamplingParams
+from .core.params import SamplingParams, StructuredOutputsParams
 from .core.stage import RowError, Stage
 from .outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -18,5 +18,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "Pipeline", "PipelineError",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "Pipeline", "PipelineError",
            "Stage", "RowError", "hookimpl", "hookspec", "__version__"]

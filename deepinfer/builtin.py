@@ -13,6 +13,7 @@ RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 
 @hookimpl
 def deepinfer_register_stages(register):
+    from .stages.constrain import GrammarStage
     from .stages.detokenize import DetokenizeStage
     from .stages.model_call import ForwardStage
     from .stages.prefill import PrefillStage
@@ -20,7 +21,8 @@ def deepinfer_register_stages(register):
     from .stages.tokenize import TokenizeStage
     from .stages.verify import VerifyStage
 
-    for cls in (TokenizeStage, PrefillStage, ForwardStage, VerifyStage, SampleStage, DetokenizeStage):
+    for cls in (TokenizeStage, PrefillStage, ForwardStage, VerifyStage, GrammarStage, SampleStage,
+                DetokenizeStage):
         register.stage(kind=cls.kind, name=cls.name, factory=cls)
 
 

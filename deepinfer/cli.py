@@ -84,6 +84,42 @@ def _sampling_args(p: argparse.ArgumentParser, n: bool = True, max_tokens: int =
         g.add_argument("--n", type=int, default=None, help="completions per prompt (default 1)")
         g.add_argument("--logprobs", type=int, default=None, metavar="N",
                        help="with --json: report the top-N logprobs of every generated token")
+    g = p.add_argument_group("structured outputs (at most one; needs xgrammar: pip install 'deepinfer[structured]')")
+    g.add_argument("--json-schema", default=None, metavar="FILE", help="the output is JSON valid under this schema")
+    g.add_argument("--regex", default=None, help="the output matches this regular expression")
+    g.add_argument("--choice", action="append", default=None, metavar="S",
+                   help="the output is exactly one of the choices; one per flag: --choice yes --choice no")
+    g.add_argument("--grammar", default=None, metavar="FILE", help="the output is a sentence of this EBNF grammar "
+                                                                    "(xgrammar's EBNF, rule root)")
+    g.add_argument("--disable-any-whitespace", action="store_true", default=False,
+                   help="JSON with xgrammar's fixed separators and no other whitespace (small models otherwise "
+                        "tend to pad JSON with newlines)")
+    g.add_argument("--jump-forward", action="store_true", default=False,
+                   help="append the text the grammar forces without model steps")
+
+
+def _structured(args):
+    """StructuredOutputsParams from --json-schema / --regex / --choice / --grammar, or None."""
+    from .core.params import StructuredOutputsParams
+
+    given = {k: getattr(args, k, None) for k in ("json_schema", "regex", "choice", "grammar")}
+    given = {k: v for k, v in given.items() if v is not None}
+    options = {k: True for k in ("disable_any_whitespace", "jump_forward") if getattr(args, k, False)}
+    if not given:
+        if options:
+            raise UsageError("--" + next(iter(options)).replace("_", "-") + " needs one of --json-schema, --regex, "
+                             "--choice, --grammar")
+        return None
+    if len(given) > 1:
+        raise UsageError("give at most one of " + ", ".join("--" + k.replace("_", "-") for k in given))
+    (flag, value), = given.items()
+    if flag in ("json_schema", "grammar"):
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = f.read()
+        except OSError as exc:
+            raise UsageError(f"--{flag.replace('_', '-')} {value}: cannot read it ({exc.strerror})") from None
+    return StructuredOutputsParams(**{"json" if flag == "json_schema" else flag: value}, **options)
 
 
 def _sampling_params(args, **defaults):
@@ -94,6 +130,7 @@ def _sampling_params(args, **defaults):
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v
+    kw["structured_outputs"] = _structured(args)
     return SamplingParams(**kw)  # raises ValueError naming the field
 
 

@@ -59,7 +59,8 @@ def test_field_table_matches_the_state_classes():
     pipe = Pipeline.from_recipe("reference", registry=get_registry(new_plugin_manager(load_entry_points=False)))
     for spec in pipe.specs:
         for f in spec.writes:
-            assert doc[(spec.phase, f)] == spec.kind, (spec.name, f)
+            if f not in spec.reads:  # a stage that reads and writes a field transforms it (grammar: logits)
+                assert doc[(spec.phase, f)] == spec.kind, (spec.name, f)
 
 
 def test_kinds_and_dotted_names_on_the_page_exist():

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from deepinfer import Pipeline, PipelineError
 from deepinfer.core.plugins import get_registry, new_plugin_manager
 
-STEP = ["prefill", "forward", "verify", "sampler", "detokenize"]
+STEP = ["prefill", "forward", "verify", "grammar", "sampler", "detokenize"]
 
 
 # Test stages: plain classes are enough, a factory only needs the contract's class attributes.
@@ -80,7 +80,7 @@ def test_reference_recipe_order(ref):
 
 
 def test_missing_producer_names_stage_and_field(ref):
-    with pytest.raises(PipelineError, match=r"stage 'sampler' reads 'logits', which no step stage writes"):
+    with pytest.raises(PipelineError, match=r"stage 'grammar' reads 'logits', which no step stage writes"):
         ref.remove("verify")
 
 
@@ -202,7 +202,9 @@ def test_run_order_does_not_depend_on_list_order(perm):
     reg.stage(kind="constrain", name="scale", factory=ScaleLogits)
     p = Pipeline.from_stages(perm, registry=reg)
     assert p.stage_names("admit") == ["tokenize"]
-    assert p.stage_names("step") == [*STEP[:3], "scale", *STEP[3:]]
+    # Two stages transform logits (grammar and scale): both run between verify and the sampler, in list order.
+    transformers = [n for n in perm if n in ("grammar", "scale")]
+    assert p.stage_names("step") == [*STEP[:3], *transformers, *STEP[4:]]
 
 
 def test_describe_lists_every_stage_with_reads_and_writes(ref):
@@ -324,7 +326,8 @@ def test_to_dot_is_valid_and_draws_every_stage(ref):
         assert spec.name in nodes
     labelled = {(t, h, a.get("label")) for t, h, a in edges}
     assert ("verify", "scale", "logits") in labelled
-    assert ("scale", "sampler", "logits") in labelled  # the transformed value flows on
+    assert ("scale", "grammar", "logits") in labelled  # the transformed value flows on, through each transformer
+    assert ("grammar", "sampler", "logits") in labelled
     assert ("sampler", "detokenize", "next_tokens") in labelled
     assert ("step:batch", "prefill", "batch") in labelled
     assert ("admit:prompt", "tokenize", "prompt") in labelled

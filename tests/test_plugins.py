@@ -35,8 +35,8 @@ def exercises(*hooks):
     return mark
 
 
-BUILTIN_STAGES = {"tokenize": "tokenize", "prefill": "prefill", "forward": "forward", "verify": "verify", "sampler": "sample",
-                  "detokenize": "detokenize"}
+BUILTIN_STAGES = {"tokenize": "tokenize", "prefill": "prefill", "forward": "forward", "verify": "verify",
+                  "grammar": "constrain", "sampler": "sample", "detokenize": "detokenize"}
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Hello!"]
 
 

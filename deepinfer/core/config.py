@@ -62,6 +62,11 @@ def _sizes(inst, attribute, value):
         raise ValueError(f"EngineConfig.cuda_graph_sizes={value!r} is invalid: must be a non-empty list of ints >= 1")
 
 
+def _positive_seconds(inst, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ValueError(f"EngineConfig.{attribute.name}={value!r} is invalid: must be a finite number of seconds > 0")
+
+
 def _dtype(inst, attribute, value):
     if value not in DTYPES:
         raise ValueError(f"EngineConfig.dtype={value!r} is invalid: expected one of {DTYPES}")
@@ -97,6 +102,8 @@ class EngineConfig:
     # when num_kv_blocks or kv_cache_memory_gb is set.
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
     max_logprobs: int = attrs.field(default=20, validator=_max_logprobs)  # most logprobs a request may ask; -1: all
+    # A structured-output request whose grammar has not compiled this long after admission fails alone.
+    structured_outputs_timeout_s: float = attrs.field(default=10.0, validator=_positive_seconds)
     enable_prefix_caching: Optional[bool] = attrs.field(default=None, validator=_optional_bool)  # not implemented yet
     kv_cache_dtype: str = attrs.field(default="auto", validator=_only("kv_cache_dtype", "auto", (
         "the KV cache takes the model's dtype (CED checkpoints keep their own FP8/FP4 formats)")))

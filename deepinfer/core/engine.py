@@ -20,7 +20,7 @@ from .kv_cache import BlockPool, blocks_needed
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
 from .stage import RowError
-from .state import AdmitState, Sequence, SeqStatus, StepState
+from .state import AdmitState, ScheduledBatch, Sequence, SeqStatus, StepState
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class _Launched:
         self.host_tokens = None
         self.host_bad = None  # [S] bool: rows whose logits were not finite
         self.event = None
+        self.collected = False
 
 
 class Engine:
@@ -118,6 +119,12 @@ class Engine:
         step_stages = self.stages["step"]
         self._n_device_stages = next((i for i, st in enumerate(step_stages) if getattr(st, "host", False)),
                                      len(step_stages))
+        # Structured outputs (stages/constrain.py): the stage that compiles grammars at admission, the device
+        # stages before the first one that reads the tokens of the step in flight, and the jump-forward hook.
+        self._admit_hooks = [st for st in step_stages if hasattr(st, "admit_request")]
+        self._n_before_known = next((i for i, st in enumerate(step_stages[:self._n_device_stages])
+                                     if getattr(st, "reads_known_tokens", False)), self._n_device_stages)
+        self._jumpers = [st for st in step_stages if hasattr(st, "jump_forward")]
 
     # Admission.
     def add_request(self, request_id: str, prompt, params: SamplingParams, stream: bool = False,
@@ -143,6 +150,11 @@ class Engine:
                 raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
                                  f"for output (prompt must be at most {self.max_model_len - 1} tokens)")
             params = req.params = params.for_model(self.tokenizer, self.model.vocab_size, self.config.max_logprobs)
+            if params.structured_outputs is not None and not self._admit_hooks:
+                raise ValueError("structured_outputs needs a constrain stage that compiles grammars (the built-in "
+                                 "'grammar' stage); this pipeline has none")
+            for stage in self._admit_hooks:
+                stage.admit_request(request_id, params)  # raises to fail the request alone (bad schema, ...)
         except Exception as exc:  # the request fails alone
             req.error = f"{type(exc).__name__}: {exc}"
             log.warning("deepinfer: request %s failed at admission: %s", request_id, req.error)
@@ -199,8 +211,8 @@ class Engine:
         if prev is not None and any(s.pending and s.params.needs_output_tokens for s in prev.sample_seqs):
             self._collect_step(prev, touched)  # bad words / logits processors read the output tokens on the host
             prev = None
-        launched = self._launch(touched)
-        if prev is not None:
+        launched = self._launch(touched, prev)  # may collect prev itself, once the forward is queued
+        if prev is not None and not prev.collected:
             self._collect_step(prev, touched)
         if launched is not None:
             if self.overlap:
@@ -217,7 +229,7 @@ class Engine:
             self._collect_step(prev, touched)
         return self._collect(touched)
 
-    def _launch(self, touched: dict):
+    def _launch(self, touched: dict, prev=None):
         batch = self.scheduler.schedule()
         if batch is None:
             return None
@@ -227,8 +239,18 @@ class Engine:
         sample_seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
         sampling = self.sampling_state.batch(sample_seqs)  # gathered from the slots on the device
         state = StepState(batch, sampling, self.kv_cache)
+        stages, k = self.stages["step"][:self._n_device_stages], self._n_before_known
         try:
-            failed = self._run_stages(self.stages["step"][:self._n_device_stages], state)
+            failed = self._run_stages(stages[:k], state)
+            if prev is not None and k < len(stages) and any(s.params.structured_outputs is not None
+                                                            for s in sample_seqs):
+                # A constrain stage needs the tokens of the step in flight: collect it now that this step's
+                # forward is queued, so its grammar masks are filled while the device runs the forward.
+                t1 = time.perf_counter()
+                self._collect_step(prev, touched)
+                t0 += time.perf_counter() - t1
+            for i, msg in self._run_stages(stages[k:], state).items():
+                failed.setdefault(i, msg)
         except Exception as exc:  # untraceable: a failing step fails its batch, not the engine
             self._fail_batch(batch, exc, touched)
             return None
@@ -269,6 +291,7 @@ class Engine:
     def _collect_step(self, launched, touched: dict) -> None:
         """Wait for a launched step's tokens, run the host stages, fold the results into the sequences."""
         state, sample_seqs = launched.state, launched.sample_seqs
+        launched.collected = True
         t0 = time.perf_counter()
         try:
             if launched.event is not None:
@@ -298,8 +321,9 @@ class Engine:
             try:
                 stage(state)
             except RowError as exc:
+                messages = getattr(exc, "messages", None) or {}  # {row: message} when rows failed differently
                 for i in exc.rows:
-                    failed.setdefault(i, f"stage {stage.name!r} failed for this request: {exc}")
+                    failed.setdefault(i, f"stage {stage.name!r} failed for this request: {messages.get(i, exc)}")
             if "logits" in stage.writes:
                 _guard_logits(state)
         return failed
@@ -337,6 +361,8 @@ class Engine:
                 req.reported_done = True
             if req.reported_done:
                 self.requests.pop(req.request_id, None)
+                for stage in self._admit_hooks:
+                    stage.release_request(req.request_id)
         return outs
 
     def _fold(self, state: StepState, sample_seqs: list, touched: dict) -> None:
@@ -359,8 +385,6 @@ class Engine:
                 continue  # finished (stop, abort, error) while this step was in flight: its token is dropped
             req = self.requests[seq.request_id]
             req.first_token_time = req.first_token_time or now
-            seq.token_ids.append(upd.token_id)
-            seq.text = upd.text
             if seq.params.logprobs is not None and lp_rows is not None:
                 dicts, tok_lp, ranks = lp_rows
                 d = dicts[r]
@@ -370,13 +394,37 @@ class Engine:
 
                     d = {t: Logprob(l.logprob, l.rank, decode_token(self.tokenizer, t)) for t, l in d.items()}
                 seq.logprobs = (seq.logprobs or []) + [d]
-            reason, stop_reason = upd.finish_reason, upd.stop_reason
-            if reason is None and len(seq.token_ids) >= self.max_model_len:
-                reason = "length"
-            if reason is not None:
-                seq.finish_reason, seq.stop_reason = reason, stop_reason
-                self.scheduler.finish(seq)
+            self._fold_token(seq, upd)
             touched[seq.request_id] = req
+            if seq.params.jump_forward and not seq.finished and not seq.pending:
+                self._jump_forward(seq, touched)
+
+    def _fold_token(self, seq, upd) -> None:
+        """Append one token (sampled, or forced by a grammar) with its text and finish reason."""
+        seq.token_ids.append(upd.token_id)
+        seq.text = upd.text
+        reason, stop_reason = upd.finish_reason, upd.stop_reason
+        if reason is None and len(seq.token_ids) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            self.scheduler.finish(seq)
+
+    def _jump_forward(self, seq, touched: dict) -> None:
+        """Structured outputs' jump-forward: append the tokens the grammar forces without a model step. Each goes
+        through the host stages (text, stop checks) as a sampled token does; the next step computes their KV."""
+        for stage in self._jumpers:
+            for tok in stage.jump_forward(seq):
+                batch = ScheduledBatch([seq], [0], [seq.num_computed_tokens], [True])
+                state = StepState(batch, None, self.kv_cache)
+                state.next_tokens = torch.tensor([tok])
+                failed = self._run_stages(self.stages["step"][self._n_device_stages:], state)
+                if failed:
+                    self._fail_rows(batch, failed, touched)
+                    return
+                self._fold_token(seq, state.outputs[0])
+                if seq.finished:
+                    return
 
     def _output(self, req: Request) -> RequestOutput:
         prompt = req.prompt if isinstance(req.prompt, str) else None

@@ -6,6 +6,7 @@ the object is built; an invalid value raises ValueError naming the field.
 
 from __future__ import annotations
 
+import json as _json
 import math
 from typing import Optional, Union
 
@@ -76,6 +77,91 @@ def bad_words_token_ids(words, tokenizer) -> tuple:
     return tuple(out)
 
 
+def _so_check(cond: bool, field: str, value, why: str) -> None:
+    if not cond:
+        raise ValueError(f"StructuredOutputsParams.{field}={value!r} is invalid: {why}")
+
+
+def _structured(v):
+    return StructuredOutputsParams(**v) if isinstance(v, dict) else v
+
+
+def _list_as_tuple(v):
+    return tuple(v) if isinstance(v, list) else v  # any other type is left for the validator to name
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@attrs.frozen
+class StructuredOutputsParams:
+    """What a request's output must match, as vLLM's StructuredOutputsParams: exactly one of ``json`` (a JSON
+    schema, a dict or its JSON text), ``regex``, ``choice`` (a list of strings), ``grammar`` (EBNF as xgrammar
+    reads it) or ``json_object=True`` (any JSON object). ``disable_any_whitespace``: JSON is written with
+    xgrammar's fixed separators (", " and ": ") and no other whitespace. ``jump_forward``: when the grammar
+    admits exactly one continuation, append it without a model step (off by default). Every field is
+    validated when the object is built; an invalid value raises ValueError naming the field."""
+
+    json: Optional[Union[dict, str]] = attrs.field(default=None, hash=False)
+    regex: Optional[str] = None
+    choice: Optional[tuple] = attrs.field(default=None, converter=_list_as_tuple)
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+    jump_forward: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        js = self.json
+        if isinstance(js, str):
+            _so_check(js.strip() != "", "json", js, "must be a JSON schema: a dict, or its JSON text (not empty)")
+            try:
+                parsed = _json.loads(js)
+            except ValueError as exc:
+                raise ValueError(f"StructuredOutputsParams.json={js!r} is invalid: not JSON ({exc})") from None
+            _so_check(isinstance(parsed, dict), "json", js, "must be a JSON schema (a JSON object)")
+        else:
+            _so_check(js is None or isinstance(js, dict), "json", js, "must be a JSON schema: a dict, or its JSON text")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            _so_check(v is None or (isinstance(v, str) and v.strip() != ""), name, v, "must be a non-empty string")
+        c = self.choice
+        _so_check(c is None or isinstance(c, tuple), "choice", c, "must be a list of strings")
+        if c is not None:
+            _so_check(len(c) > 0, "choice", list(c), "must be a non-empty list of strings")
+            _so_check(all(isinstance(x, str) and x != "" for x in c), "choice", list(c),
+                      "must hold non-empty strings")
+        _so_check(self.json_object is None or isinstance(self.json_object, bool), "json_object", self.json_object,
+                  "must be None or a bool")
+        for name in ("disable_any_whitespace", "jump_forward"):
+            _so_check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be a bool")
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            what = "none is set" if not given else f"{' and '.join(given)} are {'both' if len(given) == 2 else 'all'} set"
+            raise ValueError(f"StructuredOutputsParams needs exactly one of json, regex, choice, grammar or "
+                             f"json_object=True: {what}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, regex, choice, grammar or json_object."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """(kind, text, whitespace): what a compiled grammar depends on (the cache key, with the tokenizer). A
+        schema's text keeps its key order (xgrammar writes properties in schema order)."""
+        kind = self.kind
+        if kind == "json":
+            text = self.json if isinstance(self.json, str) else _json.dumps(self.json)
+            text = _json.dumps(_json.loads(text))  # one spelling per schema, whatever the whitespace
+        elif kind == "choice":
+            text = _json.dumps(list(self.choice))
+        elif kind == "json_object":
+            text = ""
+        else:
+            text = getattr(self, kind)
+        return kind, text, kind in ("json", "json_object") and self.disable_any_whitespace
+
+
 @attrs.frozen
 class SamplingParams:
     n: int = 1
@@ -104,6 +190,8 @@ class SamplingParams:
     # fn(output_token_ids, logits[V]) -> logits[V] (or fn(prompt_token_ids, output_token_ids, logits)), per
     # row in Python, so slower than the batched fields.
     logits_processors: tuple = attrs.field(default=(), converter=_as_tuple)
+    # The output must match this (a JSON schema, regex, choice or EBNF grammar); a dict is read as its fields.
+    structured_outputs: Optional[StructuredOutputsParams] = attrs.field(default=None, converter=_structured)
     # Filled at admission (for_model): the token sequences of bad_words.
     _bad_words_token_ids: tuple = attrs.field(default=(), alias="_bad_words_token_ids", repr=False)
 
@@ -152,6 +240,11 @@ class SamplingParams:
                "truncate_prompt_tokens", t, "must be None, -1 (max_model_len - 1) or an int >= 1")
         _check(all(callable(f) for f in self.logits_processors), "logits_processors", self.logits_processors,
                "must be callables fn(output_token_ids, logits) -> logits")
+        so = self.structured_outputs
+        _check(so is None or isinstance(so, StructuredOutputsParams), "structured_outputs", so,
+               "must be None or a StructuredOutputsParams")
+        _check(so is None or not so.jump_forward or self.logprobs is None, "structured_outputs", so,
+               "jump_forward=True cannot be combined with logprobs (jumped tokens are not sampled: they have none)")
 
     @property
     def greedy(self) -> bool:
@@ -169,7 +262,13 @@ class SamplingParams:
     def needs_output_tokens(self) -> bool:
         """The sampler reads this row's output tokens on the host (so they must be known, not pending, when it
         runs). Penalties do not: their token counts grow on the device (core/sampling_state.py)."""
-        return bool(self.bad_words) or bool(self.logits_processors)
+        return bool(self.bad_words) or bool(self.logits_processors) or self.jump_forward
+
+    @property
+    def jump_forward(self) -> bool:
+        """Structured outputs with jump-forward: tokens the grammar forces are appended between steps, so the
+        engine learns this row's tokens before it launches the next step."""
+        return self.structured_outputs is not None and self.structured_outputs.jump_forward
 
     @property
     def bad_words_token_ids(self) -> tuple:

@@ -1,0 +1,135 @@
+"""StructuredOutputsParams and the JSON-schema checks: invalid values raise ValueError naming the field; the
+features xgrammar would silently weaken are refused naming the keyword and where it is, and each refusal is
+backed by a probe showing that xgrammar 0.2.9 indeed accepts output that violates the keyword."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import deepinfer
+from deepinfer import SamplingParams, StructuredOutputsParams as SO
+from deepinfer.core.config import EngineConfig
+from deepinfer.structured import check_json_schema, unsupported_feature
+
+
+def test_exported_and_carried_by_sampling_params():
+    assert deepinfer.StructuredOutputsParams is SO and "StructuredOutputsParams" in deepinfer.__all__
+    p = SamplingParams(structured_outputs={"regex": "a+"})  # a dict is read as the fields
+    assert p.structured_outputs == SO(regex="a+") and p.structured_outputs.kind == "regex"
+    hash(SamplingParams(structured_outputs=SO(json={"type": "object"})))  # a dict schema keeps params hashable
+    assert SO(choice=["a", "b"]).choice == ("a", "b")
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(json=""), r"StructuredOutputsParams\.json='' is invalid"),
+    (dict(json="  "), r"StructuredOutputsParams\.json='  ' is invalid"),
+    (dict(json="{not json"), r"StructuredOutputsParams\.json='\{not json' is invalid: not JSON"),
+    (dict(json="[1]"), r"StructuredOutputsParams\.json='\[1\]' is invalid: must be a JSON schema"),
+    (dict(json=3), r"StructuredOutputsParams\.json=3 is invalid"),
+    (dict(regex=""), r"StructuredOutputsParams\.regex='' is invalid: must be a non-empty string"),
+    (dict(grammar=""), r"StructuredOutputsParams\.grammar='' is invalid"),
+    (dict(choice="yes"), r"StructuredOutputsParams\.choice='yes' is invalid: must be a list of strings"),
+    (dict(choice=[]), r"StructuredOutputsParams\.choice=\[\] is invalid: must be a non-empty list"),
+    (dict(choice=["a", ""]), r"StructuredOutputsParams\.choice=\['a', ''\] is invalid: must hold non-empty strings"),
+    (dict(choice=["a", 1]), r"StructuredOutputsParams\.choice=\['a', 1\] is invalid"),
+    (dict(regex="a", choice=["a"]), r"exactly one of json, regex, choice, grammar or json_object=True: regex and "
+                                    r"choice are both set"),
+    (dict(json={}, regex="a", grammar="root ::= \"a\""), r"json and regex and grammar are all set"),
+    (dict(), r"exactly one of .*: none is set"),
+    (dict(json_object=False), r"none is set"),
+    (dict(json_object="yes"), r"StructuredOutputsParams\.json_object='yes' is invalid"),
+    (dict(regex="a", disable_any_whitespace=1), r"StructuredOutputsParams\.disable_any_whitespace=1 is invalid"),
+    (dict(regex="a", jump_forward="no"), r"StructuredOutputsParams\.jump_forward='no' is invalid"),
+])
+def test_validation_names_the_field(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SO(**kw)
+
+
+def test_sampling_params_field_validation():
+    with pytest.raises(ValueError, match=r"SamplingParams\.structured_outputs='a\+' is invalid"):
+        SamplingParams(structured_outputs="a+")
+    with pytest.raises(ValueError, match=r"SamplingParams\.structured_outputs=.*jump_forward=True cannot be combined "
+                                         r"with logprobs"):
+        SamplingParams(structured_outputs=SO(regex="a", jump_forward=True), logprobs=1)
+    assert SamplingParams(structured_outputs=SO(regex="a", jump_forward=True)).needs_output_tokens
+
+
+def test_the_time_limit_is_an_engine_setting():
+    assert EngineConfig().structured_outputs_timeout_s == 10.0
+    for bad in (0, -1, float("inf"), "10", True):
+        with pytest.raises(ValueError, match=r"EngineConfig\.structured_outputs_timeout_s=.* is invalid"):
+            EngineConfig(structured_outputs_timeout_s=bad)
+
+
+def test_cache_key_keeps_property_order_and_ignores_spelling():
+    a = SO(json='{"b": 1,   "a": 2}').key
+    assert a == SO(json={"b": 1, "a": 2}).key != SO(json={"a": 2, "b": 1}).key
+    assert SO(json={}, disable_any_whitespace=True).key != SO(json={}).key
+    assert SO(regex="x", disable_any_whitespace=True).key == SO(regex="x").key
+
+
+# keyword, schema, an instance that violates it (xgrammar 0.2.9 accepts it), where the check points
+WEAKENED = [
+    ("multipleOf", {"type": "number", "multipleOf": 0.5}, "0.3", "/"),
+    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]", "/"),
+    ("contains", {"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "[1]", "/"),
+    ("format", {"type": "string", "format": "regex"}, '"("', "/"),
+    ("format", {"type": "integer", "format": "int32"}, None, "/"),  # OpenAPI's; jsonschema has no checker
+    ("dependentRequired", {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                           "dependentRequired": {"a": ["b"]}}, '{"a": 1}', "/"),
+    ("not", {"not": {"type": "integer"}}, "1", "/"),
+    ("if", {"if": {"type": "integer"}, "then": {"minimum": 5}}, "1", "/"),
+    ("allOf", {"allOf": [{"type": "integer"}, {"minimum": 5}]}, "1", "/"),
+    ("oneOf", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, "1", "/"),
+    ("required", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]},
+     '{"a": 1}', "/"),
+]
+
+
+@pytest.mark.parametrize("keyword, schema, violating, where", WEAKENED)
+def test_weakened_features_are_refused_naming_the_keyword(keyword, schema, violating, where):
+    with pytest.raises(ValueError, match=rf"structured_outputs\.json: '{keyword}' at {where} is not supported"):
+        check_json_schema(schema)
+    nested = {"type": "object", "properties": {"x/y": {"type": "array", "items": schema}}, "required": ["x/y"]}
+    assert unsupported_feature(nested)[:2] == (keyword, "/properties/x~1y/items")
+
+
+@pytest.mark.parametrize("keyword, schema, violating, where", WEAKENED)
+def test_xgrammar_really_weakens_each_refused_feature(keyword, schema, violating, where, xgr_compiler):
+    """The probe behind each refusal: xgrammar compiles the schema and accepts an instance that violates it."""
+    jsonschema = pytest.importorskip("jsonschema")
+    import xgrammar as xgr
+
+    if violating is None:
+        pytest.skip("no validator checks this keyword")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(violating), schema, format_checker=jsonschema.FormatChecker())
+    m = xgr.GrammarMatcher(xgr_compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
+    assert m.accept_string(violating) and m.is_completed(), keyword
+
+
+@pytest.fixture(scope="module")
+def xgr_compiler():
+    """xgrammar's own compiler for the demo tokenizer (the probes ask xgrammar itself, not our wrapper)."""
+    xgr = pytest.importorskip("xgrammar")
+    from deepinfer.models.loader import DEMO_DIR
+    from deepinfer.structured.compiler import tokenizer_info
+    from deepinfer.tokenizer import Tokenizer
+
+    return xgr.GrammarCompiler(tokenizer_info(Tokenizer.from_dir(DEMO_DIR), 4096), max_threads=1)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "multipleOf": 3},  # enforced by xgrammar: kept
+    {"type": "array", "items": {"type": "integer"}, "uniqueItems": False},
+    {"type": "string", "format": "date-time"},
+    {"oneOf": [{"type": "integer"}, {"type": "string"}]},  # disjoint branches: exact
+    {"allOf": [{"type": "integer"}]},
+    {"type": "object", "properties": {"contains": {"type": "string", "title": "format"}}, "required": ["contains"]},
+    {"type": "object", "properties": {"a": {"enum": [{"not": 1}]}}},  # data under enum is not a schema
+])
+def test_supported_features_pass(schema):
+    check_json_schema(schema)
