@@ -10,7 +10,10 @@ output_len, so EOS is masked exactly as HF's min_new_tokens masks it). Both
 are warmed up once, then run ``--repeats`` times in alternating order so
 neither pays for a cold start or for a noisy moment alone. The figures of
 each engine are from its median run; the ratio is the median of the
-per-repeat ratios (each repeat runs both engines back to back). Greedy
+per-repeat ratios (each repeat runs both engines back to back). Each run's
+CPU time (this thread's: both engines run in it, other processes' load
+does not count) is recorded too, with the ratio of CPU times: steadier
+than wall time on a shared machine. Greedy
 outputs are compared per prompt (padding and batch shape can change float
 rounding, so agreement is reported, not asserted).
 
@@ -154,13 +157,15 @@ def main(argv=None) -> int:
     for r in range(args.repeats):
         order = ("hf", "deepinfer") if r % 2 == 0 else ("deepinfer", "hf")
         for eng in order:
+            cpu0 = time.thread_time()
             if eng == "hf":
                 runs["hf"].append(hf.generate(prompts, args.output_len))
             else:
                 runs["deepinfer"].append(run(llm, prompts, args.output_len, ban_eos=True))
             last = runs[eng][-1]
-            print(f"  repeat {r}: {eng:<9} {last['output_tok_s']:8.1f} out tok/s  ({last['wall_s']:.2f} s)",
-                  file=sys.stderr)
+            last["cpu_s"] = time.thread_time() - cpu0
+            print(f"  repeat {r}: {eng:<9} {last['output_tok_s']:8.1f} out tok/s  ({last['wall_s']:.2f} s, "
+                  f"{last['cpu_s']:.2f} s CPU)", file=sys.stderr)
 
     def median_run(rs):
         return sorted(rs, key=lambda x: x["wall_s"])[len(rs) // 2]
@@ -168,6 +173,7 @@ def main(argv=None) -> int:
     med = {k: median_run(v) for k, v in runs.items()}
     ratios = [d["output_tok_s"] / h["output_tok_s"] for d, h in zip(runs["deepinfer"], runs["hf"])]
     ratio = statistics.median(ratios)
+    cpu_ratio = statistics.median(h["cpu_s"] / d["cpu_s"] for d, h in zip(runs["deepinfer"], runs["hf"]))
     agree = agreement(med["deepinfer"]["token_ids"], med["hf"]["token_ids"])
 
     workload = {
@@ -178,7 +184,8 @@ def main(argv=None) -> int:
                                                                     f"--seed {args.seed}",
         "greedy": True, "eos": "masked until output_len (HF min_new_tokens; DeepInfer min_tokens)",
         "repeats": args.repeats, "warmups": 1,
-        "deepinfer_over_hf_output_tok_s": ratio, "ratios_per_repeat": ratios, **agree,
+        "deepinfer_over_hf_output_tok_s": ratio, "ratios_per_repeat": ratios,
+        "deepinfer_over_hf_by_cpu_time": cpu_ratio, **agree,
     }
     settings = engine_settings(llm)
     common = {k: settings[k] for k in ("model", "arch", "device", "dtype")}
@@ -195,6 +202,7 @@ def main(argv=None) -> int:
                      "runs_output_tok_s": [x["output_tok_s"] for x in runs[eng]], **machine})
     print(format_table(rows))
     print(f"\nDeepInfer / HF output tokens/s: {ratio:.2f}x  (per repeat: {', '.join(f'{x:.2f}' for x in ratios)})")
+    print(f"DeepInfer / HF by CPU time (HF's CPU s / DeepInfer's): {cpu_ratio:.2f}x")
     print(f"greedy agreement: {agree['exact_match_pct']:.1f}% of prompts identical, "
           f"{agree['common_prefix_pct']:.1f}% of tokens before the first divergence")
     print(f"engine overhead per step: DeepInfer {med['deepinfer']['overhead_ms_per_step']:.2f} ms, "

@@ -2,48 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
 from ..base import AttnMetadata, Ops
-
-
-def _softmax_attend(q, k, v, mask, scale, sinks):
-    """q: [B, Q, H, D]; k, v: [B, K, Hk, D]; mask: [B, Q, K] -> [B, Q, H, Dv]. Softmax in float32."""
-    if sinks is None and q.dtype == torch.float32:
-        # Same function through PyTorch's fused kernel; fully masked (padded) rows may come back NaN
-        # and are dropped by the caller.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask[:, None], scale=scale,
-                                             enable_gqa=q.shape[2] != k.shape[2])
-        return out.transpose(1, 2)
-    B, Q, H, D = q.shape
-    Hk = k.shape[2]
-    G = H // Hk
-    qg = q.reshape(B, Q, Hk, G, D).permute(0, 2, 3, 1, 4).float()  # [B, Hk, G, Q, D]
-    kf = k.permute(0, 2, 3, 1).float()  # [B, Hk, D, K]
-    s = torch.matmul(qg, kf.unsqueeze(2)) * scale  # [B, Hk, G, Q, K]
-    s = s.masked_fill(~mask[:, None, None], float("-inf"))
-    if sinks is not None:
-        sink = sinks.float().reshape(1, Hk, G, 1, 1).expand(B, Hk, G, Q, 1)
-        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        p = torch.softmax(s, dim=-1)
-    p = torch.nan_to_num(p)  # fully masked (padded) query rows
-    out = torch.matmul(p, v.permute(0, 2, 1, 3).float().unsqueeze(2))  # [B, Hk, G, Q, Dv]
-    return out.permute(0, 3, 1, 2, 4).reshape(B, Q, H, v.shape[-1]).to(q.dtype)
-
-
-def _gather_kv(cache, meta):
-    """Each sequence's cached rows, [B, max_kv, ...], from the paged cache [num_slots, ...]."""
-    B, max_kv = meta.kv_slots.shape
-    if meta.block_table is not None and cache.is_contiguous() and max_kv == meta.block_table.shape[1] * meta.block_size:
-        # Whole blocks (one contiguous row each) rather than single tokens: far less copying work.
-        rows = cache.view(-1, meta.block_size * cache[0].numel()).index_select(0, meta.block_table.reshape(-1))
-        return rows.view(B, max_kv, *cache.shape[1:])
-    return cache.index_select(0, meta.kv_slots.reshape(-1)).view(B, max_kv, *cache.shape[1:])
+from . import attention
 
 
 class ReferenceOps(Ops):
@@ -75,16 +38,8 @@ class ReferenceOps(Ops):
         return rotate(q, k, positions, cos_sin_cache, interleaved)
 
     def paged_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale, window=None, sinks=None):
-        k = _gather_kv(k_cache, meta)  # [B, max_kv, Hk, D]
-        if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[:-1] == k_cache.shape[:-1]:
-            v = k[..., : v_cache.shape[-1]]  # V is a prefix of K (MLA's latent): gather once
-        else:
-            v = _gather_kv(v_cache, meta)
-        if meta.q_index.shape[1] == 1:  # decode: one query per row, already in row order
-            return _softmax_attend(q[:, None], k, v, meta.mask(window), scale, sinks)[:, 0]
-        qp = q[meta.q_index]  # [B, max_q, H, D]
-        out = _softmax_attend(qp, k, v, meta.mask(window), scale, sinks)
-        return out[meta.q_valid]  # back to ragged [T, H, Dv], in T order
+        # Decode rows on the CPU attend to their blocks in place; the rest through the padded path (the oracle).
+        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window, sinks)
 
     def dense_attention(self, q, k, v, scale, window=None, sinks=None):
         L = q.shape[0]
@@ -92,7 +47,7 @@ class ReferenceOps(Ops):
         mask = pos[None, :] <= pos[:, None]
         if window is not None:
             mask &= pos[None, :] > pos[:, None] - window
-        return _softmax_attend(q[None], k[None], v[None], mask[None], scale, sinks)[0]
+        return attention.softmax_attend(q[None], k[None], v[None], mask[None], scale, sinks)[0]
 
     def moe_route(self, router_logits, top_k, **kw):
         from .moe import route
