@@ -194,6 +194,7 @@ class Engine:
         return self._inflight is not None or bool(self.requests)  # reported requests leave self.requests
 
     # One step.
+    @torch.inference_mode()  # no autograd records: they kept every step's temporaries alive
     def step(self) -> list:
         """Run one engine step; returns a RequestOutput for every request that finished, and for every
         streamed request that changed.
@@ -221,6 +222,7 @@ class Engine:
                 self._collect_step(launched, touched)
         return self._collect(touched)
 
+    @torch.inference_mode()
     def sync(self) -> list:
         """Collect the step in flight (overlap scheduling) without launching another; returns its outputs."""
         touched: dict = {}

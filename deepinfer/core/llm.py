@@ -119,6 +119,7 @@ class LLM:
                         "prefilled in full (outputs are the same)")
         torch_dtype = loader.torch_dtype(config.dtype, hf_config, ops.device)
         net = loader.build_model(self.model_path, hf_config, ops, torch_dtype, ops.device, registry, load_format)
+        net.requires_grad_(False)  # inference only: no op records an autograd graph
         from ..tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer.from_dir(tokenizer or self.model_path)
