@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from .ced_oracle import CEDOracle
 from .compare import assert_greedy_matches, assert_logits_close, assert_same_or_near_tie
 
 _TOL = {torch.float64: (1e-7, 1e-9), torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2),
@@ -21,4 +22,4 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol=None, atol=N
                                rtol=r if rtol is None else rtol, atol=a if atol is None else atol)
 
 
-__all__ = ["assert_close", "assert_greedy_matches", "assert_logits_close", "assert_same_or_near_tie"]
+__all__ = ["CEDOracle", "assert_close", "assert_greedy_matches", "assert_logits_close", "assert_same_or_near_tie"]
