@@ -148,3 +148,39 @@ def test_jump_forward_appends_the_tokenizers_encoding_of_the_forced_text(comp, t
     text += tok.decode(tail)
     assert text == '{"alpha": 1, "beta_value": 2, "gamma_count": 3}'
     assert jumped >= 6  # the fixed keys were jumped, not sampled
+
+
+def test_the_compile_cache_is_bounded(tok, comp, monkeypatch):
+    from deepinfer.structured import compiler
+
+    monkeypatch.setattr(compiler, "CACHE_SIZE", 2)
+    first = comp.submit(SO(regex="q1"))
+    comp.submit(SO(regex="q2"))
+    assert comp.submit(SO(regex="q1")) is first  # a hit refreshes it
+    comp.submit(SO(regex="q3"))  # evicts q2, the least recently used
+    assert comp.submit(SO(regex="q1")) is first and len(comp._cache) == 2
+
+
+def test_the_stage_rolls_a_sequence_back_for_speculative_decoding(tok):
+    """Draft tokens accepted, then rejected: GrammarStage.rollback returns the matcher to the shorter sequence,
+    and the next step's mask is the one before the drafts."""
+    from types import SimpleNamespace
+
+    from deepinfer import SamplingParams
+    from deepinfer.backends.reference.ops import ReferenceOps
+    from deepinfer.stages.constrain import GrammarStage
+
+    stage = GrammarStage(tokenizer=tok, vocab_size=V, ops=ReferenceOps("cpu"))
+    stage.admit_request("r", SamplingParams(structured_outputs=SO(json=SCHEMA, disable_any_whitespace=True)))
+    out = list(tok.encode('{"name": "ab', add_special_tokens=False))
+    seq = SimpleNamespace(request_id="r", seq_id=0, output_token_ids=out[:2], finished=False)
+    g = stage.grammar(seq)
+    g.catch_up(seq.output_token_ids)
+    before = mask_of(g)
+    seq.output_token_ids = out  # drafts accepted...
+    g.catch_up(seq.output_token_ids)
+    assert not torch.equal(mask_of(g), before)
+    stage.rollback(seq, len(out) - 2)  # ...then rejected
+    seq.output_token_ids = out[:2]
+    assert g.num_accepted == 2 and torch.equal(mask_of(g), before)
+    stage.release_request("r")

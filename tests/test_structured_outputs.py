@@ -184,14 +184,33 @@ def test_n_and_seeds_each_follow_the_grammar(llm):
 
 
 def test_overlap_scheduling_gives_the_same_outputs():
+    """Greedy and seeded outputs are those without overlap; the engine collects the step in flight in the middle
+    of the next launch when a row is constrained."""
     schema = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}, "v": {"type": "integer", "minimum": 0,
                                                                               "maximum": 9}}, "required": ["k", "v"]}
     params = [sp(SO(json=schema, disable_any_whitespace=True)), sp(max_tokens=10), sp(SO(regex=r"[a-c]{4}")),
               sp(SO(choice=["x", "yy"]), temperature=1.0, seed=2)]
     ref = LLM(max_model_len=256, threads=1).generate(PROMPTS, params, use_tqdm=False)
     ov = LLM(max_model_len=256, threads=1, overlap_scheduling=True)
-    assert ov.engine.overlap
+    eng, seen, where = ov.engine, [], {"launching": False}
+    launch, collect = eng._launch, eng._collect_step
+
+    def launching(*a):
+        where["launching"] = True
+        try:
+            return launch(*a)
+        finally:
+            where["launching"] = False
+
+    def collecting(*a):
+        seen.append(where["launching"])
+        return collect(*a)
+
+    eng._launch, eng._collect_step = launching, collecting
+    assert eng.overlap
     got = ov.generate(PROMPTS, params, use_tqdm=False)
+    # The step in flight was collected inside the next launch (after its forward, before the grammar stage).
+    assert any(seen) and not all(seen)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert json.loads(got[0].outputs[0].text)["k"] in ("a", "b")
 

@@ -109,6 +109,14 @@ class GrammarStage(Stage):
         g.catch_up(seq.output_token_ids)
         return g.jump_forward(self.tokenizer)
 
+    def rollback(self, seq, num_tokens: int) -> None:
+        """Forget the last num_tokens tokens the sequence's matcher accepted (speculative decoding rejects
+        drafted tokens this way); the next catch-up accepts whatever the sequence then holds."""
+        req = self._requests.get(seq.request_id)
+        g = None if req is None else req.seqs.get(seq.seq_id)
+        if g is not None:
+            g.rollback(num_tokens)
+
     # The step.
     def grammar(self, seq) -> Optional[SeqGrammar]:
         """The sequence's matcher (None if its request is not constrained); waits for the compilation until

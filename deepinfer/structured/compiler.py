@@ -16,6 +16,7 @@ Waiting, and the time limit, belong to the caller (the constrain stage): ``Futur
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
 import json
@@ -26,6 +27,7 @@ import threading
 from typing import Any, Optional
 
 INSTALL = "pip install 'deepinfer[structured]'"
+CACHE_SIZE = 512  # compiled grammars kept per tokenizer
 
 
 class StructuredOutputsUnavailable(RuntimeError):
@@ -132,18 +134,23 @@ class Compiler:
         self._compiler = self._xgr.GrammarCompiler(self.info, max_threads=max(1, min(8, cores)))
         self._batcher = self._xgr.BatchGrammarMatcher(max_threads=max(1, cores // 2))
         self._workers = _Workers(workers, "deepinfer-grammar")
-        self._cache: dict = {}
+        self._cache: collections.OrderedDict = collections.OrderedDict()  # grammar key -> Future
         self._lock = threading.Lock()
         self._decoded: Optional[list] = None  # bytes of every token (jump-forward), built on first use
         self._prefixes: Optional[frozenset] = None
 
     def submit(self, spec) -> concurrent.futures.Future:
-        """A future of the compiled grammar of ``spec`` (StructuredOutputsParams); the cached one if any."""
+        """A future of the compiled grammar of ``spec`` (StructuredOutputsParams); the cached one if any. The
+        cache keeps the CACHE_SIZE grammars used last (a compiled grammar holds per-token masks)."""
         key = spec.key
         with self._lock:
             fut = self._cache.get(key)
             if fut is None:
                 fut = self._cache[key] = self._workers.submit(self._compile, key)
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
             return fut
 
     def _compile(self, key: tuple):

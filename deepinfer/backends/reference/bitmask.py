@@ -12,9 +12,9 @@ import torch
 
 def allowed_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """bitmask [R, W] int32 -> [R, vocab_size] bool (token allowed)."""
-    v = torch.arange(vocab_size, device=bitmask.device)
-    words = bitmask.index_select(1, v >> 5)  # [R, V] int32: each token's word
-    return ((words >> (v & 31).to(torch.int32)) & 1).bool()
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]: token 32 w + b is bit b of word w
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
@@ -26,4 +26,4 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
         raise ValueError(f"apply_token_bitmask: bitmask covers {bitmask.shape[1] * 32} tokens, logits have {V}")
     rows = rows.to(device=logits.device, dtype=torch.long)
     keep = allowed_mask(bitmask.to(logits.device), V)  # [R, V]
-    logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~keep, float("-inf")))
