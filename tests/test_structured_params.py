@@ -28,6 +28,7 @@ def test_exported_and_carried_by_sampling_params():
     (dict(json="{not json"), r"StructuredOutputsParams\.json='\{not json' is invalid: not JSON"),
     (dict(json="[1]"), r"StructuredOutputsParams\.json='\[1\]' is invalid: must be a JSON schema"),
     (dict(json=3), r"StructuredOutputsParams\.json=3 is invalid"),
+    (dict(json={"enum": {1, 2}}), r"StructuredOutputsParams\.json=.* is invalid: not JSON data"),
     (dict(regex=""), r"StructuredOutputsParams\.regex='' is invalid: must be a non-empty string"),
     (dict(grammar=""), r"StructuredOutputsParams\.grammar='' is invalid"),
     (dict(choice="yes"), r"StructuredOutputsParams\.choice='yes' is invalid: must be a list of strings"),

@@ -121,6 +121,11 @@ class StructuredOutputsParams:
             _so_check(isinstance(parsed, dict), "json", js, "must be a JSON schema (a JSON object)")
         else:
             _so_check(js is None or isinstance(js, dict), "json", js, "must be a JSON schema: a dict, or its JSON text")
+            if js is not None:
+                try:
+                    _json.dumps(js)
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"StructuredOutputsParams.json={js!r} is invalid: not JSON data ({exc})") from None
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             _so_check(v is None or (isinstance(v, str) and v.strip() != ""), name, v, "must be a non-empty string")
