@@ -248,7 +248,7 @@ class Engine:
         stages, k = self.stages["step"][:self._n_device_stages], self._n_before_known
         try:
             failed = self._run_stages(stages[:k], state)
-            if prev is not None and k < len(stages) and any(s.params.structured_outputs is not None
+            if prev is not None and k < len(stages) and any(s.pending and s.params.structured_outputs is not None
                                                             for s in sample_seqs):
                 # A constrain stage needs the tokens of the step in flight: collect it now that this step's
                 # forward is queued, so its grammar masks are filled while the device runs the forward.
