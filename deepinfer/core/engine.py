@@ -198,7 +198,9 @@ class Engine:
         return self._inflight is not None or bool(self.requests)  # reported requests leave self.requests
 
     # One step.
-    @torch.inference_mode()  # no autograd records: they kept every step's temporaries alive
+    # No autograd records (they kept every step's temporaries alive). Not inference_mode: state a step creates,
+    # such as expert-load counts, is updated in place outside steps too.
+    @torch.no_grad()
     def step(self) -> list:
         """Run one engine step; returns a RequestOutput for every request that finished, and for every
         streamed request that changed.
@@ -226,7 +228,7 @@ class Engine:
                 self._collect_step(launched, touched)
         return self._collect(touched)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def sync(self) -> list:
         """Collect the step in flight (overlap scheduling) without launching another; returns its outputs."""
         touched: dict = {}
