@@ -5,6 +5,9 @@ should approach (all layers) / (encoder layers) = about 2x faster for equal halv
 in this one process on the same random-weight checkpoint; rows go to JSONL and a table is printed.
 
     python benchmarks/ced_prefill.py --size small --lengths 512 1024 2048 4096 8192 --out ced_prefill.jsonl
+
+``--pool-impl mask`` runs decoder reindex layers as the slow twin (every entry scored, then masked by the
+pool); rows carry the (query, entry) indexer scores each decoder reindex layer computed.
 """
 
 from __future__ import annotations
@@ -47,7 +50,13 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="ced_prefill.jsonl")
+    ap.add_argument("--pool-impl", default="gather", choices=["gather", "mask"],
+                    help="decoder reindex layers: score the pool only (gather) or every entry, masked (mask)")
+    ap.add_argument("--modes", nargs="+", default=["bounded", "exact"], choices=["bounded", "exact"])
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from deepinfer import LLM, SamplingParams
     from deepinfer.models.ced.cache import CEDCache
@@ -58,21 +67,28 @@ def main(argv=None) -> None:
         hf = write_checkpoint(Path(d), args.size, args.seed)
         budget = max(args.lengths)
         llms = {mode: LLM(d, hf_overrides={"replay_mode": mode}, max_num_batched_tokens=budget, max_num_seqs=4,
-                          max_model_len=budget + 8, block_size=16) for mode in ("bounded", "exact")}
+                          max_model_len=budget + 8, block_size=16) for mode in args.modes}
+        for llm in llms.values():
+            llm.engine.model.pool_impl = args.pool_impl
+        modes = getattr(llms[args.modes[0]].engine.model.config, "layer_modes")
+        E = llms[args.modes[0]].engine.model.config.num_encoder_layers
+        reindex = [i for i, m in enumerate(modes) if m == "reindex" and i >= E]  # decoder reindex layers
         sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         g = torch.Generator().manual_seed(args.seed)
         for n in args.lengths:
             prompt = torch.randint(5, 500, (n,), generator=g).tolist()
-            for mode in ("bounded", "exact", "bounded", "exact")[: 2 * max(1, args.repeats)]:
+            for mode in list(args.modes) * max(1, args.repeats):
                 llm = llms[mode]
                 llm.engine.model.reset_counters()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 llm.generate([prompt], sp, use_tqdm=False)
-                dt = time.perf_counter() - t0
+                dt, cpu = time.perf_counter() - t0, time.process_time() - c0
                 c = llm.engine.model.counters
                 rows.append({"bench": "ced_prefill", "size": args.size, "mode": mode, "prompt_len": n,
-                             "seconds": dt, "tokens_per_s": n / dt,
+                             "seconds": dt, "cpu_seconds": cpu, "tokens_per_s": n / dt, "pool_impl": args.pool_impl,
                              "decoder_tokens": c["layer_tokens"][-1], "encoder_tokens": c["layer_tokens"][0],
+                             "reindex_index_scores": [c["index_scores"][i] for i in reindex],
+                             "index_scores": sum(c["index_scores"]),
                              "device": "cpu", "threads": torch.get_num_threads(), "torch": torch.__version__,
                              "machine": platform.machine(), "seed": args.seed})
     # Keep the best of the repeats per (mode, length).
@@ -93,10 +109,17 @@ def main(argv=None) -> None:
         f.write(json.dumps(kv) + "\n")
     print(f"CED {args.size}: {enc} encoder + {L - enc} decoder layers, n_win={cfg.n_win}; "
           f"predicted bounded/exact speedup at long prompts ~ {L / enc:.2f}x")
-    print(f"{'prompt':>7} {'exact s':>9} {'bounded s':>10} {'speedup':>8}")
+    print(f"pool_impl={args.pool_impl}; reindex scores: (query, entry) scores per decoder reindex layer")
+    print(f"{'prompt':>7} {'mode':>8} {'seconds':>9} {'cpu s':>8} {'reindex scores':>15}")
     for n in args.lengths:
-        e, b = best[("exact", n)]["seconds"], best[("bounded", n)]["seconds"]
-        print(f"{n:>7} {e:>9.3f} {b:>10.3f} {e / b:>7.2f}x")
+        for mode in args.modes:
+            r = best[(mode, n)]
+            print(f"{n:>7} {mode:>8} {r['seconds']:>9.3f} {r['cpu_seconds']:>8.3f} "
+                  f"{r['reindex_index_scores'][0] if reindex else 0:>15}")
+    if len(args.modes) == 2:
+        print(f"{'prompt':>7} {'exact/bounded':>14}")
+        for n in args.lengths:
+            print(f"{n:>7} {best[('exact', n)]['seconds'] / best[('bounded', n)]['seconds']:>13.2f}x")
     print(f"KV bytes/token: CED bench {kv['ced_bench_bytes_per_token']:.1f} (+ {kv['ced_bench_ring_bytes_per_seq']} "
           f"ring bytes per sequence) vs Llama-3.1-8B bf16 {kv['llama8b_bf16_bytes_per_token']} "
           f"({kv['llama8b_bf16_bytes_per_token'] / kv['ced_bench_bytes_per_token']:.0f}x smaller)")

@@ -39,6 +39,7 @@ from deepinfer.models.ced.cache import CEDCache
 from deepinfer.models.ced.config import CEDConfig, CEDConfigError
 from deepinfer.models.ced.model import CEDForCausalLM, CEDLayer
 from deepinfer.testing.ced import block_sizes_for, build_ced_checkpoint, ced_configs
+from deepinfer.testing.compare import MODEL_FACTOR, assert_logits_close
 
 TOL = 1e-4  # engine vs oracle logits, relative to the oracle's largest |logit| at that position
 TIE = 1e-4  # the engine's selection is acceptable if its scores are within TIE x scale of the oracle's optimum
@@ -93,9 +94,12 @@ class Shadow:
     @contextlib.contextmanager
     def hooked(self, side: str, seq=None):
         saved = dict(layer_engine=engine_path.layer_engine, compress=engine_path._compress_chunk,
-                     layer_full=CEDForCausalLM._layer_full, swa_kv=CEDLayer.swa_kv, entries=CEDLayer.entries,
-                     fake=lowbit.fake_quantize, select=fn.select_topk, pool=fn.pool_mask, route=moe_ops.route)
+                     layer_full=CEDForCausalLM._layer_full, choose=CEDLayer.choose_entries, swa_kv=CEDLayer.swa_kv,
+                     entries=CEDLayer.entries, fake=lowbit.fake_quantize, select=fn.select_topk,
+                     select_cands=fn.select_candidates, pool=fn.pool_mask, pool_cands=fn.pool_candidates,
+                     route=moe_ops.route)
         me = self
+        inner = []  # set while select_candidates runs: the select_topk inside it ranks candidates, not entries
 
         def layer_engine(model, layer, h, P, *args):
             me.layer = (layer.i, P.pos.tolist(), [me.seq[r] for r in P.rows])
@@ -116,6 +120,14 @@ class Shadow:
         def layer_full(self, layer, h, h_src, pos, s, *args):
             me.layer = (layer.i, pos[s:s + h.shape[0]].tolist(), [me.seq] * h.shape[0])
             return saved["layer_full"](self, layer, h, h_src, pos, s, *args)
+
+        def choose_entries(self, iq, iw, ik, qpos, *args):  # the full path's indexer, a chunk of queries at a time
+            whole = me.layer
+            me.layer = (self.i, qpos.tolist(), [me.seq] * qpos.numel())
+            try:
+                return saved["choose"](self, iq, iw, ik, qpos, *args)
+            finally:
+                me.layer = whole
 
         def swa_kv(self, x, pos):
             me.quant = [self.i, ["swa"], pos.tolist(), me.layer[2]]
@@ -161,8 +173,9 @@ class Shadow:
                         break
             return y
 
-        def select_topk(scores, allowed, k):
-            out = saved["select"](scores, allowed, k)
+        def follow_topk(out, scores, allowed):
+            """out [Tq, k] entry ids chosen from scores [Tq, J] among allowed [Tq, J]: recorded (engine) or
+            replaced by the engine's choice where that is also a top-K set up to a near-tie (oracle)."""
             layer, pos, seqs = me.layer
             for i, (p, q) in enumerate(zip(pos, seqs)):
                 key = (q, layer, "topk", p)
@@ -184,8 +197,24 @@ class Shadow:
                         break
             return out
 
-        def pool_mask(scores, visible, block, nblocks):
-            out = saved["pool"](scores, visible, block, nblocks)
+        def select_topk(scores, allowed, k):
+            out = saved["select"](scores, allowed, k)
+            return out if inner else follow_topk(out, scores, allowed)
+
+        def select_candidates(scores, cand, k):
+            inner.append(True)
+            try:
+                out = saved["select_cands"](scores, cand, k)
+            finally:
+                inner.pop()
+            # In entry space: each query's candidate scores at their ids, nothing else allowed.
+            J = int(cand.max()) + 1 if cand.numel() else 0
+            full = scores.new_full((scores.shape[0], J + 1), -math.inf)
+            full.scatter_(1, torch.where(cand >= 0, cand, J), scores.float())
+            return follow_topk(out, full[:, :J], fn.candidates_mask(cand, J))
+
+        def follow_pool(out, scores, visible, block):
+            """out [Tq, J] pool masks built from scores [Tq, J]: recorded, or replaced by the engine's."""
             layer, pos, seqs = me.layer
             J = scores.shape[1]
             nb = -(-J // block)
@@ -210,6 +239,17 @@ class Shadow:
                         STATS["sync_pool"] += 1
                         break
             return out
+
+        def pool_mask(scores, visible, block, nblocks):
+            return follow_pool(saved["pool"](scores, visible, block, nblocks), scores, visible, block)
+
+        def pool_candidates(scores, visible, block, nblocks):
+            out = saved["pool_cands"](scores, visible, block, nblocks)
+            J, P = scores.shape[1], out.shape[1]
+            masks = follow_pool(fn.candidates_mask(out, J), scores, visible, block)
+            ids = torch.arange(J).expand(masks.shape[0], J)
+            back = torch.sort(torch.where(masks, ids, J), dim=1).values[:, :P]  # the masks as candidate lists
+            return back.masked_fill(back >= J, -1)
 
         def route(logits, k, **kw):
             weights, ids = saved["route"](logits, k, **kw)
@@ -240,14 +280,18 @@ class Shadow:
             self.seq = seq
         engine_path.layer_engine, engine_path._compress_chunk = layer_engine, compress_chunk
         CEDForCausalLM._layer_full, CEDLayer.swa_kv, CEDLayer.entries = layer_full, swa_kv, entries
+        CEDLayer.choose_entries = choose_entries
         lowbit.fake_quantize, fn.select_topk, fn.pool_mask, moe_ops.route = fake_quantize, select_topk, pool_mask, route
+        fn.select_candidates, fn.pool_candidates = select_candidates, pool_candidates
         try:
             yield self
         finally:
             engine_path.layer_engine, engine_path._compress_chunk = saved["layer_engine"], saved["compress"]
             CEDForCausalLM._layer_full, CEDLayer.swa_kv = saved["layer_full"], saved["swa_kv"]
             CEDLayer.entries, lowbit.fake_quantize = saved["entries"], saved["fake"]
+            CEDLayer.choose_entries = saved["choose"]
             fn.select_topk, fn.pool_mask, moe_ops.route = saved["select"], saved["pool"], saved["route"]
+            fn.select_candidates, fn.pool_candidates = saved["select_cands"], saved["pool_cands"]
             self.side = self.seq = self.layer = self.quant = self.entry_rows = None
 
 
@@ -694,3 +738,350 @@ def test_missing_wrong_shape_and_foreign_tensors_fail_at_load(good_checkpoint, t
         LLM(write_variant(src, tmp_path / "foreign", config=hf))
     # The untouched checkpoint loads.
     assert LLM(str(src)).engine.model.config.layer_modes == cfg.layer_modes
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reindex layers score only the candidate pool (issue 12.3): the gathered pool against its masked twin.
+
+@st.composite
+def pool_cases(draw) -> dict:
+    """Indexer scores with few distinct values (so many exact ties), visibility, a pool shape and K."""
+    Tq, J = draw(st.integers(1, 6)), draw(st.integers(0, 40))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    levels = draw(st.integers(1, 6))
+    scores = torch.randint(0, levels, (Tq, J), generator=g).float() * draw(st.sampled_from([1.0, -0.5, 0.25]))
+    nvis = torch.randint(0, J + 1, (Tq,), generator=g)
+    return dict(scores=scores, visible=torch.arange(J)[None, :] < nvis[:, None], block=draw(st.integers(1, 5)),
+                nblocks=draw(st.integers(1, 5)), k=draw(st.integers(1, 12)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=pool_cases())
+def test_pool_candidates_and_their_top_k_match_the_masked_twin(case):
+    """pool_candidates lists the entries pool_mask marks (ascending, then -1), and the top-K chosen from the
+    candidates' scores alone is the top-K of the masked full scores, ties to the lower entry id included."""
+    scores, visible, block, nblocks, k = (case[n] for n in ("scores", "visible", "block", "nblocks", "k"))
+    Tq, J = scores.shape
+    mask = fn.pool_mask(scores, visible, block, nblocks)
+    cand = fn.pool_candidates(scores, visible, block, nblocks)
+    assert cand.shape == (Tq, min(nblocks, -(-J // block)) * block if J else 0)
+    assert torch.equal(fn.candidates_mask(cand, J), mask)
+    for t in range(Tq):
+        n = int(mask[t].sum())
+        assert bool((cand[t, :n] >= 0).all()) and bool((cand[t, n:] == -1).all())
+        assert bool((cand[t, 1:n] > cand[t, :max(n - 1, 0)]).all())  # strictly ascending
+    gathered = torch.gather(scores, 1, cand.clamp(min=0)) if J else scores
+    assert torch.equal(fn.select_candidates(gathered, cand, k), fn.select_topk(scores, visible & mask, k))
+
+
+def _kernel_ops():
+    """NvidiaOps when its kernels run here (a GPU, or Triton's interpreter on the CPU), else None."""
+    try:
+        from deepinfer.backends.nvidia.ops import INTERPRET, NvidiaOps
+    except ImportError:
+        return None
+    if not (torch.cuda.is_available() or INTERPRET):
+        return None
+    return NvidiaOps(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # E2M1 magnitudes
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(row_js=st.lists(st.integers(0, 30), min_size=1, max_size=3), queries=st.integers(1, 3),
+       nh=st.integers(1, 3), dh=st.sampled_from([32, 64]), fmt=st.sampled_from(["mxfp4", "fp4_e2m1_e4m3"]),
+       k=st.integers(1, 8), block=st.integers(1, 4), nblocks=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_indexer_op_with_candidates_picks_the_masked_set(row_js, queries, nh, dh, fmt, k, block, nblocks, seed):
+    """ced_indexer_topk(candidates=pool) scores only the pool and picks the set that allowed=mask(pool) picks
+    from every entry's scores, in the reference op and in the kernel (Triton's interpreter on the CPU).
+    Keys on the FP4 grid (every group holds a 6, so the scale is 1), small integer queries and weights: every
+    score is exact in float32 whatever the summation order, so the sets must agree exactly, ties included."""
+    from deepinfer.backends.reference.ops import ReferenceOps
+
+    g = torch.Generator().manual_seed(seed)
+    N = sum(row_js) + 1
+    keys = GRID[torch.randint(0, len(GRID), (N, dh), generator=g)] * torch.where(
+        torch.rand(N, dh, generator=g) < 0.5, -1.0, 1.0)
+    keys[:, ::16] = 6.0
+    codes, scales = lowbit.quantize(keys, fmt)
+    assert torch.equal(lowbit.dequantize(codes, scales, fmt), keys)
+    perm, at = torch.randperm(N, generator=g), 0
+    Jmax = max(row_js)
+    slots = torch.zeros(len(row_js), Jmax, dtype=torch.long)
+    for r, J in enumerate(row_js):
+        if J:
+            slots[r, :J] = perm[at:at + J]
+            slots[r, J:] = perm[at + J - 1]  # as the engine pads a row: its last entry's cache row
+        at += J
+    q_rows = torch.arange(len(row_js)).repeat_interleave(queries)
+    Tq = q_rows.numel()
+    nvis = torch.stack([torch.randint(0, row_js[r] + 1, (), generator=g) for r in q_rows.tolist()])
+    q = torch.randint(-2, 3, (Tq, nh, dh), generator=g).float()
+    w = torch.randint(1, 4, (Tq, nh), generator=g).float() / 2
+    ref = ReferenceOps(torch.device("cpu"))
+    args = (q, w, (codes, scales), fmt, slots, q_rows, nvis)
+    _, full = ref.ced_indexer_topk(*args, k, return_scores=True)
+    visible = torch.arange(Jmax)[None, :] < nvis[:, None]
+    pool = fn.pool_candidates(full, visible, block, nblocks)
+    want, _ = ref.ced_indexer_topk(*args, k, allowed=fn.candidates_mask(pool, Jmax))
+    for ops in (ref, _kernel_ops()):
+        if ops is None:
+            continue
+        dev = ops.device
+        ids, sc = ops.ced_indexer_topk(*(a.to(dev) if torch.is_tensor(a) else a for a in args[:2]), (codes.to(dev),
+                                       scales.to(dev)), fmt, slots.to(dev), q_rows.to(dev), nvis.to(dev), k,
+                                       return_scores=True, candidates=pool.to(dev))
+        ids, sc = ids.cpu(), sc.cpu()
+        assert ids.shape == want.shape
+        if ops is ref:
+            assert torch.equal(ids, want)  # the same ids in the same order (by score, ties to the lower id)
+        else:
+            assert ops.kernel_calls["ced_indexer_topk"] >= 1 or pool.shape[1] == 0  # no candidate: no launch
+            assert [sorted(r[r >= 0].tolist()) for r in ids] == [sorted(r[r >= 0].tolist()) for r in want]
+        ok = pool >= 0
+        assert torch.equal(sc[ok], torch.gather(full, 1, pool.clamp(min=0))[ok])  # one score per candidate
+
+
+class RecordChoices:
+    """Records every (layer, query positions, top-K, indexer inputs) the full path's indexer chooses."""
+
+    def __init__(self):
+        self.rows: list = []
+
+    @contextlib.contextmanager
+    def hooked(self):
+        saved = CEDLayer.choose_entries
+        me = self
+
+        def choose_entries(layer, iq, iw, ik, qpos, *args):
+            out = saved(layer, iq, iw, ik, qpos, *args)
+            me.rows.append((layer.i, qpos.clone(), out[0].clone(), iq, iw, ik, out[1]))
+            return out
+
+        CEDLayer.choose_entries = choose_entries
+        try:
+            yield self
+        finally:
+            CEDLayer.choose_entries = saved
+
+    def by_layer(self) -> dict:
+        """layer -> (positions, top-K, scores of every entry) over all chunks."""
+        out: dict = {}
+        for i, pos, topk, iq, iw, ik, _ in self.rows:
+            out.setdefault(i, []).append((pos, topk, fn.index_scores(iq, iw, ik)))
+        return {i: tuple(torch.cat(x) for x in zip(*v)) for i, v in out.items()}
+
+
+def assert_same_choices(got: dict, want: dict, what: str) -> None:
+    """Two runs' top-K per layer and position: the same sets, except an entry swapped at the K-th place with one
+    whose score ties within TIE x the row's largest score (two float orders of one sum)."""
+    assert sorted(got) == sorted(want), what
+    for i in want:
+        (pa, ta, _), (pb, tb, sb) = got[i], want[i]
+        assert torch.equal(pa, pb), (what, i)
+        for t in range(tb.shape[0]):
+            a, b = set(ta[t][ta[t] >= 0].tolist()), set(tb[t][tb[t] >= 0].tolist())
+            if a != b:
+                assert len(a) == len(b), (what, i, t)
+                kth = float(sb[t][sorted(b)].min())
+                tol = TIE * float(sb[t].abs().max())
+                assert all(abs(float(sb[t][j]) - kth) <= tol for j in a ^ b), (what, i, t, sorted(a), sorted(b))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(ov=ced_configs(), n=st.integers(2, 48), cut=st.floats(0, 1), seed=st.integers(0, 2**16))
+def test_full_path_reindex_over_the_pool_equals_the_masked_twin(ov, n, cut, seed):
+    """forward_full with pool_impl "gather" (decoder reindex layers score their pool only) against "mask" (every
+    entry scored, then masked by the pool): the same top-K sets and the same logits; the gathered path scores
+    (queries x pool width) entries per reindex layer, the masked one (queries x entries)."""
+    torch.manual_seed(seed)
+    c = CEDConfig(**ov, vocab_size=97)
+    model = CEDForCausalLM(c.to_hf())
+    model.init_weights(seed, std=0.3)
+    ids = torch.randint(0, c.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+    s = int(cut * (n - 1))
+    res = {}
+    for impl in ("mask", "gather"):
+        model.pool_impl = impl
+        stats: dict = {}
+        with torch.no_grad(), RecordChoices().hooked() as rec:
+            res[impl] = (model.forward_full(ids, replay_start=s, stats=stats), rec.by_layer(), stats["index_scores"])
+    assert_same_choices(res["gather"][1], res["mask"][1], "gather vs mask")
+    assert_logits_close(res["gather"][0], res["mask"][0], factor=MODEL_FACTOR, what="gather vs mask")
+    T = n - s
+    for i, mode in enumerate(c.layer_modes):
+        if mode == "reindex" and i >= c.num_encoder_layers:
+            STATS["pool_twin_reindex_layers"] += 1
+            J = n // c.decoder_ratio
+            P = min(c.pool_blocks, -(-J // c.pool_block)) * c.pool_block if J else 0
+            assert (res["gather"][2][i], res["mask"][2][i]) == (T * P, T * J), i
+        elif mode in ("full", "reindex"):
+            assert res["gather"][2][i] == res["mask"][2][i], i
+
+
+def test_full_path_indexer_is_chunked_and_memory_bounded(monkeypatch):
+    """The full path's indexer never holds a whole [queries, entries] score matrix: with a small INDEX_CHUNK every
+    indexer einsum stays within it, and the result is the unchunked one."""
+    from deepinfer.models.ced import model as model_mod
+
+    c = CEDConfig(**BASE, vocab_size=97)
+    model = CEDForCausalLM(c.to_hf())
+    model.init_weights(5, std=0.3)
+    ids = torch.randint(0, c.vocab_size, (120,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), RecordChoices().hooked() as whole:
+        want = model.forward_full(ids)
+    sizes = []
+    orig = fn.index_scores
+
+    def index_scores(q, w, k):
+        out = orig(q, w, k)
+        sizes.append(out.numel() * max(c.index_heads, c.index_head_dim))  # the einsum's [Tq, heads, J] and keys
+        return out
+
+    budget = 4 * 120 * max(c.index_heads, c.index_head_dim)  # 4 queries' scores of the decoder's 120 entries
+    monkeypatch.setattr(model_mod, "INDEX_CHUNK", budget)
+    monkeypatch.setattr(fn, "index_scores", index_scores)
+    with torch.no_grad(), RecordChoices().hooked() as chunked:
+        got = model.forward_full(ids)
+    assert sizes and max(sizes) <= budget
+    assert len(chunked.rows) > len(whole.rows)  # it did run in chunks
+    monkeypatch.setattr(fn, "index_scores", orig)
+    assert_same_choices(chunked.by_layer(), whole.by_layer(), "chunked vs whole")
+    assert_logits_close(got, want, factor=MODEL_FACTOR, what="chunked vs whole")
+
+
+def test_engine_reindex_scores_only_the_pool(tmp_path, monkeypatch):
+    """The engine path: pool_impl "gather" gives "mask"'s greedy tokens and logprobs (also with the indexer op
+    called in chunks of 2 queries), while its reindex layer scores (queries x pool width) entries, not
+    (queries x entries): the work counted in model.counters["index_scores"]."""
+    path, cfg = base_checkpoint(tmp_path, pool_blocks=2, pool_block=2)  # a pool of 4 entries
+    prompts = distinct_prompts(cfg.vocab_size, [40, 23], seed=8)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    reindex = [l for l, m in enumerate(cfg.layer_modes) if m == "reindex" and l >= cfg.num_encoder_layers]
+    runs, whole = {}, engine_path.INDEX_CHUNK
+    for impl, chunk in (("mask", whole), ("gather", whole), ("gather", 2)):
+        monkeypatch.setattr(engine_path, "INDEX_CHUNK", chunk)
+        llm = LLM(path, block_size=2, num_kv_blocks=80, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64,
+                  hf_overrides={"replay_mode": "exact"})  # every position through the decoder: the most indexing
+        llm.engine.model.pool_impl = impl
+        llm.engine.model.reset_counters()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        runs[impl, chunk] = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs],
+                             dict(llm.engine.model.counters))
+    tokens, lps, cnt = runs["mask", whole]
+    for key in (("gather", whole), ("gather", 2)):
+        assert runs[key][0] == tokens, key
+        for a, b in zip(runs[key][1], lps):
+            for da, db in zip(a, b):
+                assert sorted(da) == sorted(db)
+                assert max(abs(da[t].logprob - db[t].logprob) for t in da) <= 1e-5, key
+    queries = sum(len(p) + 10 - 1 for p in prompts)  # exact replay: every position through the decoder
+    for l in reindex:
+        gather, mask = runs["gather", whole][2]["index_scores"][l], cnt["index_scores"][l]
+        assert gather <= queries * 4 < mask, (l, gather, mask)
+    STATS["reindex_scores_gather_vs_mask"] = (gather, mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# prompt_logprobs never changes what a request generates (issue 12.7).
+
+def watch_scoring(llm: LLM) -> list:
+    """Wrap the model's forward to record, per row of every step, (start, tokens, replay start, score_end)."""
+    model, rows = llm.engine.model, []
+    orig = model.forward
+
+    def forward(input_ids, meta, cache):
+        for a, n, s in zip(meta.starts, meta.nums, meta.replay_starts):
+            rows.append((a, n, int(s), getattr(s, "score_end", 0)))
+        return orig(input_ids, meta, cache)
+
+    model.forward = forward
+    return rows
+
+
+def prompt_lps(out, prompt) -> list:
+    return [out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))]
+
+
+def check_scoring(plain: list, scored: list, prompts: list, want_lps: list, what: str) -> None:
+    """With prompt_logprobs, each prompt generated the tokens it generates without, and its prompt logprobs are
+    exact replay's (want_lps)."""
+    for i, (a, b, p, want) in enumerate(zip(plain, scored, prompts, want_lps)):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, (what, i)
+        assert_logits_close(torch.tensor(prompt_lps(b, p)), torch.tensor(want), factor=MODEL_FACTOR,
+                            dtype=torch.float32, what=f"{what}: prompt {i} logprobs vs exact replay")
+
+
+def began_inside_overlap(rows: list) -> bool:
+    """A chunk began inside [s, score_end), where both decoder passes run, each with its own rings."""
+    return any(s < a < e for a, _, s, e in rows)
+
+
+def test_prompt_logprobs_keep_generation_and_score_like_exact_replay(tmp_path):
+    """A random-weight checkpoint (every layer mode, pool, chunked prefill of 3 tokens, preemption): with
+    prompt_logprobs the greedy tokens are those without, the replay start is still N - n_win, the prompt
+    logprobs are the full path's exact-replay ones (forward_full with s = 0), and the decoder ran its
+    scoring pass over the N - 1 scored positions of each prompt (score_tokens)."""
+    path, cfg = base_checkpoint(tmp_path)
+    prompts = distinct_prompts(cfg.vocab_size, [13, 7, 11], seed=4)
+    T, W, E = 8, cfg.n_win, cfg.num_encoder_layers
+    plain_sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
+    score_sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    # float32 on any device, so the engine and forward_full agree to float noise.
+    roomy = LLM(path, block_size=2, num_kv_blocks=64, max_num_batched_tokens=3, max_num_seqs=4, dtype="float32")
+    runs = {"plain": roomy.generate(prompts, plain_sp, use_tqdm=False)}
+    rows = watch_scoring(roomy)
+    roomy.engine.model.reset_counters()
+    runs["scored"] = roomy.generate(prompts, score_sp, use_tqdm=False)
+    cnt = roomy.engine.model.counters
+    for l in range(E, cfg.num_layers):  # each prompt's positions 0 .. N - 2, once (no preemption here)
+        assert cnt["score_tokens"][l] == sum(len(p) - 1 for p in prompts), l
+        assert cnt["min_pos"][l] == 0
+    assert cnt["score_tokens"][:E] == [0] * E
+    for seq, p in zip([r.seqs[0] for r in roomy.engine.requests.values()][-3:], prompts):
+        assert seq.replay_start == len(p) - W and seq.replay_start.score_end == len(p) - 1
+    model = roomy.engine.model
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        want = [torch.log_softmax(model.forward_full(torch.tensor(p, device=dev), replay_start=0)[:-1], -1)
+                .gather(1, torch.tensor(p[1:], device=dev)[:, None])[:, 0].tolist() for p in prompts]
+    check_scoring(runs["plain"], runs["scored"], prompts, want, "chunks of 3")
+    tight = LLM(path, block_size=2, num_kv_blocks=15, max_num_batched_tokens=3, max_num_seqs=4, dtype="float32")
+    rows += watch_scoring(tight)
+    check_scoring(runs["plain"], tight.generate(prompts, score_sp, use_tqdm=False), prompts, want, "preempted")
+    assert tight.engine.scheduler.num_preemptions > 0 and began_inside_overlap(rows)
+
+
+DEMO_PROMPTS = 8
+
+
+@pytest.fixture(scope="module")
+def demo_prompts():
+    from deepinfer.models.loader import DEMO_DIR
+
+    llm = LLM(max_model_len=256)
+    tok = llm.tokenizer
+    ids = tok.encode((DEMO_DIR / "heldout_sample.txt").read_text(), add_special_tokens=False)
+    return llm, [[tok.bos_token_id] + ids[i * 211: i * 211 + 200] for i in range(DEMO_PROMPTS)]
+
+
+def test_demo_prompt_logprobs_keep_greedy_tokens(demo_prompts):
+    """The bundled demo model, 8 prompts of 201 tokens (the issue found 1 of 8 generating other greedy tokens
+    when prompt_logprobs switched it to exact replay): with prompt_logprobs every prompt generates the tokens
+    it generates without, whole prompts in one step and in chunks of 64 tokens with preemption; the prompt
+    logprobs are exact replay's (the replay mode of the recorded held-out figure in test_demo_model) under the
+    same schedule (chunking alone moves a demo logprob by up to 9e-4 nats: bf16 and low-bit KV)."""
+    llm, prompts = demo_prompts
+    plain_sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    score_sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    # 30 blocks of 16 hold 2 of the 8 sequences (13 blocks each): chunked prefill of 64 tokens with preemption.
+    for what, kw in (("one step", {}), ("chunks of 64, preempted", dict(num_kv_blocks=30, max_num_batched_tokens=64))):
+        bounded = llm if not kw else LLM(max_model_len=256, **kw)
+        exact = LLM(max_model_len=256, hf_overrides={"replay_mode": "exact"}, **kw)
+        want = [prompt_lps(o, p) for o, p in zip(exact.generate(prompts, score_sp, use_tqdm=False), prompts)]
+        plain = bounded.generate(prompts, plain_sp, use_tqdm=False)
+        rows = watch_scoring(bounded)
+        check_scoring(plain, bounded.generate(prompts, score_sp, use_tqdm=False), prompts, want, what)
+        if kw:
+            assert bounded.engine.scheduler.num_preemptions > 0 and began_inside_overlap(rows)

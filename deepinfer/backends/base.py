@@ -102,7 +102,8 @@ class Ops:
 
     def ced_indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: tuple, key_fmt: str,
                          entry_slots: torch.Tensor, q_rows: torch.Tensor, num_visible: torch.Tensor, k: int,
-                         allowed: Optional[torch.Tensor] = None, return_scores: bool = False):
+                         allowed: Optional[torch.Tensor] = None, return_scores: bool = False,
+                         candidates: Optional[torch.Tensor] = None):
         """The CED indexer: score(t, j) = sum_h weights[t, h] * relu(q[t, h] . key(j)) over the entries of query
         t's sequence, then its top-k allowed entries (ties to the lower id).
 
@@ -113,6 +114,11 @@ class Ops:
         scores [Tq, J] float32 when return_scores, else None). The reference orders ids by descending score;
         kernels may return the same set in another order (-1s still last). Scores of entries that are not
         visible are unspecified.
+
+        candidates [Tq, P] int64 or None (then ``allowed`` must be None): entry ids of each query's candidates
+        (visible ones, ascending, then -1); only they are scored, so the cost scales with P, not J (a decoder
+        reindex layer's pool). The ids returned are entry ids, the set chosen from full scores masked to the
+        candidates; scores are then [Tq, P], one per candidate.
         """
         raise NotImplementedError
 

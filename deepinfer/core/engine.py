@@ -176,9 +176,13 @@ class Engine:
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=list(ids),
                            num_prompt_tokens=len(ids), params=params, arrival=next(self._arrivals), priority=priority,
                            generator=gen)
+            # Fixed for the request's life. A request that scores its prompt keeps its own replay start for what
+            # it generates; the model scores every prompt position on the side (a model without
+            # replay_start_for_scoring replays it exactly: start 0).
             replay = getattr(self.model, "replay_start_for", None)
-            # Fixed for the request's life. Scoring a prompt needs every position, so no bounded replay then.
-            if replay is not None and params.prompt_logprobs is None:
+            if params.prompt_logprobs is not None:
+                replay = getattr(self.model, "replay_start_for_scoring", None)
+            if replay is not None:
                 seq.replay_start = replay(len(ids))
             req.seqs.append(seq)
             self.scheduler.add(seq)

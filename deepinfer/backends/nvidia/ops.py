@@ -133,17 +133,31 @@ class NvidiaOps(ReferenceOps):
                                             entry_fmt=entry_fmt, sinks=sinks, scale=scale, **where)
 
     def ced_indexer_topk(self, q, weights, keys, key_fmt, entry_slots, q_rows, num_visible, k, allowed=None,
-                         return_scores=False):
-        """The kernel returns the reference's set of ids in ascending order (see triton_ced_indexer)."""
+                         return_scores=False, candidates=None):
+        """The kernel returns the reference's set of ids in ascending order (see triton_ced_indexer). With
+        candidates, each query's candidates become its own row of cache slots, all of them visible: the same
+        kernels score P entries per query, and the positions they pick map back to entry ids."""
         from . import triton_ced_indexer as tci
 
-        if kernel_device_ok(q, weights, *keys, entry_slots, q_rows, num_visible, allowed) \
+        if candidates is not None and kernel_device_ok(q, weights, *keys, entry_slots, q_rows, candidates) \
+                and allowed is None and tci.supports(q, weights, *keys, key_fmt, entry_slots):
+            Tq, P = candidates.shape
+            if P == 0:
+                return torch.full((Tq, k), -1, dtype=torch.long, device=q.device), (
+                    torch.empty(Tq, 0, device=q.device) if return_scores else None)
+            slots = entry_slots[q_rows[:, None], candidates.clamp(min=0)]  # [Tq, P]
+            rows = torch.arange(Tq, device=q.device)
+            self.kernel_calls["ced_indexer_topk"] += 1
+            pos, scores = tci.indexer_topk(q, weights, *keys, key_fmt, slots, rows, (candidates >= 0).sum(1), k, None,
+                                           return_scores)
+            return torch.where(pos >= 0, candidates.gather(1, pos.clamp(min=0)), -1), scores
+        if candidates is None and kernel_device_ok(q, weights, *keys, entry_slots, q_rows, num_visible, allowed) \
                 and tci.supports(q, weights, *keys, key_fmt, entry_slots):
             self.kernel_calls["ced_indexer_topk"] += 1
             return tci.indexer_topk(q, weights, *keys, key_fmt, entry_slots, q_rows, num_visible, k, allowed,
                                     return_scores)
         return super().ced_indexer_topk(q, weights, keys, key_fmt, entry_slots, q_rows, num_visible, k, allowed,
-                                        return_scores)
+                                        return_scores, candidates)
 
     # KV quantisation: kernels for the lowbit FP8 ("fp8_e4m3_pow2"), FP4 and MXFP4 layouts, the reference otherwise.
     def quantize_kv(self, x: torch.Tensor, fmt: str):

@@ -89,10 +89,13 @@ class ReferenceOps(Ops):
         return lowbit.dequantize(codes, scales, fmt, dtype)
 
     def ced_indexer_topk(self, q, weights, keys, key_fmt, entry_slots, q_rows, num_visible, k, allowed=None,
-                         return_scores=False):
+                         return_scores=False, candidates=None):
         from ...models.ced import functional as fn  # select_topk is looked up at call time (tests wrap it)
         from . import lowbit
 
+        if candidates is not None:  # only each query's candidates are scored (a decoder reindex layer's pool)
+            return fn.candidate_indexer_topk(q, weights, keys, key_fmt, entry_slots, q_rows, candidates, k,
+                                             return_scores)
         Tq, J = q.shape[0], entry_slots.shape[1]
         codes, scales = keys
         scores = q.new_zeros(Tq, J, dtype=torch.float32)

@@ -5,6 +5,9 @@
   layer with compression ratio m, so the scheduler's block tables serve every layer.
 - SWA KV (FP8 E4M3, power-of-two scale per 32 channels) in a compact ring per sequence and layer of
   ``n_win + swa_allowance`` slots; position p lives in slot p % ring.
+- Scoring rings: SWA KV of the decoder layers as exact replay computes it, for a request that scores its
+  prompt under bounded replay (models.ced.model.ReplayStart); ``n_win`` slots per sequence and decoder layer
+  (no speculative allowance: the scoring pass only runs over prompt tokens).
 - The compressor's incomplete trailing group: the normed inputs of its tokens, per sequence.
 Per-sequence parts are indexed by the sequence's state slot.
 """
@@ -43,6 +46,8 @@ class CEDCache:
                 self.pending[l] = torch.zeros(max_seqs, m - 1, c.hidden_size, dtype=dtype, device=device)
         self.ring = {l: _alloc(c.ring_size, c.head_dim, c.swa_kv_format, device, lead=(max_seqs,))
                      for l in range(c.num_layers)}
+        self.score_ring = {l: _alloc(c.n_win, c.head_dim, c.swa_kv_format, device, lead=(max_seqs,))
+                           for l in range(c.num_encoder_layers, c.num_layers)}
 
     @staticmethod
     def bytes_per_token(c: CEDConfig) -> int:
@@ -61,7 +66,12 @@ class CEDCache:
 
     @staticmethod
     def ring_bytes_per_seq(c: CEDConfig) -> int:
+        """SWA ring bytes per sequence slot (not counting the scoring rings, score_ring_bytes_per_seq)."""
         return c.num_layers * c.ring_size * lowbit.bytes_per_token(c.swa_kv_format, c.head_dim)
+
+    @staticmethod
+    def score_ring_bytes_per_seq(c: CEDConfig) -> int:
+        return (c.num_layers - c.num_encoder_layers) * c.n_win * lowbit.bytes_per_token(c.swa_kv_format, c.head_dim)
 
     # Paged global entries.
     def entry_slots(self, layer: int, block_table: list, entry_ids: torch.Tensor) -> torch.Tensor:
@@ -88,17 +98,21 @@ class CEDCache:
             out.append(lowbit.dequantize(store[0][slots], sc, fmt, dtype=self.dtype))
         return out
 
-    # SWA rings.
-    def ring_write(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor,
-                   quantize=lowbit.quantize) -> None:
-        codes, scales = quantize(kv, self.c.swa_kv_format)
-        r = pos % self.c.ring_size
-        self.ring[layer][0][slots, r] = codes
-        if scales is not None:
-            self.ring[layer][1][slots, r] = scales
+    # SWA rings (score=True: the scoring rings). Position p lives in slot p % (the ring's slots).
+    def rings(self, score: bool = False) -> dict:
+        return self.score_ring if score else self.ring
 
-    def ring_read(self, layer: int, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        r = pos.clamp(min=0) % self.c.ring_size
-        store = self.ring[layer]
+    def ring_write(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor,
+                   quantize=lowbit.quantize, score: bool = False) -> None:
+        store = self.rings(score)[layer]
+        codes, scales = quantize(kv, self.c.swa_kv_format)
+        r = pos % store[0].shape[1]
+        store[0][slots, r] = codes
+        if scales is not None:
+            store[1][slots, r] = scales
+
+    def ring_read(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, score: bool = False) -> torch.Tensor:
+        store = self.rings(score)[layer]
+        r = pos.clamp(min=0) % store[0].shape[1]
         sc = store[1][slots, r] if store[1].shape[-1] else None
         return lowbit.dequantize(store[0][slots, r], sc, self.c.swa_kv_format, dtype=self.dtype)

@@ -5,8 +5,16 @@ Per row (a sequence computing positions [a, b) this step, replay start s):
 - every full layer compresses the groups that complete in the chunk (with the tail left over from the
   previous chunk) and writes them to the paged cache before attention (visibility does the causality);
 - the decoder runs only over positions >= s, with its SWA cut at s (bounded replay; s = 0 is exact).
-  The decoder's full layer still compresses every chunk token from the final encoder state.
+  The decoder's full layer still compresses every chunk token from the final encoder state;
+- a row whose replay start is a ``ReplayStart`` (a request that scores its prompt) then runs the decoder a
+  second time, over its chunk's positions < score_end with no cut and its own scoring rings: exact replay's
+  logits for prompt logprobs, without touching the state it generates from.
 Queries take their SWA keys from this chunk's fresh KV and, for older positions, from the ring.
+
+A decoder reindex layer scores only its full layer's candidate pool (``model.pool_impl`` "gather": each
+query's pool as entry ids, passed to the indexer op as ``candidates``), or, as the slow twin ("mask"), every
+entry masked by the pool. Indexer calls go in chunks of queries so no [queries, entries] score matrix
+exceeds INDEX_CHUNK elements.
 
 Attention (window + selected entries + sink), the indexer's scores and top-K, and the caches' quantisation
 go through the model's ops (``ced_sparse_attention``, ``ced_indexer_topk``, ``quantize_kv``), which read the
@@ -22,18 +30,19 @@ from . import functional as fn
 
 
 class Pass:
-    """One part (encoder or decoder) of the step: which tokens query and where their SWA keys live."""
+    """One part of the step (encoder, decoder, or the decoder's prompt-scoring pass): which tokens query,
+    where their SWA keys live (``score``: the scoring rings) and where their window is cut."""
 
-    def __init__(self, meta, lo: list, T: int, device, cut: list):
+    def __init__(self, meta, lo: list, hi: list, device, cut: list, score: bool = False):
         self.rows, self.local, pos = [], [], []
-        self.lo, self.cut = lo, cut  # [R] first queried position, SWA cut
+        self.lo, self.cut, self.score = lo, cut, score  # [R] first queried position, SWA cut
         self.lstart = []  # [R] offset of the row's first query in this pass
         n = 0
-        for r, (a, k) in enumerate(zip(meta.starts, meta.nums)):
+        for r in range(len(meta.starts)):
             self.lstart.append(n)
-            q = max(0, a + k - lo[r])
+            q = max(0, hi[r] - lo[r])  # row r queries positions lo[r] .. hi[r] - 1
             self.rows += [r] * q
-            pos += range(lo[r], a + k)
+            pos += range(lo[r], lo[r] + q)
             n += q
         self.n = n
         self.rows_t = to_device(self.rows, torch.long, device)
@@ -59,15 +68,15 @@ def _ops(model):
 
 
 def _write_ring(layer, P: Pass, kv, cache, meta, device, ops):
-    c = layer.c
+    size = cache.rings(P.score)[layer.i][0].shape[1]  # each row keeps its last `size` positions
     keep = []
     for r in range(len(meta.starts)):
         n_r = (P.lstart[r + 1] if r + 1 < len(P.lstart) else P.n) - P.lstart[r]
-        keep += range(P.lstart[r] + max(0, n_r - c.ring_size), P.lstart[r] + n_r)
+        keep += range(P.lstart[r] + max(0, n_r - size), P.lstart[r] + n_r)
     if keep:
         idx = to_device(keep, torch.long, device)
         slots = to_device(meta.state_slots, torch.long, device)[P.rows_t[idx]]
-        cache.ring_write(layer.i, slots, P.pos[idx], kv[idx], quantize=ops.quantize_kv)
+        cache.ring_write(layer.i, slots, P.pos[idx], kv[idx], quantize=ops.quantize_kv, score=P.score)
 
 
 def _compress_chunk(model, layer, xs, meta, cache, device):
@@ -118,18 +127,38 @@ def _row_slots(m, cache, meta, device):
     return torch.stack(slots) if slots else torch.zeros(0, 0, dtype=torch.long, device=device)
 
 
-def _choose_entries(ops, layer, iq, iw, keys, slots, P: Pass, num_visible, ctx):
-    """CEDLayer.choose_entries through the indexer op: a decoder reindex layer picks only from its full layer's
-    candidate pool; a decoder full layer builds that pool from its own scores."""
+INDEX_CHUNK = 1 << 24  # most (query, entry) scores one indexer call computes; longer passes go in chunks
+
+
+def _choose_entries(model, ops, layer, iq, iw, keys, slots, P: Pass, num_visible, ctx, stats):
+    """CEDLayer.choose_entries through the indexer op, in chunks of queries: a decoder reindex layer scores
+    only its full layer's candidate pool (or, pool_impl "mask", every entry masked by it); a decoder full layer
+    builds that pool from its own scores."""
     c = layer.c
     pool = ctx[("pool", c.source_full(layer.i))] if layer.is_decoder and layer.mode == "reindex" else None
+    gather = model.pool_impl == "gather"
     builds_pool = layer.is_decoder and layer.mode == "full"
-    topk, scores = ops.ced_indexer_topk(iq, iw, keys, c.index_k_format, slots, P.rows_t, num_visible, c.index_topk,
-                                        allowed=pool, return_scores=builds_pool)
+    width = pool.shape[1] if pool is not None and gather else slots.shape[1]  # entries scored per query
+    step = max(1, INDEX_CHUNK // max(1, width))
+    tops, pools = [], []
+    for a in range(0, max(P.n, 1), step):
+        sl = slice(a, a + step)
+        if pool is None:
+            narrow = {}
+        else:
+            narrow = {"candidates": pool[sl]} if gather else {"allowed": pool[sl]}
+        topk, scores = ops.ced_indexer_topk(iq[sl], iw[sl], keys, c.index_k_format, slots, P.rows_t[sl],
+                                            num_visible[sl], c.index_topk, return_scores=builds_pool, **narrow)
+        tops.append(topk)
+        if builds_pool:
+            visible = torch.arange(slots.shape[1], device=iq.device)[None, :] < num_visible[sl][:, None]
+            build = fn.pool_candidates if gather else fn.pool_mask
+            pools.append(build(scores, visible, c.pool_block, c.pool_blocks))
+    topk = tops[0] if len(tops) == 1 else torch.cat(tops)
     if builds_pool:
-        visible = torch.arange(slots.shape[1], device=iq.device)[None, :] < num_visible[:, None]
-        ctx[("pool", layer.i)] = fn.pool_mask(scores, visible, c.pool_block, c.pool_blocks)
+        ctx[("pool", layer.i)] = pools[0] if len(pools) == 1 else torch.cat(pools)
     ctx[("topk", layer.i)] = topk
+    stats["index_scores"][layer.i] += P.n * width
     return topk
 
 
@@ -139,6 +168,8 @@ def layer_engine(model, layer, h, P: Pass, src, meta, cache, ctx, stats):
     device = h.device
     x = fn.rms(h, layer.attn_norm, c.rms_norm_eps)
     stats["layer_tokens"][layer.i] += P.n
+    if P.score:
+        stats["score_tokens"][layer.i] += P.n
     if P.n:
         stats["min_pos"][layer.i] = min(stats["min_pos"][layer.i], int(P.pos.min()))
     ops = _ops(model)
@@ -148,7 +179,7 @@ def layer_engine(model, layer, h, P: Pass, src, meta, cache, ctx, stats):
     if layer.mode != "swa":
         m = layer.m
         src_l = c.source_full(layer.i)
-        if layer.mode == "full":
+        if layer.mode == "full" and ("kv", layer.i) not in ctx:  # (the scoring pass reads what was written)
             xs = x if src is None else fn.rms(src, layer.attn_norm, c.rms_norm_eps)
             _compress_chunk(model, layer, xs, meta, cache, device)
             ctx[("kv", layer.i)] = _row_slots(m, cache, meta, device)
@@ -156,7 +187,8 @@ def layer_engine(model, layer, h, P: Pass, src, meta, cache, ctx, stats):
         if layer.mode in ("full", "reindex"):
             stats["indexer_calls"][layer.i] += 1
             iq, iw = layer.index_query(x, cq)
-            topk = _choose_entries(ops, layer, iq, iw, cache.ik[src_l], slots, P, (P.pos + 1) // m, ctx)
+            topk = _choose_entries(model, ops, layer, iq, iw, cache.ik[src_l], slots, P, (P.pos + 1) // m, ctx,
+                                   stats)
         else:
             topk = ctx[("topk", c.source_topk(layer.i))]
         if P.n and slots.shape[1]:
@@ -165,7 +197,7 @@ def layer_engine(model, layer, h, P: Pass, src, meta, cache, ctx, stats):
             sel = torch.full_like(topk, -1)
         entries = cache.kv[src_l]
     if P.n:
-        o = ops.ced_sparse_attention(q, kv, cache.ring[layer.i], entries, sel, pos=P.pos, cut=P.cut_t,
+        o = ops.ced_sparse_attention(q, kv, cache.rings(P.score)[layer.i], entries, sel, pos=P.pos, cut=P.cut_t,
                                      fresh_lo=P.lo_t, fresh_start=P.lstart_t, ring_slot=P.ring_slot,
                                      window=c.n_win, ring_fmt=c.swa_kv_format, entry_fmt=c.global_kv_format,
                                      sinks=layer.sink, scale=c.head_dim ** -0.5)
@@ -182,17 +214,26 @@ def forward_engine(model, input_ids, meta, cache):
     device = input_ids.device
     stats = model.counters
     h = model.embed(input_ids)  # [T, d]
-    T = h.shape[0]
     ctx: dict = {}
-    enc = Pass(meta, list(meta.starts), T, device, cut=[0] * len(meta.starts))
+    ends = [a + k for a, k in zip(meta.starts, meta.nums)]
+    enc = Pass(meta, list(meta.starts), ends, device, cut=[0] * len(meta.starts))
     for layer in model.layers[: c.num_encoder_layers]:
         h = layer_engine(model, layer, h, enc, None, meta, cache, ctx, stats)
     h_enc = h
     lo = [max(a, s) for a, s in zip(meta.starts, meta.replay_starts)]
-    dec = Pass(meta, lo, T, device, cut=list(meta.replay_starts))
+    dec = Pass(meta, lo, ends, device, cut=list(meta.replay_starts))
     hd = h_enc[dec.tok]
     for layer in model.layers[c.num_encoder_layers:]:
         hd = layer_engine(model, layer, hd, dec, h_enc, meta, cache, ctx, stats)
     out = torch.zeros_like(h_enc)
     out[dec.tok] = hd
+    # Prompt scoring (ReplayStart rows): the decoder again over positions < score_end, as exact replay runs it.
+    score_ends = [min(b, getattr(s, "score_end", 0)) for b, s in zip(ends, meta.replay_starts)]
+    if any(e > a for e, a in zip(score_ends, meta.starts)):
+        sc = Pass(meta, list(meta.starts), score_ends, device, cut=[0] * len(meta.starts), score=True)
+        sctx = {k: v for k, v in ctx.items() if k[0] == "kv"}  # the entries the generation pass wrote
+        hs = h_enc[sc.tok]
+        for layer in model.layers[c.num_encoder_layers:]:
+            hs = layer_engine(model, layer, hs, sc, h_enc, meta, cache, sctx, stats)
+        out[sc.tok] = hs
     return out

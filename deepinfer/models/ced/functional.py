@@ -119,6 +119,68 @@ def pool_mask(scores: torch.Tensor, visible: torch.Tensor, block: int, nblocks: 
     return blocks.repeat_interleave(block, 1)[:, :J] & visible
 
 
+def pool_candidates(scores: torch.Tensor, visible: torch.Tensor, block: int, nblocks: int) -> torch.Tensor:
+    """The decoder candidate pool as entry ids, the set ``pool_mask`` (its oracle) marks: [Tq, P] int64 with
+    P = min(nblocks, ceil(J / block)) * block, each row's pool in ascending id order, then -1. A reindex layer
+    scores only these (``select_candidates``): its work scales with P, not with J."""
+    Tq, J = scores.shape
+    if J == 0:
+        return torch.full((Tq, 0), -1, dtype=torch.long, device=scores.device)
+    nb = -(-J // block)
+    s = scores.masked_fill(~visible, float("-inf"))
+    s = torch.nn.functional.pad(s, (0, nb * block - J), value=float("-inf")).reshape(Tq, nb, block).amax(-1)
+    newest = (visible.long().cumsum(1).argmax(1)) // block  # block of the last visible entry
+    s[torch.arange(Tq, device=s.device), newest] = float("inf")
+    keep_n = min(nblocks, nb)
+    top = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :keep_n]  # [Tq, keep_n] block ids
+    kept = torch.gather(s, 1, top) > float("-inf")
+    ids = (top[:, :, None] * block + torch.arange(block, device=s.device)).flatten(1)  # [Tq, P]
+    ok = kept.repeat_interleave(block, 1) & (ids < J)
+    ok &= torch.gather(visible, 1, ids.clamp(max=J - 1))
+    ids = torch.sort(torch.where(ok, ids, J), dim=1).values  # ascending, the dropped ones (J) last
+    return ids.masked_fill(ids >= J, -1)
+
+
+def candidates_mask(cand: torch.Tensor, J: int) -> torch.Tensor:
+    """Entry ids [Tq, P] (-1 = none) -> [Tq, J] bool (the pool as pool_mask returns it)."""
+    out = torch.zeros(cand.shape[0], J + 1, dtype=torch.bool, device=cand.device)
+    out.scatter_(1, torch.where(cand >= 0, cand, J), True)
+    return out[:, :J]
+
+
+def select_candidates(scores: torch.Tensor, cand: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k of each query's candidates: scores [Tq, P] of the entries cand [Tq, P] (ascending ids, then -1)
+    -> entry ids [Tq, k], -1 after the last. The set select_topk picks from full scores masked to the
+    candidates: ties still go to the lower entry id, since candidates are in ascending order."""
+    pos = select_topk(scores, cand >= 0, k)
+    if cand.shape[1] == 0:
+        return pos
+    return torch.where(pos >= 0, torch.gather(cand, 1, pos.clamp(min=0)), -1)
+
+
+CANDIDATE_CHUNK = 1 << 24  # most dequantized key elements candidate_indexer_topk holds at once
+
+
+def candidate_indexer_topk(q, weights, keys, key_fmt, entry_slots, q_rows, candidates, k, return_scores=False):
+    """The reference of Ops.ced_indexer_topk with ``candidates``: each query scores only its own candidate
+    entries [Tq, P] (ascending ids, then -1), their keys gathered from the paged cache and dequantized, in
+    chunks of queries. Returns (entry ids [Tq, k], -1 after the last; scores [Tq, P] float32, -inf at -1)."""
+    Tq, P = candidates.shape
+    codes, scales = keys
+    scores = torch.full((Tq, P), float("-inf"), dtype=torch.float32, device=q.device)
+    if Tq and P:
+        rows = entry_slots[q_rows[:, None], candidates.clamp(min=0)]  # [Tq, P] cache rows
+        step = max(1, CANDIDATE_CHUNK // (P * q.shape[-1]))
+        for a in range(0, Tq, step):
+            # Each distinct key once (a prefill's queries share most of their pools), then one copy per query.
+            uniq, inv = torch.unique(rows[a:a + step], return_inverse=True)
+            sc = scales[uniq] if scales is not None and scales.shape[-1] else None
+            kr = lowbit.dequantize(codes[uniq], sc, key_fmt, dtype=q.dtype)  # [U, dh]
+            scores[a:a + step] = index_scores(q[a:a + step], weights[a:a + step], kr[inv])  # keys [C, P, dh]
+        scores = scores.masked_fill(candidates < 0, float("-inf"))
+    return select_candidates(scores, candidates, k), (scores if return_scores else None)
+
+
 def attend(q, swa_kv, swa_mask, glob_kv, glob_mask, sink, scale):
     """One softmax per query over its SWA keys, its top-K entries and the sink.
 

@@ -21,6 +21,10 @@ from . import functional as fn
 from .config import CEDConfig
 
 
+INDEX_CHUNK = 1 << 24  # the full-sequence indexer's chunk: queries x scored entries x max(heads, head dim)
+POOL_IMPLS = ("gather", "mask")
+
+
 def _p(*shape):
     return nn.Parameter(torch.empty(*shape))
 
@@ -94,20 +98,28 @@ class CEDLayer(nn.Module):
         w = F.linear(x, self.wiw) * c.index_heads ** -0.5
         return q, w
 
-    def choose_entries(self, scores, visible, ctx: dict):
-        """Top-K entry ids [Tq, K] of this full/reindex layer's queries from indexer scores [Tq, J].
+    def choose_entries(self, iq, iw, ik, qpos, pool=None, pool_impl: str = "gather"):
+        """Top-K entry ids [Tq, K] of this full/reindex layer's queries at positions qpos [Tq] (a chunk of them),
+        from indexer queries iq [Tq, nh, dh], weights iw [Tq, nh] and the source full layer's keys ik [J, dh].
 
-        A decoder reindex layer scores only the candidate pool of its full layer; a decoder full layer
-        builds that pool. Both land in ``ctx`` (shared by the layers of one pass)."""
-        c = self.c
-        allowed = visible
-        if self.is_decoder and self.mode == "reindex":
-            allowed = visible & ctx[("pool", c.source_full(self.i))]
+        A decoder reindex layer picks only from the candidate pool of its full layer, ``pool`` (these queries'
+        rows of it): with pool_impl "gather", entry ids [Tq, P] whose keys alone are scored; with "mask" (the
+        slow twin) a [Tq, J] mask over scores of every entry. A decoder full layer builds that pool, in the
+        same form. Returns (top-K ids, the pool it built or None, scores computed per query)."""
+        c, m = self.c, self.m
+        J = ik.shape[0]
+        if self.is_decoder and self.mode == "reindex" and pool_impl == "gather":
+            scores = fn.index_scores(iq, iw, ik[pool.clamp(min=0)])  # [Tq, P]: the pool's keys only
+            return fn.select_candidates(scores, pool, c.index_topk), None, pool.shape[1]
+        visible = torch.arange(J, device=iq.device)[None, :] < ((qpos + 1) // m)[:, None]
+        scores = fn.index_scores(iq, iw, ik)  # [Tq, J]
+        allowed = visible & pool if self.is_decoder and self.mode == "reindex" else visible
         topk = fn.select_topk(scores, allowed, c.index_topk)
+        built = None
         if self.is_decoder and self.mode == "full":
-            ctx[("pool", self.i)] = fn.pool_mask(scores, visible, c.pool_block, c.pool_blocks)
-        ctx[("topk", self.i)] = topk
-        return topk
+            build = fn.pool_candidates if pool_impl == "gather" else fn.pool_mask
+            built = build(scores, visible, c.pool_block, c.pool_blocks)
+        return topk, built, J
 
     def out_proj(self, o, pos):
         """o [T, H, D] attended latent -> inverse RoPE, grouped projection, final projection -> [T, d]."""
@@ -131,6 +143,31 @@ class CEDLayer(nn.Module):
         return y, ids
 
 
+class ReplayStart(int):
+    """A request's replay start s (it is that int wherever it is read) that also asks the decoder to score
+    prompt positions [0, score_end) as exact replay (s = 0) would: a request with prompt_logprobs.
+
+    Per step the engine path then runs the decoder twice over such a row's chunk: the generation pass over
+    positions >= s with the SWA cut at s, which alone writes the decoder SWA rings the request generates from
+    (so what it generates is what it would generate without prompt_logprobs), then the scoring pass over the
+    chunk's positions < score_end with no cut, whose SWA keys live in separate scoring rings
+    (``CEDCache.score_ring``); its hidden states replace the generation pass's at those positions, which only
+    prompt logprobs read. Positions [s, score_end) are computed by both passes, each with its own semantics."""
+
+    score_end: int
+
+    def __new__(cls, start: int, score_end: int):
+        obj = super().__new__(cls, start)
+        obj.score_end = int(score_end)
+        return obj
+
+    def __getnewargs__(self):
+        return int(self), self.score_end
+
+    def __repr__(self) -> str:
+        return f"ReplayStart({int(self)}, score_end={self.score_end})"
+
+
 class CEDEngineMixin:
     """The engine-path contract of CEDForCausalLM (see engine_path.py)."""
 
@@ -149,6 +186,22 @@ class CEDEngineMixin:
             return 0
         return max(0, num_prompt_tokens - self.config.n_win)
 
+    def replay_start_for_scoring(self, num_prompt_tokens: int) -> int:
+        """The replay start of a request that also scores its prompt (prompt_logprobs): its own replay start,
+        carrying the prompt positions to score with exact replay on the side (see ReplayStart)."""
+        s = self.replay_start_for(num_prompt_tokens)
+        return ReplayStart(s, num_prompt_tokens - 1) if s > 0 else s
+
+    @property
+    def pool_impl(self) -> str:
+        return self._pool_impl
+
+    @pool_impl.setter
+    def pool_impl(self, value: str) -> None:
+        if value not in POOL_IMPLS:
+            raise ValueError(f"pool_impl={value!r} is invalid: expected one of {POOL_IMPLS}")
+        self._pool_impl = value
+
     def forward(self, input_ids, meta, kv_cache):
         from .engine_path import forward_engine
 
@@ -159,7 +212,11 @@ class CEDEngineMixin:
 
     def reset_counters(self) -> None:
         L = self.config.num_layers
-        self.counters = {"layer_tokens": [0] * L, "min_pos": [float("inf")] * L, "indexer_calls": [0] * L}
+        # Per layer: tokens it ran on and the lowest position (both passes), indexer calls, (query, entry)
+        # indexer scores computed (a decoder reindex layer scores its pool only), and the tokens of the
+        # prompt-scoring pass (ReplayStart) among layer_tokens.
+        self.counters = {"layer_tokens": [0] * L, "min_pos": [float("inf")] * L, "indexer_calls": [0] * L,
+                         "index_scores": [0] * L, "score_tokens": [0] * L}
 
     def record_expert_load(self, layer: int, ids) -> None:
         self.expert_load.record(layer, ids)
@@ -179,6 +236,9 @@ class CEDForCausalLM(CEDEngineMixin, nn.Module):
         self.layers = nn.ModuleList(CEDLayer(c, i) for i in range(c.num_layers))
         self.norm = _p(c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else _p(c.vocab_size, c.hidden_size)
+        # How decoder reindex layers use the pool, in both paths: "gather" scores the pool's entries only,
+        # "mask" (the slow twin) scores every entry and masks by the pool. See CEDLayer.choose_entries.
+        self.pool_impl = "gather"
         self.reset_counters()
         from ..expert_load import ExpertLoad
 
@@ -266,12 +326,11 @@ class CEDForCausalLM(CEDEngineMixin, nn.Module):
                 J = xs.shape[0] // m
                 ctx[("kv", layer.i)] = layer.entries(xs[: J * m])
             ents, ik = ctx[("kv", src)]
-            visible = torch.arange(ents.shape[0], device=h.device)[None, :] < ((qpos + 1) // m)[:, None]
             if layer.mode in ("full", "reindex"):
                 if stats is not None:
                     stats.setdefault("indexer_layers", []).append(layer.i)
                 iq, iw = layer.index_query(x, cq)
-                topk = layer.choose_entries(fn.index_scores(iq, iw, ik), visible, ctx)
+                topk = self._index(layer, iq, iw, ik, qpos, ctx, stats)
             else:
                 topk = ctx[("topk", c.source_topk(layer.i))]
             glob, gmask = fn.gather_rows(ents, topk)
@@ -279,6 +338,33 @@ class CEDForCausalLM(CEDEngineMixin, nn.Module):
         h = h + layer.out_proj(o, qpos)
         y, _ = layer.moe(fn.rms(h, layer.ffn_norm, c.rms_norm_eps))
         return h + y
+
+    def _index(self, layer: CEDLayer, iq, iw, ik, qpos, ctx, stats):
+        """The indexer of a full/reindex layer over queries at qpos [T], in chunks of queries: no [T, J] score
+        matrix (nor the einsum's [T, heads, J]) is ever whole, so memory stays bounded at long prompts.
+        Stores the top-K (and a decoder full layer's pool) in ctx; returns the top-K [T, K]."""
+        c = self.config
+        T = iq.shape[0]
+        pool = ctx.get(("pool", c.source_full(layer.i))) if layer.is_decoder and layer.mode == "reindex" else None
+        width = pool.shape[1] if pool is not None and self.pool_impl == "gather" else ik.shape[0]
+        step = max(1, INDEX_CHUNK // max(1, width * max(c.index_heads, c.index_head_dim)))
+        tops, pools, scored = [], [], 0
+        for a in range(0, T, step):
+            sl = slice(a, a + step)
+            topk, built, w = layer.choose_entries(iq[sl], iw[sl], ik, qpos[sl], None if pool is None else pool[sl],
+                                                  self.pool_impl)
+            tops.append(topk)
+            scored += w * topk.shape[0]
+            if built is not None:
+                pools.append(built)
+        topk = torch.cat(tops) if tops else torch.full((0, c.index_topk), -1, dtype=torch.long, device=iq.device)
+        if pools:
+            ctx[("pool", layer.i)] = torch.cat(pools)
+        ctx[("topk", layer.i)] = topk
+        if stats is not None:
+            per = stats.setdefault("index_scores", {})
+            per[layer.i] = per.get(layer.i, 0) + scored
+        return topk
 
     # ---------------- weights ----------------
     def load_weights(self, weights) -> None:
