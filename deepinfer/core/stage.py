@@ -4,7 +4,10 @@ A stage is a small object with a ``name``, a ``kind``, the state fields it
 ``reads`` and ``writes``, and one call that runs it over the whole batch. It
 gets what it needs through its constructor: its own keyword arguments plus any
 engine context object its signature names (``config``, ``model``, ``ops``,
-``tokenizer``, ``vocab_size``, ``device``, ``generator``). No module-level mutable state.
+``tokenizer``, ``vocab_size``, ``device``, ``generator``, ``engine_config``, ``decode_graphs``,
+``block_tables``; docs/plugins.md says what each is). No module-level mutable state.
+
+A stage that can name the rows a fault belongs to raises ``RowError`` (below): those requests fail alone.
 
 Phases: ``admit`` stages run once per request when it is added (their state is
 an AdmitState); ``step`` stages run once per engine step over the whole batch
