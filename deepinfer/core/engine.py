@@ -9,18 +9,18 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Optional
 
 import torch
 
-from ..outputs import CompletionOutput, Logprob, RequestOutput, entries_from
+from ..outputs import Logprob, entries_from
 from .block_tables import BlockTables
 from .sampling_state import SamplingState
 from .kv_cache import BlockPool, blocks_needed
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
+from .requests import Request, request_output
 from .stage import RowError
-from .state import AdmitState, ScheduledBatch, Sequence, SeqStatus, StepState
+from .state import AdmitState, ScheduledBatch, Sequence, StepState
 
 log = logging.getLogger(__name__)
 
@@ -38,24 +38,6 @@ def _guard_logits(state) -> None:
     else:
         lg.masked_fill_(bad[:, None], 0.0)
     state.bad_rows = bad if state.bad_rows is None else state.bad_rows | bad
-
-
-class Request:
-    """The engine's record of one request and its n sequences."""
-
-    def __init__(self, request_id: str, prompt, params: SamplingParams):
-        self.request_id, self.prompt, self.params = request_id, prompt, params
-        self.prompt_token_ids: list = []
-        self.seqs: list = []
-        self.error: Optional[str] = None
-        self.arrival_time = time.perf_counter()
-        self.first_token_time: Optional[float] = None
-        self.reported_done = False
-        self.stream = False
-
-    @property
-    def finished(self) -> bool:
-        return self.error is not None or all(s.finished for s in self.seqs)
 
 
 class _Launched:
@@ -368,7 +350,7 @@ class Engine:
         for req in touched.values():
             if not (req.finished or req.stream):
                 continue  # building outputs costs per-sequence Python; only streams need partial ones
-            outs.append(self._output(req))
+            outs.append(request_output(req))
             if req.finished:
                 req.reported_done = True
             if req.reported_done:
@@ -437,23 +419,3 @@ class Engine:
                 self._fold_token(seq, state.outputs[0])
                 if seq.finished:
                     return
-
-    def _output(self, req: Request) -> RequestOutput:
-        prompt = req.prompt if isinstance(req.prompt, str) else None
-        if isinstance(req.prompt, dict) and isinstance(req.prompt.get("prompt"), str):
-            prompt = req.prompt["prompt"]  # the text of {"prompt": ...}, or chat's rendered template
-        if req.error is not None:
-            comp = [CompletionOutput(index=0, text="", token_ids=[], finish_reason="error", error=req.error)]
-            return RequestOutput(req.request_id, prompt, req.prompt_token_ids, comp, True, error=req.error)
-        comps = []
-        for s in req.seqs:
-            cum = None
-            if s.logprobs is not None:
-                cum = sum(d[t].logprob for d, t in zip(s.logprobs, s.output_token_ids))
-            comps.append(CompletionOutput(index=s.index, text=s.text, token_ids=list(s.output_token_ids),
-                                          cumulative_logprob=cum, logprobs=s.logprobs, finish_reason=s.finish_reason,
-                                          stop_reason=s.stop_reason))
-        metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                   "num_preemptions": sum(s.num_preemptions for s in req.seqs)}
-        return RequestOutput(req.request_id, prompt, req.prompt_token_ids, comps, req.finished,
-                             prompt_logprobs=req.seqs[0].prompt_logprobs, metrics=metrics)

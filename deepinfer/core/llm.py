@@ -5,9 +5,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Iterator, Optional, Sequence as Seq
+from typing import Iterator, Optional
 
-import attrs
 import torch
 
 from ..models import loader
@@ -15,7 +14,6 @@ from ..models.quant import fp8_block_size
 from .config import EngineConfig, config_fields
 from .engine import Engine
 from .graph import Pipeline
-from .kv_cache import blocks_needed
 from .params import SamplingParams
 from .plugins import get_registry
 from .vllm_compat import drop_vllm_keywords
