@@ -300,7 +300,7 @@ class Engine:
             self._fail_batch(state.batch, exc, touched)
             return
         if launched.host_bad is not None:
-            rows = [i for i, smp in enumerate(state.batch.samples) if smp]
+            rows = state.sample_rows
             for r in launched.host_bad.nonzero().flatten().tolist():
                 failed.setdefault(rows[r], "the model produced non-finite logits (NaN or inf) for this request")
         self._fail_rows(state.batch, failed, touched)
@@ -315,9 +315,8 @@ class Engine:
             try:
                 stage(state)
             except RowError as exc:
-                messages = getattr(exc, "messages", None) or {}  # {row: message} when rows failed differently
                 for i in exc.rows:
-                    failed.setdefault(i, f"stage {stage.name!r} failed for this request: {messages.get(i, exc)}")
+                    failed.setdefault(i, f"stage {stage.name!r} failed for this request: {exc.messages.get(i, exc)}")
             if "logits" in stage.writes:
                 _guard_logits(state)
         return failed

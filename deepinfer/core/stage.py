@@ -24,7 +24,7 @@ so the GPU never waits for detokenization or stop checks.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 
 class Stage:
@@ -49,6 +49,14 @@ class RowError(Exception):
     engine keeps serving new ones.
     """
 
-    def __init__(self, rows, message: str):
+    def __init__(self, rows, message: str, messages: Optional[dict] = None):
         super().__init__(message)
         self.rows = list(rows)
+        self.messages = dict(messages or {})  # {row: its own message}, where rows failed differently
+
+    @classmethod
+    def from_sample_rows(cls, state, failed: dict) -> "RowError":
+        """``failed``: {sampling row (an index into state.logits / next_tokens): message}; the error names
+        their batch rows and joins the messages."""
+        rows = state.sample_rows
+        return cls([rows[r] for r in failed], "; ".join(sorted(set(failed.values()))))

@@ -148,7 +148,7 @@ class GrammarStage(Stage):
         if not self._requests:
             return
         batch = state.batch
-        rows = [i for i, smp in enumerate(batch.samples) if smp]
+        rows = state.sample_rows
         work = []  # (sampling row, SeqGrammar)
         failed: dict = {}
         for r, i in enumerate(rows):
@@ -174,6 +174,5 @@ class GrammarStage(Stage):
             self.ops.apply_token_bitmask(state.logits, to_device(bitmask[:len(work)], torch.int32, device),
                                          to_device([r for r, _ in work], torch.int64, device))
         if failed:
-            err = RowError(list(failed), "; ".join(sorted(set(failed.values()))))
-            err.messages = failed  # the engine gives each request its own message
-            raise err
+            # Each request gets its own message (its grammar's).
+            raise RowError(list(failed), "; ".join(sorted(set(failed.values()))), messages=failed)

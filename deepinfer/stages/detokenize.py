@@ -39,8 +39,7 @@ class DetokenizeStage(Stage):
                 outs.append(SeqUpdate(tok, seq.text))
         state.outputs = outs
         if failed:
-            rows = [i for i, smp in enumerate(batch.samples) if smp]
-            raise RowError([rows[r] for r in failed], "; ".join(sorted(set(failed.values()))))
+            raise RowError.from_sample_rows(state, failed)
 
     @staticmethod
     def _row(seq, tok: int, eos, tokenizer) -> SeqUpdate:

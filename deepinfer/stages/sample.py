@@ -30,6 +30,4 @@ class SampleStage(Stage):
         if batch.max_num_logprobs >= 0:
             state.logprobs = self.ops.compute_logprobs(logits, state.next_tokens, batch.max_num_logprobs)
         if batch.processor_errors:  # a request's logits processor raised: that request fails alone
-            rows = [i for i, smp in enumerate(state.batch.samples) if smp]
-            errors = batch.processor_errors
-            raise RowError([rows[r] for r in errors], "; ".join(sorted(set(errors.values()))))
+            raise RowError.from_sample_rows(state, batch.processor_errors)

@@ -41,8 +41,7 @@ class FaultStage(Stage):
             raise RuntimeError("injected crash")
         if self.mode == "row_error":
             raise RowError(rows, "injected row fault")
-        sample = [i for i, smp in enumerate(state.batch.samples) if smp]
-        hit = [r for r, i in enumerate(sample) if i in set(rows)]
+        hit = [r for r, i in enumerate(state.sample_rows) if i in set(rows)]
         state.logits[torch.tensor(hit, dtype=torch.long, device=state.logits.device)] = float("nan")
 
 
