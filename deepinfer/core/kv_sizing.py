@@ -121,7 +121,7 @@ def plan_kv(config, bytes_per_block: int, fixed_bytes: int, max_model_len: int, 
     return plan
 
 
-def _dummy_batch(num_rows: int, lens: list, block_size: int, model):
+def _dummy_batch(lens: list, block_size: int, model):
     from .params import SamplingParams
     from .state import ScheduledBatch, Sequence
 
@@ -134,7 +134,7 @@ def _dummy_batch(num_rows: int, lens: list, block_size: int, model):
         seq.replay_start = replay(n) if replay is not None else 0
         seqs.append(seq)
         first += nb
-    return ScheduledBatch(seqs=seqs, num_tokens=list(lens), start=[0] * num_rows, samples=[True] * num_rows), first
+    return ScheduledBatch(seqs=seqs, num_tokens=list(lens), start=[0] * len(lens), samples=[True] * len(lens)), first
 
 
 def run_dummy_step(model, ops, dtype, block_size: int, num_tokens: int, max_model_len: int, sample_rows: int,
@@ -148,12 +148,11 @@ def run_dummy_step(model, ops, dtype, block_size: int, num_tokens: int, max_mode
     from .params import SamplingParams
 
     if decode_rows:
-        lens, starts = [1] * decode_rows, [0] * decode_rows
+        lens = [1] * decode_rows
     else:
         n_rows = -(-num_tokens // max_model_len)
         lens = [num_tokens // n_rows + (i < num_tokens % n_rows) for i in range(n_rows)]
-        starts = [0] * n_rows
-    batch, blocks = _dummy_batch(len(lens), [s + n for s, n in zip(starts, lens)], block_size, model)
+    batch, blocks = _dummy_batch(lens, block_size, model)
     kv = model.allocate_kv_cache(blocks * block_size, dtype, ops.device, block_size=block_size, max_seqs=len(lens))
     with torch.no_grad():
         ids, meta, qstart = build_inputs(batch, list(range(len(lens))), block_size, ops.device)
