@@ -103,6 +103,27 @@ def test_e8m0_decode_matches_torch_float8():
     assert lowbit._e8m0_decode(torch.tensor([255], dtype=torch.uint8)).isnan().all()
 
 
+@pytest.mark.parametrize("fmt", SCALED)
+def test_dequantize_nan_scales_and_overflow(fmt):
+    """The bytes quantize never writes, as the module docstring defines them: a NaN scale byte makes its whole
+    group NaN (zero codes too), a product beyond the output dtype is inf with the code's sign."""
+    g = GROUP[fmt]
+    C = 2 * g
+    nbytes = C if fmt == "fp8_e4m3_pow2" else C // 2
+    codes = torch.randint(0, 256, (2, nbytes), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    if fmt == "fp8_e4m3_pow2":
+        codes = torch.where(codes & 0x7F == 0x7F, codes - 1, codes)  # finite E4M3 codes only
+    nan_byte = 0x7F if fmt == "fp4_e2m1_e4m3" else 0xFF
+    scales = torch.tensor([[nan_byte, 0], [0, 0]], dtype=torch.uint8)
+    out = dequantize(codes, scales, fmt)
+    assert out[0, :g].isnan().all() and not out[0, g:].isnan().any() and not out[1].isnan().any()
+    if fmt != "fp4_e2m1_e4m3":  # E8M0 2^127: every code of magnitude >= 2 overflows float32, keeping its sign
+        big = dequantize(codes, torch.full((2, 2), 254, dtype=torch.uint8), fmt)
+        ref = dequantize(codes, torch.full((2, 2), 127, dtype=torch.uint8), fmt).double() * 2.0**127
+        assert torch.equal(big.isinf(), ref.abs() > torch.finfo(torch.float32).max)
+        assert big.isinf().any() and torch.equal(big[big.isinf()].sign(), ref[big.isinf()].sign().float())
+
+
 # ---------------------------------------------------------------- byte layout on hand-made examples
 
 

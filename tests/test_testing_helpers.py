@@ -96,3 +96,24 @@ def test_assert_same_or_near_tie():
         assert_greedy_matches([[5, 9]], [[5, 6]], [lps], 1e-4)
     with pytest.raises(AssertionError, match="do not belong to the expected run"):
         assert_same_or_near_tie([5, 6], [5, 2], lps, 1e-4)
+
+
+def test_assert_same_bits_forgives_only_nan_payloads():
+    """Any NaN equals any NaN (CUDA's canonical 0x7FFFFFFF against the CPU's 0xFFC00000); everything else is
+    compared bit for bit: a NaN on one side only, -0.0 against +0.0, a flushed subnormal all fail."""
+    from deepinfer.testing.kernels import assert_same_bits
+
+    ref = torch.tensor([1.0, -0.0, 2.0**-140, float("-inf"), 0.0]).view(torch.int32)
+    ref[4] = -0x400000  # 0xFFC00000: a negative quiet NaN
+    ref = ref.view(torch.float32)
+    gpu_like = ref.clone().view(torch.int32)
+    gpu_like[4] = 0x7FFFFFFF
+    assert_same_bits(gpu_like.view(torch.float32), ref)
+    assert_same_bits(ref.bfloat16(), ref.bfloat16())
+    for i, v in ((0, float("nan")), (1, 0.0), (2, 0.0), (3, float("inf"))):
+        bad = ref.clone()
+        bad[i] = v
+        with pytest.raises(AssertionError, match="NaN on one side" if i == 0 else f"differ.*first at \\[{i}\\]"):
+            assert_same_bits(bad, ref)
+    with pytest.raises(AssertionError):
+        assert_same_bits(ref.double(), ref)

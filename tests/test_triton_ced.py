@@ -26,8 +26,8 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from deepinfer.testing.compare import assert_logits_close
-from deepinfer.testing.kernels import (DEV, capture_graph, examples, gen, gpu, rel_err as _rel_err, run_compile_script,
-                                       skip_module_without_kernels)
+from deepinfer.testing.kernels import (DEV, assert_same_bits, capture_graph, examples, gen, gpu, rel_err as _rel_err,
+                                       run_compile_script, skip_module_without_kernels)
 
 skip_module_without_kernels()
 
@@ -89,15 +89,22 @@ def test_fp4_quantize_dequantize_bit_exact(fmt, rows, groups, dtype, lead3, seed
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # E8M0 bytes near 255: inf, as the reference
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", FP4)
-def test_fp4_dequantize_every_byte(fmt):
-    """Every code byte under every scale byte (NaN scales included), bit-exact with the reference."""
+def test_fp4_dequantize_every_byte(fmt, dtype):
+    """Every code byte under every scale byte, in every output dtype, as the reference gives it (the semantics in
+    reference.lowbit's docstring): bit-exact, except that a NaN scale byte makes its group NaN with any payload
+    (the H200's arithmetic returns canonical NaNs, the CPU and the interpreter the scale's own), and a product
+    beyond the output dtype is inf of the code's sign."""
     G = triton_fp4.GROUPS[fmt]
     codes = torch.arange(256, dtype=torch.uint8)[None, :].expand(256, 256).contiguous()  # row s: all 256 bytes
     scales = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 512 // G).contiguous()
-    out = triton_fp4.dequantize(codes.to(DEV), scales.to(DEV), fmt, torch.float32).cpu()
-    ref = lowbit.dequantize(codes, scales, fmt, torch.float32)
-    assert torch.equal(bits(out), bits(ref))
+    out = triton_fp4.dequantize(codes.to(DEV), scales.to(DEV), fmt, dtype).cpu()
+    ref = lowbit.dequantize(codes, scales, fmt, dtype)
+    assert_same_bits(out, ref)
+    nan_rows = torch.isnan(ref).all(dim=1)
+    assert nan_rows.tolist() == [s in (NAN_SCALE[fmt], NAN_SCALE[fmt] | 0x80) for s in range(256)]
+    assert torch.isinf(ref).any() == (fmt == "mxfp4")  # |E4M3 scale x E2M1| <= 2688 fits every output dtype
 
 
 def test_fp4_through_ops_and_errors():

@@ -4,8 +4,9 @@
   there is no CUDA and the kernels were not built for Triton's interpreter (tests/conftest.py sets
   TRITON_INTERPRET=1 without CUDA, before anything imports triton); ``HAS_CUDA``, ``DEV``, the ``gpu`` skip
   marker and ``examples(n)``, the hypothesis settings of the property tests;
-- data helpers: ``gen`` (seeded CPU generators), ``rel_err`` (||out - ref|| / ||ref||, NaN-checked) and
-  ``poison_free_memory`` (so an output a kernel leaves unwritten shows up as NaN);
+- data helpers: ``gen`` (seeded CPU generators), ``rel_err`` (||out - ref|| / ||ref||, NaN-checked),
+  ``assert_same_bits`` (bit-exact up to NaN payloads) and ``poison_free_memory`` (so an output a kernel leaves
+  unwritten shows up as NaN);
 - ``capture_graph``: the warm-up-then-capture dance of the CUDA-graph tests, and ``no_host_sync``;
 - the sm_90 compile tests: ``run_compile_script`` runs a script in a fresh interpreter without
   TRITON_INTERPRET and returns the JSON report its last line prints; inside such a script, ``compile_sm90``
@@ -61,6 +62,35 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor, device=None) -> float:
     out, ref = out.double().to(device), ref.double().to(device)
     assert not torch.isnan(out).any(), "NaN in the kernel output"
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+             torch.float64: torch.int64}
+
+
+def assert_same_bits(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """out and ref hold the same dtype, shape and bit patterns, except that any NaN equals any NaN.
+
+    NaN positions must match exactly, and every other element bit for bit (so -0.0 != +0.0, inf keeps its sign,
+    and a flushed subnormal fails). A NaN's sign and payload are not compared because no kernel can promise them:
+    PyTorch's CPU float math returns the NaN operand it was given (e.g. 0x7FC00000 or 0xFFC00000), CUDA
+    arithmetic returns the canonical NaN 0x7FFFFFFF (the PTX rule for mul/add/fma results), the compiler may
+    fold a NaN constant through a select, and the float32 -> bf16 conversions pick their own patterns (PyTorch's
+    CPU 0x7FC0, the H200's cvt.rn.bf16.f32 0x7FFF). Triton's interpreter runs numpy, which propagates payloads
+    like the CPU reference, so a payload-exact test passes there and fails on the GPU."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape, (out.dtype, tuple(out.shape), ref.dtype, tuple(ref.shape))
+    out, ref = out.detach().cpu(), ref.detach().cpu()
+    nan = torch.isnan(ref)
+    bad_nan = torch.isnan(out) != nan
+    assert not bad_nan.any(), (f"{int(bad_nan.sum())} elements NaN on one side only, first at "
+                               f"{bad_nan.nonzero()[0].tolist()}")
+    view = _INT_VIEW[out.dtype]
+    ob, rb = out.contiguous().view(view), ref.contiguous().view(view)
+    diff = (ob != rb) & ~nan
+    if diff.any():
+        i = tuple(diff.nonzero()[0].tolist())
+        raise AssertionError(f"{int(diff.sum())} non-NaN elements differ in their bits, first at {list(i)}: "
+                             f"{out[i].item()!r} vs the reference's {ref[i].item()!r}")
 
 
 def poison_free_memory(nbytes: int) -> None:

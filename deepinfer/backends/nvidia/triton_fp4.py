@@ -11,7 +11,11 @@ Every bit is decided exactly as the reference decides it: the E4M3 scale by a bi
 codes comparing 6 * s (exact in float32) with amax, x / s by a correctly rounded division (div_rn, not the
 approximate one) for E4M3 scales and by an exact multiplication with 2^-e for E8M0 ones, and the E2M1 code
 by comparisons with the exactly representable midpoints. Dequantisation multiplies a decoded nibble by the
-decoded scale (exact in float32) and rounds once to the output dtype.
+decoded scale (exact in float32) and rounds once to the output dtype, with the reference's semantics for the
+bytes quantize never writes: a NaN scale byte (E4M3 0x7F / 0xFF, E8M0 0xFF) gives a NaN group, of whatever
+payload the hardware makes (canonical on CUDA, the scale's own under the interpreter: only NaN-ness is
+specified), and a product beyond the output dtype gives inf of the code's sign. Neither is special-cased here:
+plain IEEE multiplication and round-to-nearest conversion produce both, so no select is spent on them.
 
 The ``@triton.jit`` decoders (``e2m1_value``, ``e4m3_value``, ``e8m0_value``, ``fp4_tile``) are shared with
 the CED attention and indexer kernels, which dequantise in registers and hand the tiles to tl.dot through

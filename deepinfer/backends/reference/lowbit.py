@@ -23,6 +23,17 @@ is a correctly rounded float32 division (not a multiply by a reciprocal). An all
 scale byte 0 (E4M3 zero, or E8M0 2^-127) and codes 0. The sign bit follows signbit(x), as torch's
 and the hardware's float8 casts do, so -0.0 encodes as 0x8 / 0x80. Scaled formats reject inf/NaN
 input (no scale can represent it).
+
+Dequantisation is value x scale in float32 (exact: few-bit products), rounded once to the output dtype, for
+every byte, including bytes quantize never writes (the GPU kernels must agree on all of them):
+  - a scale byte that decodes to NaN (E4M3 0x7F / 0xFF, E8M0 0xFF) makes its whole group NaN, whatever the
+    codes (0 x NaN is NaN). The NaN's sign and payload are unspecified: this module's float math returns the
+    scale's quiet NaN, CUDA arithmetic the canonical 0x7FFFFFFF, and float32 -> bf16 conversions choose their
+    own; tests compare NaN positions, not NaN bits (deepinfer.testing.kernels.assert_same_bits);
+  - a product beyond the output dtype is inf with the code's sign, as IEEE round-to-nearest gives it (E8M0
+    scales from 2^126 up in float32, from 2^14 in fp16, from 2^126 in bf16; E4M3 products, <= 6 x 448,
+    never overflow);
+  - everything else is bit-exact, -0.0 and subnormal results included (no flush to zero).
 """
 
 from __future__ import annotations
