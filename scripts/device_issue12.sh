@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue 12 (CED at full speed) on the GPU machine (the device tool), from the repo root there:
+#   bash scripts/device_issue12.sh tests K   # group K of the GPU test suite (scripts/gpu_tests.py --list shows
+#                                            # the groups; one device call each, junit xml and log in $OUT)
+# Wheels the machine lacks travel gitignored in .whl/ (pass carry=[".whl"]). A wheel too large for one call travels
+# in parts: split -b 30M x.whl .whl-a/x.whl.part-, then move the later parts to .whl-b/, ...; each call carries
+# one folder while the machine stays warm (`echo "/.whl-*/" >> .git/info/exclude` keeps them out of git). Every
+# .whl*/NAME.whl.part-* series is joined, in suffix order, into NAME.whl before installing.
+# A new subcommand is one more case below; install_wheels and the environment are shared.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+
+install_wheels() {
+  local dir=/tmp/wheels part name
+  rm -rf "$dir"; mkdir -p "$dir"
+  for part in .whl*/*.whl.part-*; do
+    [ -e "$part" ] || continue
+    name=$(basename "${part%.part-*}")
+    [ -e "$dir/$name" ] && continue
+    cat $(ls .whl*/"$name".part-* | sort -t/ -k2) > "$dir/$name"  # parts in suffix order, whatever the folder
+  done
+  for w in .whl*/*.whl; do [ -e "$w" ] && cp "$w" "$dir/"; done
+  if ls "$dir"/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$dir"/*.whl || exit 1
+  fi
+}
+
+install_wheels
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi -L
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+cmd=${1:-}
+shift || true
+case "$cmd" in
+tests)
+  # The runner's groups fit 480 s; the timeout leaves the call's 600 s a margin for the install and the copy back.
+  timeout 570 python3 scripts/gpu_tests.py --group "${1:?usage: device_issue12.sh tests K}" ;;
+*)
+  echo "usage: bash scripts/device_issue12.sh tests K" >&2; exit 2 ;;
+esac
