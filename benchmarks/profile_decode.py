@@ -116,7 +116,8 @@ def top_functions(prof, n_steps: int, k: int = 22) -> list:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(gpu_bench.SHAPES))
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(gpu_bench.SHAPES) + ["ced-bench"],
+                    help="a gpu_bench shape, or ced-bench: the CED bench config (random weights)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
@@ -124,7 +125,7 @@ def main() -> int:
     ap.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs: profile the eager step's host time")
     args = ap.parse_args()
-    cfg = gpu_bench.SHAPES[args.shape]
+    cfg = gpu_bench.ced_config("bench", 4096) if args.shape == "ced-bench" else gpu_bench.SHAPES[args.shape]
     ns = argparse.Namespace(dtype="bfloat16", device="cuda", backend=None, build_in_dtype="auto")
     overlap = {"auto": None, "on": True, "off": False}[args.overlap]
     with tempfile.TemporaryDirectory() as d:

@@ -47,6 +47,9 @@ class AttnMetadata:
     cu_q: Optional[torch.Tensor] = None  # [B + 1] int32: row b's queries are rows cu_q[b] .. cu_q[b+1]-1 of T
     max_q: int = 0  # host copy of q_index.shape[1] (most queries of any row this step)
     num_decodes: int = 0  # host: the leading rows with exactly one query (a backend may give them its decode kernel)
+    # Per-row state on the device, for models with per-sequence state read without the host (CED decode):
+    state_rows: Optional[torch.Tensor] = None  # [B] int64 each row's state slot (a CUDA graph's padded rows: scratch)
+    replay_rows: Optional[torch.Tensor] = None  # [B] int64 each row's bounded-replay start
     # Per-row facts for models with per-sequence state (CED rings, compressors); host lists, read on the host.
     starts: list = attrs.field(factory=list)  # [B] first position computed this step
     nums: list = attrs.field(factory=list)  # [B] tokens computed this step
@@ -58,8 +61,8 @@ class AttnMetadata:
     def split(self, nd: int) -> tuple:
         """(rows [0, nd), rows [nd, B)) as two metadata objects over the first nd and the remaining tokens,
         for nd leading rows of one query each (a mixed step's decode rows: see ``num_decodes``)."""
-        def host(lst, sl):
-            return lst[sl] if lst else lst
+        def host(lst, sl):  # a host list or a device tensor of per-row facts (absent: None or empty)
+            return lst if lst is None or len(lst) == 0 else lst[sl]
 
         head, tail = slice(0, nd), slice(nd, None)
         dec = AttnMetadata(positions=self.positions[:nd], slot_mapping=self.slot_mapping[:nd],
@@ -67,13 +70,15 @@ class AttnMetadata:
                            kv_slots=self.kv_slots[head], q_pos=self.q_pos[head, :1],
                            block_table=None if self.block_table is None else self.block_table[head],
                            block_size=self.block_size, cu_q=None if self.cu_q is None else self.cu_q[:nd + 1],
-                           max_q=1, num_decodes=nd, **{k: host(getattr(self, k), head) for k in _HOST_ROWS})
+                           max_q=1, num_decodes=nd, **{k: host(getattr(self, k), head) for k in _HOST_ROWS},
+                           **{k: host(getattr(self, k), head) for k in _DEVICE_ROWS})
         pre = AttnMetadata(positions=self.positions[nd:], slot_mapping=self.slot_mapping[nd:],
                            seq_lens=self.seq_lens[tail], q_index=(self.q_index[tail] - nd).clamp_(min=0),
                            q_valid=self.q_valid[tail], kv_slots=self.kv_slots[tail], q_pos=self.q_pos[tail],
                            block_table=None if self.block_table is None else self.block_table[tail],
                            block_size=self.block_size, cu_q=None if self.cu_q is None else self.cu_q[nd:] - nd,
-                           max_q=self.max_q, num_decodes=0, **{k: host(getattr(self, k), tail) for k in _HOST_ROWS})
+                           max_q=self.max_q, num_decodes=0, **{k: host(getattr(self, k), tail) for k in _HOST_ROWS},
+                           **{k: host(getattr(self, k), tail) for k in _DEVICE_ROWS})
         return dec, pre
 
     def mask(self, window: Optional[int] = None) -> torch.Tensor:
@@ -90,6 +95,7 @@ class AttnMetadata:
 
 
 _HOST_ROWS = ("starts", "nums", "block_tables", "state_slots", "replay_starts")
+_DEVICE_ROWS = ("state_rows", "replay_rows")
 
 
 GREEDY_EPS = 1e-5  # same threshold as SamplingParams.greedy

@@ -37,6 +37,7 @@ from deepinfer.models.ced import engine_path
 from deepinfer.models.ced import functional as fn
 from deepinfer.models.ced.cache import CEDCache
 from deepinfer.models.ced.config import CEDConfig, CEDConfigError
+from deepinfer.models.ced.decode_path import DecodePass
 from deepinfer.models.ced.model import CEDForCausalLM, CEDLayer
 from deepinfer.testing.ced import block_sizes_for, build_ced_checkpoint, ced_configs
 from deepinfer.testing.compare import MODEL_FACTOR, assert_logits_close
@@ -94,6 +95,7 @@ class Shadow:
     @contextlib.contextmanager
     def hooked(self, side: str, seq=None):
         saved = dict(layer_engine=engine_path.layer_engine, compress=engine_path._compress_chunk,
+                     decode_compress=DecodePass.compress,
                      layer_full=CEDForCausalLM._layer_full, choose=CEDLayer.choose_entries, swa_kv=CEDLayer.swa_kv,
                      entries=CEDLayer.entries, fake=lowbit.fake_quantize, select=fn.select_topk,
                      select_cands=fn.select_candidates, pool=fn.pool_mask, pool_cands=fn.pool_candidates,
@@ -102,7 +104,7 @@ class Shadow:
         inner = []  # set while select_candidates runs: the select_topk inside it ranks candidates, not entries
 
         def layer_engine(model, layer, h, P, *args):
-            me.layer = (layer.i, P.pos.tolist(), [me.seq[r] for r in P.rows])
+            me.layer = (layer.i, P.pos.tolist(), [me.seq[r] for r in P.rows_t.tolist()])
             return saved["layer_engine"](model, layer, h, P, *args)
 
         def compress_chunk(model, layer, xs, meta, cache, device):
@@ -114,6 +116,13 @@ class Shadow:
             me.entry_rows = (ids, seqs)
             try:
                 return saved["compress"](model, layer, xs, meta, cache, device)
+            finally:
+                me.entry_rows = None
+
+        def decode_compress(P, model, layer, xs, cache):  # every row compresses its group pos // m
+            me.entry_rows = ((P.pos // layer.m).tolist(), [me.seq[r] for r in P.rows_t.tolist()])
+            try:
+                return saved["decode_compress"](P, model, layer, xs, cache)
             finally:
                 me.entry_rows = None
 
@@ -279,6 +288,7 @@ class Shadow:
         if side == "oracle":
             self.seq = seq
         engine_path.layer_engine, engine_path._compress_chunk = layer_engine, compress_chunk
+        DecodePass.compress = decode_compress
         CEDForCausalLM._layer_full, CEDLayer.swa_kv, CEDLayer.entries = layer_full, swa_kv, entries
         CEDLayer.choose_entries = choose_entries
         lowbit.fake_quantize, fn.select_topk, fn.pool_mask, moe_ops.route = fake_quantize, select_topk, pool_mask, route
@@ -287,6 +297,7 @@ class Shadow:
             yield self
         finally:
             engine_path.layer_engine, engine_path._compress_chunk = saved["layer_engine"], saved["compress"]
+            DecodePass.compress = saved["decode_compress"]
             CEDForCausalLM._layer_full, CEDLayer.swa_kv = saved["layer_full"], saved["swa_kv"]
             CEDLayer.entries, lowbit.fake_quantize = saved["entries"], saved["fake"]
             CEDLayer.choose_entries = saved["choose"]
@@ -657,15 +668,15 @@ def test_kv_bytes_per_token_and_cache_layout(tmp_path, gfmt, ifmt, m, D, dh):
             assert codes.shape[-1] + scales.shape[-1] == fmt_bytes(fmt, C)
             assert codes.shape[-1] == C // 2
             paged += codes.numel() + scales.numel()
-        if ml > 1:  # the compressor's incomplete group: m - 1 hidden states per sequence
-            assert tuple(cache.pending[l].shape) == (max_seqs, ml - 1, cfg.hidden_size)
+        if ml > 1:  # the compressor's group: m hidden states per sequence (plus the graphs' scratch row)
+            assert tuple(cache.pending[l].shape) == (max_seqs + 1, ml, cfg.hidden_size)
     assert paged == num_blocks * block_size * exact
-    # SWA rings: every layer, n_win + allowance FP8 slots per sequence.
+    # SWA rings: every layer, n_win + allowance FP8 slots per sequence (plus the graphs' scratch row).
     assert sorted(cache.ring) == list(range(cfg.num_layers))
     for l, (codes, scales) in cache.ring.items():
         assert codes.dtype == scales.dtype == torch.uint8
-        assert tuple(codes.shape) == (max_seqs, cfg.n_win + cfg.swa_allowance, D)
-        assert tuple(scales.shape) == (max_seqs, cfg.n_win + cfg.swa_allowance, D // 32)
+        assert tuple(codes.shape) == (max_seqs + 1, cfg.n_win + cfg.swa_allowance, D)
+        assert tuple(scales.shape) == (max_seqs + 1, cfg.n_win + cfg.swa_allowance, D // 32)
         assert codes.shape[-1] + scales.shape[-1] == fmt_bytes("fp8_e4m3_pow2", D)
     assert CEDCache.ring_bytes_per_seq(cfg) == cfg.num_layers * (cfg.n_win + cfg.swa_allowance) * fmt_bytes(
         "fp8_e4m3_pow2", D)

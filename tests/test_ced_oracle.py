@@ -173,7 +173,7 @@ class EngineRecord:
             layer, P, ctx = a["layer"], a["P"], a["ctx"]
             if getattr(P, "score", False):  # a prompt-scoring pass (prompt_logprobs): not requested here
                 raise AssertionError("unexpected prompt-scoring pass")
-            me.cur = (layer.i, P.pos.tolist(), [me.rows[r] for r in P.rows])
+            me.cur = (layer.i, P.pos.tolist(), [me.rows[r] for r in P.rows_t.tolist()])
             out = orig_layer(*args, **kw)
             i, pos, reqs = me.cur
             topk = ctx.get(("topk", i)) if layer.mode in ("full", "reindex") else None

@@ -3,11 +3,12 @@ context) bucket and replayed, so a decode step costs one graph launch instead of
 
 A bucket fixes the batch size (rows padded up to it; ``cuda_graph_sizes``) and the block-table width
 (contexts padded up to a power-of-two number of blocks, so short contexts don't pay for the longest). The
-graph reads the engine's persistent device block tables (core/block_tables.py) by state slot, so a replay
-copies only each row's token, position and slot (one small host-to-device copy). Padded rows use the
-tables' scratch row: they write their KV into a scratch block that belongs to no sequence and attend only
-to it; their outputs are dropped. The graph ends at the final hidden states; the verify stage applies the
-LM head to the rows it scores. All graphs share one memory pool.
+graph reads the engine's persistent device block tables (and replay starts: core/block_tables.py) by state
+slot, so a replay copies only each row's token, position and slot (one small host-to-device copy). Padded
+rows use the tables' scratch row: they write their KV into a scratch block that belongs to no sequence and
+attend only to it (a model with per-sequence state keeps a scratch row of it too); their outputs are
+dropped. The graph ends at the final hidden states; the verify stage applies the LM head to the rows it
+scores. All graphs share one memory pool.
 
 Only models whose decode forward has no host sync can be captured (``model.supports_cuda_graphs``); the
 forward stage falls back to the eager forward for the others, for mixed steps and for rows the buckets
@@ -93,7 +94,8 @@ class DecodeGraphs:
             kv_slots = bt[:, kv_pos // bs] * bs + kv_pos % bs  # [B, NB * bs]
             meta = AttnMetadata(positions=pos, slot_mapping=slot, seq_lens=pos + 1, q_index=st["q_index"],
                                 q_valid=st["q_valid"], kv_slots=kv_slots, q_pos=pos[:, None], block_table=bt,
-                                block_size=bs, cu_q=st["cu_q"], max_q=1, num_decodes=B)
+                                block_size=bs, cu_q=st["cu_q"], max_q=1, num_decodes=B, state_rows=st["rows"],
+                                replay_rows=tables.replay_start[st["rows"]])
             return self.model(st["ids"], meta, self.kv_cache)  # hidden [B, d]
 
         side = torch.cuda.Stream(device=dev)

@@ -1,9 +1,11 @@
-"""Every running sequence's block table in one device tensor, updated incrementally.
+"""Every running sequence's block table (and bounded-replay start) in one device tensor, updated incrementally.
 
 Row ``state_slot`` of ``table`` [max_seqs, max_blocks] (int64) holds the block ids of the sequence that owns
 that slot. ``sync`` writes only what changed since the last step (blocks appended, or a slot that changed
 hands after a finish or a preemption) in one scatter, so the host does O(changed blocks) work per step and
-the step's metadata is gathered on the device (core/inputs.py ``device_inputs``).
+the step's metadata is gathered on the device (core/inputs.py ``device_inputs``). ``replay_start``
+[max_seqs (+ scratch)] holds each slot's replay start the same way, for models whose decode reads it on the
+device (CED's SWA cut, inside a CUDA graph).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class BlockTables:
         self.scratch_row = max_seqs if scratch_block is not None else None
         if scratch_block is not None:
             self.table[max_seqs] = scratch_block
+        self.replay_start = torch.zeros(self.table.shape[0], dtype=torch.long, device=self.device)
+        self._replay: list = [0] * max_seqs  # host mirror of replay_start
         # The block-table list a row mirrors (the scheduler only extends a table in place; releasing blocks
         # gives the sequence a new list) and how many of its entries the row holds.
         self._owner: list = [None] * max_seqs
@@ -33,9 +37,12 @@ class BlockTables:
 
     def sync(self, seqs) -> None:
         """Bring the rows of ``seqs`` (each with a state slot) up to date with their block tables."""
-        rows, cols, vals, reset = [], [], [], []
+        rows, cols, vals, reset, replay = [], [], [], [], []
         for s in seqs:
             r, bt = s.state_slot, s.block_table
+            if self._replay[r] != int(s.replay_start):
+                self._replay[r] = int(s.replay_start)
+                replay.append((r, self._replay[r]))
             start = self._count[r] if self._owner[r] is bt else 0
             if start == 0 and self._count[r]:
                 reset.append(r)  # entries past the new owner's table read 0, as padding does
@@ -50,3 +57,6 @@ class BlockTables:
         if rows:
             idx = to_device([rows, cols, vals], torch.long, self.device)
             self.table[idx[0], idx[1]] = idx[2]
+        if replay:
+            idx = to_device(list(zip(*replay)), torch.long, self.device)
+            self.replay_start[idx[0]] = idx[1]

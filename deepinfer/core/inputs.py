@@ -53,7 +53,9 @@ def build_inputs(batch, rows: list, block_size: int, device, num_decodes: int = 
                         q_pos=dev(q_pos), block_table=dev(bt), block_size=block_size,
                         cu_q=dev(qstart, torch.int32), max_q=max_q, starts=starts, nums=nums,
                         block_tables=[s.block_table for s in seqs], state_slots=[s.state_slot for s in seqs],
-                        replay_starts=[s.replay_start for s in seqs], num_decodes=num_decodes)
+                        replay_starts=[s.replay_start for s in seqs], num_decodes=num_decodes,
+                        state_rows=dev([s.state_slot for s in seqs]),
+                        replay_rows=dev([int(s.replay_start) for s in seqs]))
     ids_t = dev(ids)
     if ids and min(ids) < 0:
         ids_t = resolve_future(ids_t, batch.future)
@@ -93,7 +95,8 @@ def device_inputs(batch, rows: list, block_size: int, tables, num_decodes: int =
                         q_valid=q_valid, kv_slots=kv_slots, q_pos=starts_t[:, None] + qi[None, :], block_table=bt,
                         block_size=block_size, cu_q=cu_q, max_q=max_q, starts=starts, nums=nums,
                         block_tables=[s.block_table for s in seqs], state_slots=[s.state_slot for s in seqs],
-                        replay_starts=[s.replay_start for s in seqs], num_decodes=num_decodes)
+                        replay_starts=[s.replay_start for s in seqs], num_decodes=num_decodes,
+                        state_rows=slots_t, replay_rows=tables.replay_start[slots_t])
     ids_t = to_device(ids, torch.long, device)
     if ids and min(ids) < 0:
         ids_t = resolve_future(ids_t, batch.future)

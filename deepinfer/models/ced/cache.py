@@ -8,8 +8,10 @@
 - Scoring rings: SWA KV of the decoder layers as exact replay computes it, for a request that scores its
   prompt under bounded replay (models.ced.model.ReplayStart); ``n_win`` slots per sequence and decoder layer
   (no speculative allowance: the scoring pass only runs over prompt tokens).
-- The compressor's incomplete trailing group: the normed inputs of its tokens, per sequence.
-Per-sequence parts are indexed by the sequence's state slot.
+- The compressor's incomplete trailing group: the normed inputs of its tokens, per sequence; m slots (token
+  at position p in slot p % m), so a decode step writes its token and reads the whole group unbranched.
+Per-sequence parts are indexed by the sequence's state slot, plus one scratch row (slot ``max_seqs``) that
+a CUDA graph's padded rows use (backends/cuda_graph.py).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ class CEDCache:
             self.kv[l] = _alloc(n, c.head_dim, c.global_kv_format, device)
             self.ik[l] = _alloc(n, c.index_head_dim, c.index_k_format, device)
             if m > 1:
-                self.pending[l] = torch.zeros(max_seqs, m - 1, c.hidden_size, dtype=dtype, device=device)
-        self.ring = {l: _alloc(c.ring_size, c.head_dim, c.swa_kv_format, device, lead=(max_seqs,))
+                self.pending[l] = torch.zeros(max_seqs + 1, m, c.hidden_size, dtype=dtype, device=device)
+        self.ring = {l: _alloc(c.ring_size, c.head_dim, c.swa_kv_format, device, lead=(max_seqs + 1,))
                      for l in range(c.num_layers)}
         self.score_ring = {l: _alloc(c.n_win, c.head_dim, c.swa_kv_format, device, lead=(max_seqs,))
                            for l in range(c.num_encoder_layers, c.num_layers)}

@@ -31,9 +31,11 @@ from . import functional as fn
 
 class Pass:
     """One part of the step (encoder, decoder, or the decoder's prompt-scoring pass): which tokens query,
-    where their SWA keys live (``score``: the scoring rings) and where their window is cut."""
+    where their SWA keys live (``score``: the scoring rings) and where their window is cut. Built from the
+    metadata's host lists; decode_path.DecodePass is the same contract on the device alone."""
 
     def __init__(self, meta, lo: list, hi: list, device, cut: list, score: bool = False):
+        self.meta, self.device = meta, device
         self.rows, self.local, pos = [], [], []
         self.lo, self.cut, self.score = lo, cut, score  # [R] first queried position, SWA cut
         self.lstart = []  # [R] offset of the row's first query in this pass
@@ -45,17 +47,25 @@ class Pass:
             pos += range(lo[r], lo[r] + q)
             n += q
         self.n = n
-        self.rows_t = to_device(self.rows, torch.long, device)
-        self.pos = to_device(pos, torch.long, device)
+        self.min_pos = min(pos) if pos else None  # host-known: counting it needs no device read
         # Index of each query among the step's T tokens.
         qs = [0]
         for k in meta.nums:
             qs.append(qs[-1] + k)
-        self.tok = torch.tensor([qs[r] + (p - meta.starts[r]) for r, p in zip(self.rows, pos)], dtype=torch.long,
-                                device=device)
+        tok = [qs[r] + (p - meta.starts[r]) for r, p in zip(self.rows, pos)]
+        self.rows_t, self.pos, self.tok = to_device([self.rows, pos, tok], torch.long, device).unbind(0)
         # Per query: its replay cut, first fresh position, offset of that position's row, and ring (state slot).
         per_row = to_device([cut, lo, self.lstart, list(meta.state_slots)], torch.long, device)
         self.cut_t, self.lo_t, self.lstart_t, self.ring_slot = per_row[:, self.rows_t].unbind(0)
+
+    def compress(self, model, layer, xs, cache) -> None:
+        _compress_chunk(model, layer, xs, self.meta, cache, self.device)
+
+    def entry_slots(self, m: int, cache) -> torch.Tensor:
+        return _row_slots(m, cache, self.meta, self.device)
+
+    def write_ring(self, layer, kv, cache, ops) -> None:
+        _write_ring(layer, self, kv, cache, self.meta, self.device, ops)
 
 
 def _ops(model):
@@ -162,7 +172,7 @@ def _choose_entries(model, ops, layer, iq, iw, keys, slots, P: Pass, num_visible
     return topk
 
 
-def layer_engine(model, layer, h, P: Pass, src, meta, cache, ctx, stats):
+def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats):
     """h [Tq, d] hidden of this pass's queries; src [T, d] hidden of all step tokens (full-layer input)."""
     c = model.config
     device = h.device
@@ -170,8 +180,8 @@ def layer_engine(model, layer, h, P: Pass, src, meta, cache, ctx, stats):
     stats["layer_tokens"][layer.i] += P.n
     if P.score:
         stats["score_tokens"][layer.i] += P.n
-    if P.n:
-        stats["min_pos"][layer.i] = min(stats["min_pos"][layer.i], int(P.pos.min()))
+    if P.min_pos is not None:
+        stats["min_pos"][layer.i] = min(stats["min_pos"][layer.i], P.min_pos)
     ops = _ops(model)
     q, cq = layer.query(x, P.pos)
     kv = layer.swa_kv(x, P.pos)
@@ -181,8 +191,8 @@ def layer_engine(model, layer, h, P: Pass, src, meta, cache, ctx, stats):
         src_l = c.source_full(layer.i)
         if layer.mode == "full" and ("kv", layer.i) not in ctx:  # (the scoring pass reads what was written)
             xs = x if src is None else fn.rms(src, layer.attn_norm, c.rms_norm_eps)
-            _compress_chunk(model, layer, xs, meta, cache, device)
-            ctx[("kv", layer.i)] = _row_slots(m, cache, meta, device)
+            P.compress(model, layer, xs, cache)
+            ctx[("kv", layer.i)] = P.entry_slots(m, cache)
         slots = ctx[("kv", src_l)]  # [R, Jmax] cache rows of each row's entries
         if layer.mode in ("full", "reindex"):
             stats["indexer_calls"][layer.i] += 1
@@ -205,7 +215,7 @@ def layer_engine(model, layer, h, P: Pass, src, meta, cache, ctx, stats):
         y, ids = layer.moe(fn.rms(h, layer.ffn_norm, c.rms_norm_eps))
         model.record_expert_load(layer.i, ids)
         h = h + y
-    _write_ring(layer, P, kv, cache, meta, device, ops)
+    P.write_ring(layer, kv, cache, ops)
     return h
 
 
@@ -213,18 +223,23 @@ def forward_engine(model, input_ids, meta, cache):
     c = model.config
     device = input_ids.device
     stats = model.counters
+    if meta.state_rows is not None and meta.num_decodes == input_ids.shape[0] \
+            and getattr(model, "device_decode", True):  # False: the host path, decode_path's slow twin
+        from . import decode_path  # every row one token that samples: no host list needed
+
+        return decode_path.forward_decode(model, input_ids, meta, cache)
     h = model.embed(input_ids)  # [T, d]
     ctx: dict = {}
     ends = [a + k for a, k in zip(meta.starts, meta.nums)]
     enc = Pass(meta, list(meta.starts), ends, device, cut=[0] * len(meta.starts))
     for layer in model.layers[: c.num_encoder_layers]:
-        h = layer_engine(model, layer, h, enc, None, meta, cache, ctx, stats)
+        h = layer_engine(model, layer, h, enc, None, cache, ctx, stats)
     h_enc = h
     lo = [max(a, s) for a, s in zip(meta.starts, meta.replay_starts)]
     dec = Pass(meta, lo, ends, device, cut=list(meta.replay_starts))
     hd = h_enc[dec.tok]
     for layer in model.layers[c.num_encoder_layers:]:
-        hd = layer_engine(model, layer, hd, dec, h_enc, meta, cache, ctx, stats)
+        hd = layer_engine(model, layer, hd, dec, h_enc, cache, ctx, stats)
     out = torch.zeros_like(h_enc)
     out[dec.tok] = hd
     # Prompt scoring (ReplayStart rows): the decoder again over positions < score_end, as exact replay runs it.
@@ -234,6 +249,6 @@ def forward_engine(model, input_ids, meta, cache):
         sctx = {k: v for k, v in ctx.items() if k[0] == "kv"}  # the entries the generation pass wrote
         hs = h_enc[sc.tok]
         for layer in model.layers[c.num_encoder_layers:]:
-            hs = layer_engine(model, layer, hs, sc, h_enc, meta, cache, sctx, stats)
+            hs = layer_engine(model, layer, hs, sc, h_enc, cache, sctx, stats)
         out[sc.tok] = hs
     return out

@@ -60,13 +60,18 @@ class _FakeQuantSTE(torch.autograd.Function):
         return grad, None
 
 
-def fake(x: torch.Tensor, fmt: str, on: bool) -> torch.Tensor:
+def fake(x: torch.Tensor, fmt: str, on: bool, ops=None) -> torch.Tensor:
     """Quantize-dequantize x in `fmt` when `on`. When x needs a gradient (training), the value is the same
-    and the gradient passes straight through (the rounding itself has zero gradient almost everywhere)."""
+    and the gradient passes straight through (the rounding itself has zero gradient almost everywhere).
+    ``ops`` (the engine's backend ops) quantizes a CUDA tensor with its kernels, which give the same bytes as the
+    reference without its finiteness check (a host sync, which a CUDA graph cannot hold)."""
     if not on:
         return x
     if x.requires_grad and torch.is_grad_enabled():
         return _FakeQuantSTE.apply(x, fmt)
+    if ops is not None and x.is_cuda:
+        codes, scales = ops.quantize_kv(x, fmt)
+        return ops.dequantize_kv(codes, scales, fmt, dtype=x.dtype)
     return lowbit.fake_quantize(x, fmt)
 
 

@@ -1,0 +1,80 @@
+"""CED decode on the device alone: every row is one token that samples, and nothing is read on the host.
+
+The host path (engine_path.Pass) lays a step out from the metadata's host lists. A decode step needs none
+of them: each row queries its one position, its state slot (``meta.state_rows``) names its SWA ring and
+compressor tail, its replay start (``meta.replay_rows``) cuts its decoder window, and its block table
+(``meta.block_table``) places its entries. So the step is a fixed sequence of kernels over device tensors,
+with no host synchronisation, and can be captured in a CUDA graph (backends/cuda_graph.py pads a bucket
+with rows on the scratch slot; the cache keeps a scratch row of every per-sequence buffer for them).
+
+Compression without branching on the host: each row's token goes to slot ``pos % m`` of its compressor
+tail, then every row compresses its tail as group ``pos // m``. Only rows whose token completes the group
+(``pos % m == m - 1``) produce a real entry; the others write a partial one into the slot of that same
+entry, which no query sees (entry j is visible from position (j + 1) m - 1 on, the step that rewrites it
+whole) and which lies in the row's own last block (a block holds whole groups), never a shared one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import engine_path
+
+
+class DecodePass:
+    """engine_path.Pass's contract for a decode step, from device tensors: query t is row t."""
+
+    score = False
+
+    def __init__(self, meta, cut: torch.Tensor, starts: list):
+        self.meta = meta
+        self.n = meta.positions.shape[0]
+        self.pos = meta.positions
+        self.rows_t = torch.arange(self.n, device=self.pos.device)
+        self.tok = self.lstart_t = self.rows_t
+        self.lo_t, self.cut_t, self.ring_slot = self.pos, cut, meta.state_rows
+        self.min_pos = min(starts) if starts else None  # host-known on the eager path only
+
+    def compress(self, model, layer, xs, cache) -> None:
+        m, d = layer.m, xs.shape[-1]
+        slots = self.ring_slot
+        j = self.pos // m  # the group this token belongs to
+        if m > 1:
+            tail = cache.pending[layer.i]  # [S, m, d]
+            tail[slots, self.pos % m] = xs.to(tail.dtype)
+            group = tail[slots].reshape(self.n * m, d)
+        else:
+            group = xs
+        e, k = layer.entries(group, j)
+        per = cache.block_size // m
+        bt = self.meta.block_table
+        rows = bt.gather(1, (j // per)[:, None])[:, 0] * per + j % per
+        cache.write_entries(layer.i, rows, e, k, quantize=model.ops.quantize_kv)
+
+    def entry_slots(self, m: int, cache) -> torch.Tensor:
+        """[R, J] cache row of every entry id the block tables can hold (queries see only their visible ones)."""
+        per = cache.block_size // m
+        bt = self.meta.block_table
+        ids = torch.arange(bt.shape[1] * per, device=bt.device)
+        return bt[:, ids // per] * per + ids % per
+
+    def write_ring(self, layer, kv, cache, ops) -> None:
+        cache.ring_write(layer.i, self.ring_slot, self.pos, kv, quantize=ops.quantize_kv)
+
+
+def forward_decode(model, input_ids, meta, cache):
+    """input_ids [B] (one token per row), meta with state_rows, replay_rows and block_table -> hidden [B, d]."""
+    c = model.config
+    engine_path._ops(model)
+    stats = model.counters
+    starts = list(meta.starts)
+    enc = DecodePass(meta, torch.zeros_like(meta.positions), starts)
+    dec = DecodePass(meta, meta.replay_rows, starts)
+    h = model.embed(input_ids)
+    ctx: dict = {}
+    for layer in model.layers[: c.num_encoder_layers]:
+        h = engine_path.layer_engine(model, layer, h, enc, None, cache, ctx, stats)
+    h_enc = h
+    for layer in model.layers[c.num_encoder_layers:]:
+        h = engine_path.layer_engine(model, layer, h, dec, h_enc, cache, ctx, stats)
+    return h
