@@ -18,8 +18,9 @@ so a killed run keeps what it did):
    batch 1/16/64, greedy, min_new_tokens = max_new_tokens = 128.
 4. ``moe``: Qwen3-30B-A3B shape (d 2048, 48 layers, 32/4 heads, 128 experts top-8 of F 768, vocab 151936):
    decode at batch 1 and 64, prefill at 4K.
-5. ``ced``: the CED ``bench`` config: one prompt of 4K and 16K tokens prefilled in bounded and in exact replay
-   mode (their ratio), decode at batch 1 and 16.
+5. ``ced``: the CED ``bench`` config: the bytes per token of each cache as the engine allocates it beside
+   CED.md's formula (ced_cache_formula), one prompt of 4K and 16K tokens prefilled in bounded and in exact
+   replay mode (their ratio), decode at batch 1, 16 and 64.
 
 Definitions. Decode tokens/s is steady decode: the tokens generated after every sequence of the batch has its
 first token, over the time from that moment to the last token. Per-user tokens/s is decode steps per second
@@ -32,7 +33,11 @@ bytes per token) and written; FLOPs = 2 x active matmul parameters per token (+ 
 family); the floor of a step is max(bytes / copy bandwidth, FLOPs / matmul rate). (Counting all 8.03B Llama
 parameters, as the issue's anchor of 268 tokens/s does, gives a floor about 7% lower than this one's ~285.)
 Prefill FLOPs count the LM head for the sampled token only; CED prefill FLOPs come from the tokens each layer
-actually ran (bounded mode: the decoder over the last n_win tokens), attention not counted.
+actually ran (bounded mode: the decoder over the last n_win tokens), with the full layers' compressors over every
+prompt token and the sparse attention and indexer scores counted (ced_prefill_flops; the weights-only fraction
+beside it). CED decode reads what CED.md says a step reads, not every cached token: the routed experts the steps
+touched (the engine's expert load), the SWA windows, the selected top-K entries and the indexer keys scored
+(ced_decode_cache_bytes); its HBM roofline is B / (those bytes / copy bandwidth).
 
 Budget: each phase gets (time left) x its weight / (weights of the phases still to run); below a minimum it is
 skipped. Inside a phase, a measurement that is predicted not to fit is skipped with a row saying so, a decode run
@@ -123,7 +128,7 @@ def defaults(tiny: bool) -> dict:
                 ced_size="bench", batches=[1, 16, 64, 256], input_len=128, output_len=128,
                 prefill_tokens=[4096, 16384, 65536], prefill_prompt_len=2048, hf_batches=[1, 16, 64],
                 moe_batches=[1, 64], moe_prefill_tokens=[4096], ced_prefill_tokens=[4096, 16384],
-                ced_batches=[1, 16], copy_mib=2048, matmul_n=8192, repeats=20, max_measure_s=30.0)
+                ced_batches=[1, 16, 64], copy_mib=2048, matmul_n=8192, repeats=20, max_measure_s=30.0)
 
 
 # --- time budget ---------------------------------------------------------------------------------------------
@@ -290,23 +295,36 @@ def attention_flops(hf_config: dict, contexts_sum: float) -> float:
     return 4.0 * L * H * D * contexts_sum
 
 
-def decode_roofline(ws: dict, hf_config: dict, B: int, ctx_mean: float, kv_bytes_per_token: float, ceil: dict):
+def decode_roofline(ws: dict, hf_config: dict, B: int, ctx_mean: float, kv_bytes_per_token: float, ceil: dict,
+                    cache_bytes: float = None, experts_touched: float = None):
+    """Bytes and FLOPs of one decode step of B sequences at mean context ctx_mean, and the step's floor.
+
+    Weights read: every parameter but the embedding table and the routed experts (attention, norms, shared
+    experts, router, LM head), plus the routed experts touched (``experts_touched`` per MoE layer when measured,
+    else the expected distinct experts B tokens hit under uniform routing) and B embedding rows. Caches:
+    ``cache_bytes`` (read + written by the whole batch) when given, else B x (ctx_mean + 1) x kv_bytes_per_token
+    (every cached token read, the new one written). floor = max(bytes / copy bandwidth, FLOPs / matmul rate);
+    the HBM roofline is B / (bytes / copy bandwidth)."""
     E, k = ws["num_experts"], ws["experts_per_token"]
     weights = ws["dense_bytes"] + ws["lm_head_bytes"]
+    hit = None
     if ws["expert_params"]:
-        weights += ws["expert_bytes"] * experts_hit(E, k, B) / E
+        hit = experts_hit(E, k, B) if experts_touched is None else experts_touched
+        weights += ws["expert_bytes"] * hit / E
     emb_rows = B * (ws["embedding_bytes"] / max(ws["embedding_params"], 1)) * (ws["hidden_size"] or 0)
-    kv = B * ctx_mean * kv_bytes_per_token + B * kv_bytes_per_token
+    kv = B * ctx_mean * kv_bytes_per_token + B * kv_bytes_per_token if cache_bytes is None else cache_bytes
     total = weights + emb_rows + kv
     flops = 2.0 * B * ws["active_params_per_token"] + attention_flops(hf_config, B * ctx_mean)
-    out = {"bytes_per_step": total, "weight_bytes_per_step": weights, "kv_bytes_per_step": kv,
-           "flops_per_step": flops, "expected_experts_hit": experts_hit(E, k, B) if ws["expert_params"] else None}
+    out = {"bytes_per_step": total, "weight_bytes_per_step": weights, "embedding_row_bytes_per_step": emb_rows,
+           "kv_bytes_per_step": kv,
+           "flops_per_step": flops, "expected_experts_hit": experts_hit(E, k, B) if ws["expert_params"] else None,
+           "experts_counted": hit}
     bw, rate = ceil.get("copy_bytes_per_s"), ceil.get("matmul_flop_per_s")
     if bw and rate:
         t_mem, t_cmp = total / bw, flops / rate
         floor = max(t_mem, t_cmp)
         out.update(step_floor_s=floor, step_floor_bound="memory" if t_mem >= t_cmp else "compute",
-                   roofline_tok_s=B / floor, roofline_per_user_tok_s=1.0 / floor)
+                   roofline_tok_s=B / floor, roofline_per_user_tok_s=1.0 / floor, hbm_roofline_tok_s=B / t_mem)
     return out
 
 
@@ -322,20 +340,182 @@ def prefill_roofline(ws: dict, hf_config: dict, num_seqs: int, prompt_len: int, 
     return out
 
 
-def ced_prefill_flops(model, counters: dict) -> float:
-    """Matmul FLOPs of one CED prefill from the tokens each layer ran (bounded mode runs the decoder layers over
-    the last n_win tokens only): 2 x the layer's active parameters (experts at top-k / E) x its tokens, plus the
-    LM head for the one sampled token. Attention (compressed, sparse) is not counted."""
+# --- CED accounting, from CED.md (the engine's own figures are read beside these, never used to derive them) ---
+
+# Bits per channel of each cache format as CED.md defines it (values + their share of the scale bytes), written
+# here and not taken from reference.lowbit, so what the engine allocates is checked against the spec.
+CED_FORMAT_BITS = {"fp4_e2m1_e4m3": 4 + 8 / 16,  # E2M1 values, one E4M3 scale per 16 channels
+                   "mxfp4": 4 + 8 / 32,  # E2M1 values, one E8M0 scale per 32 channels
+                   "fp8_e4m3_pow2": 8 + 8 / 32,  # E4M3 values, one power-of-two (E8M0) scale per 32 channels
+                   "bf16": 16.0, "fp32": 32.0}
+CED_CACHES = ("global_kv", "indexer_k", "swa_ring", "score_ring", "pending")
+
+
+def ced_vec_bytes(fmt: str, channels: int) -> float:
+    """Bytes of one vector of ``channels`` channels in a CED cache format (CED_FORMAT_BITS)."""
+    return channels * CED_FORMAT_BITS[fmt] / 8
+
+
+def ced_cache_formula(c, dtype_bytes: int) -> dict:
+    """Bytes of each CED cache from CED.md alone: {cache: {format, layers, bytes_per_token, bytes_per_seq,
+    slots_per_seq}}, with vec(fmt, C) = ced_vec_bytes and m_l the compression ratio of layer l:
+
+      global_kv   paged, per token: sum over full layers of vec(global_kv_format, head_dim) / m_l
+      indexer_k   paged, per token: sum over full layers of vec(index_k_format, index_head_dim) / m_l
+      swa_ring    per sequence: num_layers x (n_win + swa_allowance) slots x vec(swa_kv_format, head_dim)
+      score_ring  per sequence: decoder layers x n_win slots x vec(swa_kv_format, head_dim)
+      pending     per sequence: sum over full layers with m_l > 1 of (m_l - 1) x hidden_size x dtype_bytes (the
+                  inputs of an incomplete trailing group, which is not emitted until it completes)
+
+    A per-sequence cache's bytes_per_token is its bytes per slot, over all its layers."""
+    full = [l for l, mode in enumerate(c.layer_modes) if mode == "full"]
+    dec = list(range(c.num_encoder_layers, c.num_layers))
+    tail = [l for l in full if c.ratio(l) > 1]
+    swa = ced_vec_bytes(c.swa_kv_format, c.head_dim)
+    ring = c.n_win + c.swa_allowance
+    return {
+        "global_kv": {"format": c.global_kv_format, "layers": full, "slots_per_seq": None, "bytes_per_seq": None,
+                      "bytes_per_token": sum(ced_vec_bytes(c.global_kv_format, c.head_dim) / c.ratio(l) for l in full)},
+        "indexer_k": {"format": c.index_k_format, "layers": full, "slots_per_seq": None, "bytes_per_seq": None,
+                      "bytes_per_token": sum(ced_vec_bytes(c.index_k_format, c.index_head_dim) / c.ratio(l)
+                                             for l in full)},
+        "swa_ring": {"format": c.swa_kv_format, "layers": list(range(c.num_layers)), "slots_per_seq": ring,
+                     "bytes_per_token": c.num_layers * swa, "bytes_per_seq": c.num_layers * ring * swa},
+        "score_ring": {"format": c.swa_kv_format, "layers": dec, "slots_per_seq": c.n_win,
+                       "bytes_per_token": len(dec) * swa, "bytes_per_seq": len(dec) * c.n_win * swa},
+        "pending": {"format": f"{dtype_bytes * 8}-bit activations", "layers": tail,
+                    "slots_per_seq": max((c.ratio(l) - 1 for l in tail), default=0),
+                    "bytes_per_token": len(tail) * c.hidden_size * dtype_bytes,
+                    "bytes_per_seq": sum((c.ratio(l) - 1) * c.hidden_size * dtype_bytes for l in tail)},
+    }
+
+
+def ced_cache_engine(cache) -> dict:
+    """The same figures read off the tensors the engine's CEDCache allocated: a paged store's bytes over the tokens
+    its rows cover (entries x m), a per-sequence store's bytes over its sequence rows (``seq_rows``, the slots
+    allocated, scratch rows included) and over its slots. ``alloc_bytes``: all of the store's tensors."""
+    c = cache.c
+
+    def nbytes(ts):
+        return sum(t.numel() * t.element_size() for t in (ts if isinstance(ts, (tuple, list)) else (ts,)))
+
+    def first(ts):
+        return ts[0] if isinstance(ts, (tuple, list)) else ts
+
+    out = {}
+    for name, store in (("global_kv", cache.kv), ("indexer_k", cache.ik)):
+        out[name] = {"layers": sorted(store), "alloc_bytes": sum(nbytes(v) for v in store.values()),
+                     "bytes_per_token": sum(nbytes(v) / (first(v).shape[0] * c.ratio(l)) for l, v in store.items()),
+                     "bytes_per_seq": None, "slots_per_seq": None, "seq_rows": None}
+    for name, store in (("swa_ring", cache.ring), ("score_ring", cache.score_ring),
+                        ("pending", getattr(cache, "pending", {}))):
+        rows = first(next(iter(store.values()))).shape[0] if store else 0
+        out[name] = {"layers": sorted(store), "alloc_bytes": sum(nbytes(v) for v in store.values()), "seq_rows": rows,
+                     "bytes_per_seq": sum(nbytes(v) for v in store.values()) / rows if rows else 0.0,
+                     "slots_per_seq": max((first(v).shape[1] for v in store.values()), default=0),
+                     "bytes_per_token": sum(nbytes(v) / rows / first(v).shape[1] for v in store.values())
+                     if rows else 0.0}
+    return out
+
+
+def ced_decode_cache_bytes(c, ctx: float, dtype_bytes: int) -> dict:
+    """Cache bytes one sequence's decode step reads and writes with ctx tokens in context (the new one included),
+    from CED.md, with vec(fmt, C) = ced_vec_bytes, m_l the layer's compression ratio and V_l = floor(ctx / m_l)
+    the entries visible to the new token:
+
+      swa_read      sum over all layers of min(ctx, n_win) x vec(swa_kv_format, head_dim)  (window keys = values)
+      entries_read  sum over full, reindex and reuse layers of min(index_topk, V_l) x vec(global_kv_format, head_dim)
+      index_read    vec(index_k_format, index_head_dim) x (sum over full layers of V_l (every visible key scored)
+                    + decoder reindex layers: min(V_l, pool_blocks x pool_block) (the pool's candidates only)
+                    + encoder reindex layers: V_l)
+      tail_read     sum over full layers with m_l > 1 of (m_l - 1) x hidden_size x dtype_bytes (the pending group)
+      written       num_layers x vec(swa_kv_format, head_dim) + sum over full layers of
+                    (vec(global_kv_format, head_dim) + vec(index_k_format, index_head_dim)) / m_l
+    ``total`` is their sum."""
+    swa = ced_vec_bytes(c.swa_kv_format, c.head_dim)
+    entry = ced_vec_bytes(c.global_kv_format, c.head_dim)
+    key = ced_vec_bytes(c.index_k_format, c.index_head_dim)
+    out = dict(swa_read=c.num_layers * min(ctx, c.n_win) * swa, entries_read=0.0, index_read=0.0, tail_read=0.0,
+               written=c.num_layers * swa)
+    for l, mode in enumerate(c.layer_modes):
+        if mode == "swa":
+            continue
+        m, decoder = c.ratio(l), l >= c.num_encoder_layers
+        vis = math.floor(ctx / m)
+        out["entries_read"] += min(c.index_topk, vis) * entry
+        if mode == "full":
+            out["index_read"] += vis * key
+            out["tail_read"] += (m - 1) * c.hidden_size * dtype_bytes
+            out["written"] += (entry + key) / m
+        elif mode == "reindex":
+            out["index_read"] += (min(vis, c.pool_blocks * c.pool_block) if decoder else vis) * key
+    out["total"] = sum(out.values())
+    return out
+
+
+def experts_touched(expert_load, steps: int):
+    """Distinct routed experts that got a token, per MoE layer and step, averaged over the last ``steps`` engine
+    steps (at most the load's window) from ExpertLoad's per-step counts; None when none were recorded."""
+    n = min(steps, expert_load.window, expert_load.num_steps)
+    if n <= 0 or expert_load.steps is None:
+        return None
+    rows = [(expert_load.num_steps - 1 - j) % expert_load.window for j in range(n)]
+    return float((expert_load.steps[rows] > 0).sum(-1).double().mean())
+
+
+def ced_attention_flops(c, N: int, s: int) -> dict:
+    """Matmul FLOPs of CED attention and of the indexer in one prefill of N tokens with replay start s (0: exact),
+    from CED.md. Encoder layers run queries 0..N-1; decoder layers queries s..N-1, their SWA cut at s. A query i
+    of layer l attends min(i + 1 - cut, n_win) window keys plus, outside SWA-only layers, min(index_topk, V) of
+    the V = floor((i + 1) / m_l) visible entries: 4 x heads x head_dim FLOPs per key (QK and PV over the shared
+    latent). Its indexer scores V entries in full layers (and encoder reindex layers), min(V, pool_blocks x
+    pool_block) in decoder reindex layers: 2 x index_heads x index_head_dim FLOPs each."""
+    attn = index = 0.0
+    for l, mode in enumerate(c.layer_modes):
+        decoder = l >= c.num_encoder_layers
+        cut = s if decoder else 0
+        q = torch.arange(cut, N, dtype=torch.float64)
+        keys = (q + 1 - cut).clamp(max=c.n_win)
+        vis = torch.floor((q + 1) / c.ratio(l))
+        if mode != "swa":
+            keys = keys + vis.clamp(max=c.index_topk)
+        attn += 4.0 * c.num_heads * c.head_dim * float(keys.sum())
+        if mode == "full" or (mode == "reindex" and not decoder):
+            index += 2.0 * c.index_heads * c.index_head_dim * float(vis.sum())
+        elif mode == "reindex":
+            index += 2.0 * c.index_heads * c.index_head_dim * float(vis.clamp(max=c.pool_blocks * c.pool_block).sum())
+    return {"attention_flops": attn, "indexer_flops": index}
+
+
+COMPRESSOR_WEIGHTS = ("wkv", "wik", "wz", "wzi")  # a full layer's entry projections: every prompt token
+
+
+def ced_prefill_flops(model, counters: dict) -> dict:
+    """Matmul FLOPs of one CED prefill (no prefix hit) from the tokens each layer ran (counters["layer_tokens"];
+    bounded mode runs the decoder layers over the last n_win tokens only, so its replay start is the prompt
+    length minus the decoder's tokens):
+
+      weight_flops  2 x the layer's active parameters (routed experts at top-k / E) x its tokens, except a full
+                    layer's compressor projections (COMPRESSOR_WEIGHTS), which run over every prompt token (the
+                    decoder's full layer projects the global KV from the final encoder state for all of them, in
+                    bounded mode too); plus the LM head for the one sampled token
+      attention_flops, indexer_flops   ced_attention_flops
+
+    ``flops`` is their sum: the work the matmul rate is compared with."""
     c = model.config
     frac = c.num_experts_per_tok / c.n_routed_experts
+    tokens = list(counters["layer_tokens"])
+    N = tokens[0]  # the encoder runs every prompt token
     total = 0.0
-    for layer, tokens in zip(model.layers, counters["layer_tokens"]):
-        active = 0.0
+    for layer, n in zip(model.layers, tokens):
         for name, p in layer.named_parameters():
-            active += p.numel() * (frac if name in ("w13", "w2") else 1.0)
-        total += 2.0 * active * tokens
+            scale = frac if name in ("w13", "w2") else 1.0
+            run = max(n, N) if layer.mode == "full" and name in COMPRESSOR_WEIGHTS else n
+            total += 2.0 * p.numel() * scale * run
     head = model.embed.weight if model.lm_head is None else model.lm_head
-    return total + 2.0 * head.numel()
+    out = {"weight_flops": total + 2.0 * head.numel(), **ced_attention_flops(c, N, N - tokens[-1])}
+    out["flops"] = out["weight_flops"] + out["attention_flops"] + out["indexer_flops"]
+    return out
 
 
 # --- checkpoints (config + tokenizer only) --------------------------------------------------------------------
@@ -888,6 +1068,7 @@ class Runner:
                              "replay_mode": m, "n_win": cfg["n_win"]} for m in llms}
                 print(f"   {shape}: {ws['params_total'] / 1e9:.3f} B parameters, backend "
                       f"{llms['bounded'].backend_name}", flush=True)
+                self._ced_cache_rows(llms["bounded"], bases["bounded"])
                 for m in llms:
                     warm(llms[m], vocab, B=1, in_len=min(64, max_len - 8), out_len=2)
                 best: dict = {}
@@ -922,11 +1103,14 @@ class Runner:
                         c = model.counters
                         med = statistics.median(times[m])
                         best[m, n] = med
-                        roof = {"flops": ced_prefill_flops(model, c), "attention_flops_counted": False}
-                        if self.ceil.get("matmul_flop_per_s"):
-                            roof["floor_s"] = roof["flops"] / self.ceil["matmul_flop_per_s"]
+                        roof = {**ced_prefill_flops(model, c), "attention_flops_counted": True}
+                        rate = self.ceil.get("matmul_flop_per_s")
+                        if rate:
+                            roof["floor_s"] = roof["flops"] / rate
                             roof["roofline_tok_s"] = n / roof["floor_s"]
-                            roof["fraction_of_roofline"] = (n / med) / roof["roofline_tok_s"]
+                            roof["fraction_of_roofline"] = roof["floor_s"] / med
+                            # the weights alone, as rows before issue 12 counted (attention and indexer left out)
+                            roof["fraction_of_roofline_weights_only"] = roof["weight_flops"] / rate / med
                         self.emit({**bases[m], "measurement": "ced_prefill", "prompt_len": n, "batch": 1,
                                    "batch_tokens": n, "prefill_s": med, "prefill_s_all": times[m],
                                    "prefill_tok_s": n / med, "ttft_s": med, "encoder_tokens": c["layer_tokens"][0],
@@ -943,7 +1127,6 @@ class Runner:
                 del llms["exact"]
                 free_memory(a.device)
                 llm = llms["bounded"]
-                kvb = llm.engine.kv_bytes_per_token
                 last = None
                 for B in a.ced_batches:
                     if phase.left() < 2.0 or (last and not phase.fits(min(last[1] * B / last[0], a.max_measure_s))):
@@ -960,18 +1143,58 @@ class Runner:
                     if r is None:
                         continue
                     last = (B, r["wall_s"])
-                    roof = decode_roofline(ws, cfg, B, r.get("ctx_mean", a.input_len + a.output_len / 2), kvb,
-                                           self.ceil)
-                    if r.get("decode_tok_s") and roof.get("roofline_tok_s"):
-                        roof["fraction_of_roofline"] = r["decode_tok_s"] / roof["roofline_tok_s"]
-                    self.emit({**bases["bounded"], "measurement": "decode", **r, **roof,
-                               "kv_read_model": "every cached entry read once (an upper bound for CED)",
-                               **memory_gib(a.device)})
+                    self.emit({**bases["bounded"], "measurement": "decode", **r,
+                               **self._ced_decode_roofline(llm, ws, cfg, r), **memory_gib(a.device)})
             finally:
                 for m in list(llms):
                     llms[m].engine.kv_cache = None
                 llms.clear()
                 free_memory(a.device)
+
+    def _ced_decode_roofline(self, llm, ws: dict, cfg: dict, r: dict) -> dict:
+        """decode_roofline with CED's reads: the routed experts the decode steps touched (ExpertLoad) and the
+        caches as ced_decode_cache_bytes counts them, at the measurement's mean context, for the whole batch."""
+        a, B = self.args, r["batch"]
+        model = llm.engine.model
+        c = model.config
+        ctx = r.get("ctx_mean", a.input_len + a.output_len / 2)
+        dtype_bytes = next(model.parameters()).element_size()
+        cache = ced_decode_cache_bytes(c, ctx, dtype_bytes)
+        touched = experts_touched(model.expert_load, r.get("decode_steps") or 0)
+        roof = decode_roofline(ws, cfg, B, ctx, llm.engine.kv_bytes_per_token, self.ceil,
+                               cache_bytes=B * cache["total"], experts_touched=touched)
+        roof.update({f"cache_{k}_bytes_per_step": B * v for k, v in cache.items() if k != "total"},
+                    experts_touched_per_layer=touched,
+                    kv_read_model="ced_decode_cache_bytes: SWA window + selected entries + indexer keys scored")
+        if r.get("decode_tok_s") and roof.get("roofline_tok_s"):
+            roof["fraction_of_roofline"] = r["decode_tok_s"] / roof["roofline_tok_s"]
+            roof["fraction_of_hbm_roofline"] = r["decode_tok_s"] / roof["hbm_roofline_tok_s"]
+        return roof
+
+    def _ced_cache_rows(self, llm, base: dict) -> None:
+        """One row per CED cache: bytes per token (and per sequence) as the engine allocated them, beside
+        ced_cache_formula, and their ratio (per sequence for the per-sequence caches, else per token); then the
+        paged total beside the engine's own kv_bytes_per_token."""
+        eng = llm.engine
+        c = eng.model.config
+        dtype_bytes = next(eng.model.parameters()).element_size()
+        spec, got = ced_cache_formula(c, dtype_bytes), ced_cache_engine(eng.kv_cache)
+        for name in CED_CACHES:
+            f, g = spec[name], got[name]
+            per = "bytes_per_seq" if f["bytes_per_seq"] is not None else "bytes_per_token"  # what memory it takes
+            self.emit({**base, "measurement": "ced_cache_bytes", "cache": name, "format": f["format"],
+                       "layers": f["layers"], "engine_layers": g["layers"],
+                       "engine_bytes_per_token": g["bytes_per_token"], "formula_bytes_per_token": f["bytes_per_token"],
+                       "engine_bytes_per_seq": g["bytes_per_seq"], "formula_bytes_per_seq": f["bytes_per_seq"],
+                       "engine_slots_per_seq": g["slots_per_seq"], "formula_slots_per_seq": f["slots_per_seq"],
+                       "engine_seq_rows": g["seq_rows"], "engine_alloc_bytes": g["alloc_bytes"],
+                       "engine_over_formula": g[per] / f[per] if f[per] else None, "ratio_of": per})
+        paged = spec["global_kv"]["bytes_per_token"] + spec["indexer_k"]["bytes_per_token"]
+        self.emit({**base, "measurement": "ced_cache_bytes", "cache": "paged_total", "format": "global_kv + indexer_k",
+                   "engine_bytes_per_token": got["global_kv"]["bytes_per_token"] + got["indexer_k"]["bytes_per_token"],
+                   "formula_bytes_per_token": paged, "engine_reported_bytes_per_token": eng.kv_bytes_per_token,
+                   "engine_over_formula": (got["global_kv"]["bytes_per_token"] + got["indexer_k"]["bytes_per_token"])
+                   / paged if paged else None})
 
     @staticmethod
     def _ced_prefill(llm, prompt: list) -> float:
@@ -999,7 +1222,8 @@ def _f(v, fmt="{:.1f}") -> str:
 def one_line(r: dict) -> str:
     keys = ("phase", "measurement", "engine", "model", "batch", "batch_tokens", "prompt_len", "replay_mode",
             "decode_tok_s", "per_user_tok_s", "ttft_mean_s", "prefill_tok_s", "prefill_s", "exact_over_bounded",
-            "roofline_tok_s", "fraction_of_roofline", "gb_s", "tflop_s", "truncated", "skipped", "error")
+            "roofline_tok_s", "fraction_of_roofline", "gb_s", "tflop_s", "cache", "engine_bytes_per_token",
+            "formula_bytes_per_token", "truncated", "skipped", "error")
     parts = []
     for k in keys:
         v = r.get(k)
@@ -1010,12 +1234,14 @@ def one_line(r: dict) -> str:
 
 
 def summary_table(rows: list) -> str:
-    """A Markdown table: one line per measured row (decode, prefill, CED ratio, rooflines)."""
+    """Markdown tables: one line per measured row (decode, prefill, CED ratio, rooflines); then the CED caches."""
     head = ["phase", "engine", "model", "what", "batch", "tokens", "tok/s", "per-user tok/s", "TTFT ms",
             "roofline tok/s", "% roofline", "note"]
     body = []
     for r in rows:
         m = r.get("measurement")
+        if m == "ced_cache_bytes":
+            continue  # their own table below
         note = "skipped: " + r.get("reason", "") if r.get("skipped") else r.get("error") or ""
         if r.get("truncated"):
             note = (note + " truncated").strip()
@@ -1050,8 +1276,23 @@ def summary_table(rows: list) -> str:
                          f"exact {_f(r.get('exact_s'), '{:.3f}')} s, bounded {_f(r.get('bounded_s'), '{:.3f}')} s"])
         else:  # skipped / stopped / error rows of a whole phase
             body.append([r.get("phase", "-"), "-", "-", m or "-", "-", "-", "-", "-", "-", "-", "-", note[:120]])
-    if not body:
+    caches = [r for r in rows if r.get("measurement") == "ced_cache_bytes"]
+    if not body and not caches:
         return "(no rows)"
+    out = [_markdown(head, body)] if body else []
+    if caches:
+        out.append(_markdown(
+            ["CED cache", "format", "layers", "engine B/token", "CED.md B/token", "engine B/seq", "CED.md B/seq",
+             "slots engine / CED.md", "engine / CED.md"],
+            [[r["cache"], str(r.get("format")), ",".join(map(str, r.get("layers") or [])) or "-",
+              _f(r.get("engine_bytes_per_token"), "{:.2f}"), _f(r.get("formula_bytes_per_token"), "{:.2f}"),
+              _f(r.get("engine_bytes_per_seq"), "{:.0f}"), _f(r.get("formula_bytes_per_seq"), "{:.0f}"),
+              f"{_f(r.get('engine_slots_per_seq'), '{}')} / {_f(r.get('formula_slots_per_seq'), '{}')}",
+              _f(r.get("engine_over_formula"), "{:.3f}")] for r in caches]))
+    return "\n\n".join(out)
+
+
+def _markdown(head: list, body: list) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
