@@ -24,6 +24,7 @@ skip_module_without_kernels()
 from deepinfer.backends.nvidia import triton_moe  # noqa: E402
 from deepinfer.backends.nvidia.ops import NvidiaOps  # noqa: E402
 from deepinfer.backends.reference import moe as ref_moe  # noqa: E402
+from deepinfer.backends.reference.ops import ReferenceOps  # noqa: E402
 from deepinfer.models.quant import FP8, dequantize_fp8_block  # noqa: E402
 
 FAST = examples(12)
@@ -205,6 +206,27 @@ def test_ops_dispatch_counts_and_falls_back():
     assert ops.kernel_calls["fused_moe"] == 1
     with pytest.raises(ValueError, match="impl must be"):
         ops.moe_experts(x, w13, w2, weights, ids, impl="sparse")
+
+
+@examples(4)
+@given(T=st.integers(1, 12), E=st.integers(1, 4), k=st.integers(1, 2), d=st.sampled_from([48, 136]),
+       F=st.sampled_from([40, 136]), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+       impl=st.sampled_from(["routed", "dense"]), seed=st.integers(0, 2**16))
+def test_ops_fp8_experts_match_the_reference_op(T, E, k, d, F, dtype, impl, seed):
+    """Ops.moe_experts with FP8 weights and block scales: NvidiaOps runs the kernel ("routed"; "dense" falls back
+    to the reference), the reference op dequantizes; both give the experts of the dequantized weights."""
+    g = gen(seed)
+    k = min(k, E)
+    _, _, _, weights, ids = make_case(g, T, E, k, 8, 8)
+    x = torch.randn(T, d, generator=g).to(DEV, dtype)
+    q13, s13, _ = fp8_weights(g, E, 2 * F, d)
+    q2, s2, _ = fp8_weights(g, E, d, F)
+    ops = NvidiaOps(DEV)
+    kw = dict(clamp=3.0, impl=impl, w13_scale=s13, w2_scale=s2)
+    out = ops.moe_experts(x, q13, q2, weights, ids, **kw)
+    ref = ReferenceOps(DEV).moe_experts(x, q13, q2, weights, ids, **kw)
+    assert ops.kernel_calls["fused_moe"] == (impl == "routed")
+    assert out.dtype == dtype and rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def test_moe_layer_runs_the_kernel():

@@ -74,9 +74,17 @@ class Ops:
         raise NotImplementedError
 
     def moe_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor, *, clamp: Optional[float] = None, impl: str = "routed") -> torch.Tensor:
+                    ids: torch.Tensor, *, clamp: Optional[float] = None, impl: str = "routed",
+                    w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """SwiGLU experts mixed by routing weights: x [T, d], w13 [E, 2F, d], w2 [E, d, F], weights/ids [T, k]
-        -> [T, d]. impl "routed" (each expert on its own tokens) or "dense" (every expert on every token)."""
+        -> [T, d] in x's dtype. impl "routed" (each expert on its own tokens) or "dense" (every expert on every
+        token). clamp: DeepSeek-V4's SwiGLU clamp (gate <= clamp, |up| <= clamp), None for none.
+
+        w13/w2 are in x's dtype, or float8_e4m3fn block-scaled as DeepSeek-V3 ships them, with both scales:
+        w13_scale [E, cdiv(2F, 128), cdiv(d, 128)] and w2_scale [E, cdiv(d, 128), cdiv(F, 128)] float32, one
+        per 128 x 128 block (weight = fp8 value x scale: the checkpoint's weight_scale_inv). The reference
+        dequantizes the experts it uses and computes as with unquantized weights; a kernel may instead scale
+        its float32 block products (w8a16). A ValueError names a missing, unpaired or misshapen scale."""
         raise NotImplementedError
 
     def sample(self, logits: torch.Tensor, batch, generator: Optional[torch.Generator] = None) -> torch.Tensor:

@@ -72,17 +72,19 @@ class NvidiaOps(ReferenceOps):
         return super().silu_and_mul(x)
 
     # Mixture of experts.
-    def moe_experts(self, x, w13, w2, weights, ids, *, clamp=None, impl="routed"):
-        """impl "routed" runs the fused Triton MoE (no host sync, CUDA-graph safe). It does not range-check
+    def moe_experts(self, x, w13, w2, weights, ids, *, clamp=None, impl="routed", w13_scale=None, w2_scale=None):
+        """impl "routed" runs the fused Triton MoE (no host sync, CUDA-graph safe), FP8 block-scaled weights
+        included (w8a16: tiles widened to x's dtype in registers, block products scaled). It does not range-check
         ids (that would sync): an id outside [0, E) is the router's bug and its pair contributes zero; the
         reference path ("dense", or any input the kernel does not support) raises on it."""
         from . import triton_moe  # imported on first use, like the reference's moe module
 
-        if impl == "routed" and kernel_device_ok(x, w13, w2, weights, ids) \
-                and triton_moe.supports(x, w13, w2, weights, ids):
+        scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
+        if impl == "routed" and kernel_device_ok(x, w13, w2, weights, ids, w13_scale, w2_scale) \
+                and triton_moe.supports(x, w13, w2, weights, ids, **scales):
             self.kernel_calls["fused_moe"] += 1
-            return triton_moe.fused_experts(x, w13, w2, weights, ids, clamp=clamp)
-        return super().moe_experts(x, w13, w2, weights, ids, clamp=clamp, impl=impl)
+            return triton_moe.fused_experts(x, w13, w2, weights, ids, clamp=clamp, **scales)
+        return super().moe_experts(x, w13, w2, weights, ids, clamp=clamp, impl=impl, **scales)
 
     # Attention.
     def paged_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale, window=None, sinks=None):

@@ -44,15 +44,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.moe import _check_experts
+from ..reference.moe import FP8, SCALE_BLOCK, _check_experts, check_scales
 from .triton_attention import sm_count
 from .triton_norm import cast_rne, to_f32
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FP8 = torch.float8_e4m3fn
-SCALE_BLOCK = 128  # DeepSeek-V3's 128 x 128 weight blocks
 MAX_EXPERTS = 1024
 _INT32_MAX = tl.constexpr(2 ** 31 - 1)
 
@@ -358,29 +356,6 @@ def _is_fp8(w: torch.Tensor) -> bool:
     return w.dtype == FP8
 
 
-def _check_scales(w13, w2, w13_scale, w2_scale) -> None:
-    E, F2, d = w13.shape
-    F = F2 // 2
-    fp8 = (_is_fp8(w13), _is_fp8(w2))
-    if fp8[0] != fp8[1]:
-        raise ValueError(f"w13 and w2 must both be float8_e4m3fn or neither; got {w13.dtype} and {w2.dtype}")
-    if (w13_scale is None) != (w2_scale is None):
-        raise ValueError("w13_scale and w2_scale must be given together")
-    if fp8[0] and w13_scale is None:
-        raise ValueError("float8_e4m3fn w13/w2 need w13_scale and w2_scale (128x128 block scales)")
-    if w13_scale is None:
-        return
-    if not fp8[0]:
-        raise ValueError(f"w13_scale/w2_scale are for float8_e4m3fn weights, got w13 of dtype {w13.dtype}")
-    c = triton.cdiv
-    for name, s, want in (("w13_scale", w13_scale, (E, c(F2, SCALE_BLOCK), c(d, SCALE_BLOCK))),
-                          ("w2_scale", w2_scale, (E, c(d, SCALE_BLOCK), c(F, SCALE_BLOCK)))):
-        if tuple(s.shape) != want:
-            raise ValueError(f"{name} must have shape {want}, got {tuple(s.shape)}")
-        if s.dtype != torch.float32:
-            raise ValueError(f"{name} must be float32, got {s.dtype}")
-
-
 def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
              w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None) -> bool:
     """Whether fused_experts runs these inputs (shapes as the reference op checks them)."""
@@ -409,7 +384,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     outside [0, E) contributes zero. Returns [T, d] in x's dtype.
     """
     _check_experts(x, w13, w2, weights, ids, clamp)
-    _check_scales(w13, w2, w13_scale, w2_scale)
+    check_scales(w13, w2, w13_scale, w2_scale)
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"x must be one of {SUPPORTED_DTYPES}, got {x.dtype}")
     fp8 = _is_fp8(w13)

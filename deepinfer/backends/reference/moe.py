@@ -2,7 +2,10 @@
 
 Pure functions, any device. `experts_dense` is the oracle (every expert on every token);
 `experts_routed` is the fast path (each expert runs only on its own tokens). Expert weights use
-transformers' fused layout: w13 [E, 2F, d] (gate rows, then up rows) and w2 [E, d, F].
+transformers' fused layout: w13 [E, 2F, d] (gate rows, then up rows) and w2 [E, d, F], in the activations'
+dtype or as float8_e4m3fn with DeepSeek-V3's 128x128 block scales (w13_scale [E, cdiv(2F, 128), cdiv(d, 128)],
+w2_scale [E, cdiv(d, 128), cdiv(F, 128)] float32; weight = fp8 value x its block's scale), which both
+dequantize before computing as they do with unquantized weights.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 SCORINGS = ("softmax", "sigmoid", "sqrt_softplus")
+FP8 = torch.float8_e4m3fn
+SCALE_BLOCK = 128  # DeepSeek-V3's 128 x 128 weight blocks
 GROUP_SCORES = ("max", "top2sum")
 
 
@@ -133,6 +138,48 @@ def _check_experts(x, w13, w2, weights, ids, clamp) -> None:
         raise ValueError(f"clamp must be > 0 or None, got {clamp}")
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_scales(w13, w2, w13_scale, w2_scale) -> None:
+    """FP8 weights come with both block scales, of the shapes of w13/w2 in 128 x 128 blocks; others without."""
+    E, F2, d = w13.shape
+    F = F2 // 2
+    fp8 = (w13.dtype == FP8, w2.dtype == FP8)
+    if fp8[0] != fp8[1]:
+        raise ValueError(f"w13 and w2 must both be float8_e4m3fn or neither; got {w13.dtype} and {w2.dtype}")
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("w13_scale and w2_scale must be given together")
+    if fp8[0] and w13_scale is None:
+        raise ValueError("float8_e4m3fn w13/w2 need w13_scale and w2_scale (128x128 block scales)")
+    if w13_scale is None:
+        return
+    if not fp8[0]:
+        raise ValueError(f"w13_scale/w2_scale are for float8_e4m3fn weights, got w13 of dtype {w13.dtype}")
+    c = _cdiv
+    for name, s, want in (("w13_scale", w13_scale, (E, c(F2, SCALE_BLOCK), c(d, SCALE_BLOCK))),
+                          ("w2_scale", w2_scale, (E, c(d, SCALE_BLOCK), c(F, SCALE_BLOCK)))):
+        if tuple(s.shape) != want:
+            raise ValueError(f"{name} must have shape {want}, got {tuple(s.shape)}")
+        if s.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {s.dtype}")
+
+
+def dequantize_fp8_blocks(w: torch.Tensor, scale: torch.Tensor, block=(SCALE_BLOCK, SCALE_BLOCK),
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w [..., R, C] (FP8) with block scales [..., cdiv(R, br), cdiv(C, bc)] -> [..., R, C] in dtype: each value
+    times its block's scale, in float32. Shapes are not checked here (check_scales, models.quant do)."""
+    R, C = w.shape[-2:]
+    s = scale.float().repeat_interleave(block[0], -2)[..., :R, :].repeat_interleave(block[1], -1)[..., :C]
+    return (w.float() * s).to(dtype)
+
+
+def _expert_weight(w: torch.Tensor, scale, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e's matrix of w [E, R, C] in dtype, dequantized when scale (FP8 block scales) is given."""
+    return w[e].to(dtype) if scale is None else dequantize_fp8_blocks(w[e], scale[e], dtype=dtype)
+
+
 def _swiglu(gate_up: torch.Tensor, clamp: float | None) -> torch.Tensor:
     """gate_up: [..., 2F] -> [..., F]: silu(gate) * up, with DeepSeek-V4's optional clamps."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -142,13 +189,18 @@ def _swiglu(gate_up: torch.Tensor, clamp: float | None) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def experts_dense(x, w13, w2, weights, ids, *, clamp: float | None = None) -> torch.Tensor:
+def experts_dense(x, w13, w2, weights, ids, *, clamp: float | None = None, w13_scale=None,
+                  w2_scale=None) -> torch.Tensor:
     """The oracle: every expert on every token, all in float32, mixed by a dense [T, E] weight matrix.
 
-    x: [T, d]; w13: [E, 2F, d]; w2: [E, d, F]; weights, ids: [T, k] -> [T, d] in x.dtype.
-    Memory is O(E * T * F): for tests, not serving.
+    x: [T, d]; w13: [E, 2F, d]; w2: [E, d, F]; weights, ids: [T, k] -> [T, d] in x.dtype. FP8 w13/w2 with
+    their block scales are dequantized (every expert) to float32 first. Memory is O(E * T * F): for tests,
+    not serving.
     """
     _check_experts(x, w13, w2, weights, ids, clamp)
+    check_scales(w13, w2, w13_scale, w2_scale)
+    if w13_scale is not None:
+        w13, w2 = dequantize_fp8_blocks(w13, w13_scale), dequantize_fp8_blocks(w2, w2_scale)
     E = w13.shape[0]
     ids = ids.long()
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= E):
@@ -160,14 +212,17 @@ def experts_dense(x, w13, w2, weights, ids, *, clamp: float | None = None) -> to
     return torch.einsum("te,etd->td", mix, y).to(x.dtype)
 
 
-def experts_routed(x, w13, w2, weights, ids, *, clamp: float | None = None) -> torch.Tensor:
+def experts_routed(x, w13, w2, weights, ids, *, clamp: float | None = None, w13_scale=None,
+                   w2_scale=None) -> torch.Tensor:
     """The fast path: sort the T*k (token, expert) pairs by expert and run one matmul pair per used expert.
 
     x: [T, d]; w13: [E, 2F, d]; w2: [E, d, F]; weights, ids: [T, k] -> [T, d] in x.dtype.
-    Matmuls run in x.dtype (as fused kernels do), SwiGLU and the weighted sum in float32.
+    Matmuls run in x.dtype (as fused kernels do), SwiGLU and the weighted sum in float32. FP8 w13/w2 with
+    their block scales: each used expert is dequantized (float32, then x.dtype) before its matmuls.
     One host sync: the per-expert counts that bound the Python loop over used experts.
     """
     _check_experts(x, w13, w2, weights, ids, clamp)
+    check_scales(w13, w2, w13_scale, w2_scale)
     T, d = x.shape
     E = w13.shape[0]
     out = torch.zeros(T, d, dtype=torch.float32, device=x.device)  # [T, d]
@@ -189,9 +244,9 @@ def experts_routed(x, w13, w2, weights, ids, *, clamp: float | None = None) -> t
         if n == 0:
             continue
         seg = slice(start, start + n)
-        h = xs[seg] @ w13[e].to(x.dtype).T  # [n, 2F]
+        h = xs[seg] @ _expert_weight(w13, w13_scale, e, x.dtype).T  # [n, 2F]
         a = _swiglu(h.float(), clamp).to(x.dtype)  # [n, F]
-        ys[seg] = a @ w2[e].to(x.dtype).T  # [n, d]
+        ys[seg] = a @ _expert_weight(w2, w2_scale, e, x.dtype).T  # [n, d]
         start += n
     ys *= weights.reshape(-1)[order].float()[:, None]
     out.index_add_(0, tok, ys)

@@ -54,13 +54,13 @@ class ReferenceOps(Ops):
 
         return route(router_logits, top_k, **kw)
 
-    def moe_experts(self, x, w13, w2, weights, ids, *, clamp=None, impl="routed"):
+    def moe_experts(self, x, w13, w2, weights, ids, *, clamp=None, impl="routed", w13_scale=None, w2_scale=None):
         from .moe import experts_dense, experts_routed
 
         if impl not in ("routed", "dense"):
             raise ValueError(f"impl must be 'routed' or 'dense', got {impl!r}")
         fn = experts_dense if impl == "dense" else experts_routed
-        return fn(x, w13, w2, weights, ids, clamp=clamp)
+        return fn(x, w13, w2, weights, ids, clamp=clamp, w13_scale=w13_scale, w2_scale=w2_scale)
 
     def sample(self, logits, batch, generator=None):
         from .sampling import sample
