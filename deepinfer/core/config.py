@@ -50,6 +50,13 @@ def _only(name: str, allowed, why: str):
     return check
 
 
+def _one_of(name: str, allowed: tuple):
+    def check(inst, attribute, value):
+        if value not in allowed:
+            raise ValueError(f"EngineConfig.{name}={value!r} is invalid: expected one of {allowed}")
+    return check
+
+
 def _quantization(inst, attribute, value):
     if value not in (None, "fp8"):
         raise ValueError(f"EngineConfig.quantization={value!r} is not supported: None (what the checkpoint "
@@ -108,6 +115,10 @@ class EngineConfig:
     kv_cache_dtype: str = attrs.field(default="auto", validator=_only("kv_cache_dtype", "auto", (
         "the KV cache takes the model's dtype (CED checkpoints keep their own FP8/FP4 formats)")))
     quantization: Optional[str] = attrs.field(default=None, validator=_quantization)  # the checkpoint's own
+    # An FP8 block-scaled checkpoint's expert weights: "fp8" serves them as stored (float8_e4m3fn + block scales,
+    # half the memory of bf16, through Ops.moe_experts); "dequantize" dequantizes them at load like the dense
+    # weights (the oracle of the FP8 path). See models/quant.py for the layouts kept FP8.
+    fp8_experts: str = attrs.field(default="fp8", validator=_one_of("fp8_experts", ("fp8", "dequantize")))
     tensor_parallel_size: int = attrs.field(default=1, validator=_only(
         "tensor_parallel_size", 1, "tensor parallelism is not implemented yet; one device serves the model"))
     speculative_config: Optional[dict] = attrs.field(default=None, validator=_only(

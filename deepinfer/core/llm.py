@@ -116,7 +116,8 @@ class LLM:
             log.warning("enable_prefix_caching=True: prefix caching is not implemented yet; every prompt is "
                         "prefilled in full (outputs are the same)")
         torch_dtype = loader.torch_dtype(config.dtype, hf_config, ops.device)
-        net = loader.build_model(self.model_path, hf_config, ops, torch_dtype, ops.device, registry, load_format)
+        net = loader.build_model(self.model_path, hf_config, ops, torch_dtype, ops.device, registry, load_format,
+                                 config.fp8_experts)
         net.requires_grad_(False)  # inference only: no op records an autograd graph
         from ..tokenizer import Tokenizer
 

@@ -16,7 +16,7 @@ import os
 import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -130,22 +130,25 @@ def safetensors_files(path: Path) -> list:
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
                    if hasattr(torch, n))
 FP8_CODES = ("F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")  # their safetensors dtype names
-SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3 style: X.weight (FP8) pairs with X.weight_scale_inv (float32 per block)
+FP8_EXPERTS = ("fp8", "dequantize")  # EngineConfig.fp8_experts
 
 
-def iter_weights(path: Path, hf_config: Optional[dict] = None) -> Iterator:
+def iter_weights(path: Path, hf_config: Optional[dict] = None, keep_fp8: Optional[Callable] = None) -> Iterator:
     """(name, tensor) of every checkpoint tensor, shard by shard.
 
     Block-quantized FP8 weights are dequantized here, for every architecture: an FP8 ``X.weight`` is paired
-    with ``X.weight_scale_inv`` wherever it lives among the shards and comes out as one float32 ``X.weight``
-    (block size: the config's quantization_config.weight_block_size, default 128x128); its scale is not
-    yielded. An FP8 weight without a scale is an error naming it.
+    with ``X.weight_scale_inv`` (SCALE_SUFFIX) wherever it lives among the shards and comes out as one float32
+    ``X.weight`` (block size: the config's quantization_config.weight_block_size, default 128x128); its scale
+    is not yielded. An FP8 weight without a scale is an error naming it.
+
+    ``keep_fp8(name)`` (optional) names the tensors the model holds FP8 (``fp8_targets``): each comes as it is
+    stored (float8_e4m3fn), followed at once by its scale (float32). Such a tensor stored otherwise is an error.
     """
     from contextlib import ExitStack
 
     from safetensors import safe_open
 
-    from .quant import dequantize_fp8_block, fp8_block_size
+    from .quant import FP8, SCALE_SUFFIX, dequantize_fp8_block, fp8_block_size
 
     block = fp8_block_size(hf_config or {}) or (128, 128)
     files = safetensors_files(path)
@@ -168,13 +171,46 @@ def iter_weights(path: Path, hf_config: Optional[dict] = None) -> Iterator:
                 if name.endswith(SCALE_SUFFIX) and is_fp8(name[:-len(SCALE_SUFFIX)]):
                     continue  # consumed with its weight
                 t = get(fh, name)
+                keep = keep_fp8 is not None and keep_fp8(name)
                 if t.dtype in FP8_DTYPES:
                     scale_name = name + SCALE_SUFFIX
                     if scale_name not in where:
                         raise CheckpointError(f"checkpoint tensor {name!r} is {str(t.dtype).removeprefix('torch.')} "
                                               f"but the checkpoint has no {scale_name!r} to dequantize it with")
-                    t = _dequantize(name, t, get(where[scale_name], scale_name), block, dequantize_fp8_block)
+                    scale = get(where[scale_name], scale_name)
+                    if keep and t.dtype == FP8:
+                        yield name, t
+                        yield scale_name, scale.float()
+                        continue
+                    t = _dequantize(name, t, scale, block, dequantize_fp8_block)
+                if keep:
+                    raise CheckpointError(f"checkpoint tensor {name!r} is {str(t.dtype).removeprefix('torch.')} in "
+                                          "an FP8 checkpoint whose expert weights the model keeps float8_e4m3fn; "
+                                          "load it with fp8_experts='dequantize'")
                 yield name, t
+
+
+def fp8_targets(model) -> Callable:
+    """keep_fp8 of iter_weights for this model: whether checkpoint tensor ``name`` lands in FP8 experts, either
+    directly (a float8_e4m3fn parameter of that name: CED) or through a submodule that loads its own tensors
+    and says so (MoEBlock.fp8_checkpoint_tensor, under the prefix the model's _delegates give it)."""
+    from .quant import FP8
+
+    direct = {n for n, p in model.named_parameters() if p.dtype == FP8}
+    delegates = {prefix: mod for prefix, (mod, _) in model._delegates().items()
+                 if hasattr(mod, "fp8_checkpoint_tensor")} if hasattr(model, "_delegates") else {}
+
+    def keep(name: str) -> bool:
+        if name in direct:
+            return True
+        head = name
+        while "." in head:
+            head = head.rsplit(".", 1)[0]
+            if head in delegates:
+                return delegates[head].fp8_checkpoint_tensor(name[len(head) + 1:])
+        return False
+
+    return keep
 
 
 @contextmanager
@@ -216,14 +252,22 @@ def torch_dtype(name: str, hf_config: dict, device: torch.device) -> torch.dtype
 
 def dummy_init_(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Random weights in place, on the model's device (``load_format="dummy"``: benchmarks of real shapes
-    without a checkpoint on disk). Norm weights 1, everything else N(0, std); float32 router weights stay."""
+    without a checkpoint on disk). Norm weights 1, everything else N(0, std); float32 router weights stay.
+    FP8 experts: values N(0, 1) in float8_e4m3fn, block scales (``*_scale_inv``) std."""
+    from .quant import FP8, SCALE_SUFFIX
+
     gen = None
     with torch.no_grad():
         for name, p in model.named_parameters():
             if gen is None or gen.device != p.device:
                 gen = torch.Generator(device=p.device).manual_seed(seed)
             last = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
-            if "norm" in last:
+            if p.dtype == FP8:
+                for e in range(p.shape[0]):  # one expert at a time: no float32 copy of them all
+                    p[e].copy_(torch.randn(p.shape[1:], generator=gen, device=p.device).to(FP8))
+            elif name.endswith(SCALE_SUFFIX):
+                p.fill_(std)
+            elif "norm" in last:
                 p.fill_(1.0)
             elif name.endswith(("bias", "sink", "gate_bias", "e_score_correction_bias")):
                 p.zero_()
@@ -295,19 +339,34 @@ def check_max_model_len(requested: Optional[int], hf_config: dict, max_position:
     return requested
 
 
-def build_model(path: Path, hf_config: dict, ops, dtype: torch.dtype, device, registry, load_format: str = "auto"):
-    """load_format: "auto" reads the safetensors; "dummy" fills random weights (no weight files needed)."""
+def build_model(path: Path, hf_config: dict, ops, dtype: torch.dtype, device, registry, load_format: str = "auto",
+                fp8_experts: str = "fp8"):
+    """load_format: "auto" reads the safetensors; "dummy" fills random weights (no weight files needed).
+
+    fp8_experts (EngineConfig.fp8_experts): with an FP8 block-scaled checkpoint, "fp8" keeps the expert weights
+    of every MoE module FP8 with their block scales (models/quant.py: 128x128 blocks and expert widths that are a
+    multiple of 128; others are dequantized), "dequantize" dequantizes them to ``dtype`` like every other weight.
+    """
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format={load_format!r} is invalid: expected 'auto' or 'dummy'")
+    if fp8_experts not in FP8_EXPERTS:
+        raise ValueError(f"fp8_experts={fp8_experts!r} is invalid: expected one of {FP8_EXPERTS}")
+    from .quant import fp8_block_size, store_experts_fp8
+
     arch = architecture(path, hf_config, registry.names("model"))
     entry = registry.get("model", arch)
     with torch.device("meta"):
         model = entry.obj(hf_config, ops)
-    model = model.to(dtype).to_empty(device=device)  # cast on meta first: no float32 copy of a big model
+    model = model.to(dtype)  # cast on meta first: no float32 copy of a big model
+    block = fp8_block_size(hf_config)
+    if block is not None and fp8_experts == "fp8":
+        kept = store_experts_fp8(model, block)  # still on meta
+        log.info("%s: FP8 checkpoint (%dx%d blocks): experts of %d MoE module(s) stay FP8", arch, *block, len(kept))
+    model = model.to_empty(device=device)
     if load_format == "dummy":
         dummy_init_(model)
     else:
-        model.load_weights(iter_weights(path, hf_config))
+        model.load_weights(iter_weights(path, hf_config, keep_fp8=fp8_targets(model)))
     model.eval()
     log.info("loaded %s from %s (%s, %s, provided by %s)", arch, path, dtype, device, entry.plugin)
     return model

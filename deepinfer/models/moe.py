@@ -7,7 +7,10 @@ Qwen2-MoE's sigmoid gate) and the checkpoint's spelling of the tensor names (``n
 Weights are stored fused: ``w13`` [E, 2F, d] (gate rows, then up rows) and ``w2`` [E, d, F], the layout of
 transformers 5 and of the reference kernels. Checkpoints are read in both layouts: per expert
 (``experts.{e}.w1.weight`` / ``experts.{e}.gate_proj.weight`` ...) and fused (``experts.gate_up_proj``,
-``experts.down_proj``).
+``experts.down_proj``). Experts of an FP8 block-scaled checkpoint may stay FP8 (models/quant.py,
+``store_experts_fp8``): w13/w2 are then float8_e4m3fn with ``w13_scale_inv``/``w2_scale_inv`` beside them,
+read from each tensor's ``weight_scale_inv`` (per expert) or ``_scale_inv`` (fused), and passed to
+``Ops.moe_experts``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import nn
 
 from ..backends.reference import moe as ref_moe
 from .base import WeightError
+from .quant import FP8, SCALE_BLOCK, SCALE_SUFFIX, fp8_scales
 
 NAMINGS = ("mixtral", "qwen", "deepseek")
 IMPLS = ("routed", "dense")
@@ -93,8 +97,9 @@ class MoEBlock(nn.Module):
         # The router stays float32 whatever the model dtype (as transformers keeps it): a bf16 correction bias
         # can change which experts are chosen.
         super()._apply(fn, recurse)
-        for name in ("gate_weight", "e_score_correction_bias"):
-            p = getattr(self, name)
+        # FP8 experts' block scales stay float32 too.
+        for name in ("gate_weight", "e_score_correction_bias", "w13_scale_inv", "w2_scale_inv"):
+            p = getattr(self, name, None)
             if p is not None and p.is_floating_point() and p.dtype != torch.float32:
                 p.data = p.data.float()
         return self
@@ -110,11 +115,12 @@ class MoEBlock(nn.Module):
         if self.expert_load is not None:
             self.expert_load.record(self.layer, ids)
         moe_experts = getattr(self.ops, "moe_experts", None)
+        scales = fp8_scales(self)  # FP8 experts' block scales, else None
         if moe_experts is not None:
-            out = moe_experts(x, self.w13, self.w2, weights, ids, clamp=self.clamp, impl=self.impl)
+            out = moe_experts(x, self.w13, self.w2, weights, ids, clamp=self.clamp, impl=self.impl, **scales)
         else:
             fn = ref_moe.experts_dense if self.impl == "dense" else ref_moe.experts_routed
-            out = fn(x, self.w13, self.w2, weights, ids, clamp=self.clamp)  # [T, d]
+            out = fn(x, self.w13, self.w2, weights, ids, clamp=self.clamp, **scales)  # [T, d]
         if self.shared_w13 is not None:
             h = F.linear(x, self.shared_w13)  # [T, 2Fs]
             gate, up = h.chunk(2, dim=-1)
@@ -132,10 +138,15 @@ class MoEBlock(nn.Module):
         out = {"gate.weight": ("gate_weight", ())}
         if self.e_score_correction_bias is not None:
             out["gate.e_score_correction_bias"] = ("e_score_correction_bias", ())
+        nb = Fe // SCALE_BLOCK  # FP8 experts: scale blocks of one gate or up matrix (Fe is a multiple of 128)
         for e in range(self.num_experts):
             out[f"experts.{e}.{g}.weight"] = ("w13", (e, slice(0, Fe)))
             out[f"experts.{e}.{u}.weight"] = ("w13", (e, slice(Fe, 2 * Fe)))
             out[f"experts.{e}.{dn}.weight"] = ("w2", (e,))
+            if self.fp8_experts:
+                out[f"experts.{e}.{g}.weight{SCALE_SUFFIX}"] = ("w13_scale_inv", (e, slice(0, nb)))
+                out[f"experts.{e}.{u}.weight{SCALE_SUFFIX}"] = ("w13_scale_inv", (e, slice(nb, 2 * nb)))
+                out[f"experts.{e}.{dn}.weight{SCALE_SUFFIX}"] = ("w2_scale_inv", (e,))
         if Fs:
             s = _SHARED[self.naming]
             out[f"{s}.gate_proj.weight"] = ("shared_w13", (slice(0, Fs),))
@@ -149,8 +160,25 @@ class MoEBlock(nn.Module):
         """transformers-5 fused name -> (our param, the per-expert names it stands for)."""
         g, u, dn = _EXPERT_PARTS[self.naming]
         E = range(self.num_experts)
-        return {_FUSED_GATE_UP: ("w13", [f"experts.{e}.{p}.weight" for e in E for p in (g, u)]),
-                _FUSED_DOWN: ("w2", [f"experts.{e}.{dn}.weight" for e in E])}
+        out = {_FUSED_GATE_UP: ("w13", [f"experts.{e}.{p}.weight" for e in E for p in (g, u)]),
+               _FUSED_DOWN: ("w2", [f"experts.{e}.{dn}.weight" for e in E])}
+        if self.fp8_experts:
+            out.update({name + SCALE_SUFFIX: (pname + SCALE_SUFFIX, [c + SCALE_SUFFIX for c in covers])
+                        for name, (pname, covers) in list(out.items())})
+        return out
+
+    @property
+    def fp8_experts(self) -> bool:
+        """The experts are held FP8 with block scales (models/quant.py, store_experts_fp8)."""
+        return self.w13.dtype == FP8
+
+    def fp8_checkpoint_tensor(self, local_name: str) -> bool:
+        """Whether this checkpoint tensor (name relative to this block) is an expert weight that loads as it is
+        stored, FP8 with its scale beside it, rather than dequantized: so when the experts are held FP8."""
+        parts = local_name.split(".")
+        expert = len(parts) == 4 and parts[0] == "experts" and parts[3] == "weight" \
+            and parts[2] in _EXPERT_PARTS[self.naming]
+        return self.fp8_experts and (expert or local_name in (_FUSED_GATE_UP, _FUSED_DOWN))
 
     def load_checkpoint_tensor(self, local_name: str, tensor: torch.Tensor, full_name: Optional[str] = None) -> None:
         """Copy one checkpoint tensor (name relative to this block) into our weights."""
@@ -171,6 +199,10 @@ class MoEBlock(nn.Module):
         if tuple(tensor.shape) != tuple(dst.shape):
             raise WeightError(f"checkpoint tensor {full_name!r} has shape {tuple(tensor.shape)}, "
                               f"expected {tuple(dst.shape)}")
+        if dst.dtype == FP8 and tensor.dtype != FP8:
+            raise WeightError(f"checkpoint tensor {full_name!r} is {tensor.dtype}, but this block holds its experts "
+                              "as float8_e4m3fn with block scales (an FP8 checkpoint's); load with "
+                              "fp8_experts='dequantize'")
         dst.copy_(tensor.to(dst.dtype))
         self._loaded.update(covers)
 

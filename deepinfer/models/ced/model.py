@@ -11,7 +11,8 @@ and a decoder query i attends SWA keys in [max(s, i - n_win + 1), i]
 from __future__ import annotations
 
 import math
-from typing import Optional
+import weakref
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,8 @@ from torch import nn
 from . import functional as fn
 from .config import CEDConfig
 
+if TYPE_CHECKING:
+    from ...backends.base import Ops
 
 INDEX_CHUNK = 1 << 24  # the full-sequence indexer's chunk: queries x scored entries x max(heads, head dim)
 POOL_IMPLS = ("gather", "mask")
@@ -129,18 +132,35 @@ class CEDLayer(nn.Module):
         return F.linear(torch.einsum("tgi,goi->tgo", og, self.wo_a).flatten(1), self.wo_b)
 
     def moe(self, x):
-        from ...backends.reference import moe as moe_ops
+        """x [T, d] (normed) -> (routed experts + shared expert [T, d], chosen expert ids [T, k]), through the
+        owning model's backend ops (``ops_of``): sqrt-softplus scores, top-k on score + gate_bias, renormalised
+        weights times the routed scaling factor; SwiGLU experts clamped at swiglu_limit, FP8 with their block
+        scales when the loader kept them FP8 (models/quant.py). No host sync where the ops have none (nvidia)."""
+        from ..quant import fp8_scales
 
-        c = self.c
-        weights, ids = moe_ops.route(F.linear(x.float(), self.gate.float()), c.num_experts_per_tok,
+        c, ops = self.c, ops_of(self, x.device)
+        weights, ids = ops.moe_route(F.linear(x.float(), self.gate.float()), c.num_experts_per_tok,
                                      scoring="sqrt_softplus", renormalize=True, scaling=c.routed_scaling_factor,
                                      bias=self.gate_bias)
-        y = moe_ops.experts_routed(x, self.w13, self.w2, weights, ids, clamp=c.swiglu_limit)
+        y = ops.moe_experts(x, self.w13, self.w2, weights, ids, clamp=c.swiglu_limit, impl="routed",
+                            **fp8_scales(self))
         if self.shared_w13 is not None:
             g, u = F.linear(x, self.shared_w13).chunk(2, dim=-1)
             lim = c.swiglu_limit
             y = y + F.linear(F.silu(g.clamp(max=lim)) * u.clamp(-lim, lim), self.shared_w2)
         return y, ids
+
+
+def ops_of(layer: CEDLayer, device) -> "Ops":
+    """The backend ops of the model that owns ``layer`` (CEDForCausalLM.ops, read at call time), or the reference
+    ops on ``device`` when it has none (a model built without ops, or a layer on its own)."""
+    owner = getattr(layer, "owner", None)
+    ops = getattr(owner(), "ops", None) if owner is not None else None
+    if ops is None:
+        from ...backends.reference.ops import ReferenceOps
+
+        ops = ReferenceOps(device)
+    return ops
 
 
 class ReplayStart(int):
@@ -234,6 +254,8 @@ class CEDForCausalLM(CEDEngineMixin, nn.Module):
         self.vocab_size, self.max_position = c.vocab_size, c.max_position_embeddings
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(CEDLayer(c, i) for i in range(c.num_layers))
+        for layer in self.layers:  # so a layer's MoE reaches self.ops (ops_of); weak: no reference cycle
+            layer.owner = weakref.ref(self)
         self.norm = _p(c.hidden_size)
         self.lm_head = None if c.tie_word_embeddings else _p(c.vocab_size, c.hidden_size)
         # How decoder reindex layers use the pool, in both paths: "gather" scores the pool's entries only,
