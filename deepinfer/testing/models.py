@@ -71,17 +71,18 @@ def _config_class(arch: str):
 
 def build_tiny_hf_model(out_dir, name: str = "llama", seed: int = 0, vocab_size: int = 512,
                         max_position_embeddings: int = 512, init_range: float = 0.1, dtype: str = "float32",
-                        random_norms_and_biases: bool = False):
+                        random_norms_and_biases: bool = False, **overrides):
     """Write a random-weight checkpoint (config.json, model.safetensors, tokenizer files) and return the HF model.
     ``random_norms_and_biases``: norm weights 1 + N(0, 0.2^2) and biases N(0, init_range^2) instead of transformers'
-    ones and zeros, which a model that drops a norm weight or a bias would still match."""
+    ones and zeros, which a model that drops a norm weight or a bias would still match. ``overrides``: config
+    fields that replace TINY[name]'s (e.g. an expert width of 128 for FP8 experts)."""
     import torch
     import transformers
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_test_tokenizer(out, vocab_size=vocab_size)
-    spec = dict(TINY[name])
+    spec = {**TINY[name], **overrides}
     arch = spec.pop("arch")
     cfg = _config_class(arch)(vocab_size=tok.vocab_size, max_position_embeddings=max_position_embeddings,
                               initializer_range=init_range, bos_token_id=tok.bos_token_id,
@@ -97,3 +98,33 @@ def build_tiny_hf_model(out_dir, name: str = "llama", seed: int = 0, vocab_size:
                     p.copy_(1 + 0.2 * noise if "norm" in n else init_range * noise)
     model.save_pretrained(out, safe_serialization=True)
     return model
+
+
+def write_fp8_checkpoint(src, dst, pick, block=(128, 128)) -> dict:
+    """Copy the checkpoint directory ``src`` (one model.safetensors) to ``dst`` with the tensors ``pick(name,
+    tensor)`` chooses block-quantized to float8_e4m3fn as DeepSeek-V3 ships them: ``name + "_scale_inv"`` beside
+    each (2-D: [cdiv(R, br), cdiv(C, bc)]; 3-D stacked experts: per expert, stacked), and config.json's
+    quantization_config set to FP8 with ``block``. Returns {name: (fp8 tensor, scale)}."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from ..models.quant import quantize_fp8_block
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    quant = {}
+    for name, t in list(tensors.items()):
+        if t.dim() in (2, 3) and pick(name, t):
+            q, s = map(torch.stack, zip(*(quantize_fp8_block(m, block) for m in t.reshape(-1, *t.shape[-2:]))))
+            q, s = q.reshape(t.shape), s.reshape(*t.shape[:-2], *s.shape[-2:])
+            tensors[name], tensors[name + "_scale_inv"] = q, s
+            quant[name] = (q, s)
+    save_file(tensors, str(dst / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return quant
