@@ -1,0 +1,457 @@
+"""The host and disk KV tiers (issue 13.2): bit-exact round trips, LRU and byte caps, TTLs on an injected clock,
+damaged and foreign files as misses, writers killed mid-entry, processes sharing a directory, and faults that
+turn the disk tier off with one warning. Processes are synchronised through pipes; nothing waits on time."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import math
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import deepinfer.core.kv_tiers.entry_files as files_mod
+from deepinfer.core.kv_tiers import DiskTier, HostTier, TieredStore
+from deepinfer.core.kv_tiers.entry_format import PREFIX_BYTES
+from deepinfer.core.kv_tiers.payload import DTYPES
+
+LOGGER = "deepinfer.kv_tiers"
+ID = "demo-model|bfloat16|layout-1"
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8  # 32 bytes, like the engine's sha256 chain
+
+
+def block(i: int, n: int = 64) -> dict:
+    """A payload whose bytes depend on i; all blocks of one n have one size."""
+    return {"k": torch.full((2, n), i, dtype=torch.int32), "v": torch.arange(n, dtype=torch.float32) + i}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a is not None and list(a) == list(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(bits(a[name]), bits(b[name])), name
+
+
+def warnings_of(caplog) -> list:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
+
+
+def entry_files(root) -> list:
+    return sorted(p for p in Path(root).glob("??/*.kvb"))
+
+
+def temp_files(root) -> list:
+    return sorted(Path(root).rglob(".*.tmp"))
+
+
+@st.composite
+def payloads(draw):
+    out = {}
+    for name in draw(st.lists(st.text(max_size=6), max_size=4, unique=True)):
+        dtype = DTYPES[draw(st.sampled_from(sorted(DTYPES)))]
+        shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+        n = math.prod(shape) * dtype.itemsize
+        raw = draw(st.binary(min_size=n, max_size=n))  # any bits: NaN payloads, subnormals, negative zeros
+        t = torch.tensor(list(raw), dtype=torch.uint8)
+        t = (t & 1).bool() if dtype == torch.bool else t.view(dtype)
+        t = t.reshape(shape)
+        if t.dim() >= 2 and draw(st.booleans()):
+            t = t.transpose(0, 1)  # not contiguous: stored in row-major order of the transposed view
+        out[name] = t
+    return out
+
+
+# -- host tier
+
+
+@settings(max_examples=60, deadline=None)
+@given(payloads())
+def test_host_round_trip_is_bit_exact(payload):
+    tier = HostTier(1 << 20, pin_memory=False)
+    assert tier.put(key(1), payload)
+    assert_same(tier.get(key(1)), payload)
+
+
+def test_host_lru_order_and_byte_cap():
+    size = 2 * 64 * 4 + 64 * 4
+    tier = HostTier(3 * size, pin_memory=False)
+    for i in range(3):
+        tier.put(key(i), block(i))
+    assert tier.get(key(0)) is not None  # 0 is now the most recently used
+    assert tier.put(key(3), block(3))
+    assert [tier.contains(key(i)) for i in range(4)] == [True, False, True, True]
+    s = tier.stats()
+    assert (s.entries, s.bytes, s.evictions, s.hits) == (3, 3 * size, 1, 1)
+    assert tier.get(key(1)) is None and tier.stats().misses == 1
+    assert tier.put(key(2), block(2, n=32))  # replacing an entry recounts its bytes
+    assert tier.stats().bytes == 2 * size + size // 2
+    assert not tier.put(key(9), block(9, n=1000)) and not tier.contains(key(9))  # larger than the whole tier
+    assert tier.evict(key(0)) and not tier.evict(key(0)) and tier.stats().entries == 2
+
+
+def test_host_ttl_on_an_injected_clock():
+    now = [100.0]
+    tier = HostTier(1 << 20, ttl_s=60, clock=lambda: now[0], pin_memory=False)
+    tier.put(key(0), block(0))  # the tier's default TTL
+    tier.put(key(1), block(1), ttl_s=300)  # a per-entry TTL
+    now[0] = 159.9
+    assert tier.get(key(0)) is not None and tier.contains(key(1))
+    now[0] = 160.0
+    assert tier.get(key(0)) is None and tier.contains(key(1))
+    tier.put(key(0), block(0), ttl_s=10)  # a replaced entry carries its new TTL, not the old one's
+    now[0] = 169.0
+    assert tier.contains(key(0))
+    now[0] = 400.0
+    s = tier.stats()
+    assert (s.entries, s.bytes, s.expirations) == (0, 0, 3)
+    untimed = HostTier(1 << 20, clock=lambda: now[0], pin_memory=False)
+    untimed.put(key(0), block(0))
+    now[0] = 1e12
+    assert untimed.get(key(0)) is not None
+
+
+def test_bad_arguments_are_named():
+    tier = HostTier(1 << 20, pin_memory=False)
+    with pytest.raises(ValueError, match="key"):
+        tier.put("abc", block(0))
+    with pytest.raises(ValueError, match="key"):
+        tier.put(b"", block(0))
+    with pytest.raises(TypeError, match="dict"):
+        tier.put(key(0), [torch.zeros(1)])
+    with pytest.raises(ValueError, match="'x'.*meta"):
+        tier.put(key(0), {"x": torch.zeros(1, device="meta")})
+    with pytest.raises(ValueError, match="ttl_s"):
+        HostTier(10, ttl_s=0)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        HostTier(-1)
+
+
+# -- disk tier: format and validation
+
+
+@settings(max_examples=60, deadline=None)
+@given(payloads())
+def test_disk_round_trip_is_bit_exact_and_survives_a_restart(payload):
+    with tempfile.TemporaryDirectory() as d:
+        assert DiskTier(d, 1 << 20, ID).put(key(7), payload)
+        again = DiskTier(d, 1 << 20, ID)  # a new process's view of the directory
+        assert_same(again.get(key(7)), payload)
+        assert again.stats().entries == 1 and not temp_files(d)
+
+
+def test_directory_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "env"))
+    tier = DiskTier(None, 1 << 20, ID)
+    assert tier.root == tmp_path / "env" and tier.put(key(0), block(0)) and len(entry_files(tmp_path / "env")) == 1
+    monkeypatch.delenv("DEEPINFER_CACHE_DIR")
+    with pytest.raises(ValueError, match="DEEPINFER_CACHE_DIR"):
+        DiskTier(None, 1 << 20, ID)
+
+
+def test_disk_lru_order_and_byte_cap(tmp_path):
+    probe = DiskTier(tmp_path / "probe", 1 << 20, ID)
+    probe.put(key(0), block(0))
+    size = probe.stats().bytes
+    tier = DiskTier(tmp_path / "c", 3 * size, ID, evict_to=1.0)
+    for i in range(3):
+        assert tier.put(key(i), block(i))
+    assert tier.get(key(0)) is not None  # a hit stamps the file as recently used
+    assert tier.put(key(3), block(3))
+    assert [tier.contains(key(i)) for i in range(4)] == [True, False, True, True]
+    assert (tier.stats().entries, tier.stats().bytes, tier.stats().evictions) == (3, 3 * size, 1)
+    assert not tier.put(key(9), block(9, n=4096))  # larger than the whole tier
+    # A restart with a smaller cap evicts the oldest down to evict_to of it.
+    small = DiskTier(tmp_path / "c", 2 * size, ID, evict_to=0.5)
+    assert [small.contains(key(i)) for i in range(4)] == [False, False, False, True]
+    assert small.stats().entries == 1
+
+
+def test_existing_entry_is_not_rewritten(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20, ID)
+    tier.put(key(0), block(0))
+    (path,) = entry_files(tmp_path)
+    inode = path.stat().st_ino
+    assert tier.put(key(0), block(0)) and path.stat().st_ino == inode
+    DiskTier(tmp_path, 1 << 20, "another-model").put(key(0), block(5))  # a foreign entry under our name is replaced
+    assert path.stat().st_ino != inode and tier.get(key(0)) is None
+
+
+def _damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "payload bit":
+        data[-1] ^= 0x10
+    elif how == "header bit":
+        data[PREFIX_BYTES + 3] ^= 0x01
+    elif how == "checksum bit":
+        data[20] ^= 0x80
+    elif how == "magic":
+        data[0:8] = b"NOTKVBLK"
+    elif how == "header length":
+        data[12:16] = struct.pack("<I", 5)
+    elif how == "appended":
+        data += b"\0" * 64
+    elif how.startswith("truncated "):
+        data = data[:int(how.split()[1])]
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["payload bit", "header bit", "checksum bit", "magic", "header length", "appended",
+                                 "truncated 0", "truncated 7", "truncated 47", "truncated 60", "truncated 300",
+                                 "truncated -1"])
+def test_corrupt_or_truncated_entry_is_a_logged_miss_and_removed(tmp_path, caplog, how):
+    tier = DiskTier(tmp_path, 1 << 20, ID)
+    tier.put(key(0), block(0))
+    (path,) = entry_files(tmp_path)
+    _damage(path, how)
+    assert tier.get(key(0)) is None
+    assert not path.exists() and tier.stats().corrupt == 1
+    assert len(warnings_of(caplog)) == 1 and "corrupt" in warnings_of(caplog)[0]
+    assert tier.put(key(0), block(0)) and tier.get(key(0)) is not None  # the name is usable again
+
+
+def test_entry_under_another_keys_name_is_corrupt(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20, ID)
+    tier.put(key(0), block(0))
+    wrong = tier._files.path(key(1))
+    wrong.parent.mkdir(exist_ok=True)
+    wrong.write_bytes(tier._files.path(key(0)).read_bytes())
+    assert tier.get(key(1)) is None and tier.stats().corrupt == 1 and not wrong.exists()
+
+
+@pytest.mark.parametrize("how", ["identity", "version"])
+def test_foreign_entry_is_a_miss_logged_once_and_kept(tmp_path, caplog, how):
+    if how == "identity":
+        DiskTier(tmp_path, 1 << 20, "other-model|float16|layout-1").put(key(0), block(0))
+    else:
+        DiskTier(tmp_path, 1 << 20, ID).put(key(0), block(0))
+        (path,) = entry_files(tmp_path)
+        data = bytearray(path.read_bytes())
+        data[8:12] = struct.pack("<I", 2)
+        path.write_bytes(bytes(data))
+    tier = DiskTier(tmp_path, 1 << 20, ID)
+    assert tier.get(key(0)) is None and tier.get(key(0)) is None
+    assert tier.stats().foreign == 2 and tier.stats().misses == 2 and len(entry_files(tmp_path)) == 1
+    assert len(warnings_of(caplog)) == 1 and "foreign" in warnings_of(caplog)[0]
+
+
+def test_other_files_in_the_directory_are_left_alone(tmp_path):
+    (tmp_path / "README").write_text("mine")
+    (tmp_path / "ab").mkdir()
+    (tmp_path / "ab" / "notes.txt").write_text("mine too")
+    tier = DiskTier(tmp_path, 1, ID)  # a cap that forces every scan to evict all it may
+    tier.put(key(0), {"x": torch.zeros(0)})
+    assert (tmp_path / "README").exists() and (tmp_path / "ab" / "notes.txt").exists()
+
+
+# -- disk tier: temporaries, killed writers, several processes
+
+def test_dead_temporaries_are_removed_at_start_and_live_ones_kept(tmp_path):
+    DiskTier(tmp_path, 1 << 20, ID).put(key(0), block(0))
+    dead = tmp_path / "00" / ".dead.123.00.tmp"
+    dead.write_bytes(b"DIKVBLK\0half an entry")
+    live = tmp_path / "00" / ".live.123.01.tmp"
+    with open(live, "wb") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # as a writer in another process holds it
+        DiskTier(tmp_path, 1 << 20, ID)
+        assert not dead.exists() and live.exists()
+    DiskTier(tmp_path, 1 << 20, ID)
+    assert not live.exists() and len(entry_files(tmp_path)) == 1
+
+
+_CHILD = "import sys; sys.path.insert(0, {tests!r}); import test_kv_tiers as t; t.{fn}(*sys.argv[1:])"
+
+
+def _spawn(fn: str, *args) -> subprocess.Popen:
+    code = _CHILD.format(tests=str(Path(__file__).parent), fn=fn)
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _stalled_writer(directory: str, i: str) -> None:
+    """Child: write block(i) but stop halfway through its temporary file, say so, and wait to be killed."""
+    tier = DiskTier(directory, 1 << 30, ID)
+
+    def half(f, chunks):
+        f.write(chunks[0])  # the prefix
+        f.write(chunks[1])  # the header
+        f.write(chunks[2][: len(chunks[2]) // 2])  # half the first tensor
+        f.flush()
+        print("half written", flush=True)
+        sys.stdin.read()  # the parent never writes: SIGKILL ends this
+    files_mod._write_chunks = half
+    tier.put(key(int(i)), block(int(i), n=4096))
+
+
+def test_writer_killed_mid_entry_leaves_nothing_valid(tmp_path, caplog):
+    reader = DiskTier(tmp_path, 1 << 30, ID)
+    child = _spawn("_stalled_writer", tmp_path, 5)
+    try:
+        assert child.stdout.readline() == "half written\n"
+        (tmp,) = temp_files(tmp_path)
+        assert 0 < tmp.stat().st_size
+        assert reader.get(key(5)) is None and not reader.contains(key(5))
+        DiskTier(tmp_path, 1 << 30, ID)  # a start-up scan while the writer lives keeps its temporary
+        assert tmp.exists()
+    finally:
+        child.kill()
+        child.wait()
+    assert reader.get(key(5)) is None and not entry_files(tmp_path)
+    fresh = DiskTier(tmp_path, 1 << 30, ID)  # start-up removes the dead writer's temporary
+    assert not temp_files(tmp_path)
+    assert fresh.put(key(5), block(5, n=4096))
+    assert_same(reader.get(key(5)), block(5, n=4096))
+    assert not warnings_of(caplog)
+
+
+def _payload_for(i: int) -> dict:
+    return block(i, n=16 + 8 * (i % 7))  # sizes differ between keys
+
+
+def _busy_worker(directory: str, worker: str, capacity: str) -> None:
+    """Child: wait for "go", then write the shared keys and its own many times over, reading and deleting shared
+    keys in between; every hit must be exactly the payload of its key. Prints its stats as JSON."""
+    tier = DiskTier(directory, int(capacity), ID)
+    print("ready", flush=True)
+    assert sys.stdin.readline() == "go\n"
+    w, bad = int(worker), 0
+    for r in range(12):
+        for i in [*range(8), *range(100 * (w + 1), 100 * (w + 1) + 8)]:
+            tier.put(key(i), _payload_for(i))
+            j = (i * 7 + r) % 8
+            got = tier.get(key(j))
+            if got is not None:
+                try:
+                    assert_same(got, _payload_for(j))
+                except AssertionError:
+                    bad += 1
+            if r % 3 == 1:
+                tier.evict(key(j))  # the next round writes it again, racing the other process's reads and writes
+    s = tier.stats()
+    print(json.dumps({"bad": bad, "corrupt": s.corrupt, "foreign": s.foreign, "enabled": s.enabled,
+                      "hits": s.hits, "evictions": s.evictions}), flush=True)
+
+
+@pytest.mark.parametrize("capacity", [1 << 30, 6000])
+def test_two_processes_share_a_directory(tmp_path, capacity):
+    """Same and different keys from two processes at once, with and without evictions racing reads."""
+    children = [_spawn("_busy_worker", tmp_path, w, capacity) for w in range(2)]
+    try:
+        for c in children:
+            assert c.stdout.readline() == "ready\n"
+        for c in children:  # both start together: neither has anything to read until the other is ready too
+            c.stdin.write("go\n")
+            c.stdin.flush()
+        reports = [json.loads(c.stdout.readline()) for c in children]
+    finally:
+        for c in children:
+            c.stdin.close()
+            c.wait()
+    assert [c.returncode for c in children] == [0, 0]
+    for rep in reports:
+        assert (rep["bad"], rep["corrupt"], rep["foreign"], rep["enabled"]) == (0, 0, 0, True), rep
+    assert not temp_files(tmp_path)
+    check = DiskTier(tmp_path, 1 << 30, ID)
+    for path in entry_files(tmp_path):
+        i = int.from_bytes(bytes.fromhex(path.stem)[:4], "little")
+        assert_same(check.get(key(i)), _payload_for(i))
+    assert check.stats().corrupt == 0
+    if capacity == 6000:
+        assert sum(r["evictions"] for r in reports) > 0
+    else:
+        assert len(entry_files(tmp_path)) == 24
+
+
+# -- disk tier: faults turn it off with one warning
+
+
+def test_unusable_directory_disables_the_tier_with_one_warning(tmp_path, caplog):
+    (tmp_path / "file").write_text("a file, not a directory")
+    tier = DiskTier(tmp_path / "file" / "cache", 1 << 20, ID)
+    assert not tier.enabled and not tier.stats().enabled
+    assert not tier.put(key(0), block(0)) and tier.get(key(0)) is None and not tier.contains(key(0))
+    assert len(warnings_of(caplog)) == 1 and "disabled" in warnings_of(caplog)[0]
+
+
+def _raise(code):
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+    return fail
+
+
+def test_read_only_directory_at_start_disables_the_tier(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(files_mod, "_write_chunks", _raise(errno.EROFS))  # root makes chmod ineffective
+    tier = DiskTier(tmp_path, 1 << 20, ID)
+    assert not tier.enabled and "Read-only" in tier.disabled_reason and not temp_files(tmp_path)
+    assert not tier.put(key(0), block(0))
+    assert len(warnings_of(caplog)) == 1
+
+
+@pytest.mark.parametrize("where, code", [("_write_chunks", errno.ENOSPC), ("_write_chunks", errno.EDQUOT),
+                                         ("replace", errno.EROFS), ("replace", errno.EACCES)])
+def test_write_fault_disables_the_tier_with_one_warning(tmp_path, caplog, monkeypatch, where, code):
+    tier = DiskTier(tmp_path, 1 << 20, ID)
+    tier.put(key(0), block(0))
+    if where == "replace":
+        monkeypatch.setattr(files_mod.os, "replace", _raise(code))
+    else:
+        monkeypatch.setattr(files_mod, "_write_chunks", _raise(code))
+    host = HostTier(1 << 20, pin_memory=False)
+    store = TieredStore(host, tier)
+    store.put(key(1), block(1))  # the host tier takes it; the disk write fails
+    store.put(key(2), block(2))
+    assert not tier.enabled and os.strerror(code) in tier.disabled_reason
+    assert len(warnings_of(caplog)) == 1 and "disabled" in warnings_of(caplog)[0]
+    assert not temp_files(tmp_path) and len(entry_files(tmp_path)) == 1
+    assert_same(store.get(key(1)), block(1)) and store.get(key(0)) is None  # disk off: its entries go unseen
+    monkeypatch.undo()
+    assert_same(DiskTier(tmp_path, 1 << 20, ID).get(key(0)), block(0))  # the directory itself is intact
+
+
+def test_write_racing_a_deletion_is_a_failed_put_not_a_fault(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, 1 << 20, ID)
+    monkeypatch.setattr(files_mod.os, "replace", _raise(errno.ENOENT))
+    assert not tier.put(key(0), block(0)) and tier.enabled and not temp_files(tmp_path)
+
+
+# -- the store
+
+
+def test_store_host_then_disk_with_promotion_and_ttl(tmp_path):
+    now = [0.0]
+    store = TieredStore(HostTier(1 << 20, clock=lambda: now[0], pin_memory=False), DiskTier(tmp_path, 1 << 20, ID))
+    store.put(key(0), block(0))  # global KV: both tiers
+    store.put(key(1), block(1), host_ttl=120, to_disk=False)  # encoder SWA KV: host only, with a TTL
+    assert store.disk.contains(key(0)) and not store.disk.contains(key(1))
+    assert_same(store.get(key(1)), block(1))
+    now[0] = 120.0
+    assert store.get(key(1)) is None and not store.contains(key(1))
+    # A restart: the host pool is empty, the disk entry is found there and promoted.
+    again = TieredStore(HostTier(1 << 20, pin_memory=False), DiskTier(tmp_path, 1 << 20, ID))
+    assert_same(again.get(key(0)), block(0))
+    assert again.host.contains(key(0))
+    assert_same(again.get(key(0)), block(0))
+    s = again.stats()
+    assert (s.host_hits, s.disk_hits, s.misses, s.disk.hits) == (1, 1, 0, 1)
+    assert again.evict(key(0)) and not again.contains(key(0)) and again.get(key(0)) is None
+    assert again.stats().misses == 1
+    host_only = TieredStore(HostTier(1 << 20, pin_memory=False), None)
+    host_only.put(key(3), block(3))
+    assert_same(host_only.get(key(3)), block(3)) and host_only.stats().disk is None
