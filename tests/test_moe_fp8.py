@@ -228,6 +228,8 @@ def fp8_ckpt(name: str, tmp_path_factory) -> Ckpt:
 
 
 def llm(path, **kw) -> LLM:
+    """On the CPU (the reference backend, float32) unless asked otherwise: where both paths agree exactly."""
+    kw.setdefault("device", "cpu")
     return LLM(str(path), num_kv_blocks=64, block_size=4, **kw)
 
 
@@ -396,7 +398,8 @@ def test_gpu_deepseek_v3_fp8_experts_through_the_fused_kernel(tmp_path_factory):
     from deepinfer.testing.compare import NEAR_TIE, assert_greedy_matches
 
     path = fp8_ckpt("deepseek_v3", tmp_path_factory).path
-    fp8, deq = llm(path, dtype="bfloat16"), llm(path, dtype="bfloat16", fp8_experts="dequantize")
+    fp8 = llm(path, dtype="bfloat16", device="cuda")
+    deq = llm(path, dtype="bfloat16", device="cuda", fp8_experts="dequantize")
     assert fp8.engine.model.model.layers[1].mlp.w13.dtype == FP8
     with torch.no_grad():
         for p in PROMPTS:
