@@ -17,12 +17,14 @@ def deepinfer_register_stages(register):
     from .stages.detokenize import DetokenizeStage
     from .stages.model_call import ForwardStage
     from .stages.prefill import PrefillStage
+    from .stages.prefix_cache import PrefixCacheStage
     from .stages.sample import SampleStage
+    from .stages.swa_replay import SwaReplayStage
     from .stages.tokenize import TokenizeStage
     from .stages.verify import VerifyStage
 
-    for cls in (TokenizeStage, PrefillStage, ForwardStage, VerifyStage, GrammarStage, SampleStage,
-                DetokenizeStage):
+    for cls in (TokenizeStage, PrefixCacheStage, SwaReplayStage, PrefillStage, ForwardStage, VerifyStage,
+                GrammarStage, SampleStage, DetokenizeStage):
         register.stage(kind=cls.kind, name=cls.name, factory=cls)
 
 

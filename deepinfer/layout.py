@@ -49,13 +49,19 @@ class AttnMetadata:
     num_decodes: int = 0  # host: the leading rows with exactly one query (a backend may give them its decode kernel)
     # Per-row state on the device, for models with per-sequence state read without the host (CED decode):
     state_rows: Optional[torch.Tensor] = None  # [B] int64 each row's state slot (a CUDA graph's padded rows: scratch)
-    replay_rows: Optional[torch.Tensor] = None  # [B] int64 each row's bounded-replay start
+    replay_rows: Optional[torch.Tensor] = None  # [B] int64 each row's decoder SWA cut (replay start; core/block_tables.py)
+    swa_cut_rows: Optional[torch.Tensor] = None  # [B] int64 the other layers' SWA cut (a prefix hit's replay start)
     # Per-row facts for models with per-sequence state (CED rings, compressors); host lists, read on the host.
     starts: list = attrs.field(factory=list)  # [B] first position computed this step
     nums: list = attrs.field(factory=list)  # [B] tokens computed this step
     block_tables: list = attrs.field(factory=list)  # [B] the sequences' block tables
     state_slots: list = attrs.field(factory=list)  # [B] per-sequence state slot (scheduler-assigned)
     replay_starts: list = attrs.field(factory=list)  # [B] bounded-replay start of each sequence
+    # [B] after a prefix-cache hit: the SWA cut of the layers whose window state the hit did not bring back
+    # (CED's encoder, recomputed from here), and the position below which the row writes no paged KV (the
+    # hit's shared blocks). Empty, or 0s: no hit.
+    swa_cuts: list = attrs.field(factory=list)
+    write_floors: list = attrs.field(factory=list)
     cache: dict = attrs.field(factory=dict)  # per-window masks, built lazily and shared by layers
 
     def split(self, nd: int) -> tuple:
@@ -94,8 +100,8 @@ class AttnMetadata:
         return self.cache[key]
 
 
-_HOST_ROWS = ("starts", "nums", "block_tables", "state_slots", "replay_starts")
-_DEVICE_ROWS = ("state_rows", "replay_rows")
+_HOST_ROWS = ("starts", "nums", "block_tables", "state_slots", "replay_starts", "swa_cuts", "write_floors")
+_DEVICE_ROWS = ("state_rows", "replay_rows", "swa_cut_rows")
 
 
 GREEDY_EPS = 1e-5  # same threshold as SamplingParams.greedy

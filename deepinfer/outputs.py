@@ -39,7 +39,7 @@ class RequestOutput:
     prompt_logprobs: Optional[list] = None  # per prompt token: None for the first, then {token_id: Logprob}
     error: Optional[str] = None  # set when the request could not be served
     metrics: dict = attrs.field(factory=dict)
-    num_cached_tokens: int = 0  # prompt tokens served from a prefix cache (none exists yet)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (the most of any of its n sequences)
 
 
 # Logprob tensors -> the per-token {token_id: Logprob} dicts users read (host side, only when asked).

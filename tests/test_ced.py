@@ -109,8 +109,9 @@ class Shadow:
 
         def compress_chunk(model, layer, xs, meta, cache, device):
             ids, seqs = [], []  # entry j completes when its group's last token, (j + 1) m - 1, is computed
+            floors = meta.write_floors or [0] * len(meta.starts)  # a prefix hit's entries are not rewritten
             for r, (a, k) in enumerate(zip(meta.starts, meta.nums)):
-                js = range(a // layer.m, (a + k) // layer.m)
+                js = range(max(a, floors[r]) // layer.m, (a + k) // layer.m)
                 ids += js
                 seqs += [me.seq[r]] * len(js)
             me.entry_rows = (ids, seqs)

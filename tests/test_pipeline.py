@@ -74,7 +74,7 @@ def _spec(pipe, name):
 
 
 def test_reference_recipe_order(ref):
-    assert ref.stage_names("admit") == ["tokenize"]
+    assert ref.stage_names("admit") == ["tokenize", "prefix_cache", "swa_replay"]
     assert ref.stage_names("step") == STEP
     assert ref.recipe == "reference" and ref.config == {}
 

@@ -3,7 +3,7 @@ context) bucket and replayed, so a decode step costs one graph launch instead of
 
 A bucket fixes the batch size (rows padded up to it; ``cuda_graph_sizes``) and the block-table width
 (contexts padded up to a power-of-two number of blocks, so short contexts don't pay for the longest). The
-graph reads the engine's persistent device block tables (and replay starts: core/block_tables.py) by state
+graph reads the engine's persistent device block tables (and SWA cuts: core/block_tables.py) by state
 slot, so a replay copies only each row's token, position and slot (one small host-to-device copy). Padded
 rows use the tables' scratch row: they write their KV into a scratch block that belongs to no sequence and
 attend only to it (a model with per-sequence state keeps a scratch row of it too); their outputs are
@@ -95,7 +95,7 @@ class DecodeGraphs:
             meta = AttnMetadata(positions=pos, slot_mapping=slot, seq_lens=pos + 1, q_index=st["q_index"],
                                 q_valid=st["q_valid"], kv_slots=kv_slots, q_pos=pos[:, None], block_table=bt,
                                 block_size=bs, cu_q=st["cu_q"], max_q=1, num_decodes=B, state_rows=st["rows"],
-                                replay_rows=tables.replay_start[st["rows"]])
+                                replay_rows=tables.cuts[0, st["rows"]], swa_cut_rows=tables.cuts[1, st["rows"]])
             return self.model(st["ids"], meta, self.kv_cache)  # hidden [B, d]
 
         side = torch.cuda.Stream(device=dev)

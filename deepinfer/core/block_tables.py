@@ -3,9 +3,10 @@
 Row ``state_slot`` of ``table`` [max_seqs, max_blocks] (int64) holds the block ids of the sequence that owns
 that slot. ``sync`` writes only what changed since the last step (blocks appended, or a slot that changed
 hands after a finish or a preemption) in one scatter, so the host does O(changed blocks) work per step and
-the step's metadata is gathered on the device (core/inputs.py ``device_inputs``). ``replay_start``
-[max_seqs (+ scratch)] holds each slot's replay start the same way, for models whose decode reads it on the
-device (CED's SWA cut, inside a CUDA graph).
+the step's metadata is gathered on the device (core/inputs.py ``device_inputs``). ``cuts`` [2, max_seqs
+(+ scratch)] holds each slot's SWA cuts the same way, for models whose decode reads them on the device
+(CED, inside a CUDA graph): row 0 the decoder's (the later of the replay start and a prefix hit's replay
+start), row 1 the other layers' (the prefix hit's replay start, or 0).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ class BlockTables:
         self.scratch_row = max_seqs if scratch_block is not None else None
         if scratch_block is not None:
             self.table[max_seqs] = scratch_block
-        self.replay_start = torch.zeros(self.table.shape[0], dtype=torch.long, device=self.device)
-        self._replay: list = [0] * max_seqs  # host mirror of replay_start
+        self.cuts = torch.zeros(2, self.table.shape[0], dtype=torch.long, device=self.device)
+        self._cuts: list = [(0, 0)] * max_seqs  # host mirror of cuts
         # The block-table list a row mirrors (the scheduler only extends a table in place; releasing blocks
         # gives the sequence a new list) and how many of its entries the row holds.
         self._owner: list = [None] * max_seqs
@@ -40,9 +41,10 @@ class BlockTables:
         rows, cols, vals, reset, replay = [], [], [], [], []
         for s in seqs:
             r, bt = s.state_slot, s.block_table
-            if self._replay[r] != int(s.replay_start):
-                self._replay[r] = int(s.replay_start)
-                replay.append((r, self._replay[r]))
+            cuts = (max(int(s.replay_start), s.prefix_replay_start), s.prefix_replay_start)
+            if self._cuts[r] != cuts:
+                self._cuts[r] = cuts
+                replay.append((r, *cuts))
             start = self._count[r] if self._owner[r] is bt else 0
             if start == 0 and self._count[r]:
                 reset.append(r)  # entries past the new owner's table read 0, as padding does
@@ -59,4 +61,4 @@ class BlockTables:
             self.table[idx[0], idx[1]] = idx[2]
         if replay:
             idx = to_device(list(zip(*replay)), torch.long, self.device)
-            self.replay_start[idx[0]] = idx[1]
+            self.cuts[:, idx[0]] = idx[1:]

@@ -111,7 +111,8 @@ class EngineConfig:
     max_logprobs: int = attrs.field(default=20, validator=_max_logprobs)  # most logprobs a request may ask; -1: all
     # A structured-output request whose grammar has not compiled this long after admission fails alone.
     structured_outputs_timeout_s: float = attrs.field(default=10.0, validator=_positive_seconds)
-    enable_prefix_caching: Optional[bool] = attrs.field(default=None, validator=_optional_bool)  # not implemented yet
+    # Reuse the KV of full blocks whose prefix (tokens, cache_salt) another request computed (core/prefix_cache.py).
+    enable_prefix_caching: bool = attrs.field(default=True, validator=_optional_bool)
     kv_cache_dtype: str = attrs.field(default="auto", validator=_only("kv_cache_dtype", "auto", (
         "the KV cache takes the model's dtype (CED checkpoints keep their own FP8/FP4 formats)")))
     quantization: Optional[str] = attrs.field(default=None, validator=_quantization)  # the checkpoint's own

@@ -16,6 +16,7 @@ from ..outputs import Logprob, entries_from
 from .block_tables import BlockTables
 from .sampling_state import SamplingState
 from .kv_cache import BlockPool, blocks_needed
+from .prefix_cache import PrefixCache
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
 from .requests import Request, request_output
@@ -52,7 +53,10 @@ class _Launched:
 
 
 class Engine:
-    def __init__(self, config, model, tokenizer, pipeline, ops, num_blocks: int, max_model_len: int):
+    def __init__(self, config, model, tokenizer, pipeline, ops, num_blocks: int, max_model_len: int,
+                 identity: str = ""):
+        """identity: what the model's KV depends on besides the tokens (checkpoint, dtype, cache layout); prefix
+        caching keys blocks by it, so a slower tier shared between engines never serves another model's KV."""
         self.config, self.model, self.tokenizer, self.pipeline, self.ops = config, model, tokenizer, pipeline, ops
         self.max_model_len = max_model_len
         self.device = ops.device
@@ -67,8 +71,8 @@ class Engine:
             reserve(max_model_len)
         self.kv_bytes_per_token = model.kv_bytes_per_token(dtype)
         self.pool = BlockPool(num_blocks)
-        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
-                                   watermark=config.watermark, aging_steps=config.scheduling_aging_steps)
+        self.prefix_cache = PrefixCache(self.pool, config.block_size) if config.enable_prefix_caching else None
+        self.cache_identity = f"{type(model).__name__}|{dtype}|block {config.block_size}|{identity}"
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampling_state = SamplingState(config.max_num_seqs, model.vocab_size,
                                             tokenizer.eos_token_ids if tokenizer else (), self.device)
@@ -87,8 +91,13 @@ class Engine:
                      list(self.decode_graphs.batch_buckets), self.graph_bytes / 2**30)
         context = dict(config=config, model=model, ops=ops, tokenizer=tokenizer, vocab_size=model.vocab_size,
                        device=self.device, generator=self.generator, engine_config=config,
-                       decode_graphs=self.decode_graphs, block_tables=self.block_tables)
+                       decode_graphs=self.decode_graphs, block_tables=self.block_tables,
+                       cache_identity=self.cache_identity)
         self.stages = pipeline.build(context)
+        replay = next((st for st in self.stages["admit"] if getattr(st, "kind", "") == "swa_replay"), None)
+        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
+                                   watermark=config.watermark, aging_steps=config.scheduling_aging_steps,
+                                   prefix=self.prefix_cache, replay=getattr(replay, "plan", None))
         self.requests: dict = {}  # not yet reported as finished
         self._to_report: list = []  # failed at admission or aborted since the last step
         self.warned: set = set()  # what add_request has warned about (once per engine)
@@ -151,21 +160,17 @@ class Engine:
             log.warning("deepinfer: request %s asks for logprobs, but no stage of the pipeline writes 'logprobs' (the "
                         "sampler was replaced by %r, which does not), so outputs carry none", request_id,
                         self.pipeline.writer("next_tokens"))
+        cache_root = st.cache_root if self.prefix_cache is not None else None
         for i in range(params.n):
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(completion_seed(params.seed, i))
+            # The replay start (swa_replay stage) is fixed for the request's life.
             seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i, token_ids=list(ids),
                            num_prompt_tokens=len(ids), params=params, arrival=next(self._arrivals), priority=priority,
-                           generator=gen)
-            # Fixed for the request's life. A request that scores its prompt keeps its own replay start for what
-            # it generates; the model scores every prompt position on the side (a model without
-            # replay_start_for_scoring replays it exactly: start 0).
-            replay = getattr(self.model, "replay_start_for", None)
-            if params.prompt_logprobs is not None:
-                replay = getattr(self.model, "replay_start_for_scoring", None)
-            if replay is not None:
-                seq.replay_start = replay(len(ids))
+                           generator=gen, replay_start=st.replay_start, cache_root=cache_root)
+            if i and cache_root is not None and len(ids) > self.config.block_size:
+                seq.wait_for = req.seqs[0]  # computes the prompt once; the siblings hit its blocks
             req.seqs.append(seq)
             self.scheduler.add(seq)
         return req
@@ -251,6 +256,10 @@ class Engine:
         self._fail_rows(batch, failed, touched)  # traced to rows: those requests fail alone, the step goes on
         self.sampling_state.record(state.next_tokens)  # penalty counts grow on the device
         self.scheduler.update(batch)
+        if self.prefix_cache is not None:  # the blocks this step filled are findable once it is queued
+            for seq in batch.seqs:
+                if seq.cache_root is not None and not seq.finished:
+                    self.prefix_cache.commit(seq, seq.num_computed_tokens)
         end_step = getattr(self.model, "end_step", None)
         if end_step is not None:
             end_step()  # e.g. close the step's expert-load record (no host sync)

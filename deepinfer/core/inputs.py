@@ -54,8 +54,10 @@ def build_inputs(batch, rows: list, block_size: int, device, num_decodes: int = 
                         cu_q=dev(qstart, torch.int32), max_q=max_q, starts=starts, nums=nums,
                         block_tables=[s.block_table for s in seqs], state_slots=[s.state_slot for s in seqs],
                         replay_starts=[s.replay_start for s in seqs], num_decodes=num_decodes,
-                        state_rows=dev([s.state_slot for s in seqs]),
-                        replay_rows=dev([int(s.replay_start) for s in seqs]))
+                        swa_cuts=[s.prefix_replay_start for s in seqs],
+                        write_floors=[s.num_cached_tokens for s in seqs], state_rows=dev([s.state_slot for s in seqs]),
+                        replay_rows=dev([max(int(s.replay_start), s.prefix_replay_start) for s in seqs]),
+                        swa_cut_rows=dev([s.prefix_replay_start for s in seqs]))
     ids_t = dev(ids)
     if ids and min(ids) < 0:
         ids_t = resolve_future(ids_t, batch.future)
@@ -96,7 +98,9 @@ def device_inputs(batch, rows: list, block_size: int, tables, num_decodes: int =
                         block_size=block_size, cu_q=cu_q, max_q=max_q, starts=starts, nums=nums,
                         block_tables=[s.block_table for s in seqs], state_slots=[s.state_slot for s in seqs],
                         replay_starts=[s.replay_start for s in seqs], num_decodes=num_decodes,
-                        state_rows=slots_t, replay_rows=tables.replay_start[slots_t])
+                        swa_cuts=[s.prefix_replay_start for s in seqs],
+                        write_floors=[s.num_cached_tokens for s in seqs], state_rows=slots_t,
+                        replay_rows=tables.cuts[0, slots_t], swa_cut_rows=tables.cuts[1, slots_t])
     ids_t = to_device(ids, torch.long, device)
     if ids and min(ids) < 0:
         ids_t = resolve_future(ids_t, batch.future)

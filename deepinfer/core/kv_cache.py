@@ -3,11 +3,18 @@
 The pool only does bookkeeping (which block ids are in use and by how many
 owners); the KV tensors themselves are laid out by the model (see
 models/base.py), indexed by slot = block_id * block_size + offset.
+
+Prefix caching (core/prefix_cache.py) marks blocks whose content is known by hash (``mark_cached``). A
+cached block whose last owner frees it is not wiped: it waits in least-recently-freed order among the free
+blocks, where a later request can take it back (``revive``). Allocation takes never-cached free blocks
+first, then evicts cached ones, oldest first, telling ``on_evict`` (which drops the hash, or moves the
+content to a slower tier) before the block is reused.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
+from typing import Callable, Optional
 
 
 class NoFreeBlocks(RuntimeError):
@@ -21,29 +28,72 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 class BlockPool:
     """Free list plus a reference count per block. A block is free iff its count is 0."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, on_evict: Optional[Callable[[list], None]] = None):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
         self.num_blocks = num_blocks
-        self._free = deque(range(num_blocks))
+        self._free = deque(range(num_blocks))  # free, holding nothing anyone looks up
+        self._cached_free: OrderedDict = OrderedDict()  # free but cached, least recently freed first
+        self._cached: set = set()  # blocks marked cached (in use or free)
         self._refs = [0] * num_blocks
+        self.on_evict = on_evict  # called with the cached blocks an allocation is about to reuse
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: never-cached free ones and evictable cached ones."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._cached_free)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list:
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
-            raise NoFreeBlocks(f"asked for {n} blocks, {len(self._free)} free of {self.num_blocks}")
-        out = [self._free.popleft() for _ in range(n)]
+        if n > self.num_free:
+            raise NoFreeBlocks(f"asked for {n} blocks, {self.num_free} free of {self.num_blocks}")
+        out = [self._free.popleft() for _ in range(min(n, len(self._free)))]
+        evict = [self._cached_free.popitem(last=False)[0] for _ in range(n - len(out))]
+        if evict:
+            self._cached.difference_update(evict)
+            if self.on_evict is not None:
+                self.on_evict(evict)
+            out += evict
         for b in out:
             self._refs[b] = 1
         return out
+
+    # Prefix caching.
+    def mark_cached(self, block: int) -> None:
+        """An allocated block's content is now findable by hash: when freed, keep it until evicted."""
+        self._check_id(block)
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} is free and cannot be marked cached")
+        self._cached.add(block)
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._cached
+
+    def uncache_free(self, blocks) -> None:
+        """Unmark free cached blocks: they become plain free blocks (prefix-cache reset)."""
+        for b in blocks:
+            if b in self._cached_free:
+                del self._cached_free[b]
+                self._cached.discard(b)
+                self._free.append(b)
+
+    def revive(self, block: int) -> int:
+        """Add an owner to a cached block, in use or waiting among the free ones; returns the block id."""
+        self._check_id(block)
+        if block not in self._cached:
+            raise ValueError(f"block {block} is not cached")
+        if self._refs[block] == 0:
+            del self._cached_free[block]
+        self._refs[block] += 1
+        return block
 
     def _check_id(self, block) -> None:
         # A negative id would silently index _refs from the end.
@@ -71,7 +121,10 @@ class BlockPool:
         for b in blocks:
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                if b in self._cached:
+                    self._cached_free[b] = None  # most recently freed: evicted last
+                else:
+                    self._free.append(b)
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]

@@ -12,6 +12,7 @@ import torch
 from ..models import loader
 from ..models.quant import fp8_block_size
 from .config import EngineConfig, config_fields
+from .prefix_cache import checkpoint_identity
 from .engine import Engine
 from .graph import Pipeline
 from .params import SamplingParams
@@ -112,9 +113,6 @@ class LLM:
             raise ValueError(f"EngineConfig.quantization='fp8' needs an FP8 checkpoint (config.json "
                              f"quantization_config.quant_method 'fp8'); {self.model_path} is not one, and online "
                              "quantization is not implemented")
-        if config.enable_prefix_caching:
-            log.warning("enable_prefix_caching=True: prefix caching is not implemented yet; every prompt is "
-                        "prefilled in full (outputs are the same)")
         torch_dtype = loader.torch_dtype(config.dtype, hf_config, ops.device)
         net = loader.build_model(self.model_path, hf_config, ops, torch_dtype, ops.device, registry, load_format,
                                  config.fp8_experts)
@@ -128,7 +126,8 @@ class LLM:
         max_len = loader.check_max_model_len(config.max_model_len, hf_config, net.max_position)
         self.kv_plan = self._plan_kv(config, net, ops, torch_dtype, max_len)
         num_blocks, max_len = self.kv_plan.num_blocks, self.kv_plan.max_model_len
-        self.engine = Engine(config, net, self.tokenizer, pipeline, ops, num_blocks, max_len)
+        self.engine = Engine(config, net, self.tokenizer, pipeline, ops, num_blocks, max_len,
+                             identity=checkpoint_identity(self.model_path, hf_config, load_format))
         self.generation_defaults = generation_defaults(self.model_path)
         self.config, self.hf_config = config, hf_config
         self._ids = itertools.count()
@@ -268,6 +267,16 @@ class LLM:
             prompts.append({"prompt_token_ids": self.tokenizer.encode(text), "prompt": text})  # prompt: for outputs
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outs
+
+    def cache_stats(self) -> dict:
+        """Prefix-cache totals (core/prefix_cache.py ``summary``); {"enabled": False} when caching is off."""
+        cache = self.engine.prefix_cache
+        return {"enabled": False} if cache is None else {"enabled": True, **cache.summary()}
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (as vLLM's reset_prefix_cache); returns how many."""
+        cache = self.engine.prefix_cache
+        return 0 if cache is None else cache.reset()
 
     def expert_load(self) -> dict:
         """Tokens routed to each expert per MoE layer over the recent window of steps."""

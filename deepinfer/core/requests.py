@@ -46,4 +46,5 @@ def request_output(req: Request) -> RequestOutput:
     metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                "num_preemptions": sum(s.num_preemptions for s in req.seqs)}
     return RequestOutput(req.request_id, prompt, req.prompt_token_ids, comps, req.finished,
-                         prompt_logprobs=req.seqs[0].prompt_logprobs, metrics=metrics)
+                         prompt_logprobs=req.seqs[0].prompt_logprobs, metrics=metrics,
+                         num_cached_tokens=max(s.num_cached_tokens for s in req.seqs))

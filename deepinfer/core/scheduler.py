@@ -25,6 +25,12 @@ all under one token budget. The scheduler never calls a model and never reads a 
   later-keyed ones at most ``aging_steps`` times per stay in the queue; sequences with a smaller key
   (higher priority, or earlier arrival at the same priority) are served first by definition and are not
   counted. ``aging_steps=0`` is strict head-of-line order.
+- Prefix caching. With a prefix cache (core/prefix_cache.py), admitting a sequence first takes the longest
+  cached run of its full blocks (leaving at least one token to compute); ``replay`` (the swa_replay stage)
+  says from which position the model must recompute on such a hit (a model whose sliding-window state is
+  not cached replays the tokens before the hit point), and a hit it cannot use is given back. The n
+  sequences of one request share the prompt's blocks: a sibling waits (without counting as passed over)
+  until the first one has computed the prompt's full blocks, then hits them.
 - Bounded work. A step inspects at most ``MAX_SKIPPED`` waiting sequences that do not fit (plus the
   ones it admits, at most ``max_num_seqs``) and pushes the skipped ones back: O((max_num_seqs +
   MAX_SKIPPED) log W) for W waiting. Removing a running or waiting sequence (finish, abort, preemption)
@@ -91,7 +97,9 @@ class Scheduler:
     """``running`` is a dict used as an ordered set (admission order); ``waiting`` a WaitingQueue."""
 
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01, aging_steps: int = 32):
+                 watermark: float = 0.01, aging_steps: int = 32, prefix=None, replay=None):
+        """prefix: core.prefix_cache.PrefixCache or None; replay: (seq, hit tokens) -> first position to
+        recompute (the swa_replay stage's ``plan``), None: recompute from the hit point."""
         self.pool = pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -103,6 +111,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._passed_over: dict = {}  # waiting seq -> steps in which a later-keyed sequence was admitted
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # per-sequence state slots (rings, tails)
+        self.prefix, self.replay = prefix, replay
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -121,11 +130,43 @@ class Scheduler:
         seq.block_table.extend(self.pool.allocate(need))
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        del self.running[seq]
+    def _drop_blocks(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table)
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_committed_blocks = seq.num_cached_tokens = seq.prefix_replay_start = 0
+
+    def _use_prefix(self, seq: Sequence) -> None:
+        """Give a waiting sequence the cached blocks of its longest cached prefix and the position to
+        compute from (see the module docstring)."""
+        if self.prefix is None or seq.cache_root is None or seq.block_table:
+            return
+        hit = self.prefix.lookup(seq, min(len(seq.token_ids), seq.num_tokens) - 1)
+        P = len(hit) * self.block_size
+        start = P if self.replay is None or not P else self.replay(seq, P)
+        if not 0 < start <= P:  # nothing cached, or a hit the model cannot use
+            self.pool.free(hit)
+            return
+        seq.block_table = hit
+        seq.num_committed_blocks = len(hit)
+        seq.num_computed_tokens, seq.num_cached_tokens = start, P
+        seq.prefix_replay_start = start if start < P else 0
+        self.prefix.stats["hit_tokens"] += P
+
+    def _held(self, seq: Sequence) -> bool:
+        """A sibling waits while the first sequence of its request has not computed the prompt's full blocks."""
+        first = seq.wait_for
+        if first is None:
+            return False
+        full = (first.num_prompt_tokens - 1) // self.block_size * self.block_size
+        if first.status is SeqStatus.WAITING or (first.status is SeqStatus.RUNNING
+                                                 and first.num_computed_tokens < full):
+            return True
+        seq.wait_for = None
+        return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        del self.running[seq]
+        self._drop_blocks(seq)
         self._release_slot(seq)
         seq.num_preemptions += 1
         self.add(seq)  # with its original key: first among equals
@@ -175,11 +216,17 @@ class Scheduler:
         """Admit waiting sequences in key order, skipping ahead of ones that do not fit (see the module
         docstring); appends to chosen and returns the budget left."""
         skipped: list = []  # (seq, admissions before it was skipped)
+        held: list = []  # siblings waiting for their request's first sequence (not passed over)
         admitted = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting.pop()
+            if self._held(seq):
+                held.append(seq)
+                continue
+            self._use_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._grow(seq, n, reserve=self.watermark_blocks if self.running else 0):
+                self._drop_blocks(seq)  # a prefix hit's blocks go back (they stay cached)
                 skipped.append((seq, admitted))
                 if self._passed_over.get(seq, 0) >= self.aging_steps or len(skipped) >= MAX_SKIPPED:
                     break  # it reserves: nothing behind it is admitted until it fits
@@ -195,6 +242,8 @@ class Scheduler:
             if admitted > before:
                 self._passed_over[seq] = self._passed_over.get(seq, 0) + 1
             self.waiting.push(seq)
+        for seq in held:
+            self.waiting.push(seq)
         return budget
 
     def update(self, batch: ScheduledBatch) -> None:
@@ -209,7 +258,7 @@ class Scheduler:
         elif self.waiting.remove(seq):
             self._passed_over.pop(seq, None)
         if seq.block_table:
-            self.pool.free(seq.block_table)
+            self.pool.free(seq.block_table)  # num_cached_tokens stays: the request's output reports it
             seq.block_table = []
         self._release_slot(seq)
         seq.status = SeqStatus.FINISHED

@@ -5,7 +5,7 @@ A stage is a small object with a ``name``, a ``kind``, the state fields it
 gets what it needs through its constructor: its own keyword arguments plus any
 engine context object its signature names (``config``, ``model``, ``ops``,
 ``tokenizer``, ``vocab_size``, ``device``, ``generator``, ``engine_config``, ``decode_graphs``,
-``block_tables``; docs/plugins.md says what each is). No module-level mutable state.
+``block_tables``, ``cache_identity``; docs/plugins.md says what each is). No module-level mutable state.
 
 A stage that can name the rows a fault belongs to raises ``RowError`` (below): those requests fail alone.
 

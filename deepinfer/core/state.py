@@ -39,6 +39,14 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_preemptions: int = 0
     replay_start: int = 0  # bounded-replay start; belongs to the request, survives preemption
+    # Prefix caching (core/prefix_cache.py, stages/prefix_cache.py, stages/swa_replay.py). cache_root None: this
+    # sequence neither looks up nor registers blocks.
+    cache_root: Optional[bytes] = None  # the hash its block 0 chains from (engine identity, cache_salt)
+    block_hashes: list = attrs.field(factory=list)  # hashes of its full blocks computed so far
+    num_committed_blocks: int = 0  # leading blocks of block_table registered (or hit) in the cache
+    num_cached_tokens: int = 0  # tokens of the last admission's hit: their paged KV is shared, never rewritten
+    prefix_replay_start: int = 0  # first position recomputed after that hit (< num_cached_tokens: SWA replay)
+    wait_for: Optional["Sequence"] = None  # a sibling (n > 1) waits for this one to compute the shared prompt
     state_slot: int = -1  # per-sequence state (SWA rings, compressor tails) while it holds KV; scheduler-owned
     # Tokens sampled by launched steps but not yet collected (engine-owned): each a negative reference into the
     # engine's device buffer of future tokens, the input ids of the positions after token_ids. At most two
@@ -89,6 +97,8 @@ class AdmitState:
     prompt: Any  # engine: str, token ids or {"prompt_token_ids": [...]}
     params: SamplingParams  # engine
     prompt_token_ids: Optional[list] = None  # tokenize
+    cache_root: Optional[bytes] = None  # prefix_cache: the key its blocks chain from (None: no prefix caching)
+    replay_start: int = 0  # swa_replay: the bounded-replay start of its prompt
 
 
 @attrs.define(eq=False)

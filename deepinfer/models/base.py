@@ -7,8 +7,9 @@ of many sequences over a paged KV cache) and the full-sequence path
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
+import attrs
 import torch
 from torch import nn
 
@@ -42,6 +43,12 @@ class CausalLM(nn.Module):
         """Position from which the model recomputes per-sequence state at prefill (bounded replay); 0 = all."""
         return 0
 
+    def swa_state(self) -> Optional["SwaState"]:
+        """What a prefix-cache hit does not bring back (read by the swa_replay stage): None when every bit of
+        per-sequence state lives in the paged blocks (the Llama family; Mistral's and Qwen2's sliding-window
+        layers keep their window's KV in the blocks too)."""
+        return None
+
     def load_weights(self, weights: Iterable) -> None:
         """weights: (checkpoint tensor name, tensor) pairs; raises naming a missing or misshapen tensor."""
         raise NotImplementedError
@@ -49,6 +56,17 @@ class CausalLM(nn.Module):
     def hf_state_dict(self) -> dict:
         """The weights under the checkpoint's own tensor names (for writing a checkpoint)."""
         raise NotImplementedError
+
+
+@attrs.frozen
+class SwaState:
+    """Sliding-window state kept outside the paged blocks (CED's SWA rings): a prefix hit at P must rebuild it
+    by recomputing tokens before P with the window cut at the first one (bounded replay, CED.md)."""
+
+    window: int  # n_win: bounded replay recomputes [P - window, P)
+    layers: int  # layers whose window state is rebuilt (CED: all); exact replay goes back (layers + 1) windows
+    needs_all_positions: bool = False  # a later part runs over every prompt position (CED's exact decoder):
+    # nothing before the prompt's end can be skipped, so no hit is usable
 
 
 class WeightError(ValueError):

@@ -2,7 +2,8 @@
 
 The host path (engine_path.Pass) lays a step out from the metadata's host lists. A decode step needs none
 of them: each row queries its one position, its state slot (``meta.state_rows``) names its SWA ring and
-compressor tail, its replay start (``meta.replay_rows``) cuts its decoder window, and its block table
+compressor tail, its SWA cuts (``meta.replay_rows``: the decoder's replay start; ``meta.swa_cut_rows``: a
+prefix hit's replay start, which cuts every layer) bound its windows, and its block table
 (``meta.block_table``) places its entries. So the step is a fixed sequence of kernels over device tensors,
 with no host synchronisation, and can be captured in a CUDA graph (backends/cuda_graph.py pads a bucket
 with rows on the scratch slot; the cache keeps a scratch row of every per-sequence buffer for them).
@@ -68,7 +69,8 @@ def forward_decode(model, input_ids, meta, cache):
     engine_path._ops(model)
     stats = model.counters
     starts = list(meta.starts)
-    enc = DecodePass(meta, torch.zeros_like(meta.positions), starts)
+    enc_cut = meta.swa_cut_rows if meta.swa_cut_rows is not None else torch.zeros_like(meta.positions)
+    enc = DecodePass(meta, enc_cut, starts)
     dec = DecodePass(meta, meta.replay_rows, starts)
     h = model.embed(input_ids)
     ctx: dict = {}

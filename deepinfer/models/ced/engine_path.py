@@ -94,6 +94,7 @@ def _compress_chunk(model, layer, xs, meta, cache, device):
     m = layer.m
     chunks, ids, rows = [], [], []
     qs = 0
+    floors = meta.write_floors or [0] * len(meta.starts)
     for r, (a, k) in enumerate(zip(meta.starts, meta.nums)):
         b = a + k
         x_row = xs[qs:qs + k]
@@ -103,10 +104,11 @@ def _compress_chunk(model, layer, xs, meta, cache, device):
             tail = cache.pending[layer.i][meta.state_slots[r], :pend]
             x_row = torch.cat([tail, x_row], dim=0)  # tokens from (a // m) * m
         j0, j1 = a // m, b // m
-        if j1 > j0:
-            chunks.append(x_row[: (j1 - j0) * m])
-            ids.append(torch.arange(j0, j1, device=device))
-            rows.append((r, j0, j1))
+        skip = min(max(0, floors[r] // m - j0), j1 - j0)  # entries of a prefix hit's shared blocks: never rewritten
+        if j1 > j0 + skip:
+            chunks.append(x_row[skip * m: (j1 - j0) * m])
+            ids.append(torch.arange(j0 + skip, j1, device=device))
+            rows.append((r, j0 + skip, j1))
         if m > 1:
             rest = x_row[(j1 - j0) * m:]
             if rest.shape[0]:
@@ -231,12 +233,14 @@ def forward_engine(model, input_ids, meta, cache):
     h = model.embed(input_ids)  # [T, d]
     ctx: dict = {}
     ends = [a + k for a, k in zip(meta.starts, meta.nums)]
-    enc = Pass(meta, list(meta.starts), ends, device, cut=[0] * len(meta.starts))
+    # The encoder's SWA cut: 0, or where a prefix hit's replay starts (its window state was not cached).
+    enc = Pass(meta, list(meta.starts), ends, device, cut=list(meta.swa_cuts or [0] * len(meta.starts)))
     for layer in model.layers[: c.num_encoder_layers]:
         h = layer_engine(model, layer, h, enc, None, cache, ctx, stats)
     h_enc = h
     lo = [max(a, s) for a, s in zip(meta.starts, meta.replay_starts)]
-    dec = Pass(meta, lo, ends, device, cut=list(meta.replay_starts))
+    # The decoder's cut: its replay start, or a prefix hit's replay start if later (its rings start there).
+    dec = Pass(meta, lo, ends, device, cut=[max(s, c) for s, c in zip(meta.replay_starts, enc.cut)])
     hd = h_enc[dec.tok]
     for layer in model.layers[c.num_encoder_layers:]:
         hd = layer_engine(model, layer, hd, dec, h_enc, cache, ctx, stats)

@@ -78,7 +78,7 @@ class CEDLayer(nn.Module):
         """x [T, d] -> this layer's SWA latent [T, D]: RMSNorm(W_kv x), RoPE, FP8 fake-quant."""
         c = self.c
         kv = fn.apply_rope(fn.rms(F.linear(x, self.wkv), self.kv_norm, c.rms_norm_eps), pos, c.rope_dim, c.rope_theta)
-        return fn.fake(kv, c.swa_kv_format, c.fake_quant)
+        return fn.fake(kv, c.swa_kv_format, c.fake_quant, ops=self._kernels(x))
 
     def entries(self, x, entry_ids=None):
         """Compressed KV and indexer K of complete groups of x [G*m, d] (normed); entry_ids [G] (default 0..G-1)
@@ -91,9 +91,14 @@ class CEDLayer(nn.Module):
         if entry_ids is None:
             entry_ids = torch.arange(e.shape[0], device=x.device)
         pos = entry_ids * m
-        e = fn.fake(fn.apply_rope(e, pos, c.rope_dim, c.rope_theta), c.global_kv_format, c.fake_quant)
-        k = fn.fake(fn.compress(ik, wi, m), c.index_k_format, c.fake_quant)
+        ops = self._kernels(x)
+        e = fn.fake(fn.apply_rope(e, pos, c.rope_dim, c.rope_theta), c.global_kv_format, c.fake_quant, ops=ops)
+        k = fn.fake(fn.compress(ik, wi, m), c.index_k_format, c.fake_quant, ops=ops)
         return e, k
+
+    def _kernels(self, x):
+        """The owning model's ops for fake quantisation on CUDA (sync-free kernels), None elsewhere."""
+        return ops_of(self, x.device) if x.is_cuda else None
 
     def index_query(self, x, cq):
         c = self.c
@@ -205,6 +210,20 @@ class CEDEngineMixin:
         if self.config.replay_mode == "exact":
             return 0
         return max(0, num_prompt_tokens - self.config.n_win)
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Decode (models/ced/decode_path.py) holds no host sync when the ops' routed MoE has none."""
+        return bool(getattr(self.ops, "moe_capture_safe", False))
+
+    def swa_state(self):
+        """The SWA rings (every layer's) are not in the paged blocks: a prefix hit rebuilds them by replay
+        (stages/swa_replay.py); in exact replay mode the decoder runs over every prompt position, so no hit
+        can be used."""
+        from ..base import SwaState
+
+        c = self.config
+        return SwaState(window=c.n_win, layers=c.num_layers, needs_all_positions=c.replay_mode == "exact")
 
     def replay_start_for_scoring(self, num_prompt_tokens: int) -> int:
         """The replay start of a request that also scores its prompt (prompt_logprobs): its own replay start,

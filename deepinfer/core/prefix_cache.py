@@ -1,0 +1,123 @@
+"""Prefix caching, the device tier: full KV blocks found again by a hash of everything up to their end.
+
+Block i of a sequence hashes (block i-1's hash, block i's token ids); block 0 chains from the sequence's
+root key, which holds the extra keys (the engine's identity: model, dtype and cache layout; the request's
+``cache_salt``). So two sequences share block i only when their first (i + 1) * block_size tokens and
+their extra keys are equal. Only full blocks are hashed; a block's hash is registered once the step that
+completes it has been launched (the KV is written in stream order before any later step reads it).
+
+A registered block belongs to the pool like any other; when its last owner frees it, it stays findable
+among the free blocks until an allocation evicts it (least recently freed first, core/kv_cache.py). A
+lookup takes the longest run of registered hashes from block 0 and adds an owner to each block.
+
+The per-request policy (the extra keys, which requests may hit, how much of a hit a model can use) is the
+``prefix_cache`` and ``swa_replay`` stages'; this module is the mechanism the scheduler calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Optional
+
+from .kv_cache import BlockPool
+
+
+def checkpoint_identity(path, hf_config: dict, load_format: str = "auto") -> str:
+    """What a checkpoint's KV depends on: its config and its weight files (name, size, modification time; not
+    their bytes, which would mean reading gigabytes at start-up). Random weights (load_format "dummy") are the
+    same for the same config."""
+    h = hashlib.sha256(json.dumps(hf_config, sort_keys=True, default=str).encode())
+    h.update(load_format.encode())
+    if load_format != "dummy":
+        for f in sorted(Path(path).glob("*.safetensors")):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:32]
+
+
+def root_key(identity: str, salt: Optional[str] = None) -> bytes:
+    """The hash block 0 chains from: the engine identity and the request's cache salt."""
+    h = hashlib.sha256(b"deepinfer-prefix-v1\0" + identity.encode() + b"\0")
+    if salt is not None:
+        h.update(b"salt\0" + salt.encode())
+    return h.digest()
+
+
+def chain(parent: bytes, tokens) -> bytes:
+    """The hash of a full block: its parent's hash and its token ids (as 8-byte little-endian ints)."""
+    h = hashlib.sha256(parent)
+    h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
+    return h.digest()
+
+
+def block_hashes(root: bytes, tokens, block_size: int, have: Optional[list] = None) -> list:
+    """Hashes of every full block of ``tokens``, extending ``have`` (the hashes already computed) in place."""
+    out = [] if have is None else have
+    for i in range(len(out), len(tokens) // block_size):
+        out.append(chain(out[-1] if out else root, tokens[i * block_size:(i + 1) * block_size]))
+    return out
+
+
+class PrefixCache:
+    def __init__(self, pool: BlockPool, block_size: int):
+        self.pool, self.block_size = pool, block_size
+        self.block_of: dict = {}  # hash -> block id
+        self.hash_of: dict = {}  # block id -> hash
+        pool.on_evict = self._evict
+        self.stats = Counter()  # queries, query_tokens, hit_tokens, evictions, registered
+
+    def lookup(self, seq, max_tokens: int) -> list:
+        """Block ids of the longest cached prefix of seq (at most ``max_tokens`` tokens), each with an owner
+        added; the caller frees them if it does not use them. Counts a query."""
+        hashes = block_hashes(seq.cache_root, seq.token_ids, self.block_size, seq.block_hashes)
+        hit = []
+        for h in hashes[: max_tokens // self.block_size]:
+            b = self.block_of.get(h)
+            if b is None:
+                break
+            hit.append(b)
+        for b in hit:
+            self.pool.revive(b)
+        self.stats["queries"] += 1
+        self.stats["query_tokens"] += len(seq.token_ids)
+        return hit
+
+    def commit(self, seq, num_tokens: int) -> None:
+        """Register seq's full blocks among its first ``num_tokens`` positions (computed, tokens known)."""
+        hashes = block_hashes(seq.cache_root, seq.token_ids[:num_tokens], self.block_size, seq.block_hashes)
+        n = min(num_tokens, len(seq.token_ids)) // self.block_size
+        for i in range(seq.num_committed_blocks, n):
+            h, b = hashes[i], seq.block_table[i]
+            if h not in self.block_of and b not in self.hash_of:
+                self.block_of[h], self.hash_of[b] = b, h
+                self.pool.mark_cached(b)
+                self.stats["registered"] += 1
+        seq.num_committed_blocks = max(seq.num_committed_blocks, n)
+
+    def _evict(self, blocks: list) -> None:
+        for b in blocks:
+            h = self.hash_of.pop(b, None)
+            if h is not None:
+                del self.block_of[h]
+                self.stats["evictions"] += 1
+
+    def summary(self) -> dict:
+        """Totals since start-up: lookups, their prompt tokens and the tokens hit, blocks registered, evicted,
+        and held now (in use or free)."""
+        st = self.stats
+        q = st["query_tokens"]
+        return {"queries": st["queries"], "query_tokens": q, "hit_tokens": st["hit_tokens"],
+                "hit_rate": st["hit_tokens"] / q if q else 0.0, "blocks_registered": st["registered"],
+                "evictions": st["evictions"], "cached_blocks": len(self.block_of),
+                "cached_free_blocks": self.pool.num_cached_free}
+
+    def reset(self) -> int:
+        """Forget every cached block that no one uses (they return to plain free blocks); returns how many."""
+        free = [b for b in list(self.hash_of) if self.pool.ref_count(b) == 0]
+        self.pool.uncache_free(free)
+        self._evict(free)
+        self.stats["evictions"] -= len(free)
+        return len(free)
