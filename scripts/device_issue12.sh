@@ -37,6 +37,14 @@ case "$cmd" in
 tests)
   # The runner's groups fit 480 s; the timeout leaves the call's 600 s a margin for the install and the copy back.
   timeout 570 python3 scripts/gpu_tests.py --group "${1:?usage: device_issue12.sh tests K}" ;;
+smoke)
+  # CED decode on the device (graphs, no sync), FP8 experts, then the decode profile and the CED bench phase.
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_ced_decode_path.py tests/test_moe_fp8.py \
+    2>&1 | tee "$OUT/smoke_tests.log" | tail -25
+  timeout 150 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | tail -45
+  timeout 220 python3 benchmarks/gpu_bench.py --phases roofline,ced --out "$OUT/gpu_bench_ced.jsonl" --budget-s 200 \
+    2>&1 | tail -30 ;;
 *)
-  echo "usage: bash scripts/device_issue12.sh tests K" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue12.sh tests K | smoke" >&2; exit 2 ;;
 esac
