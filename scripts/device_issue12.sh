@@ -2,6 +2,9 @@
 # Issue 12 (CED at full speed) on the GPU machine (the device tool), from the repo root there:
 #   bash scripts/device_issue12.sh tests K   # group K of the GPU test suite (scripts/gpu_tests.py --list shows
 #                                            # the groups; one device call each, junit xml and log in $OUT)
+#   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
+#                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
+#                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
 # Wheels the machine lacks travel gitignored in .whl/ (pass carry=[".whl"]). A wheel too large for one call travels
 # in parts: split -b 30M x.whl .whl-a/x.whl.part-, then move the later parts to .whl-b/, ...; each call carries
 # one folder while the machine stays warm (`echo "/.whl-*/" >> .git/info/exclude` keeps them out of git). Every
@@ -45,6 +48,10 @@ smoke)
     --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | tail -45
   timeout 220 python3 benchmarks/gpu_bench.py --phases roofline,ced --out "$OUT/gpu_bench_ced.jsonl" --budget-s 200 \
     2>&1 | tail -30 ;;
+ced-bench)
+  timeout 560 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced.jsonl" --commit "${1:-?}" \
+    --phases roofline,ced --budget-s 520 2>&1 | tee "$OUT/gpu_bench_ced.log" | grep -v Warning | tail -40
+  python3 benchmarks/plot_rows.py "$OUT/gpu_bench_ced.jsonl" --png "$OUT/gpu_bench_ced.png" > /dev/null 2>&1 || true ;;
 *)
-  echo "usage: bash scripts/device_issue12.sh tests K | smoke" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue12.sh tests K | smoke | ced-bench COMMIT" >&2; exit 2 ;;
 esac

@@ -66,9 +66,7 @@ def test_the_gpu_test_files_are_found_by_their_skip_markers(tmp_path):
 
 def test_the_repo_plan_covers_every_gpu_file_once_within_the_budget():
     files = gpu_tests.gpu_test_files()
-    durations = Durations.load()
-    assert set(durations.files) >= set(files), "docs/results/gpu_test_durations.json lacks a GPU test file"
-    groups = plan(files, durations)
+    groups = plan(files, Durations.load())  # a file the durations do not know yet counts DEFAULT_FILE_S
     assert len(groups) >= 2  # the suite takes longer than one call
     cap = gpu_tests.BUDGET_S - gpu_tests.OVERHEAD_S
     assert all(gpu_tests.group_seconds(g) <= cap for g in groups)
