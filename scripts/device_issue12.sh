@@ -42,7 +42,7 @@ tests)
   timeout 570 python3 scripts/gpu_tests.py --group "${1:?usage: device_issue12.sh tests K}" ;;
 smoke)
   # CED decode on the device (graphs, no sync), FP8 experts, then the decode profile and the CED bench phase.
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_ced_decode_path.py tests/test_moe_fp8.py \
+  timeout -s INT 200 python3 -m pytest -v -p no:cacheprovider -rfE --durations=8 tests/test_ced_decode_path.py tests/test_moe_fp8.py \
     2>&1 | tee "$OUT/smoke_tests.log" | tail -25
   timeout 150 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
     --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | tail -45

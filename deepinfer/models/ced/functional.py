@@ -115,7 +115,7 @@ def pool_mask(scores: torch.Tensor, visible: torch.Tensor, block: int, nblocks: 
     s = torch.nn.functional.pad(s, (0, pad), value=float("-inf")).reshape(Tq, nb, block).amax(-1)  # [Tq, nb]
     newest = (visible.long().cumsum(1).argmax(1)) // block  # block of the last visible entry
     s = s.clone()
-    s[torch.arange(Tq), newest] = float("inf")
+    s.scatter_(1, newest[:, None], float("inf"))  # (a scalar index_put would copy from the host: no CUDA graph)
     keep_n = min(nblocks, nb)
     top = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :keep_n]
     blocks = torch.zeros(Tq, nb, dtype=torch.bool, device=scores.device)
@@ -135,7 +135,7 @@ def pool_candidates(scores: torch.Tensor, visible: torch.Tensor, block: int, nbl
     s = scores.masked_fill(~visible, float("-inf"))
     s = torch.nn.functional.pad(s, (0, nb * block - J), value=float("-inf")).reshape(Tq, nb, block).amax(-1)
     newest = (visible.long().cumsum(1).argmax(1)) // block  # block of the last visible entry
-    s[torch.arange(Tq, device=s.device), newest] = float("inf")
+    s.scatter_(1, newest[:, None], float("inf"))
     keep_n = min(nblocks, nb)
     top = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :keep_n]  # [Tq, keep_n] block ids
     kept = torch.gather(s, 1, top) > float("-inf")
