@@ -26,6 +26,8 @@ Definitions. Decode tokens/s is steady decode: the tokens generated after every 
 first token, over the time from that moment to the last token. Per-user tokens/s is decode steps per second
 (each running sequence gets one token per step). TTFT is first token minus arrival, all prompts arriving at
 once (so it is the batch's prefill). ``output_tok_s`` is every output token over the whole wall time.
+``decode_tok_per_cpu_s``: the steady decode's tokens over this process's CPU time in that window (on a shared
+CPU, the figure other load disturbs least; on a GPU, the host's share).
 A decode measurement that reaches ``--max-measure-s`` stops there (``truncated``: its steady figures are from the
 steps it ran). Rooflines: bytes per decode step = the weights read (all but the embedding table; for an MoE the
 expected distinct experts hit by B tokens under uniform routing) + the KV cache read (B x the mean context x KV
@@ -613,12 +615,12 @@ def measure_decode(llm, B: int, in_len: int, out_len: int, stop_at: float, seed:
             steps += 1
             now = time.perf_counter()
             if t_first is None and all(r.first_token_time is not None for r in reqs):
-                t_first, step_first = now, steps
+                t_first, step_first, cpu_first = now, steps, time.process_time()
                 tok_first = sum(len(s.output_token_ids) for r in reqs for s in r.seqs)
             if now > stop_at and eng.has_unfinished():
                 truncated = True
                 break
-        t_end = time.perf_counter()
+        t_end, cpu_end = time.perf_counter(), time.process_time()
         errors = [r.error for r in reqs if r.error]
         if errors:
             raise RuntimeError(f"{len(errors)} request(s) failed, first: {errors[0]}")
@@ -636,7 +638,9 @@ def measure_decode(llm, B: int, in_len: int, out_len: int, stop_at: float, seed:
         res.update(decode_s=dt, decode_steps=steps - step_first, decode_tokens=tok_end - tok_first,
                    decode_tok_s=(tok_end - tok_first) / dt, per_user_tok_s=(steps - step_first) / dt,
                    step_ms=1e3 * dt / (steps - step_first),
-                   ctx_mean=in_len + (tok_first + tok_end) / (2.0 * B))
+                   ctx_mean=in_len + (tok_first + tok_end) / (2.0 * B), decode_cpu_s=cpu_end - cpu_first)
+        if cpu_end > cpu_first:  # per second of this process's CPU time: what other load on the machine leaves be
+            res["decode_tok_per_cpu_s"] = (tok_end - tok_first) / (cpu_end - cpu_first)
     else:
         res["note"] = "no steady decode measured (stopped before every sequence had its first token)"
     return res
@@ -1047,9 +1051,10 @@ class Runner:
         block = a.block_size or 16
         max_seqs = max(list(a.ced_batches) + [4])
         need = max(lengths) + 8 + max_seqs * (a.input_len + a.output_len + block)
+        # No prefix caching: every prefill of a length repeats one prompt, and a cache hit would skip it.
         kw = dict(max_model_len=max_len, max_num_seqs=max_seqs,
                   max_num_batched_tokens=max(lengths + [max_seqs * a.input_len, 64]),
-                  num_kv_blocks=math.ceil(need / block) + max_seqs + 16)
+                  num_kv_blocks=math.ceil(need / block) + max_seqs + 16, enable_prefix_caching=False)
         if a.block_size:
             kw["block_size"] = a.block_size
         shape = f"ced-{a.ced_size}"

@@ -297,3 +297,21 @@ def test_experts_touched_and_the_decode_roofline_overrides():
                            experts_touched=3)
     assert r["bytes_per_step"] == 1000 + 100 + 800 * 3 / 8 + 500 and r["experts_counted"] == 3
     assert r["hbm_roofline_tok_s"] == pytest.approx(4 / 1.9) == pytest.approx(r["roofline_tok_s"])
+
+
+def test_ced_cpu_decode_rows(tmp_path, capsys):
+    """benchmarks/ced_cpu_decode.py on the bundled demo model: a row per batch with the median of its rounds,
+    the deepinfer it ran, and a table."""
+    cpu = _load("ced_cpu_decode")
+    out = tmp_path / "rows.jsonl"
+    assert cpu.main(["--batches", "1", "2", "--input-len", "8", "--output-len", "4", "--repeats", "2",
+                     "--label", "t", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["rounds"] == 2 and r["label"] == "t" for r in rows)
+    for r in rows:
+        assert r["decode_tok_s"] == pytest.approx(sorted(r["decode_tok_s_all"])[0] / 2
+                                                  + sorted(r["decode_tok_s_all"])[1] / 2)
+        assert r["decode_tok_s_best"] == max(r["decode_tok_s_all"]) and r["torch_threads"] == 1
+        assert r["decode_tok_per_cpu_s"] > 0
+        assert Path(r["deepinfer_path"]).name == "deepinfer" and r["model"] == "bundled demo"
+    assert "decode tok/s (median)" in capsys.readouterr().out
