@@ -29,7 +29,7 @@ def cases(draw) -> dict:
 def generate(path: str, case: dict, prompts: list, device_decode: bool, max_tokens: int):
     blocks = sum(blocks_needed(len(p) + max_tokens, case["block_size"]) for p in prompts) + 1
     llm = LLM(path, block_size=case["block_size"], num_kv_blocks=blocks, max_num_batched_tokens=case["budget"],
-              max_num_seqs=4, hf_overrides={"replay_mode": "exact"} if case["exact"] else None)
+              max_num_seqs=4, hf_overrides={"replay_mode": "exact"} if case["exact"] else None, device="cpu")
     llm.engine.model.device_decode = device_decode
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)
