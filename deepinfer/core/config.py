@@ -74,6 +74,16 @@ def _positive_seconds(inst, attribute, value):
         raise ValueError(f"EngineConfig.{attribute.name}={value!r} is invalid: must be a finite number of seconds > 0")
 
 
+def _gigabytes(inst, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"EngineConfig.{attribute.name}={value!r} is invalid: must be a finite number of GB >= 0")
+
+
+def _optional_str(inst, attribute, value):
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"EngineConfig.{attribute.name}={value!r} is invalid: must be a path (str) or None")
+
+
 def _dtype(inst, attribute, value):
     if value not in DTYPES:
         raise ValueError(f"EngineConfig.dtype={value!r} is invalid: expected one of {DTYPES}")
@@ -113,6 +123,12 @@ class EngineConfig:
     structured_outputs_timeout_s: float = attrs.field(default=10.0, validator=_positive_seconds)
     # Reuse the KV of full blocks whose prefix (tokens, cache_salt) another request computed (core/prefix_cache.py).
     enable_prefix_caching: bool = attrs.field(default=True, validator=_optional_bool)
+    # Slower prefix-cache tiers (core/kv_tiers): blocks evicted from device memory go to a host-memory pool of
+    # host_cache_gb (0: none) and to cache_dir (None: $DEEPINFER_CACHE_DIR, unset: none), capped at
+    # disk_cache_gb, which survives restarts and may be shared by several engines.
+    host_cache_gb: float = attrs.field(default=0.0, validator=_gigabytes)
+    cache_dir: Optional[str] = attrs.field(default=None, validator=_optional_str)
+    disk_cache_gb: float = attrs.field(default=16.0, validator=_gigabytes)
     kv_cache_dtype: str = attrs.field(default="auto", validator=_only("kv_cache_dtype", "auto", (
         "the KV cache takes the model's dtype (CED checkpoints keep their own FP8/FP4 formats)")))
     quantization: Optional[str] = attrs.field(default=None, validator=_quantization)  # the checkpoint's own

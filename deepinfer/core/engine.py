@@ -16,6 +16,7 @@ from ..outputs import Logprob, entries_from
 from .block_tables import BlockTables
 from .sampling_state import SamplingState
 from .kv_cache import BlockPool, blocks_needed
+from .kv_offload import block_mover
 from .prefix_cache import PrefixCache
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
@@ -71,8 +72,11 @@ class Engine:
             reserve(max_model_len)
         self.kv_bytes_per_token = model.kv_bytes_per_token(dtype)
         self.pool = BlockPool(num_blocks)
-        self.prefix_cache = PrefixCache(self.pool, config.block_size) if config.enable_prefix_caching else None
         self.cache_identity = f"{type(model).__name__}|{dtype}|block {config.block_size}|{identity}"
+        self.prefix_cache = None
+        if config.enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.pool, config.block_size, block_mover(config, model, self.kv_cache,
+                                                                                      self.cache_identity, self.device))
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampling_state = SamplingState(config.max_num_seqs, model.vocab_size,
                                             tokenizer.eos_token_ids if tokenizer else (), self.device)
@@ -314,6 +318,9 @@ class Engine:
                 failed.setdefault(rows[r], "the model produced non-finite logits (NaN or inf) for this request")
         self._fail_rows(state.batch, failed, touched)
         self._fold(state, sample_seqs, touched)
+        mover = self.prefix_cache.mover if self.prefix_cache is not None else None
+        if mover is not None and mover.pending:
+            mover.flush()  # blocks evicted to the host/disk tiers whose copies have run
         self.stats["step_time"] += time.perf_counter() - t0
 
     def _run_stages(self, stages: list, state: StepState) -> dict:

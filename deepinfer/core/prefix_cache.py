@@ -62,8 +62,9 @@ def block_hashes(root: bytes, tokens, block_size: int, have: Optional[list] = No
 
 
 class PrefixCache:
-    def __init__(self, pool: BlockPool, block_size: int):
-        self.pool, self.block_size = pool, block_size
+    def __init__(self, pool: BlockPool, block_size: int, mover=None):
+        """mover: core.kv_offload.BlockMover over the host/disk tiers, or None (device memory only)."""
+        self.pool, self.block_size, self.mover = pool, block_size, mover
         self.block_of: dict = {}  # hash -> block id
         self.hash_of: dict = {}  # block id -> hash
         pool.on_evict = self._evict
@@ -81,6 +82,17 @@ class PrefixCache:
             hit.append(b)
         for b in hit:
             self.pool.revive(b)
+        if self.mover is not None:  # the run goes on in the slower tiers: each block found comes back
+            for h in hashes[len(hit): max_tokens // self.block_size]:
+                payload = self.mover.find(h)
+                if payload is None or not self.pool.can_allocate(1):
+                    break
+                (b,) = self.pool.allocate(1)
+                self.mover.load(b, payload)
+                self.block_of[h], self.hash_of[b] = b, h
+                self.pool.mark_cached(b)
+                hit.append(b)
+                self.stats["tier_hit_blocks"] += 1
         self.stats["queries"] += 1
         self.stats["query_tokens"] += len(seq.token_ids)
         return hit
@@ -97,12 +109,16 @@ class PrefixCache:
                 self.stats["registered"] += 1
         seq.num_committed_blocks = max(seq.num_committed_blocks, n)
 
-    def _evict(self, blocks: list) -> None:
+    def _evict(self, blocks: list, save: bool = True) -> None:
+        gone = []
         for b in blocks:
             h = self.hash_of.pop(b, None)
             if h is not None:
                 del self.block_of[h]
+                gone.append((h, b))
                 self.stats["evictions"] += 1
+        if save and gone and self.mover is not None:
+            self.mover.save(gone)  # before the block is reused
 
     def summary(self) -> dict:
         """Totals since start-up: lookups, their prompt tokens and the tokens hit, blocks registered, evicted,
@@ -112,12 +128,13 @@ class PrefixCache:
         return {"queries": st["queries"], "query_tokens": q, "hit_tokens": st["hit_tokens"],
                 "hit_rate": st["hit_tokens"] / q if q else 0.0, "blocks_registered": st["registered"],
                 "evictions": st["evictions"], "cached_blocks": len(self.block_of),
-                "cached_free_blocks": self.pool.num_cached_free}
+                "cached_free_blocks": self.pool.num_cached_free, "tier_hit_blocks": st["tier_hit_blocks"],
+                "blocks_saved_to_tiers": self.mover.saved if self.mover is not None else 0}
 
     def reset(self) -> int:
         """Forget every cached block that no one uses (they return to plain free blocks); returns how many."""
         free = [b for b in list(self.hash_of) if self.pool.ref_count(b) == 0]
         self.pool.uncache_free(free)
-        self._evict(free)
+        self._evict(free, save=False)
         self.stats["evictions"] -= len(free)
         return len(free)

@@ -211,6 +211,19 @@ class CEDEngineMixin:
             return 0
         return max(0, num_prompt_tokens - self.config.n_win)
 
+    def paged_kv_views(self, cache, block_size: int) -> list:
+        """The paged part of the cache, for the prefix cache's slower tiers (core/kv_offload.py): each full
+        layer's global KV and indexer keys, block_size / m entry rows per block. The SWA rings and compressor
+        tails are per-sequence state, never cached (a hit rebuilds them: stages/swa_replay.py)."""
+        views = []
+        for l in sorted(cache.kv):
+            per = block_size // self.config.ratio(l)
+            for kind, (codes, scales) in (("kv", cache.kv[l]), ("ik", cache.ik[l])):
+                views.append((f"{kind}{l}.codes", codes, 0, per))
+                if scales.shape[-1]:
+                    views.append((f"{kind}{l}.scales", scales, 0, per))
+        return views
+
     @property
     def supports_cuda_graphs(self) -> bool:
         """Decode (models/ced/decode_path.py) holds no host sync when the ops' routed MoE has none."""
