@@ -1,0 +1,215 @@
+"""Prefix caching: time to first token of a request whose long prefix is cached in each tier, against cold
+prefill; an agent-like workload of growing turns with and without caching; the work bounded replay saves
+over exact replay on a CED hit. JSONL rows and a table.
+
+    python benchmarks/prefix_bench.py --model llama-3.1-8b --prefixes 8192 32768 --out $OUT/prefix.jsonl  # H200
+    python benchmarks/prefix_bench.py --model ced-bench --prefixes 16384 65536 --out $OUT/prefix.jsonl      # H200
+    python benchmarks/prefix_bench.py --model demo --prefixes 256 1024 --out prefix_cpu.jsonl               # CPU
+
+Tiers, for one prefix of P tokens followed by a fresh suffix (``--suffix``, 64 tokens), each timed as the
+time from submitting the request until its first token (TTFT, the engine stepped until the token is out):
+- ``cold``: nothing cached (the engine's cache reset);
+- ``device``: the prefix's blocks still in device memory;
+- ``host``: evicted to the host pool (``host_cache_gb``) by filling the pool, then found there;
+- ``disk``: a fresh engine on the same ``cache_dir`` (a restart), nothing in device or host memory.
+Each tier is measured ``--repeats`` times (median reported). ``speedup`` is cold / tier.
+
+Agent workload (``--turns``): one conversation whose context grows by a random 200-500 tokens per turn plus
+the turn's 32 generated tokens; total seconds with caching on and off.
+
+CED replay work (CED models): on a device hit, the encoder tokens each replay mode runs (the model's
+counters) and the TTFT, for swa_replay mode "bounded" and "exact".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_bench  # noqa: E402  (model shapes and the dummy-weight builder)
+
+
+def model_dir(name: str, d: Path, max_len: int):
+    """(path, hf config or None) of the model to serve: a gpu_bench shape, ced-bench, or the demo model."""
+    if name == "demo":
+        from deepinfer.models.loader import resolve_model_path
+
+        return str(resolve_model_path(None)), None
+    cfg = gpu_bench.ced_config("bench", max_len) if name == "ced-bench" else dict(gpu_bench.SHAPES[name])
+    if name != "ced-bench":
+        cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), max_len)
+    gpu_bench.write_model_dir(d, cfg)
+    return str(d), cfg
+
+
+def build(path, cfg, args, **kw):
+    from deepinfer import LLM
+
+    kw.setdefault("max_model_len", args.max_len)
+    if cfg is None:
+        return LLM(path, device=args.device, threads=args.threads, **kw)
+    ns = argparse.Namespace(dtype=args.dtype, device=args.device, backend=None, build_in_dtype="auto")
+    return gpu_bench.build_llm(Path(path), ns, cfg, **kw)[0]
+
+
+def ttft(llm, prompt: list, rid: str) -> float:
+    from deepinfer import SamplingParams
+
+    eng = llm.engine
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    req = eng.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, temperature=0.0))
+    while not req.finished:
+        eng.step()
+    eng.sync()
+    dt = time.perf_counter() - t0
+    assert req.error is None, req.error
+    return dt
+
+
+def evict_device(llm) -> None:
+    """Push every free cached block out of device memory (to the host/disk tiers) by filling the pool."""
+    pool = llm.engine.pool
+    got = pool.allocate(pool.num_free)
+    pool.free(got)
+    llm.engine.prefix_cache.mover.flush(wait=True)
+    llm.reset_prefix_cache()
+
+
+def tiers(args, path, cfg, P: int, vocab: int, rows: list) -> None:
+    rng = random.Random(P)
+    cache_dir = tempfile.mkdtemp(prefix="deepinfer-prefix-bench-")
+    kw = dict(host_cache_gb=args.host_gb, cache_dir=cache_dir)
+    llm = build(path, cfg, args, **kw)
+    times: dict = {t: [] for t in ("cold", "device", "host")}
+    for r in range(args.repeats + 1):  # the first round warms up kernels and allocator
+        prefix = gpu_bench.random_ids(rng, vocab, P)
+        sfx = lambda: gpu_bench.random_ids(rng, vocab, args.suffix)  # noqa: E731
+        c = ttft(llm, prefix + sfx(), f"cold{P}-{r}")
+        d = ttft(llm, prefix + sfx(), f"dev{P}-{r}")
+        evict_device(llm)
+        h = ttft(llm, prefix + sfx(), f"host{P}-{r}")
+        if r:
+            for k, v in (("cold", c), ("device", d), ("host", h)):
+                times[k].append(v)
+    last_prefix = prefix
+    evict_device(llm)  # the last prefix goes to disk too (write-through)
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    fresh = build(path, cfg, args, cache_dir=cache_dir)  # a restart: disk only
+    times["disk"] = [ttft(fresh, last_prefix + gpu_bench.random_ids(rng, vocab, args.suffix), f"disk{P}")]
+    stats = fresh.cache_stats()
+    cold = statistics.median(times["cold"])
+    for tier, ts in times.items():
+        med = statistics.median(ts)
+        rows.append({"bench": "prefix_ttft", "model": args.model, "prefix": P, "suffix": args.suffix, "tier": tier,
+                     "ttft_s": round(med, 5), "speedup": round(cold / med, 2), "repeats": len(ts),
+                     **({"disk_tier_hit_blocks": stats["tier_hit_blocks"]} if tier == "disk" else {})})
+    del fresh
+
+
+def agent(args, path, cfg, vocab: int, rows: list) -> None:
+    from deepinfer import SamplingParams
+
+    for on in (True, False):
+        llm = build(path, cfg, args, enable_prefix_caching=on)
+        rng = random.Random(0)
+        ctx: list = []
+        t0 = time.perf_counter()
+        for turn in range(args.turns):
+            ctx += gpu_bench.random_ids(rng, vocab, rng.randint(200, 500))
+            if len(ctx) + 40 > args.max_len:
+                break
+            out = llm.generate([ctx], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
+                               use_tqdm=False)[0]
+            ctx += out.outputs[0].token_ids
+        rows.append({"bench": "agent", "model": args.model, "caching": on, "turns": turn + 1,
+                     "context": len(ctx), "total_s": round(time.perf_counter() - t0, 3),
+                     "hit_rate": round(llm.cache_stats().get("hit_rate", 0.0), 3)})
+        del llm
+
+
+def replay_work(args, path, cfg, P: int, vocab: int, rows: list) -> None:
+    from deepinfer.core.graph import Pipeline
+
+    for mode in ("bounded", "exact"):
+        llm = build(path, cfg, args, pipeline=Pipeline.from_recipe("reference").with_args("swa_replay", mode=mode))
+        model = llm.engine.model
+        rng = random.Random(P)
+        prefix = gpu_bench.random_ids(rng, vocab, P)
+        ttft(llm, prefix + gpu_bench.random_ids(rng, vocab, args.suffix), "warm")
+        ts = []
+        for r in range(args.repeats):
+            model.reset_counters()
+            ts.append(ttft(llm, prefix + gpu_bench.random_ids(rng, vocab, args.suffix), f"{mode}{r}"))
+        enc = model.counters["layer_tokens"][: model.config.num_encoder_layers]
+        rows.append({"bench": "replay_work", "model": args.model, "prefix": P, "mode": mode,
+                     "encoder_tokens_per_layer": max(enc), "all_layer_tokens": sum(model.counters["layer_tokens"]),
+                     "ttft_s": round(statistics.median(ts), 5)})
+        del llm
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b", help="a gpu_bench shape, ced-bench, or demo")
+    ap.add_argument("--prefixes", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--suffix", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--host-gb", type=float, default=32.0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (the demo model on the CPU)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["tiers", "agent", "replay"])
+    ap.add_argument("--out", default="prefix_bench.jsonl")
+    args = ap.parse_args()
+    # Room for the longest prefix and for the agent's context (it stops growing at max_len).
+    args.max_len = max(max(args.prefixes) + args.suffix + 64, args.turns * 532 + 64)
+    rows: list = []
+    with tempfile.TemporaryDirectory() as d:
+        path, cfg = model_dir(args.model, Path(d), args.max_len)
+        from deepinfer.models.loader import load_config
+
+        hf = cfg or load_config(Path(path))
+        if cfg is None:  # a real checkpoint: its own context length
+            args.max_len = min(args.max_len, hf.get("max_position_embeddings", args.max_len))
+        vocab = min(hf["vocab_size"], 32000)
+        if "tiers" not in args.skip:
+            for P in args.prefixes:
+                tiers(args, path, cfg, P, vocab, rows)
+        if "agent" not in args.skip:
+            agent(args, path, cfg, vocab, rows)
+        if hf.get("architectures", [""])[0] == "CEDForCausalLM" and "replay" not in args.skip:
+            replay_work(args, path, cfg, args.prefixes[0], vocab, rows)
+    with open(args.out, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    print(f"\n{'bench':12} {'what':34} {'value':>12}  note")
+    for r in rows:
+        if r["bench"] == "prefix_ttft":
+            what = f"{r['prefix']} tokens cached, {r['tier']}"
+            print(f"{'prefix_ttft':12} {what:34} {r['ttft_s'] * 1e3:10.1f}ms  {r['speedup']}x vs cold")
+        elif r["bench"] == "agent":
+            what = "caching " + ("on" if r["caching"] else "off")
+            print(f"{'agent':12} {what:34} {r['total_s']:11.2f}s  {r['turns']} turns, context {r['context']}, "
+                  f"hit rate {r['hit_rate']}")
+        else:
+            what = r["mode"] + " replay on a hit"
+            print(f"{'replay_work':12} {what:34} {r['ttft_s'] * 1e3:10.1f}ms  {r['encoder_tokens_per_layer']} "
+                  f"encoder tokens per layer")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
