@@ -9,3 +9,10 @@ python -m pip install -q "torch==2.13.0" 2>/dev/null || python -m pip install -q
 python -m pip install -q -e ".[test]"
 for p in plugins/*/; do [ -f "$p/pyproject.toml" ] && python -m pip install -q -e "$p"; done
 python -m pytest -q -x --durations=10 "$@"
+# The whole suite also runs the example plugins that carry their own pytest configuration (deepinfer-ring-example:
+# the equivalence kit's pytest plugin against its ring; seconds).
+if [ $# -eq 0 ]; then
+  for p in plugins/*/; do
+    if grep -q '^\[tool\.pytest' "$p/pyproject.toml" 2>/dev/null; then python -m pytest -q -x "$p"; fi
+  done
+fi
