@@ -1,4 +1,4 @@
-"""The ``deepinfer`` command: generate | chat | plugins | pipeline | init-model | bench.
+"""The ``deepinfer`` command: generate | chat | plugins | pipeline | init-model | bench | check.
 
 Exit status: 0 on success, 1 when a request failed (the others still print),
 2 for a bad argument or value (``error: ...`` on stderr, no traceback), 130 on
@@ -393,6 +393,59 @@ def cmd_bench(args) -> int:
     return EXIT_OK
 
 
+# --- check ----------------------------------------------------------------------------------------------------
+
+def _ids(text: str, flag: str) -> list:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected token ids separated by commas or spaces") from None
+
+
+def cmd_check_yoco(args) -> int:
+    """A table per comparison (a line per forced token and a summary line); --out appends the rows and the
+    summaries (``"kind": "position"`` / ``"summary"``) as JSONL."""
+    from .check_yoco import COMPARISONS, check_yoco, format_table, greedy_continuation
+
+    given = [f for f in ("prompt", "prompt_file", "prompt_ids") if getattr(args, f) is not None]
+    if len(given) != 1:
+        raise UsageError("give exactly one of --prompt, --prompt-file, --prompt-ids")
+    if args.continuation is not None and args.continuation_ids is not None:
+        raise UsageError("give at most one of --continuation, --continuation-ids")
+    for name in ("top_k", "max_tokens"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: must be >= 1")
+    comparisons = [c for part in args.compare or [",".join(COMPARISONS)] for c in part.split(",") if c]
+    bad = [c for c in comparisons if c not in COMPARISONS]
+    if bad:
+        raise UsageError(f"--compare {bad[0]!r} is invalid: expected some of {', '.join(COMPARISONS)}")
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                args.prompt = f.read()
+        except OSError as exc:
+            raise UsageError(f"--prompt-file {args.prompt_file}: cannot read it ({exc.strerror})") from None
+    llm = _load_llm(args)
+    tok = llm.tokenizer
+    prompt = _ids(args.prompt_ids, "--prompt-ids") if args.prompt_ids is not None else tok.encode(args.prompt)
+    if args.continuation_ids is not None:
+        cont = _ids(args.continuation_ids, "--continuation-ids")
+    elif args.continuation is not None:
+        cont = tok.encode(args.continuation, add_special_tokens=False)
+    else:
+        cont = greedy_continuation(llm.engine.model, prompt, args.max_tokens)
+    rows, summaries, notes = check_yoco(llm, prompt, cont, top_k=args.top_k, threshold=args.threshold,
+                                        comparisons=comparisons)
+    print(format_table(rows, summaries, notes))
+    if args.out:
+        model = str(llm.model_path)
+        with open(args.out, "a", encoding="utf-8") as f:
+            for kind, items in (("position", rows), ("summary", summaries)):
+                for r in items:
+                    f.write(json.dumps({"kind": kind, "model": model, "dtype": str(llm.config.dtype), **r}) + "\n")
+    return EXIT_OK
+
+
 # --- the parser -----------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -480,6 +533,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="FILE",
                    help="JSONL file to append the result row to (default: none, only the table is printed)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("check", help="numerical checks of fast paths against their oracles")
+    check = p.add_subparsers(dest="check", metavar="CHECK", required=True)
+    p = check.add_parser("yoco", help="mask vs compact and exact vs bounded replay over a fixed trajectory",
+                         description="Score one trajectory (a prompt plus forced continuation tokens) on both sides "
+                                     "of each comparison and report, per forced token, the logprob difference, "
+                                     "the top-K overlap and the first divergence. Comparisons: pool (CED pool by "
+                                     "mask vs gather), path (full-sequence path vs engine path), replay (exact vs "
+                                     "bounded replay). See the README, 'Checking YOCO'.")
+    _model_args(p)
+    g = p.add_argument_group("trajectory (one prompt flag; a continuation flag or --max-tokens)")
+    g.add_argument("--prompt", default=None, help="prompt text (tokenized as generate does)")
+    g.add_argument("--prompt-file", default=None, metavar="FILE", help="prompt text from a file")
+    g.add_argument("--prompt-ids", default=None, metavar="IDS", help="prompt token ids, e.g. 0,17,42")
+    g.add_argument("--continuation", default=None, help="forced continuation text (no special tokens added)")
+    g.add_argument("--continuation-ids", default=None, metavar="IDS", help="forced continuation token ids")
+    g.add_argument("--max-tokens", type=int, default=16,
+                   help="without a continuation: this many tokens generated greedily by the full-sequence path "
+                        "with exact replay (default 16)")
+    p.add_argument("--compare", action="append", default=None, metavar="C[,C]",
+                   help="comparisons to run: pool, path, replay (default: all that apply to the model)")
+    p.add_argument("--top-k", type=int, default=10, help="K of the top-K overlap (default 10)")
+    p.add_argument("--threshold", type=float, default=0.1,
+                   help="|dlogprob| above which a position counts as diverged (default 0.1 nats)")
+    p.add_argument("--out", default=None, metavar="FILE", help="JSONL file to append the rows and summaries to")
+    p.set_defaults(func=cmd_check_yoco)
     return parser
 
 
