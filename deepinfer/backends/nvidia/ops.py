@@ -18,7 +18,7 @@ import torch
 from ..base import AttnMetadata
 from ..reference import lowbit
 from ..reference.ops import ReferenceOps
-from . import triton_act, triton_attention, triton_kvquant, triton_norm
+from . import kernel_choice, triton_act, triton_attention, triton_kvquant, triton_norm
 
 INTERPRET = triton_norm.INTERPRET  # the kernels were decorated for the interpreter (decided at import)
 
@@ -102,6 +102,13 @@ class NvidiaOps(ReferenceOps):
             r = triton_mla.mla_call_rank(q, k_cache, v_cache, meta.block_table, meta.block_size, window, sinks)
             if r and kernel_device_ok(q, k_cache, meta.block_table, meta.seq_lens):
                 self.kernel_calls["mla_decode"] += 1
+                if kernel_choice.use_tilelang("mla_decode", q.device):  # TileLang where it measured faster
+                    from . import tilelang_mla
+
+                    if tilelang_mla.supports(q, k_cache, meta.block_table, meta.block_size, r, meta.seq_lens):
+                        self.kernel_calls["mla_decode:tilelang"] += 1
+                        return tilelang_mla.mla_decode(q, k_cache, meta.block_table, meta.block_size, meta.seq_lens,
+                                                       scale, r)
                 return triton_mla.mla_decode(q, k_cache, meta.block_table, meta.block_size, meta.seq_lens, scale, r)
         if decode and kernel_device_ok(q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.q_pos, sinks) \
                 and triton_attention.supports(q, k_cache, v_cache, meta.block_table, meta.block_size, sinks):
@@ -126,6 +133,15 @@ class NvidiaOps(ReferenceOps):
         from . import triton_ced_attention as tca
 
         where = dict(pos=pos, cut=cut, fresh_lo=fresh_lo, fresh_start=fresh_start, ring_slot=ring_slot)
+        if kernel_choice.use_tilelang("ced_sparse_attention", q.device):  # TileLang where it measured faster
+            from . import tilelang_ced_attention as lca
+
+            if kernel_device_ok(q, kv, *ring, *(entries or ()), entry_slots, sinks, *where.values()) \
+                    and lca.supports(q, kv, ring, entries, entry_slots, ring_fmt, entry_fmt, sinks):
+                self.kernel_calls["ced_sparse_attention"] += 1
+                self.kernel_calls["ced_sparse_attention:tilelang"] += 1
+                return lca.sparse_attention(q, kv, ring, entries, entry_slots, window=window, ring_fmt=ring_fmt,
+                                            entry_fmt=entry_fmt, sinks=sinks, scale=scale, **where)
         if kernel_device_ok(q, kv, *ring, *(entries or ()), entry_slots, sinks, *where.values()) \
                 and tca.supports(q, kv, ring, entries, entry_slots, ring_fmt, entry_fmt, sinks):
             self.kernel_calls["ced_sparse_attention"] += 1
