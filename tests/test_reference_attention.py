@@ -92,7 +92,8 @@ def test_plan_runs_of_block_ids():
     tables = [[5, 6], [5, 7 + gap + 1], [6]]  # row 1 shares block 5 with row 0; block 7+gap+1 is far away
     bs = 2
     lens = [3, 4, 2]
-    seqs = [SimpleNamespace(input_ids=lambda s, n: [0] * n, block_table=t, state_slot=0, replay_start=0)
+    seqs = [SimpleNamespace(input_ids=lambda s, n: [0] * n, block_table=t, state_slot=0, replay_start=0,
+                            prefix_replay_start=0, num_cached_tokens=0)
             for t in tables]
     batch = SimpleNamespace(seqs=seqs, start=[n - 1 for n in lens], num_tokens=[1, 1, 1], future=None)
     _, meta, _ = build_inputs(batch, [0, 1, 2], bs, "cpu", num_decodes=3)

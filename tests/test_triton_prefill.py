@@ -45,7 +45,8 @@ def prefill_case(g, rows, block_size, H, Hk, D, Dv, dtype, window=None, mla=Fals
     seqs, k = [], 0
     for (p, n), nb in zip(rows, need):
         seqs.append(SimpleNamespace(token_ids=[0] * (p + n), input_ids=lambda st, n: [0] * n,
-                                    block_table=perm[k:k + nb], state_slot=0, replay_start=0))
+                                    block_table=perm[k:k + nb], state_slot=0, replay_start=0,
+                                    prefix_replay_start=0, num_cached_tokens=0))
         k += nb
     batch = SimpleNamespace(seqs=seqs, start=[p for p, _ in rows], num_tokens=[n for _, n in rows], future=None)
     _, meta, _ = build_inputs(batch, list(range(len(rows))), block_size, DEV)
