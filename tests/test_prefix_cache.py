@@ -170,3 +170,19 @@ def test_reset_prefix_cache_forgets_free_blocks(tiny):
     assert n > 0 and llm.reset_prefix_cache() == n
     assert llm.cache_stats()["cached_blocks"] == 0 and llm.engine.pool.num_cached_free == 0
     assert run(llm, [prompt])[0].num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "deepseek_v3"])
+def test_windowed_and_mla_models_hit_with_cold_outputs(tmp_path, name):
+    """Mistral's and Qwen2's sliding-window layers keep their window's KV in the blocks (the swa_replay stage
+    uses a hit as is); MLA caches its latent in the blocks."""
+    build_tiny_hf_model(tmp_path, name)
+    prompt = list(range(5, 46))
+    kw = dict(num_kv_blocks=64, block_size=4)
+    cold = run(LLM(str(tmp_path), enable_prefix_caching=False, **kw), [prompt])[0]
+    llm = LLM(str(tmp_path), **kw)
+    run(llm, [prompt[:-3] + [1, 2, 3]])
+    hit = run(llm, [prompt])[0]
+    assert hit.num_cached_tokens == 36
+    assert_same_or_near_tie(hit.outputs[0].token_ids, cold.outputs[0].token_ids, cold.outputs[0].logprobs,
+                            NEAR_TIE["float32"])
