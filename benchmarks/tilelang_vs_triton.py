@@ -221,7 +221,8 @@ def main(argv=None) -> int:
         import tilelang
         import triton
 
-        base.update(tilelang=tilelang.__version__, triton=triton.__version__)
+        base.update(tilelang=tilelang.__version__, triton=triton.__version__,
+                    stream="torch exchange API" if tilelang_common.stream_from_torch() else "use_torch_stream")
     except ImportError:
         pass
     specs = []

@@ -262,10 +262,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
     if S == 1:  # the kernel finishes the softmax itself; the partials are never touched
         mid = (tlc.dummy(q.device, (1, H, 1), torch.float32), tlc.dummy(q.device, (1, H, 1), torch.float32),
                tlc.dummy(q.device, (1, H, 1, D), torch.float32))
-        kernel(*args, *mid, out)
+        tlc.launch(kernel, *args, *mid, out)
         return out
     mid = (torch.empty((T, H, S), dtype=torch.float32, device=q.device),
            torch.empty((T, H, S), dtype=torch.float32, device=q.device),
            torch.empty((T, H, S, D), dtype=torch.float32, device=q.device))
-    kernel(*args, *mid, out)
+    tlc.launch(kernel, *args, *mid, out)
     return tlc.merge(*mid, sinks, out)

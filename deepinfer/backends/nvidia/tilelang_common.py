@@ -80,6 +80,34 @@ def compile_kernel(build: Callable, key: Hashable, device: torch.device | None =
     return kernel
 
 
+@functools.lru_cache(maxsize=1)
+def stream_from_torch() -> bool:
+    """Whether tvm-ffi (TileLang's launcher) reads torch's current stream by itself, through torch's DLPack C
+    exchange API (recent torch, or the torch-c-dlpack-ext addon); when not, launch() hands it over, so that a
+    kernel runs on torch's stream (a side stream, a CUDA graph being captured) rather than the default one."""
+    import tvm_ffi  # noqa: F401  (installs the exchange API where it can)
+
+    return hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+
+
+def launch(kernel, *args) -> None:
+    """Run a compiled kernel (every argument given, outputs included) on torch's current stream. It calls the
+    kernel's executable directly where TileLang exposes it: its compiled host code checks every argument's
+    dtype, shape and device, so the Python wrapper's own pass over the arguments is only host time."""
+    run = getattr(kernel, "_deepinfer_run", None)
+    if run is None:
+        adapter = getattr(kernel, "adapter", None)
+        run = adapter._get_executable() if hasattr(adapter, "_get_executable") else kernel
+        kernel._deepinfer_run = run
+    if stream_from_torch():
+        run(*args)
+        return
+    import tvm_ffi
+
+    with tvm_ffi.use_torch_stream():
+        run(*args)
+
+
 def cached_configs() -> int:
     """How many kernels this process has compiled (tests check that a second call compiles nothing)."""
     return len(_KERNELS)
@@ -232,7 +260,7 @@ def merge(mid_m: torch.Tensor, mid_l: torch.Tensor, mid_o: torch.Tensor, sinks, 
     sink_dtype = DTYPES[sinks.dtype] if has_sinks else "float32"
     kernel = compile_kernel(merge_builder(H, DV, DTYPES[out.dtype], has_sinks, sink_dtype),
                             ("merge", H, DV, DTYPES[out.dtype], has_sinks, sink_dtype), out.device)
-    kernel(mid_m, mid_l, mid_o, sinks if has_sinks else dummy(out.device, (H,), torch.float32), out)
+    launch(kernel, mid_m, mid_l, mid_o, sinks if has_sinks else dummy(out.device, (H,), torch.float32), out)
     return out
 
 

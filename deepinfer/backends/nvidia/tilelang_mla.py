@@ -178,10 +178,10 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     if S == 1:  # the kernel finishes the softmax itself; the partials are never touched
         mid = (tlc.dummy(q.device, (1, H, 1), torch.float32), tlc.dummy(q.device, (1, H, 1), torch.float32),
                tlc.dummy(q.device, (1, H, 1, r), torch.float32))
-        kernel(q, rows, block_table, seq_lens, qk, *mid, out)
+        tlc.launch(kernel, q, rows, block_table, seq_lens, qk, *mid, out)
         return out
     mid = (torch.empty((B, H, S), dtype=torch.float32, device=q.device),
            torch.empty((B, H, S), dtype=torch.float32, device=q.device),
            torch.empty((B, H, S, r), dtype=torch.float32, device=q.device))
-    kernel(q, rows, block_table, seq_lens, qk, *mid, out)
+    tlc.launch(kernel, q, rows, block_table, seq_lens, qk, *mid, out)
     return tlc.merge(*mid, None, out)
