@@ -55,10 +55,22 @@ def build(path, cfg, args, **kw):
     from deepinfer import LLM
 
     kw.setdefault("max_model_len", args.max_len)
+    kw.setdefault("enforce_eager", True)  # TTFT is prefill: no decode graphs to capture at every (re)start
     if cfg is None:
         return LLM(path, device=args.device, threads=args.threads, **kw)
     ns = argparse.Namespace(dtype=args.dtype, device=args.device, backend=None, build_in_dtype="auto")
     return gpu_bench.build_llm(Path(path), ns, cfg, **kw)[0]
+
+
+OUT = None  # the JSONL file rows are appended to as they are measured (a run cut short keeps them)
+
+
+def emit(rows: list, row: dict) -> None:
+    rows.append(row)
+    if OUT:
+        with open(OUT, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    print("row", json.dumps(row), flush=True)
 
 
 def ttft(llm, prompt: list, rid: str) -> float:
@@ -113,7 +125,7 @@ def tiers(args, path, cfg, P: int, vocab: int, rows: list) -> None:
     cold = statistics.median(times["cold"])
     for tier, ts in times.items():
         med = statistics.median(ts)
-        rows.append({"bench": "prefix_ttft", "model": args.model, "prefix": P, "suffix": args.suffix, "tier": tier,
+        emit(rows, {"bench": "prefix_ttft", "model": args.model, "prefix": P, "suffix": args.suffix, "tier": tier,
                      "ttft_s": round(med, 5), "speedup": round(cold / med, 2), "repeats": len(ts),
                      **({"disk_tier_hit_blocks": stats["tier_hit_blocks"]} if tier == "disk" else {})})
     del fresh
@@ -134,7 +146,7 @@ def agent(args, path, cfg, vocab: int, rows: list) -> None:
             out = llm.generate([ctx], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
                                use_tqdm=False)[0]
             ctx += out.outputs[0].token_ids
-        rows.append({"bench": "agent", "model": args.model, "caching": on, "turns": turn + 1,
+        emit(rows, {"bench": "agent", "model": args.model, "caching": on, "turns": turn + 1,
                      "context": len(ctx), "total_s": round(time.perf_counter() - t0, 3),
                      "hit_rate": round(llm.cache_stats().get("hit_rate", 0.0), 3)})
         del llm
@@ -154,7 +166,7 @@ def replay_work(args, path, cfg, P: int, vocab: int, rows: list) -> None:
             model.reset_counters()
             ts.append(ttft(llm, prefix + gpu_bench.random_ids(rng, vocab, args.suffix), f"{mode}{r}"))
         enc = model.counters["layer_tokens"][: model.config.num_encoder_layers]
-        rows.append({"bench": "replay_work", "model": args.model, "prefix": P, "mode": mode,
+        emit(rows, {"bench": "replay_work", "model": args.model, "prefix": P, "mode": mode,
                      "encoder_tokens_per_layer": max(enc), "all_layer_tokens": sum(model.counters["layer_tokens"]),
                      "ttft_s": round(statistics.median(ts), 5)})
         del llm
@@ -174,6 +186,8 @@ def main() -> int:
     ap.add_argument("--skip", nargs="*", default=[], choices=["tiers", "agent", "replay"])
     ap.add_argument("--out", default="prefix_bench.jsonl")
     args = ap.parse_args()
+    global OUT
+    OUT = args.out
     # Room for the longest prefix and for the agent's context (it stops growing at max_len).
     args.max_len = max(max(args.prefixes) + args.suffix + 64, args.turns * 532 + 64)
     rows: list = []
@@ -192,9 +206,6 @@ def main() -> int:
             agent(args, path, cfg, vocab, rows)
         if hf.get("architectures", [""])[0] == "CEDForCausalLM" and "replay" not in args.skip:
             replay_work(args, path, cfg, args.prefixes[0], vocab, rows)
-    with open(args.out, "a") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
     print(f"\n{'bench':12} {'what':34} {'value':>12}  note")
     for r in rows:
         if r["bench"] == "prefix_ttft":

@@ -52,6 +52,24 @@ ced-bench)
   timeout 560 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced.jsonl" --commit "${1:-?}" \
     --phases roofline,ced --budget-s 520 2>&1 | tee "$OUT/gpu_bench_ced.log" | grep -v Warning | tail -40
   python3 benchmarks/plot_rows.py "$OUT/gpu_bench_ced.jsonl" --png "$OUT/gpu_bench_ced.png" > /dev/null 2>&1 || true ;;
+final)
+  # One call (carry .whl_tl/a): the first TileLang part, every GPU test file at once (xdist, a file per worker;
+  # kv_sizing alone after, since it measures the device's free memory), the CED bench, the prefix-cache bench.
+  bash scripts/device_tilelang.sh stage1 > /dev/null
+  files=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import gpu_tests; print(' '.join(f for f in gpu_tests.gpu_test_files() if 'kv_sizing' not in f))")
+  timeout -s INT 300 python3 -m pytest -n 8 --dist loadfile -p no:cacheprovider -q -rfE \
+    --junitxml="$OUT/gpu_tests_all.xml" $files 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  timeout -s INT 60 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_kv_sizing.py 2>&1 | tail -5
+  timeout 80 python3 benchmarks/gpu_bench.py --phases roofline,ced --out "$OUT/gpu_bench_ced.jsonl" --budget-s 70 \
+    --commit "${1:-?}" 2>&1 | tail -22
+  timeout 110 python3 benchmarks/prefix_bench.py --model llama-3.1-8b --prefixes 8192 32768 --repeats 2 --turns 20 \
+    --out "$OUT/prefix_bench.jsonl" 2>&1 | grep -v Warning | tail -12 ;;
+final2)
+  # The next call, warm (carry .whl_tl/b): TileLang installed, its kernels precompiled and tested, then timed.
+  TL_PRECOMPILE_TIMEOUT=150 TL_TEST_TIMEOUT=170 bash scripts/device_tilelang.sh stage2
+  TL_BENCH_TIMEOUT=150 bash scripts/device_tilelang.sh bench
+  timeout 100 python3 benchmarks/prefix_bench.py --model ced-bench --prefixes 16384 --repeats 1 --turns 0 \
+    --skip agent --out "$OUT/prefix_bench_ced.jsonl" 2>&1 | grep -v Warning | tail -10 ;;
 *)
-  echo "usage: bash scripts/device_issue12.sh tests K | smoke | ced-bench COMMIT" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue12.sh tests K | smoke | ced-bench COMMIT | final COMMIT | final2" >&2; exit 2 ;;
 esac

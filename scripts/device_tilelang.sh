@@ -34,7 +34,7 @@ tvm_ffi.__version__, 'torch', torch.__version__, 'triton', triton.__version__)" 
 }
 
 precompile() {  # every kernel config the tests and the benchmark build, 16 at a time, into tilelang's disk cache
-  DEEPINFER_TILELANG_ARCH=sm_90a timeout 300 python3 - <<'EOF'
+  DEEPINFER_TILELANG_ARCH=sm_90a timeout "${TL_PRECOMPILE_TIMEOUT:-300}" python3 - <<'EOF'
 import multiprocessing as mp, time
 import torch
 bf, fp = torch.bfloat16, torch.float16
@@ -115,13 +115,13 @@ stage2)
   use_site
   nvidia-smi -L; which nvcc g++ && nvcc --version | tail -1
   precompile 2>&1 | grep -v "Warning: T.vectorized\|INFO" | tee "$OUT/tl_precompile.log" | tail -30
-  run_tests 420 ;;
+  run_tests "${TL_TEST_TIMEOUT:-420}" ;;
 tests)
   use_site
   run_tests 540 ;;
 bench)
   use_site
-  timeout 540 python3 benchmarks/tilelang_vs_triton.py --out "$OUT/tilelang_vs_triton.jsonl" 2>&1 \
+  timeout "${TL_BENCH_TIMEOUT:-540}" python3 benchmarks/tilelang_vs_triton.py --out "$OUT/tilelang_vs_triton.jsonl" 2>&1 \
     | grep -v "Warning: T.vectorized\|INFO" | tee "$OUT/tl_bench.log" | tail -45 ;;
 *)
   echo "usage: $0 pack | stage1 | stage2 | tests | bench" >&2; exit 2 ;;
