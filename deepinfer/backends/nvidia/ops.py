@@ -150,6 +150,22 @@ class NvidiaOps(ReferenceOps):
         return super().ced_sparse_attention(q, kv, ring, entries, entry_slots, window=window, ring_fmt=ring_fmt,
                                             entry_fmt=entry_fmt, sinks=sinks, scale=scale, **where)
 
+    def ced_rms_norm(self, x, weight, eps):
+        from . import triton_ced_fused as tcf
+
+        if kernel_device_ok(x, weight) and tcf.supports_rms(x, weight):
+            self.kernel_calls["ced_rms_norm"] += 1
+            return tcf.rms_norm(x, weight, eps)
+        return super().ced_rms_norm(x, weight, eps)
+
+    def ced_rope(self, x, pos, rope_dim, theta, inverse=False):
+        from . import triton_ced_fused as tcf
+
+        if kernel_device_ok(x, pos) and tcf.supports_rope(x, pos, rope_dim):
+            self.kernel_calls["ced_rope"] += 1
+            return tcf.rope(x, pos, tcf.inv_freq(rope_dim, theta, x.device), inverse)
+        return super().ced_rope(x, pos, rope_dim, theta, inverse)
+
     def ced_indexer_topk(self, q, weights, keys, key_fmt, entry_slots, q_rows, num_visible, k, allowed=None,
                          return_scores=False, candidates=None):
         """The kernel returns the reference's set of ids in ascending order (see triton_ced_indexer). With

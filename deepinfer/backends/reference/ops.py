@@ -88,6 +88,18 @@ class ReferenceOps(Ops):
 
         return lowbit.dequantize(codes, scales, fmt, dtype)
 
+    def ced_rms_norm(self, x, weight, eps):
+        """CED's RMSNorm (functional.rms: the weight applied in float32, one rounding to x's dtype)."""
+        from ...models.ced import functional as fn
+
+        return fn.rms(x, weight, eps)
+
+    def ced_rope(self, x, pos, rope_dim, theta, inverse=False):
+        """CED's RoPE on the last rope_dim channels of x [T, ..., D], adjacent pairs (functional.apply_rope)."""
+        from ...models.ced import functional as fn
+
+        return fn.apply_rope(x, pos, rope_dim, theta, inverse)
+
     def ced_indexer_topk(self, q, weights, keys, key_fmt, entry_slots, q_rows, num_visible, k, allowed=None,
                          return_scores=False, candidates=None):
         from ...models.ced import functional as fn  # select_topk is looked up at call time (tests wrap it)

@@ -178,7 +178,8 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats):
     """h [Tq, d] hidden of this pass's queries; src [T, d] hidden of all step tokens (full-layer input)."""
     c = model.config
     device = h.device
-    x = fn.rms(h, layer.attn_norm, c.rms_norm_eps)
+    kernels = layer._kernels(h)  # the fused rms on CUDA
+    x = fn.rms(h, layer.attn_norm, c.rms_norm_eps, ops=kernels)
     stats["layer_tokens"][layer.i] += P.n
     if P.score:
         stats["score_tokens"][layer.i] += P.n
@@ -192,7 +193,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats):
         m = layer.m
         src_l = c.source_full(layer.i)
         if layer.mode == "full" and ("kv", layer.i) not in ctx:  # (the scoring pass reads what was written)
-            xs = x if src is None else fn.rms(src, layer.attn_norm, c.rms_norm_eps)
+            xs = x if src is None else fn.rms(src, layer.attn_norm, c.rms_norm_eps, ops=kernels)
             P.compress(model, layer, xs, cache)
             ctx[("kv", layer.i)] = P.entry_slots(m, cache)
         slots = ctx[("kv", src_l)]  # [R, Jmax] cache rows of each row's entries
@@ -214,7 +215,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats):
                                      window=c.n_win, ring_fmt=c.swa_kv_format, entry_fmt=c.global_kv_format,
                                      sinks=layer.sink, scale=c.head_dim ** -0.5)
         h = h + layer.out_proj(o, P.pos)
-        y, ids = layer.moe(fn.rms(h, layer.ffn_norm, c.rms_norm_eps))
+        y, ids = layer.moe(fn.rms(h, layer.ffn_norm, c.rms_norm_eps, ops=kernels))
         model.record_expert_load(layer.i, ids)
         h = h + y
     P.write_ring(layer, kv, cache, ops)

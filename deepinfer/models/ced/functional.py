@@ -11,15 +11,33 @@ import torch
 from ...backends.reference import lowbit
 
 
+def _fused(ops, name: str, *ts: torch.Tensor):
+    """The ops' fused kernel ``name`` where it may replace a torch formula below: CUDA tensors, ops that offer
+    it (CEDLayer._kernels supplies them on CUDA only), and no gradient to carry (the kernels have no backward).
+    None otherwise: then the formula runs, as it always does on the CPU (the oracle and the training path)."""
+    if ops is None or not ts[0].is_cuda or (torch.is_grad_enabled() and any(t.requires_grad for t in ts)):
+        return None
+    return getattr(ops, name, None)
+
+
+def rope_inv_freq(rope_dim: int, theta: float, device) -> torch.Tensor:
+    """The rotary frequencies [R/2] float32: 1 / theta^(2i / R)."""
+    return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, device=device, dtype=torch.float32) / rope_dim))
+
+
 def rope_cos_sin(pos: torch.Tensor, rope_dim: int, theta: float):
     """pos: [T] -> cos, sin [T, R/2] float32."""
-    inv = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, device=pos.device, dtype=torch.float32) / rope_dim))
+    inv = rope_inv_freq(rope_dim, theta, pos.device)
     ang = pos.float()[:, None] * inv[None, :]
     return ang.cos(), ang.sin()
 
 
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, inverse: bool = False):
-    """Rotate adjacent pairs of the last rope_dim channels of x [T, ..., D] by position (or its inverse)."""
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, inverse: bool = False, ops=None):
+    """Rotate adjacent pairs of the last rope_dim channels of x [T, ..., D] by position (or its inverse).
+    ``ops`` (the engine's backend ops, on CUDA) runs it as one kernel, ``ops.ced_rope``, where they offer it."""
+    kernel = _fused(ops, "ced_rope", x)
+    if kernel is not None:
+        return kernel(x, pos, rope_dim, theta, inverse)
     cos, sin = rope_cos_sin(pos, rope_dim, theta)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)
     cos, sin = cos.reshape(shape), sin.reshape(shape)
@@ -31,7 +49,12 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, 
     return torch.cat((keep, out.to(x.dtype)), dim=-1)
 
 
-def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float, ops=None) -> torch.Tensor:
+    """RMSNorm in float32, the weight applied in float32, one rounding to x's dtype. ``ops`` (the engine's
+    backend ops, on CUDA) runs it as one kernel, ``ops.ced_rms_norm``, where they offer it."""
+    kernel = _fused(ops, "ced_rms_norm", x, w)
+    if kernel is not None:
+        return kernel(x, w, eps)
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
 

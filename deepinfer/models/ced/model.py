@@ -69,16 +69,17 @@ class CEDLayer(nn.Module):
     # Pieces shared with the engine path.
     def query(self, x, pos):
         """x [T, d] (normed) -> q [T, H, D] with RoPE, and the query latent cq [T, q_lora]."""
-        c = self.c
-        cq = fn.rms(F.linear(x, self.wq_a), self.q_norm, c.rms_norm_eps)
+        c, ops = self.c, self._kernels(x)
+        cq = fn.rms(F.linear(x, self.wq_a), self.q_norm, c.rms_norm_eps, ops=ops)
         q = F.linear(cq, self.wq_b).view(x.shape[0], c.num_heads, c.head_dim)
-        return fn.apply_rope(q, pos, c.rope_dim, c.rope_theta), cq
+        return fn.apply_rope(q, pos, c.rope_dim, c.rope_theta, ops=ops), cq
 
     def swa_kv(self, x, pos):
         """x [T, d] -> this layer's SWA latent [T, D]: RMSNorm(W_kv x), RoPE, FP8 fake-quant."""
-        c = self.c
-        kv = fn.apply_rope(fn.rms(F.linear(x, self.wkv), self.kv_norm, c.rms_norm_eps), pos, c.rope_dim, c.rope_theta)
-        return fn.fake(kv, c.swa_kv_format, c.fake_quant, ops=self._kernels(x))
+        c, ops = self.c, self._kernels(x)
+        kv = fn.apply_rope(fn.rms(F.linear(x, self.wkv), self.kv_norm, c.rms_norm_eps, ops=ops), pos, c.rope_dim,
+                           c.rope_theta, ops=ops)
+        return fn.fake(kv, c.swa_kv_format, c.fake_quant, ops=ops)
 
     def entries(self, x, entry_ids=None):
         """Compressed KV and indexer K of complete groups of x [G*m, d] (normed); entry_ids [G] (default 0..G-1)
@@ -87,17 +88,19 @@ class CEDLayer(nn.Module):
         v, ik = F.linear(x, self.wkv), F.linear(x, self.wik)
         w = fn.group_weights(F.linear(x, self.wz), m) if m > 1 else None
         wi = fn.group_weights(F.linear(x, self.wzi), m) if m > 1 else None
-        e = fn.rms(fn.compress(v, w, m), self.kv_norm, c.rms_norm_eps)
+        ops = self._kernels(x)
+        e = fn.rms(fn.compress(v, w, m), self.kv_norm, c.rms_norm_eps, ops=ops)
         if entry_ids is None:
             entry_ids = torch.arange(e.shape[0], device=x.device)
         pos = entry_ids * m
-        ops = self._kernels(x)
-        e = fn.fake(fn.apply_rope(e, pos, c.rope_dim, c.rope_theta), c.global_kv_format, c.fake_quant, ops=ops)
+        e = fn.fake(fn.apply_rope(e, pos, c.rope_dim, c.rope_theta, ops=ops), c.global_kv_format, c.fake_quant,
+                    ops=ops)
         k = fn.fake(fn.compress(ik, wi, m), c.index_k_format, c.fake_quant, ops=ops)
         return e, k
 
     def _kernels(self, x):
-        """The owning model's ops for fake quantisation on CUDA (sync-free kernels), None elsewhere."""
+        """The owning model's ops on CUDA, None elsewhere: functional's fake quantisation (sync-free kernels),
+        rms and apply_rope (one fused kernel each) take them; the CPU keeps the torch formulas."""
         return ops_of(self, x.device) if x.is_cuda else None
 
     def index_query(self, x, cq):
@@ -132,7 +135,7 @@ class CEDLayer(nn.Module):
     def out_proj(self, o, pos):
         """o [T, H, D] attended latent -> inverse RoPE, grouped projection, final projection -> [T, d]."""
         c = self.c
-        o = fn.apply_rope(o, pos, c.rope_dim, c.rope_theta, inverse=True)
+        o = fn.apply_rope(o, pos, c.rope_dim, c.rope_theta, inverse=True, ops=self._kernels(o))
         og = o.reshape(o.shape[0], c.out_groups, -1)
         return F.linear(torch.einsum("tgi,goi->tgo", og, self.wo_a).flatten(1), self.wo_b)
 
@@ -317,7 +320,7 @@ class CEDForCausalLM(CEDEngineMixin, nn.Module):
         return F.linear(c, w).float()
 
     def c_norm(self, h):
-        return fn.rms(h, self.norm, self.config.rms_norm_eps)
+        return fn.rms(h, self.norm, self.config.rms_norm_eps, ops=self.ops if h.is_cuda else None)
 
     # ---------------- full-sequence path ----------------
     def forward_full(self, input_ids: torch.Tensor, replay_start: int = 0, return_hidden: bool = False,

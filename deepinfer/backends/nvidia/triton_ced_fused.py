@@ -1,0 +1,189 @@
+"""CED's RMSNorm and RoPE (models/ced/functional.py ``rms``, ``apply_rope``), one Triton launch each.
+
+The torch formulas run as ~9 (rms) and ~20 (rope: cos/sin, casts, strided slices, stack, cat) small kernels a
+call, ~50 and ~50 calls per CED decode step; these kernels do the same float32 operations in one launch.
+
+- ``rms_norm``: ``(xf * rsqrt(mean(xf^2) + eps) * w.float()).to(x.dtype)`` with xf = x in float32: the weight
+  is applied in float32 and the result rounded ONCE to x's dtype (unlike triton_norm, the Llama-style op that
+  rounds the normalised row before the weight). One program per row.
+- ``rope``: rotate adjacent pairs (2i, 2i+1) of the last R channels of x [T, ..., D] by the angle
+  pos[t] * inv_freq[i] (or its inverse, sin negated), in float32, rounded to x's dtype; channels 0 .. D - R are
+  copied. cos and sin are computed in the kernel from the positions; inv_freq [R/2] is the model's own float32
+  frequencies (``inv_freq`` keeps them per device, computed by functional.rope_inv_freq). One program per
+  token and tile of the middle dims (heads).
+
+Precision. FMA fusion is off, so every product and sum is rounded where torch rounds it. Compiled code takes
+cos, sin and rsqrt from libdevice, the CUDA math library torch's kernels call (cosf, sinf, rsqrtf), so
+``rope`` is meant to be bit-identical to the torch formula on the GPU (tests/test_triton_ced_fused.py checks
+it there). ``rms_norm`` sums the squares in a different order than torch's reduction, so its mean can differ
+in the last float32 bit: outputs then differ by at most ~1 ulp of x's dtype (in float32 a few ulp), and
+are equal nearly always in bf16. Under Triton's interpreter cos/sin/rsqrt are numpy's, within ~1 ulp of torch's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_norm import cast_rne, to_f32
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+_INTERP = tl.constexpr(INTERPRET)
+if not INTERPRET:
+    from triton.language.extra import libdevice
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_BLOCK = 65536  # widest row (rms) / non-rotated part (rope) kept in one program
+
+
+@triton.jit
+def _cos_sin(ang):
+    """cosf/sinf as torch's CUDA kernels compute them (libdevice); numpy's under the interpreter."""
+    if _INTERP:
+        return tl.cos(ang), tl.sin(ang)
+    else:
+        return libdevice.cos(ang), libdevice.sin(ang)
+
+
+@triton.jit
+def _rsqrt(x):
+    if _INTERP:
+        return tl.rsqrt(x)
+    else:
+        return libdevice.rsqrt(x)
+
+
+@triton.jit
+def _ced_rms_kernel(x_ptr, w_ptr, o_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    xf = to_f32(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0))
+    rstd = _rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = to_f32(tl.load(w_ptr + cols, mask=mask, other=0.0))
+    tl.store(o_ptr + row * stride_o + cols, cast_rne(xf * rstd * w, o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ced_rope_kernel(x_ptr, o_ptr, pos_ptr, inv_ptr, stride_xt, stride_xm, stride_ot, stride_om, M, D, HALF,
+                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, INVERSE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = rows < M
+    x_base = x_ptr + t * stride_xt + rows[:, None].to(tl.int64) * stride_xm
+    o_base = o_ptr + t * stride_ot + rows[:, None].to(tl.int64) * stride_om
+    j = tl.arange(0, BLOCK_R)
+    inv = tl.load(inv_ptr + j, mask=j < HALF, other=0.0)
+    cos, sin = _cos_sin(tl.load(pos_ptr + t).to(tl.float32) * inv)  # pos.float()[:, None] * inv[None, :]
+    if INVERSE:
+        sin = -sin
+    # The rotated channels, loaded whole (coalesced) and split into (even, odd) pairs in registers.
+    R0 = D - 2 * HALF
+    c = tl.arange(0, 2 * BLOCK_R)
+    m = r_ok[:, None] & (c < 2 * HALF)[None, :]
+    x = to_f32(tl.load(x_base + R0 + c[None, :], mask=m, other=0.0))
+    a, b = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_R, 2)))
+    o1 = a * cos[None, :] - b * sin[None, :]
+    o2 = b * cos[None, :] + a * sin[None, :]
+    o = tl.reshape(tl.join(o1, o2), (BLOCK_M, 2 * BLOCK_R))
+    tl.store(o_base + R0 + c[None, :], cast_rne(o, o_ptr.dtype.element_ty), mask=m)
+    if BLOCK_P > 0:  # channels 0 .. D - R pass through, bit for bit
+        p = tl.arange(0, BLOCK_P)
+        mp = r_ok[:, None] & (p < R0)[None, :]
+        tl.store(o_base + p[None, :], tl.load(x_base + p[None, :], mask=mp), mask=mp)
+
+
+def supports_rms(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if x.dim() < 1 or x.dtype not in SUPPORTED_DTYPES or weight.dtype not in SUPPORTED_DTYPES:
+        return False
+    N = x.shape[-1]
+    return weight.dim() == 1 and weight.shape[0] == N and 0 < N and triton.next_power_of_2(N) <= MAX_BLOCK \
+        and weight.device == x.device
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """CED's RMSNorm over the last dim: x [..., N], weight [N] -> [..., N] in x's dtype (see the module doc)."""
+    if not supports_rms(x, weight):
+        raise ValueError(f"rms_norm: unsupported x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} "
+                         f"{tuple(weight.shape)} (see triton_ced_fused.supports_rms)")
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o2 = out.view(-1, N)
+    if x2.shape[0]:
+        BLOCK = triton.next_power_of_2(N)
+        _ced_rms_kernel[(x2.shape[0],)](x2, w, o2, x2.stride(0), o2.stride(0), N, float(eps), BLOCK=BLOCK,
+                                        num_warps=1 if INTERPRET else min(16, max(1, BLOCK // 512)),
+                                        enable_fp_fusion=False)  # x * rstd, then * w: two roundings, as torch
+    return out
+
+
+def supports_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int) -> bool:
+    if x.dim() < 2 or x.dtype not in SUPPORTED_DTYPES or isinstance(rope_dim, bool) or not isinstance(rope_dim, int):
+        return False
+    D = x.shape[-1]
+    if not 0 < rope_dim <= D or rope_dim % 2 or triton.next_power_of_2(max(1, D - rope_dim)) > MAX_BLOCK:
+        return False
+    return pos.dim() == 1 and pos.shape[0] == x.shape[0] and pos.dtype in (torch.int32, torch.int64) \
+        and pos.device == x.device
+
+
+def launch_config(M: int, half: int, keep: int) -> dict:
+    """A tile of BLOCK_M rows (heads) of one token: about 4096 elements of the copied part at most."""
+    block_r = triton.next_power_of_2(half)
+    block_p = triton.next_power_of_2(keep) if keep else 0
+    widest = max(2 * block_r, block_p)
+    return {"BLOCK_R": block_r, "BLOCK_P": block_p,
+            "BLOCK_M": max(1, min(triton.next_power_of_2(M), (256 if INTERPRET else 4096) // widest)),
+            "num_warps": 1 if INTERPRET else 4}
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [T, ..., D] rotated on its last R = 2 * len(inv_freq) channels by pos [T] (see the module doc):
+    a new contiguous tensor in x's dtype. inv_freq [R/2] float32 on x's device."""
+    R = 2 * inv_freq.shape[0]
+    if not supports_rope(x, pos, R) or inv_freq.dtype != torch.float32 or inv_freq.device != x.device:
+        raise ValueError(f"rope: unsupported x {x.dtype} {tuple(x.shape)}, pos {pos.dtype} {tuple(pos.shape)}, "
+                         f"inv_freq {inv_freq.dtype} {tuple(inv_freq.shape)} (see triton_ced_fused.supports_rope)")
+    T, D = x.shape[0], x.shape[-1]
+    M = math.prod(x.shape[1:-1])  # the middle dims (heads), flattened
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if T and M:
+        x3 = x.reshape(T, M, D)
+        if x3.stride(-1) != 1:
+            x3 = x3.contiguous()
+        o3 = out.view(T, M, D)
+        cfg = launch_config(M, R // 2, D - R)
+        inv = inv_freq if inv_freq.is_contiguous() else inv_freq.contiguous()
+        _ced_rope_kernel[(T, triton.cdiv(M, cfg["BLOCK_M"]))](
+            x3, o3, pos if pos.is_contiguous() else pos.contiguous(), inv,
+            x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), M, D, R // 2,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_P=cfg["BLOCK_P"], INVERSE=bool(inverse),
+            num_warps=cfg["num_warps"], enable_fp_fusion=False)  # a*cos and b*sin rounded apart, as torch
+    return out
+
+
+_INV_FREQ: dict = {}
+
+
+def inv_freq(rope_dim: int, theta: float, device) -> torch.Tensor:
+    """CED's rotary frequencies [R/2] float32, by the model's own formula (functional.rope_inv_freq) computed on
+    ``device``, so the bits are those the torch path computes there. Kept per (R, theta, device) once computed
+    outside a CUDA-graph capture (a tensor made inside one holds nothing until a replay); inside a capture
+    with nothing kept yet, computed into the graph (CUDA graphs warm up eagerly first, so this is rare)."""
+    from ...models.ced.functional import rope_inv_freq
+
+    device = torch.device(device)
+    key = (int(rope_dim), float(theta), device)
+    got: Optional[torch.Tensor] = _INV_FREQ.get(key)
+    if got is None:
+        got = rope_inv_freq(rope_dim, theta, device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _INV_FREQ[key] = got
+    return got
