@@ -570,11 +570,12 @@ for dt in ("bf16", "fp32"):
         cfg = tca.launch_config(H, D, torch.bfloat16 if dt == "bf16" else torch.float32)
         for direct in (True, False):
             sig = dict(q_ptr=p, kv_ptr=p, rc_ptr="*u8", rs_ptr="*u8", ec_ptr="*u8", es_ptr="*u8", sel_ptr="*i64",
-                       sinks_ptr="*fp32", pos_ptr="*i64", lo_ptr="*i64", flo_ptr="*i64", fst_ptr="*i64",
+                       sinks_ptr="*fp32", pos_ptr="*i64", cut_ptr="*i64", flo_ptr="*i64", fst_ptr="*i64",
                        rslot_ptr="*i64", out_ptr=p, mid_m_ptr="*fp32", mid_l_ptr="*fp32", mid_o_ptr="*fp32",
                        qk_scale="fp32", **ints("stride_qt", "stride_qh", "stride_kv", "stride_rs", "stride_rr",
                                                "stride_rss", "stride_rsr", "stride_ec", "stride_es", "stride_sel",
-                                               "stride_ot", "stride_oh", "H", "D", "K", "RING", "NUM_SPLITS"))
+                                               "stride_ot", "stride_oh", "H", "D", "K", "RING", "NUM_SPLITS",
+                                               "WINDOW"))
             compile_(tca._ced_attn_kernel, f"attn_{dt}_D{D}_{'direct' if direct else 'split'}", sig,
                      dict(BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
                           WIN_TILES=2, SEL_TILES=8, GROUP=16, E8M0=False, HAS_ENTRIES=True, HAS_SINKS=True,

@@ -86,13 +86,13 @@ def _window_tile(kv_ptr, rc_row, rs_row, p, pos, fresh_lo, fresh_start, stride_k
 @triton.jit
 def _ced_attn_kernel(
     q_ptr, kv_ptr, rc_ptr, rs_ptr, ec_ptr, es_ptr, sel_ptr, sinks_ptr,
-    pos_ptr, lo_ptr, flo_ptr, fst_ptr, rslot_ptr,
+    pos_ptr, cut_ptr, flo_ptr, fst_ptr, rslot_ptr,
     out_ptr, mid_m_ptr, mid_l_ptr, mid_o_ptr,
     stride_qt, stride_qh, stride_kv,
     stride_rs, stride_rr, stride_rss, stride_rsr,
     stride_ec, stride_es, stride_sel,
     stride_ot, stride_oh,
-    qk_scale, H, D, K, RING, NUM_SPLITS,
+    qk_scale, H, D, K, RING, NUM_SPLITS, WINDOW,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
     HAS_ENTRIES: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -112,9 +112,9 @@ def _ced_attn_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
-    # Window: this split's tiles of positions lo .. pos.
+    # Window: this split's tiles of positions lo .. pos, lo = max(pos - W + 1, cut, 0).
     pos = tl.load(pos_ptr + t)
-    lo = tl.load(lo_ptr + t)
+    lo = tl.maximum(tl.maximum(pos - (WINDOW - 1), tl.load(cut_ptr + t)), 0)
     fresh_lo = tl.load(flo_ptr + t)
     fresh_start = tl.load(fst_ptr + t)
     ring_row = tl.load(rslot_ptr + t).to(tl.int64)
@@ -233,7 +233,6 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
     ec, es = entries if has_entries else (rc, rs)  # unused when there are no entries
     if entry_slots.stride(1) != 1:
         entry_slots = entry_slots.contiguous()
-    lo = torch.maximum(torch.maximum(pos - (window - 1), cut), torch.zeros_like(pos))  # first window position
     cfg = launch_config(H, D, q.dtype)
     BLOCK_H, BLOCK_N, BLOCK_D = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["BLOCK_D"]
     num_ht = triton.cdiv(H, BLOCK_H)
@@ -250,13 +249,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
     sinks_arg = sinks.contiguous() if has_sinks else q
     _ced_attn_kernel[(T, num_ht, S)](
         q, kv, rc, rs, ec, es, entry_slots, sinks_arg,
-        pos.contiguous(), lo, fresh_lo.contiguous(), fresh_start.contiguous(), ring_slot.contiguous(),
+        pos.contiguous(), cut.contiguous(), fresh_lo.contiguous(), fresh_start.contiguous(), ring_slot.contiguous(),
         out, mid_m, mid_l, mid_o,
         q.stride(0), q.stride(1), kv.stride(0),
         rc.stride(0), rc.stride(1), rs.stride(0), rs.stride(1),
         ec.stride(0), es.stride(0), entry_slots.stride(0),
         out.stride(0), out.stride(1),
-        float(scale) * LOG2E, H, D, K, rc.shape[1], S,
+        float(scale) * LOG2E, H, D, K, rc.shape[1], S, window,
         BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         WIN_TILES=triton.cdiv(win_tiles, S), SEL_TILES=triton.cdiv(sel_tiles, S),
         GROUP=GROUPS.get(entry_fmt, 16), E8M0=entry_fmt == "mxfp4", HAS_ENTRIES=has_entries,
