@@ -204,10 +204,15 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats):
                                    stats)
         else:
             topk = ctx[("topk", c.source_topk(layer.i))]
-        if P.n and slots.shape[1]:
-            sel = torch.where(topk >= 0, slots[P.rows_t[:, None], topk.clamp(min=0)], -1)  # [Tq, K] cache rows
-        else:  # no query, or no complete entry yet in any row (topk is all -1)
-            sel = torch.full_like(topk, -1)
+        # A reuse layer reads the cache rows its top-K layer looked up (same top-K, same full layer's slots).
+        sel_key = ("sel", layer.i if layer.mode in ("full", "reindex") else c.source_topk(layer.i))
+        sel = ctx.get(sel_key)
+        if sel is None:
+            if P.n and slots.shape[1]:
+                sel = torch.where(topk >= 0, slots[P.rows_t[:, None], topk.clamp(min=0)], -1)  # [Tq, K] cache rows
+            else:  # no query, or no complete entry yet in any row (topk is all -1)
+                sel = torch.full_like(topk, -1)
+            ctx[sel_key] = sel
         entries = cache.kv[src_l]
     if P.n:
         o = ops.ced_sparse_attention(q, kv, cache.rings(P.score)[layer.i], entries, sel, pos=P.pos, cut=P.cut_t,
