@@ -58,7 +58,9 @@ def build(path, cfg, args, **kw):
     kw.setdefault("enforce_eager", True)  # TTFT is prefill: no decode graphs to capture at every (re)start
     if cfg is None:
         return LLM(path, device=args.device, threads=args.threads, **kw)
-    ns = argparse.Namespace(dtype=args.dtype, device=args.device, backend=None, build_in_dtype="auto")
+    if args.kv_gb:
+        kw.setdefault("kv_cache_memory_gb", args.kv_gb)
+    ns = argparse.Namespace(dtype=args.dtype, device=args.device, backend=None, build_in_dtype="always")
     return gpu_bench.build_llm(Path(path), ns, cfg, **kw)[0]
 
 
@@ -183,6 +185,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (the demo model on the CPU)")
+    ap.add_argument("--kv-gb", type=float, default=None, help="KV cache size (default: the engine's sizing)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["tiers", "agent", "replay"])
     ap.add_argument("--out", default="prefix_bench.jsonl")
     args = ap.parse_args()

@@ -63,7 +63,12 @@ final)
   timeout 80 python3 benchmarks/gpu_bench.py --phases roofline,ced --out "$OUT/gpu_bench_ced.jsonl" --budget-s 70 \
     --commit "${1:-?}" 2>&1 | tail -22
   timeout 110 python3 benchmarks/prefix_bench.py --model llama-3.1-8b --prefixes 8192 32768 --repeats 2 --turns 20 \
-    --out "$OUT/prefix_bench.jsonl" 2>&1 | grep -v Warning | tail -12 ;;
+    --kv-gb 40 --out "$OUT/prefix_bench.jsonl" 2>&1 | grep -v Warning | tail -12 ;;
+prefix)
+  # The prefix-cache bench on the Llama-8B shape (with the first TileLang part copied, carry .whl_tl/a).
+  bash scripts/device_tilelang.sh stage1 > /dev/null
+  timeout 200 python3 benchmarks/prefix_bench.py --model llama-3.1-8b --prefixes 8192 32768 --repeats 2 --turns 20 \
+    --kv-gb 40 --out "$OUT/prefix_bench.jsonl" 2>&1 | grep -v Warning | tail -14 ;;
 final2)
   # The next call, warm (carry .whl_tl/b): TileLang installed, its kernels precompiled and tested, then timed.
   TL_PRECOMPILE_TIMEOUT=150 TL_TEST_TIMEOUT=170 bash scripts/device_tilelang.sh stage2
