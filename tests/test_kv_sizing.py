@@ -47,8 +47,9 @@ def test_layout_matches_the_allocated_cache(net):
         # kv_bytes_per_token rounds it up to whole bytes.
         assert per_block == CEDCache.exact_bytes_per_token(net.config) * 16
         assert fixed > 0  # SWA rings and compressor tails, per sequence
-        # Per sequence slot, plus the scratch slot a CUDA graph's padded rows use: 7 slots against 4.
-        assert cache_layout(net, torch.float32, 16, max_seqs=6)[1] * 4 == 7 * fixed
+        # Linear in the sequences (plus a scratch slot of the rings and tails, for a CUDA graph's padded rows).
+        f6, f9 = (cache_layout(net, torch.float32, 16, max_seqs=n)[1] for n in (6, 9))
+        assert f9 - f6 == f6 - fixed > 0
     else:
         assert per_block == net.kv_bytes_per_token(torch.float32) * 16  # the paged formula the engine reports
         assert fixed == 0
