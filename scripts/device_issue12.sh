@@ -75,6 +75,15 @@ final2)
   TL_BENCH_TIMEOUT=150 bash scripts/device_tilelang.sh bench
   timeout 100 python3 benchmarks/prefix_bench.py --model ced-bench --prefixes 16384 --repeats 1 --turns 0 \
     --skip agent --out "$OUT/prefix_bench_ced.jsonl" 2>&1 | grep -v Warning | tail -10 ;;
+mla)
+  # After stage1 on a warm machine (carry .whl_tl/b): TileLang installed, then the engine's MLA tests with
+  # TileLang's MLA decode as the default (kernel_choice), and the kernel counts that show it ran.
+  TL_PRECOMPILE_TIMEOUT=100 TL_TEST_TIMEOUT=100 bash scripts/device_tilelang.sh stage2 > "$OUT/tl_stage2.log" 2>&1
+  tail -3 "$OUT/tl_stage2.log"
+  PYTHONPATH=/tmp/tlsite:$PWD timeout -s INT 300 python3 -m pytest -n 4 -p no:cacheprovider -q -rfE \
+    tests/test_triton_mla.py tests/test_gpu_parity.py tests/test_cuda_graphs.py -k "mla or deepseek or MLA" \
+    2>&1 | tail -15
+  PYTHONPATH=/tmp/tlsite:$PWD timeout 120 python3 scripts/mla_kernel_calls.py ;;
 *)
-  echo "usage: bash scripts/device_issue12.sh tests K | smoke | ced-bench COMMIT | final COMMIT | final2" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue12.sh tests K | smoke | ced-bench COMMIT | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac
