@@ -37,24 +37,28 @@ class BlockMover:
         self.pending: list = []  # (hash, payload, event or None) copied off the device, not yet stored
         self.saved = self.loaded = 0
 
-    def _rows(self, t, dim, rows, block):
-        return t.narrow(dim, block * rows, rows)
+    def _index(self, blocks: list, rows: int, device) -> torch.Tensor:
+        """The rows of ``blocks`` along a view's block dim, block after block."""
+        b = torch.tensor(blocks, dtype=torch.long)
+        return (b[:, None] * rows + torch.arange(rows)).flatten().to(device, non_blocking=True)
 
     def save(self, items: list) -> None:
-        """items: (hash, block id) of blocks about to be reused: copy them off the device now."""
+        """items: (hash, block id) of blocks about to be reused: copy them off the device now, one gather and
+        one copy per view for all of them (each block's payload is a slice of those copies)."""
         cuda = self.device.type == "cuda"
-        for h, b in items:
-            payload = {}
-            for name, t, dim, rows in self.views:
-                src = self._rows(t, dim, rows, b)
-                dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda)
-                dst.copy_(src, non_blocking=cuda)
-                payload[name] = dst
-            ev = None
-            if cuda:
-                ev = torch.cuda.Event()
-                ev.record()
-            self.pending.append((h, payload, ev))
+        blocks = [b for _, b in items]
+        payloads = [{} for _ in items]
+        for name, t, dim, rows in self.views:
+            src = t.index_select(dim, self._index(blocks, rows, t.device))
+            dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda)
+            dst.copy_(src, non_blocking=cuda)
+            for p, part in zip(payloads, dst.split(rows, dim)):
+                p[name] = part
+        ev = None
+        if cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+        self.pending += [(h, p, ev) for (h, _), p in zip(items, payloads)]
 
     def flush(self, wait: bool = False) -> None:
         """Store the copied blocks in the tiers: those whose copies have run (all of them with ``wait``)."""
@@ -88,10 +92,17 @@ class BlockMover:
                 return None
         return payload
 
-    def load(self, block: int, payload: dict) -> None:
+    def load(self, blocks: list, payloads: list) -> None:
+        """Copy payloads into device blocks: one host concatenation, one copy and one scatter per view."""
+        if not blocks:
+            return
+        cuda = self.device.type == "cuda"
         for name, t, dim, rows in self.views:
-            self._rows(t, dim, rows, block).copy_(payload[name], non_blocking=True)
-        self.loaded += 1
+            data = torch.cat([p[name] for p in payloads], dim)
+            if cuda:
+                data = data.pin_memory()
+            t.index_copy_(dim, self._index(blocks, rows, t.device), data.to(t.device, non_blocking=True))
+        self.loaded += len(blocks)
 
 
 def block_mover(config, model, cache, identity: str, device):

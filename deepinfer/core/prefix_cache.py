@@ -83,16 +83,18 @@ class PrefixCache:
         for b in hit:
             self.pool.revive(b)
         if self.mover is not None:  # the run goes on in the slower tiers: each block found comes back
+            found = []
             for h in hashes[len(hit): max_tokens // self.block_size]:
                 payload = self.mover.find(h)
                 if payload is None or not self.pool.can_allocate(1):
                     break
                 (b,) = self.pool.allocate(1)
-                self.mover.load(b, payload)
                 self.block_of[h], self.hash_of[b] = b, h
                 self.pool.mark_cached(b)
-                hit.append(b)
-                self.stats["tier_hit_blocks"] += 1
+                found.append((b, payload))
+            self.mover.load([b for b, _ in found], [p for _, p in found])
+            hit += [b for b, _ in found]
+            self.stats["tier_hit_blocks"] += len(found)
         self.stats["queries"] += 1
         self.stats["query_tokens"] += len(seq.token_ids)
         return hit
