@@ -53,10 +53,13 @@ def chain(parent: bytes, tokens) -> bytes:
     return h.digest()
 
 
-def block_hashes(root: bytes, tokens, block_size: int, have: Optional[list] = None) -> list:
-    """Hashes of every full block of ``tokens``, extending ``have`` (the hashes already computed) in place."""
+def block_hashes(root: bytes, tokens, block_size: int, have: Optional[list] = None,
+                 upto: Optional[int] = None) -> list:
+    """Hashes of every full block of ``tokens`` (of its first ``upto`` tokens), extending ``have`` (the hashes
+    already computed) in place."""
     out = [] if have is None else have
-    for i in range(len(out), len(tokens) // block_size):
+    n = len(tokens) if upto is None else min(upto, len(tokens))
+    for i in range(len(out), n // block_size):
         out.append(chain(out[-1] if out else root, tokens[i * block_size:(i + 1) * block_size]))
     return out
 
@@ -72,7 +75,7 @@ class PrefixCache:
 
     def lookup(self, seq, max_tokens: int) -> list:
         """Block ids of the longest cached prefix of seq (at most ``max_tokens`` tokens), each with an owner
-        added; the caller frees them if it does not use them. Counts a query."""
+        added; the caller frees them if it does not use them (and counts the admission: ``count``)."""
         hashes = block_hashes(seq.cache_root, seq.token_ids, self.block_size, seq.block_hashes)
         hit = []
         for h in hashes[: max_tokens // self.block_size]:
@@ -95,13 +98,17 @@ class PrefixCache:
             self.mover.load([b for b, _ in found], [p for _, p in found])
             hit += [b for b, _ in found]
             self.stats["tier_hit_blocks"] += len(found)
+        return hit
+
+    def count(self, seq) -> None:
+        """An admission that looked up seq: its tokens and the ones its hit covers."""
         self.stats["queries"] += 1
         self.stats["query_tokens"] += len(seq.token_ids)
-        return hit
+        self.stats["hit_tokens"] += seq.num_cached_tokens
 
     def commit(self, seq, num_tokens: int) -> None:
         """Register seq's full blocks among its first ``num_tokens`` positions (computed, tokens known)."""
-        hashes = block_hashes(seq.cache_root, seq.token_ids[:num_tokens], self.block_size, seq.block_hashes)
+        hashes = block_hashes(seq.cache_root, seq.token_ids, self.block_size, seq.block_hashes, upto=num_tokens)
         n = min(num_tokens, len(seq.token_ids)) // self.block_size
         for i in range(seq.num_committed_blocks, n):
             h, b = hashes[i], seq.block_table[i]

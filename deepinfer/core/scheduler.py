@@ -150,7 +150,6 @@ class Scheduler:
         seq.num_committed_blocks = len(hit)
         seq.num_computed_tokens, seq.num_cached_tokens = start, P
         seq.prefix_replay_start = start if start < P else 0
-        self.prefix.stats["hit_tokens"] += P
 
     def _held(self, seq: Sequence) -> bool:
         """A sibling waits while the first sequence of its request has not computed the prompt's full blocks."""
@@ -232,6 +231,8 @@ class Scheduler:
                     break  # it reserves: nothing behind it is admitted until it fits
                 continue
             self._passed_over.pop(seq, None)
+            if self.prefix is not None and seq.cache_root is not None:
+                self.prefix.count(seq)
             seq.state_slot = self._free_slots.pop()
             seq.status = SeqStatus.RUNNING
             self.running[seq] = None
