@@ -46,7 +46,9 @@ class CausalLM(nn.Module):
     def swa_state(self) -> Optional["SwaState"]:
         """What a prefix-cache hit does not bring back (read by the swa_replay stage): None when every bit of
         per-sequence state lives in the paged blocks (the Llama family; Mistral's and Qwen2's sliding-window
-        layers keep their window's KV in the blocks too)."""
+        layers keep their window's KV in the blocks too). A model that returns a SwaState gets rows that
+        recompute tokens before their hit point: it must cut their windows at ``meta.swa_cuts`` and write no
+        paged KV below ``meta.write_floors`` (those blocks are shared; CED's engine path does both)."""
         return None
 
     def load_weights(self, weights: Iterable) -> None:
