@@ -3,12 +3,7 @@ hooks a third-party package uses. Factories import lazily so `import deepinfer` 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from .core.hookspecs import hookimpl
-
-RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 
 
 @hookimpl
@@ -79,5 +74,7 @@ def deepinfer_register_models(register):
 
 @hookimpl
 def deepinfer_register_recipes(register):
-    for f in sorted(RECIPES_DIR.glob("*.json")):
-        register.recipe(name=f.stem, spec=json.loads(f.read_text()))
+    from .core.recipe import builtin_dir  # the files are read when a pipeline is built from one
+
+    for f in sorted(builtin_dir().glob("*.toml")):
+        register.recipe(name=f.stem, spec=f)

@@ -76,7 +76,8 @@ def _spec(pipe, name):
 def test_reference_recipe_order(ref):
     assert ref.stage_names("admit") == ["tokenize", "prefix_cache", "swa_replay"]
     assert ref.stage_names("step") == STEP
-    assert ref.recipe == "reference" and ref.config == {}
+    assert ref.recipe == "reference" and ref.config == {"enforce_eager": True, "overlap_scheduling": False}
+    assert ref.backend == "reference" and _spec(ref, "swa_replay").args == {"mode": "exact"}
 
 
 def test_missing_producer_names_stage_and_field(ref):
@@ -370,14 +371,13 @@ def tiny_llama(tmp_path_factory):
 def test_throughput_recipe_config_reaches_engine_config(tiny_llama):
     from deepinfer import LLM
 
-    recipe = get_registry().get("recipe", "throughput").obj
-    assert recipe["config"] == {"max_num_seqs": 512, "max_num_batched_tokens": 8192}
-    assert Pipeline.from_recipe("throughput").config == recipe["config"]
+    config = Pipeline.from_recipe("throughput").config
+    assert config["max_num_seqs"] == 512 and config["max_num_batched_tokens"] == 8192
     llm = LLM(str(tiny_llama), recipe="throughput", num_kv_blocks=64)
     assert llm.config.max_num_seqs == 512 and llm.config.max_num_batched_tokens == 8192
     assert llm.engine.scheduler.max_num_seqs == 512 and llm.engine.scheduler.max_num_batched_tokens == 8192
     assert llm.pipeline.recipe == "throughput"
-    # An explicit argument wins over the recipe; the reference recipe keeps the defaults.
+    # An explicit argument wins over the recipe; the default recipe keeps EngineConfig's defaults.
     llm = LLM(str(tiny_llama), recipe="throughput", num_kv_blocks=64, max_num_seqs=3)
     assert llm.config.max_num_seqs == 3 and llm.config.max_num_batched_tokens == 8192
     llm = LLM(str(tiny_llama), num_kv_blocks=64)

@@ -114,9 +114,9 @@ class TestPlugin:
     def deepinfer_register_recipes(self, register):
         register.recipe(name="always7", spec={
             "description": "the reference stages with a sampler that always picks token 7",
-            "stages": ["tokenize", "prefill", "forward", "verify", {"name": self.stage_name, "args": {"token": 7}},
+            "stages": ["tokenize", "prefill", "forward", "verify", {"name": self.stage_name, "token": 7},
                        "detokenize"],
-            "config": {"max_num_seqs": 2},
+            "engine": {"max_num_seqs": 2},
         })
 
 
@@ -410,7 +410,7 @@ def test_register_stage_checks_its_arguments(fresh_pm, bad):
 
 def test_register_recipe_needs_stages(fresh_pm):
     reg = get_registry(fresh_pm)
-    with pytest.raises(PluginError, match=r"recipe 'r' must be a dict with 'stages'"):
+    with pytest.raises(PluginError, match=r"recipe 'r' must be a dict with 'stages' or a pathlib.Path"):
         reg.recipe(name="r", spec={"config": {}})
 
 

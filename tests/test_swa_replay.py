@@ -31,7 +31,7 @@ def ced(tmp_path_factory):
 
 
 def make(path, mode="bounded", **kw):
-    pipe = Pipeline.from_recipe("reference").with_args("swa_replay", mode=mode)
+    pipe = Pipeline.from_recipe("default").with_args("swa_replay", mode=mode)  # the plain pipeline
     return LLM(path, pipeline=pipe, num_kv_blocks=64, block_size=4, **kw)
 
 

@@ -10,6 +10,7 @@ registered. Errors name the stage and the field.
 from __future__ import annotations
 
 import inspect
+import textwrap
 from typing import Any, Iterable, Optional
 
 import attrs
@@ -147,11 +148,15 @@ class Pipeline:
     """An ordered, validated graph of stages in two phases (admit, step)."""
 
     def __init__(self, specs: Iterable[StageSpec], recipe: Optional[str] = None, config: Optional[dict] = None,
-                 registry: Optional[Registry] = None):
+                 registry: Optional[Registry] = None, backend: Optional[str] = None,
+                 model_settings: Optional[dict] = None, description: str = ""):
         self.specs = list(specs)
         self.recipe = recipe
         self.config = dict(config or {})  # engine config overrides the recipe asks for
         self.registry = registry
+        self.backend = backend  # the recipe's backend (None: detected); LLM(backend=...) wins
+        self.model_settings = dict(model_settings or {})  # the recipe's [model]: slow twins, where the model has them
+        self.description = description
         names = [s.name for s in self.specs]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
@@ -180,13 +185,14 @@ class Pipeline:
         return cls(specs, registry=registry, **kw)
 
     @classmethod
-    def from_recipe(cls, name: str, registry: Optional[Registry] = None) -> "Pipeline":
+    def from_recipe(cls, recipe, registry: Optional[Registry] = None) -> "Pipeline":
+        """A registered recipe by name, or a recipe file by path (core/recipe.py), checked as it loads."""
+        from .recipe import resolve
+
         registry = registry or get_registry()
-        try:
-            spec = registry.get("recipe", name).obj
-        except PluginError as exc:
-            raise PipelineError(str(exc)) from None
-        return cls.from_stages(spec["stages"], registry=registry, recipe=name, config=spec.get("config"))
+        r = resolve(recipe, registry)
+        return cls.from_stages(r.stages, registry=registry, recipe=r.name, config=r.engine, backend=r.backend,
+                               model_settings=r.model, description=r.description)
 
     def _reg(self) -> Registry:
         return self.registry or get_registry()
@@ -202,7 +208,8 @@ class Pipeline:
         return hits[0]
 
     def _with(self, specs: list) -> "Pipeline":
-        return Pipeline(specs, recipe=self.recipe, config=self.config, registry=self.registry)
+        return Pipeline(specs, recipe=self.recipe, config=self.config, registry=self.registry, backend=self.backend,
+                        model_settings=self.model_settings, description=self.description)
 
     def replace(self, target: str, name: str, **args) -> "Pipeline":
         """Swap the stage named (or of kind) ``target`` for the registered stage ``name`` of the same kind."""
@@ -248,6 +255,14 @@ class Pipeline:
 
     def describe(self) -> str:
         lines = [f"Pipeline {self.recipe or '(custom)'}"]
+        if self.description:
+            lines += textwrap.wrap(self.description, 110, initial_indent="  ", subsequent_indent="  ")
+        lines.append(f"  backend: {self.backend or '(detected: nvidia on a CUDA device, else reference)'}")
+        lines.append("  engine: " + (", ".join(f"{k}={v!r}" for k, v in self.config.items()) + " (the rest: "
+                                     "EngineConfig's defaults)" if self.config else "EngineConfig's defaults"))
+        if self.model_settings:
+            lines.append("  model (where the model has it): "
+                         + ", ".join(f"{k}={v!r}" for k, v in self.model_settings.items()))
         for ph in PHASES:
             lines.append(f"  {ph} phase (engine provides: {', '.join(PHASES[ph][0])})")
             for i, s in enumerate(self.order[ph], 1):

@@ -60,6 +60,9 @@ def deepinfer_register_models(register) -> None:
 def deepinfer_register_recipes(register) -> None:
     """Register recipes: ``register.recipe(name=..., spec=...)``.
 
-    A recipe is data: a dict with ``stages`` (a list of {kind, name, args})
-    and optional ``config`` overrides and ``description``. Returns nothing.
+    A recipe is data: a ``pathlib.Path`` to a TOML recipe file, or a dict of
+    the same shape (``stages``: stage names or {"name": ..., **args} tables;
+    optional ``description``, ``backend``, ``engine``, ``cache``, ``model``,
+    ``speculative``; see core/recipe.py). It is checked when a pipeline is
+    built from it. Returns nothing.
     """

@@ -87,8 +87,8 @@ def set_threads(threads: Optional[int] = None) -> None:
 class LLM:
     """Load a checkpoint and generate. ``model=None`` loads the bundled demo model."""
 
-    def __init__(self, model: Optional[str] = None, recipe: str = "reference", pipeline: Optional[Pipeline] = None,
-                 dtype: str = "auto", max_model_len: Optional[int] = None, backend: Optional[str] = None,
+    def __init__(self, model: Optional[str] = None, recipe="default", pipeline: Optional[Pipeline] = None,
+                 dtype: Optional[str] = None, max_model_len: Optional[int] = None, backend: Optional[str] = None,
                  device: Optional[str] = None, tokenizer: Optional[str] = None, registry=None,
                  hf_overrides: Optional[dict] = None, load_format: str = "auto", threads: Optional[int] = None,
                  **engine_kwargs):
@@ -102,11 +102,11 @@ class LLM:
         unknown = set(engine_kwargs) - config_fields()
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {sorted(unknown)}; engine settings: {sorted(config_fields())}")
-        cfg = {**pipeline.config, **engine_kwargs, "dtype": dtype, "max_model_len": max_model_len}
-        if device is not None:
-            cfg["device"] = device
+        # What is passed here explicitly wins over the recipe's settings (None: not passed).
+        explicit = {"dtype": dtype, "max_model_len": max_model_len, "device": device}
+        cfg = {**pipeline.config, **engine_kwargs, **{k: v for k, v in explicit.items() if v is not None}}
         config = EngineConfig(**cfg)
-        ops, self.backend_name = choose_backend(registry, backend, config.device)
+        ops, self.backend_name = choose_backend(registry, backend or pipeline.backend, config.device)
         self.model_path = loader.resolve_model_path(model)
         hf_config = {**loader.load_config(self.model_path), **(hf_overrides or {})}
         if config.quantization == "fp8" and fp8_block_size(hf_config) is None:
@@ -117,6 +117,9 @@ class LLM:
         net = loader.build_model(self.model_path, hf_config, ops, torch_dtype, ops.device, registry, load_format,
                                  config.fp8_experts)
         net.requires_grad_(False)  # inference only: no op records an autograd graph
+        for key, value in pipeline.model_settings.items():  # the recipe's slow twins, where the model has them
+            if hasattr(net, key):
+                setattr(net, key, value)
         from ..tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer.from_dir(tokenizer or self.model_path)

@@ -95,9 +95,12 @@ class Registry:
     def model(self, architecture: str, factory: Callable, override: bool = False) -> None:
         self._add(Entry("model", architecture, factory, self.current_plugin, override=override), override)
 
-    def recipe(self, name: str, spec: dict, override: bool = False) -> None:
-        if not isinstance(spec, dict) or "stages" not in spec:
-            raise PluginError(f"plugin {self.current_plugin!r}: recipe {name!r} must be a dict with 'stages'")
+    def recipe(self, name: str, spec, override: bool = False) -> None:
+        """spec: a dict shaped like a recipe file (core/recipe.py), or the path of a .toml recipe file (read and
+        checked when a pipeline is built from it)."""
+        if not (isinstance(spec, os.PathLike) or (isinstance(spec, dict) and "stages" in spec)):
+            raise PluginError(f"plugin {self.current_plugin!r}: recipe {name!r} must be a dict with 'stages' "
+                              "or a pathlib.Path to a .toml recipe file")
         self._add(Entry("recipe", name, spec, self.current_plugin, override=override), override)
 
     # Lookups.

@@ -24,6 +24,12 @@ from ..core.stage import Stage
 MODES = ("bounded", "exact")
 
 
+def _mode(inst, attribute, mode) -> None:
+    """An attrs validator, so a recipe's ``mode`` is checked when the recipe loads (core/recipe.py)."""
+    if mode not in MODES:
+        raise ValueError(f"swa_replay mode={mode!r} is invalid: expected one of {MODES}")
+
+
 @attrs.define(eq=False)
 class SwaReplayStage(Stage):
     name = "swa_replay"
@@ -33,11 +39,7 @@ class SwaReplayStage(Stage):
     writes = ("replay_start",)
 
     model: object
-    mode: str = "bounded"
-
-    def __attrs_post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"swa_replay mode={self.mode!r} is invalid: expected one of {MODES}")
+    mode: str = attrs.field(default="bounded", validator=_mode)
 
     def __call__(self, st) -> None:
         n = len(st.prompt_token_ids)
