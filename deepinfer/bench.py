@@ -290,7 +290,7 @@ def format_table(rows: Sequence[dict], columns=TABLE_COLUMNS) -> str:
 def bench(model: Optional[str] = None, num_prompts: int = 32, input_len: int = 64, output_len: int = 64,
           prompts_file: Optional[str] = None, seed: int = 0, recipe: str = "throughput",
           max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
-          dtype: str = "auto", max_model_len: Optional[int] = None, warmups: int = 1,
+          dtype: Optional[str] = None, max_model_len: Optional[int] = None, warmups: int = 1,
           out: Optional[str] = None, threads: Optional[int] = None, request_rate: Optional[float] = None,
           burstiness: float = 1.0, input_len_range: Optional[Sequence[int]] = None,
           output_len_range: Optional[Sequence[int]] = None, sampling: Optional[dict] = None, echo=print) -> dict:

@@ -34,13 +34,17 @@ _OWN_REQUEST_ERRORS = _OwnRequestErrors()
 
 # --- argument groups shared by subcommands -------------------------------------------------------------------
 
-def _model_args(p: argparse.ArgumentParser, recipe: str = "reference",
+RECIPE_HELP = "a built-in recipe (default, reference, throughput, latency, deterministic) or a .toml file"
+
+
+def _model_args(p: argparse.ArgumentParser, recipe: str = "default",
                 max_model_len: str = "the checkpoint's") -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint directory or Hugging Face id (default: the bundled demo model)")
-    p.add_argument("--recipe", default=recipe, help=f"pipeline recipe (default: {recipe}); see `deepinfer pipeline`")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (default auto: float32 on "
-                                                   "the CPU, the checkpoint's dtype on a GPU)")
+    p.add_argument("--recipe", default=recipe, metavar="NAME|FILE",
+                   help=f"{RECIPE_HELP} (default: {recipe}); `deepinfer pipeline --recipe X` shows what it chooses")
+    p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16 (default: the recipe's, else "
+                                                 "auto: float32 on the CPU, the checkpoint's dtype on a GPU)")
     p.add_argument("--max-model-len", type=int, default=None, help=f"context length (default: {max_model_len})")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for torch (default: DEEPINFER_NUM_THREADS if set, else torch's own choice, "
@@ -347,7 +351,9 @@ def cmd_plugins(args) -> int:
 def cmd_pipeline(args) -> int:
     from .core.graph import Pipeline
 
-    pipe = Pipeline.from_recipe(args.recipe)
+    if args.recipe is not None and args.recipe_opt is not None and args.recipe != args.recipe_opt:
+        raise UsageError(f"two recipes given ({args.recipe!r} and --recipe {args.recipe_opt!r}); give one")
+    pipe = Pipeline.from_recipe(args.recipe_opt or args.recipe or "default")
     print(pipe.to_dot() if args.dot else pipe.describe())
     return EXIT_OK
 
@@ -479,8 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the list as JSON")
     p.set_defaults(func=cmd_plugins)
 
-    p = sub.add_parser("pipeline", help="show a recipe's stage graph")
-    p.add_argument("recipe", nargs="?", default="reference", metavar="RECIPE", help="recipe name (default: reference)")
+    p = sub.add_parser("pipeline", help="show what a recipe chooses: stages with their arguments, backend, engine "
+                                        "settings")
+    p.add_argument("recipe", nargs="?", default=None, metavar="RECIPE", help=f"{RECIPE_HELP} (default: default)")
+    p.add_argument("--recipe", dest="recipe_opt", default=None, metavar="NAME|FILE", help="the same, as a flag")
     p.add_argument("--dot", action="store_true", help="print Graphviz dot instead of text")
     p.set_defaults(func=cmd_pipeline)
 
