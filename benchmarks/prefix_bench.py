@@ -165,7 +165,7 @@ def replay_work(args, path, cfg, P: int, vocab: int, rows: list) -> None:
     from deepinfer.core.graph import Pipeline
 
     for mode in ("bounded", "exact"):
-        llm = build(path, cfg, args, pipeline=Pipeline.from_recipe("reference").with_args("swa_replay", mode=mode))
+        llm = build(path, cfg, args, pipeline=Pipeline.from_recipe("default").with_args("swa_replay", mode=mode))
         model = llm.engine.model
         rng = random.Random(P)
         prefix = gpu_bench.random_ids(rng, vocab, P)
