@@ -28,6 +28,7 @@ from hypothesis import given, strategies as st
 from deepinfer.backends.nvidia import kernel_choice, tilelang_common
 from deepinfer.testing.attention_cases import ced_attention_case, mla_decode_case
 from deepinfer.testing.kernels import HAS_CUDA, capture_graph, examples, rel_err
+from deepinfer.testing.strategies import ced_attention_rows
 
 HAS_TILELANG = tilelang_common.importable()
 gpu_tilelang = [pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"),
@@ -67,20 +68,11 @@ def ced_reference(args, kw):
     return ReferenceOps(args[0].device).ced_sparse_attention(*args, **kw)
 
 
-@st.composite
-def ced_rows(draw, max_rows=3):
-    rows = []
-    for _ in range(draw(st.integers(1, max_rows))):
-        lo = draw(st.integers(0, 300))
-        rows.append((lo, draw(st.integers(1, 4)), draw(st.integers(0, lo))))
-    return rows
-
-
 @_mark(*gpu_tilelang)
 @pytest.mark.parametrize("config", CED_CONFIGS, ids=lambda c: f"{c[0]}-{str(c[1])[6:]}-H{c[2]}-D{c[3]}")
 @examples(6)
-@given(rows=ced_rows(), W=st.integers(1, 70), allowance=st.integers(0, 12), K=st.integers(1, 80),
-       splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
+@given(rows=ced_attention_rows(max_lo=300), W=st.integers(1, 70), allowance=st.integers(0, 12),
+       K=st.integers(1, 80), splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
 def test_ced_attention_matches_reference(config, rows, W, allowance, K, splits, seed):
     from deepinfer.backends.nvidia import tilelang_ced_attention as lca
 

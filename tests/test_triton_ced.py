@@ -26,6 +26,7 @@ import torch
 from hypothesis import example, given, strategies as st
 
 from deepinfer.testing.compare import assert_logits_close
+from deepinfer.testing.strategies import ced_attention_rows
 from deepinfer.testing.kernels import (DEV, assert_same_bits, capture_graph, examples, gen, gpu, rel_err as _rel_err,
                                        run_compile_script, skip_module_without_kernels)
 
@@ -174,17 +175,8 @@ def attention_case(g, rows, W, allowance, H, D, K, fmt, dtype, with_sinks, n_ent
     return args, kw
 
 
-@st.composite
-def row_specs(draw, max_rows=3):
-    rows = []
-    for _ in range(draw(st.integers(1, max_rows))):
-        lo = draw(st.integers(0, 30))
-        rows.append((lo, draw(st.integers(1, 4)), draw(st.integers(0, lo))))
-    return rows
-
-
 @examples(15)
-@given(rows=row_specs(), W=st.integers(1, 20), allowance=st.integers(0, 3), H=st.integers(1, 5),
+@given(rows=ced_attention_rows(), W=st.integers(1, 20), allowance=st.integers(0, 3), H=st.integers(1, 5),
        D=st.sampled_from([32, 64]), K=st.integers(0, 20), fmt=st.sampled_from(FP4), with_sinks=st.booleans(),
        splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
 def test_sparse_attention_float32(rows, W, allowance, H, D, K, fmt, with_sinks, splits, seed):
@@ -195,7 +187,7 @@ def test_sparse_attention_float32(rows, W, allowance, H, D, K, fmt, with_sinks, 
 
 
 @examples(6)
-@given(rows=row_specs(2), W=st.integers(1, 20), H=st.integers(1, 4), K=st.integers(0, 20),
+@given(rows=ced_attention_rows(2), W=st.integers(1, 20), H=st.integers(1, 4), K=st.integers(0, 20),
        fmt=st.sampled_from(FP4), dtype=st.sampled_from([torch.bfloat16, torch.float16]), with_sinks=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_sparse_attention_low_precision(rows, W, H, K, fmt, dtype, with_sinks, seed):

@@ -135,3 +135,14 @@ def moe_cases(draw, max_tokens: int = 12, max_experts: int = 8) -> MoECase:
     return MoECase(x=torch.randn(T, d, generator=g), router_logits=torch.randn(T, E, generator=g),
                    w13=torch.randn(E, 2 * F, d, generator=g) * 0.3, w2=torch.randn(E, d, F, generator=g) * 0.3,
                    top_k=k)
+
+
+@st.composite
+def ced_attention_rows(draw, max_rows: int = 3, max_lo: int = 30) -> list:
+    """Rows of one CED sparse-attention call as ``attention_cases.ced_attention_case`` takes them: per sequence
+    (fresh_lo, queries, cut) with up to ``max_lo`` older positions in the ring and a cut at or before fresh_lo."""
+    rows = []
+    for _ in range(draw(st.integers(1, max_rows))):
+        lo = draw(st.integers(0, max_lo))
+        rows.append((lo, draw(st.integers(1, 4)), draw(st.integers(0, lo))))
+    return rows
