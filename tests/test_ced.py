@@ -41,6 +41,7 @@ from deepinfer.models.ced.decode_path import DecodePass
 from deepinfer.models.ced.model import CEDForCausalLM, CEDLayer
 from deepinfer.testing.ced import block_sizes_for, build_ced_checkpoint, ced_configs
 from deepinfer.testing.compare import MODEL_FACTOR, assert_logits_close
+from deepinfer.testing.engine import step_greedy
 
 TOL = 1e-4  # engine vs oracle logits, relative to the oracle's largest |logit| at that position
 TIE = 1e-4  # the engine's selection is acceptable if its scores are within TIE x scale of the oracle's optimum
@@ -339,26 +340,10 @@ def run_engine(llm: LLM, prompts: list, max_tokens: int, on_step=None, shadow: S
     model.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
     try:
         with shadow.hooked("engine") if shadow is not None else contextlib.nullcontext():
-            rids = [f"r{i}" for i in range(len(prompts))]
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            seqs = {}
-            for rid, p in zip(rids, prompts):
-                req = engine.add_request(rid, p, params)
-                assert req.error is None, req.error
-                seqs[rid] = req.seqs[0]
-            outs, steps = {}, 0
-            while engine.has_unfinished():
-                for out in engine.step():
-                    assert out.error is None, out.error
-                    if out.finished:
-                        outs[out.request_id] = list(out.outputs[0].token_ids)
-                if on_step is not None:
-                    on_step(engine)
-                steps += 1
-                assert steps < 5000, "the engine made no progress"
+            outs, seqs = step_greedy(engine, prompts, max_tokens, on_step=on_step)
     finally:
         del model.forward
-    return [outs[r] for r in rids], [caps.get(r, []) for r in rids], [seqs[r] for r in rids]
+    return outs, [caps.get(f"r{i}", []) for i in range(len(prompts))], seqs
 
 
 # ----------------------------------------------------------------------------------------------------------

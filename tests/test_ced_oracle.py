@@ -35,13 +35,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import deepinfer.testing.ced_oracle as oracle_mod
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM
 from deepinfer.backends.reference import lowbit
 from deepinfer.core.kv_cache import blocks_needed
 from deepinfer.models.ced import engine_path
 from deepinfer.testing.ced import block_sizes_for, build_ced_checkpoint, ced_configs
 from deepinfer.testing.ced_oracle import CEDOracle, load_ced_checkpoint, quantize
 from deepinfer.testing.compare import assert_logits_close, eps, logits_bound
+from deepinfer.testing.engine import step_greedy
 
 EPS32 = eps(torch.float32)
 # Engine (float32) vs oracle (float64) logits, in float32 eps of the row's max|logit|. The worst seen over about
@@ -214,22 +215,10 @@ class EngineRecord:
 
 def run_engine(llm: LLM, prompts: list, max_tokens: int) -> tuple:
     """Greedy generation of every prompt at once through engine.step(); returns (outputs, EngineRecord)."""
-    engine = llm.engine
-    rids = [f"r{i}" for i in range(len(prompts))]
     rec = EngineRecord()
-    with rec.hooked(llm, dict(zip(rids, prompts))):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        for rid, p in zip(rids, prompts):
-            assert engine.add_request(rid, p, params).error is None
-        outs, steps = {}, 0
-        while engine.has_unfinished():
-            for out in engine.step():
-                assert out.error is None, out.error
-                if out.finished:
-                    outs[out.request_id] = list(out.outputs[0].token_ids)
-            steps += 1
-            assert steps < 2000, "the engine made no progress"
-    return [outs[r] for r in rids], rec
+    with rec.hooked(llm, {f"r{i}": p for i, p in enumerate(prompts)}):  # step_greedy's request ids
+        outs, _ = step_greedy(llm.engine, prompts, max_tokens, max_steps=2000)
+    return outs, rec
 
 
 # ----------------------------------------------------------------------------------------------------------

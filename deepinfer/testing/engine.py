@@ -40,3 +40,27 @@ def paged_prefill_logits(net, prompts: list, block_size: int, chunk: int, seed: 
             pieces[i].append(logits[qstart[r]:qstart[r + 1]])
             done[i] += nums[r]
     return [torch.cat(p) for p in pieces]
+
+
+def step_greedy(engine, prompts: list, max_tokens: int, on_step=None, max_steps: int = 5000) -> tuple:
+    """Add every prompt at once (request ids r0, r1, ...; greedy, EOS ignored) and call ``engine.step()`` until
+    all are done, asserting that no request fails and that the engine finishes within ``max_steps`` steps;
+    ``on_step(engine)`` runs after each step. Returns (output token ids per prompt, its first Sequence)."""
+    rids = [f"r{i}" for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    seqs = {}
+    for rid, p in zip(rids, prompts):
+        req = engine.add_request(rid, p, params)
+        assert req.error is None, req.error
+        seqs[rid] = req.seqs[0]
+    outs, steps = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.finished:
+                outs[out.request_id] = list(out.outputs[0].token_ids)
+        if on_step is not None:
+            on_step(engine)
+        steps += 1
+        assert steps < max_steps, "the engine made no progress"
+    return [outs[r] for r in rids], [seqs[r] for r in rids]
