@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import engine_path
+from .model import model_ops
 
 
 class DecodePass:
@@ -50,7 +51,7 @@ class DecodePass:
         per = cache.block_size // m
         bt = self.meta.block_table
         rows = bt.gather(1, (j // per)[:, None])[:, 0] * per + j % per
-        cache.write_entries(layer.i, rows, e, k, quantize=model.ops.quantize_kv)
+        cache.write_entries(layer.i, rows, e, k, quantize=model_ops(model).quantize_kv)
 
     def entry_slots(self, m: int, cache) -> torch.Tensor:
         """[R, J] cache row of every entry id the block tables can hold (queries see only their visible ones)."""
@@ -66,7 +67,6 @@ class DecodePass:
 def forward_decode(model, input_ids, meta, cache):
     """input_ids [B] (one token per row), meta with state_rows, replay_rows and block_table -> hidden [B, d]."""
     c = model.config
-    engine_path._ops(model)
     stats = model.counters
     starts = list(meta.starts)
     enc_cut = meta.swa_cut_rows if meta.swa_cut_rows is not None else torch.zeros_like(meta.positions)

@@ -27,6 +27,7 @@ import torch
 
 from ...backends.base import to_device
 from . import functional as fn
+from .model import model_ops
 
 
 class Pass:
@@ -66,15 +67,6 @@ class Pass:
 
     def write_ring(self, layer, kv, cache, ops) -> None:
         _write_ring(layer, self, kv, cache, self.meta, self.device, ops)
-
-
-def _ops(model):
-    """The model's backend ops (the reference ops when the model was built without any)."""
-    if getattr(model, "ops", None) is None:
-        from ...backends.reference.ops import ReferenceOps
-
-        model.ops = ReferenceOps(next(model.parameters()).device)
-    return model.ops
 
 
 def _write_ring(layer, P: Pass, kv, cache, meta, device, ops):
@@ -120,7 +112,7 @@ def _compress_chunk(model, layer, xs, meta, cache, device):
     for r, j0, j1 in rows:
         n = j1 - j0
         slots = cache.entry_slots(layer.i, meta.block_tables[r], torch.arange(j0, j1, device=device))
-        cache.write_entries(layer.i, slots, e[off:off + n], k[off:off + n], quantize=_ops(model).quantize_kv)
+        cache.write_entries(layer.i, slots, e[off:off + n], k[off:off + n], quantize=model_ops(model).quantize_kv)
         off += n
 
 
@@ -185,7 +177,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats):
         stats["score_tokens"][layer.i] += P.n
     if P.min_pos is not None:
         stats["min_pos"][layer.i] = min(stats["min_pos"][layer.i], P.min_pos)
-    ops = _ops(model)
+    ops = model_ops(model)
     q, cq = layer.query(x, P.pos)
     kv = layer.swa_kv(x, P.pos)
     entries, sel = None, torch.zeros(P.n, 0, dtype=torch.long, device=device)  # swa layers: no global branch

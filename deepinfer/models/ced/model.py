@@ -159,16 +159,25 @@ class CEDLayer(nn.Module):
         return y, ids
 
 
-def ops_of(layer: CEDLayer, device) -> "Ops":
-    """The backend ops of the model that owns ``layer`` (CEDForCausalLM.ops, read at call time), or the reference
-    ops on ``device`` when it has none (a model built without ops, or a layer on its own)."""
-    owner = getattr(layer, "owner", None)
-    ops = getattr(owner(), "ops", None) if owner is not None else None
-    if ops is None:
+def model_ops(model) -> "Ops":
+    """The model's backend ops; a model built without any gets the reference ops on its device, kept."""
+    if getattr(model, "ops", None) is None:
         from ...backends.reference.ops import ReferenceOps
 
-        ops = ReferenceOps(device)
-    return ops
+        model.ops = ReferenceOps(next(model.parameters()).device)
+    return model.ops
+
+
+def ops_of(layer: CEDLayer, device) -> "Ops":
+    """The backend ops of the model that owns ``layer`` (``model_ops``, read at call time), or the reference ops
+    on ``device`` for a layer on its own."""
+    owner = getattr(layer, "owner", None)
+    model = owner() if owner is not None else None
+    if model is None:
+        from ...backends.reference.ops import ReferenceOps
+
+        return ReferenceOps(device)
+    return model_ops(model)
 
 
 class ReplayStart(int):
