@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from ..backends.base import to_device
+from .state import window_cuts
 
 
 class BlockTables:
@@ -41,7 +42,7 @@ class BlockTables:
         rows, cols, vals, reset, replay = [], [], [], [], []
         for s in seqs:
             r, bt = s.state_slot, s.block_table
-            cuts = (max(int(s.replay_start), s.prefix_replay_start), s.prefix_replay_start)
+            cuts = window_cuts(s)
             if self._cuts[r] != cuts:
                 self._cuts[r] = cuts
                 replay.append((r, *cuts))

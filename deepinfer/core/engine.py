@@ -261,10 +261,8 @@ class Engine:
         self.sampling_state.record(state.next_tokens)  # penalty counts grow on the device
         self.scheduler.update(batch)
         if self.prefix_cache is not None:  # the blocks this step filled are findable once it is queued
-            bs = self.config.block_size
             for seq in batch.seqs:
-                if seq.cache_root is not None and not seq.finished \
-                        and min(seq.num_computed_tokens, len(seq.token_ids)) // bs > seq.num_committed_blocks:
+                if seq.cache_root is not None and not seq.finished:
                     self.prefix_cache.commit(seq, seq.num_computed_tokens)
         end_step = getattr(self.model, "end_step", None)
         if end_step is not None:

@@ -14,6 +14,7 @@ import attrs
 import torch
 
 from ..backends.base import AttnMetadata, resolve_future, to_device
+from .state import window_cuts
 
 
 def build_inputs(batch, rows: list, block_size: int, device, num_decodes: int = 0) -> tuple:
@@ -56,8 +57,8 @@ def build_inputs(batch, rows: list, block_size: int, device, num_decodes: int = 
                         replay_starts=[s.replay_start for s in seqs], num_decodes=num_decodes,
                         swa_cuts=[s.prefix_replay_start for s in seqs],
                         write_floors=[s.num_cached_tokens for s in seqs], state_rows=dev([s.state_slot for s in seqs]),
-                        replay_rows=dev([max(int(s.replay_start), s.prefix_replay_start) for s in seqs]),
-                        swa_cut_rows=dev([s.prefix_replay_start for s in seqs]))
+                        replay_rows=dev([window_cuts(s)[0] for s in seqs]),
+                        swa_cut_rows=dev([window_cuts(s)[1] for s in seqs]))
     ids_t = dev(ids)
     if ids and min(ids) < 0:
         ids_t = resolve_future(ids_t, batch.future)

@@ -107,26 +107,34 @@ class PrefixCache:
         self.stats["hit_tokens"] += seq.num_cached_tokens
 
     def commit(self, seq, num_tokens: int) -> None:
-        """Register seq's full blocks among its first ``num_tokens`` positions (computed, tokens known)."""
-        hashes = block_hashes(seq.cache_root, seq.token_ids, self.block_size, seq.block_hashes, upto=num_tokens)
+        """Register seq's full blocks among its first ``num_tokens`` positions (computed, tokens known); a step
+        that filled no block costs a comparison."""
         n = min(num_tokens, len(seq.token_ids)) // self.block_size
+        if n <= seq.num_committed_blocks:
+            return
+        hashes = block_hashes(seq.cache_root, seq.token_ids, self.block_size, seq.block_hashes, upto=num_tokens)
         for i in range(seq.num_committed_blocks, n):
             h, b = hashes[i], seq.block_table[i]
             if h not in self.block_of and b not in self.hash_of:
                 self.block_of[h], self.hash_of[b] = b, h
                 self.pool.mark_cached(b)
                 self.stats["registered"] += 1
-        seq.num_committed_blocks = max(seq.num_committed_blocks, n)
+        seq.num_committed_blocks = n
 
-    def _evict(self, blocks: list, save: bool = True) -> None:
+    def _forget(self, blocks: list) -> list:
+        """Drop the hashes of ``blocks``; returns the (hash, block) pairs that had one."""
         gone = []
         for b in blocks:
             h = self.hash_of.pop(b, None)
             if h is not None:
                 del self.block_of[h]
                 gone.append((h, b))
-                self.stats["evictions"] += 1
-        if save and gone and self.mover is not None:
+        return gone
+
+    def _evict(self, blocks: list) -> None:
+        gone = self._forget(blocks)
+        self.stats["evictions"] += len(gone)
+        if gone and self.mover is not None:
             self.mover.save(gone)  # before the block is reused
 
     def summary(self) -> dict:
@@ -144,6 +152,5 @@ class PrefixCache:
         """Forget every cached block that no one uses (they return to plain free blocks); returns how many."""
         free = [b for b in list(self.hash_of) if self.pool.ref_count(b) == 0]
         self.pool.uncache_free(free)
-        self._evict(free, save=False)
-        self.stats["evictions"] -= len(free)
+        self._forget(free)
         return len(free)

@@ -89,6 +89,13 @@ class Sequence:
         return self.status is SeqStatus.FINISHED
 
 
+def window_cuts(seq) -> tuple:
+    """A sequence's SWA cuts, as models that keep window state outside the paged blocks read them: the decoder's
+    (its replay start, or a prefix hit's replay start if later: its rings start there) and the other layers'
+    (the prefix hit's replay start, or 0)."""
+    return max(int(seq.replay_start), seq.prefix_replay_start), seq.prefix_replay_start
+
+
 @attrs.define(eq=False, slots=False)
 class AdmitState:
     """State of the admit phase, one per request."""
