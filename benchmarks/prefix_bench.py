@@ -11,7 +11,13 @@ time from submitting the request until its first token (TTFT, the engine stepped
 - ``cold``: nothing cached (the engine's cache reset);
 - ``device``: the prefix's blocks still in device memory;
 - ``host``: evicted to the host pool (``host_cache_gb``) by filling the pool, then found there;
-- ``disk``: a fresh engine on the same ``cache_dir`` (a restart), nothing in device or host memory.
+- ``disk``: a fresh engine on the same ``cache_dir`` (a restart, then one unrelated request of the same length
+  computed cold, as a restarted server would have served, so the hit pays no first-request warm-up), nothing
+  in device or host memory.
+For CED, ``device`` and ``host`` hit a prefix that an earlier request crossed mid-chunk (bounded replay), and
+``device+swa`` / ``host+swa`` one that an earlier request ended at (P + 1 tokens), whose encoder window state
+the encoder-SWA pool (core/swa_pool.py) restores. ``fetch_ms``: time spent in the prefix-cache lookup
+(finding the blocks and copying them back from a slower tier).
 Each tier is measured ``--repeats`` times (median reported). ``speedup`` is cold / tier.
 
 Agent workload (``--turns``): one conversation whose context grows by a random 200-500 tokens per turn plus
@@ -76,6 +82,22 @@ def emit(rows: list, row: dict) -> None:
     print("row", json.dumps(row), flush=True)
 
 
+def timed_lookups(llm) -> list:
+    """Wrap the engine's prefix-cache lookup so each call's seconds are appended to the returned list."""
+    cache, spent = llm.engine.prefix_cache, []
+    inner = cache.lookup
+
+    def lookup(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return inner(*a, **kw)
+        finally:
+            spent.append(time.perf_counter() - t0)
+
+    cache.lookup = lookup
+    return spent
+
+
 def ttft(llm, prompt: list, rid: str) -> float:
     from deepinfer import SamplingParams
 
@@ -106,16 +128,26 @@ def tiers(args, path, cfg, P: int, vocab: int, rows: list) -> None:
     cache_dir = tempfile.mkdtemp(prefix="deepinfer-prefix-bench-")
     kw = dict(host_cache_gb=args.host_gb, cache_dir=cache_dir)
     llm = build(path, cfg, args, **kw)
-    times: dict = {t: [] for t in ("cold", "device", "host")}
+    swa = llm.engine.swa_pool is not None
+    spent = timed_lookups(llm)
+    times: dict = {t: [] for t in ("cold", "device", "host") + (("device+swa", "host+swa") if swa else ())}
+    fetch: dict = {t: [] for t in times}
     for r in range(args.repeats + 1):  # the first round warms up kernels and allocator
-        prefix = gpu_bench.random_ids(rng, vocab, P)
+        prefix, ended = gpu_bench.random_ids(rng, vocab, P), gpu_bench.random_ids(rng, vocab, P)
         sfx = lambda: gpu_bench.random_ids(rng, vocab, args.suffix)  # noqa: E731
-        c = ttft(llm, prefix + sfx(), f"cold{P}-{r}")
-        d = ttft(llm, prefix + sfx(), f"dev{P}-{r}")
+        got = {"cold": ttft(llm, prefix + sfx(), f"cold{P}-{r}")}
+        got["device"] = ttft(llm, prefix + sfx(), f"dev{P}-{r}")
+        if swa:
+            ttft(llm, ended + sfx()[:1], f"end{P}-{r}")  # ends at P + 1: its state at P is snapshotted
+            got["device+swa"] = ttft(llm, ended + sfx(), f"devswa{P}-{r}")
         evict_device(llm)
-        h = ttft(llm, prefix + sfx(), f"host{P}-{r}")
+        for tier, pre in (("host", prefix), ("host+swa", ended)):
+            if tier in times:
+                del spent[:]
+                got[tier] = ttft(llm, pre + sfx(), f"{tier}{P}-{r}")
+                fetch[tier].append(sum(spent))
         if r:
-            for k, v in (("cold", c), ("device", d), ("host", h)):
+            for k, v in got.items():
                 times[k].append(v)
     last_prefix = prefix
     evict_device(llm)  # the last prefix goes to disk too (write-through)
@@ -123,14 +155,19 @@ def tiers(args, path, cfg, P: int, vocab: int, rows: list) -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     fresh = build(path, cfg, args, cache_dir=cache_dir)  # a restart: disk only
+    ttft(fresh, gpu_bench.random_ids(rng, vocab, P + args.suffix), f"warm{P}")  # a miss, computed cold
+    spent = timed_lookups(fresh)
     times["disk"] = [ttft(fresh, last_prefix + gpu_bench.random_ids(rng, vocab, args.suffix), f"disk{P}")]
+    fetch["disk"] = [sum(spent)]
     stats = fresh.cache_stats()
     cold = statistics.median(times["cold"])
     for tier, ts in times.items():
         med = statistics.median(ts)
+        extra = {"fetch_ms": round(statistics.median(fetch[tier]) * 1e3, 2)} if fetch.get(tier) else {}
+        if tier == "disk":
+            extra["disk_tier_hit_blocks"] = stats["tier_hit_blocks"]
         emit(rows, {"bench": "prefix_ttft", "model": args.model, "prefix": P, "suffix": args.suffix, "tier": tier,
-                     "ttft_s": round(med, 5), "speedup": round(cold / med, 2), "repeats": len(ts),
-                     **({"disk_tier_hit_blocks": stats["tier_hit_blocks"]} if tier == "disk" else {})})
+                     "ttft_s": round(med, 5), "speedup": round(cold / med, 2), "repeats": len(ts), **extra})
     del fresh
 
 
@@ -220,7 +257,8 @@ def main() -> int:
     for r in rows:
         if r["bench"] == "prefix_ttft":
             what = f"{r['prefix']} tokens cached, {r['tier']}"
-            print(f"{'prefix_ttft':12} {what:34} {r['ttft_s'] * 1e3:10.1f}ms  {r['speedup']}x vs cold")
+            fetch = f", fetch {r['fetch_ms']} ms" if "fetch_ms" in r else ""
+            print(f"{'prefix_ttft':12} {what:34} {r['ttft_s'] * 1e3:10.1f}ms  {r['speedup']}x vs cold{fetch}")
         elif r["bench"] == "agent":
             what = "caching " + ("on" if r["caching"] else "off")
             print(f"{'agent':12} {what:34} {r['total_s']:11.2f}s  {r['turns']} turns, context {r['context']}, "

@@ -62,6 +62,9 @@ class AttnMetadata:
     # hit's shared blocks). Empty, or 0s: no hit.
     swa_cuts: list = attrs.field(factory=list)
     write_floors: list = attrs.field(factory=list)
+    # [B] True: the row's encoder window state was restored from the encoder-SWA pool before this step (its
+    # decoder starts at its replay start, reading the cached encoder outputs of positions before the chunk).
+    enc_restored: list = attrs.field(factory=list)
     cache: dict = attrs.field(factory=dict)  # per-window masks, built lazily and shared by layers
 
     def split(self, nd: int) -> tuple:
@@ -100,7 +103,8 @@ class AttnMetadata:
         return self.cache[key]
 
 
-_HOST_ROWS = ("starts", "nums", "block_tables", "state_slots", "replay_starts", "swa_cuts", "write_floors")
+_HOST_ROWS = ("starts", "nums", "block_tables", "state_slots", "replay_starts", "swa_cuts", "write_floors",
+              "enc_restored")
 _DEVICE_ROWS = ("state_rows", "replay_rows", "swa_cut_rows")
 
 

@@ -10,14 +10,10 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.core.graph import Pipeline
 from deepinfer.models.ced.model import CEDForCausalLM
 from deepinfer.stages.swa_replay import SwaReplayStage
-from deepinfer.testing.ced import build_ced_checkpoint
+from deepinfer.testing.ced import REPLAY_CONFIG, build_ced_checkpoint
 from deepinfer.testing.compare import NEAR_TIE, assert_same_or_near_tie
 
-CFG = dict(hidden_size=48, num_layers=6, num_encoder_layers=3, num_heads=2, head_dim=32, rope_dim=8, q_lora_rank=32,
-           out_groups=2, out_group_dim=32, n_win=6, swa_allowance=2,
-           layer_modes=("swa", "full", "reuse", "full", "reindex", "reuse"), encoder_ratio=2, index_topk=4,
-           pool_block=2, pool_blocks=2, index_heads=2, index_head_dim=32, n_routed_experts=4,
-           num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, max_position_embeddings=512)
+CFG = REPLAY_CONFIG
 SP = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
 
 

@@ -129,6 +129,10 @@ class EngineConfig:
     host_cache_gb: float = attrs.field(default=0.0, validator=_gigabytes)
     cache_dir: Optional[str] = attrs.field(default=None, validator=_optional_str)
     disk_cache_gb: float = attrs.field(default=16.0, validator=_gigabytes)
+    # CED's encoder SWA KV at block boundaries, in host memory for swa_cache_ttl_s after its last use, so a hit
+    # needs no bounded replay (core/swa_pool.py). Needs a host tier; None: a quarter of host_cache_gb, 0: off.
+    swa_cache_gb: Optional[float] = attrs.field(default=None, validator=attrs.validators.optional(_gigabytes))
+    swa_cache_ttl_s: float = attrs.field(default=300.0, validator=_positive_seconds)
     kv_cache_dtype: str = attrs.field(default="auto", validator=_only("kv_cache_dtype", "auto", (
         "the KV cache takes the model's dtype (CED checkpoints keep their own FP8/FP4 formats)")))
     quantization: Optional[str] = attrs.field(default=None, validator=_quantization)  # the checkpoint's own

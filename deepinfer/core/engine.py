@@ -18,6 +18,7 @@ from .sampling_state import SamplingState
 from .kv_cache import BlockPool, blocks_needed
 from .kv_offload import block_mover
 from .prefix_cache import PrefixCache
+from .swa_pool import SwaStatePool, wanted as swa_pool_wanted
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
 from .requests import Request, request_output
@@ -77,6 +78,8 @@ class Engine:
         if config.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.pool, config.block_size, block_mover(config, model, self.kv_cache,
                                                                                       self.cache_identity, self.device))
+        self.swa_pool = SwaStatePool(model, self.kv_cache, config) if self.prefix_cache is not None \
+            and swa_pool_wanted(config, model) else None
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.sampling_state = SamplingState(config.max_num_seqs, model.vocab_size,
                                             tokenizer.eos_token_ids if tokenizer else (), self.device)
@@ -101,7 +104,8 @@ class Engine:
         replay = next((st for st in self.stages["admit"] if getattr(st, "kind", "") == "swa_replay"), None)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    watermark=config.watermark, aging_steps=config.scheduling_aging_steps,
-                                   prefix=self.prefix_cache, replay=getattr(replay, "plan", None))
+                                   prefix=self.prefix_cache, replay=getattr(replay, "plan", None),
+                                   swa_pool=self.swa_pool)
         self.requests: dict = {}  # not yet reported as finished
         self._to_report: list = []  # failed at admission or aborted since the last step
         self.warned: set = set()  # what add_request has warned about (once per engine)
@@ -239,6 +243,10 @@ class Engine:
         t0 = time.perf_counter()
         batch.future = self.future
         self.block_tables.sync(batch.seqs)  # only the blocks appended since the last step
+        if self.swa_pool is not None:
+            for seq in batch.seqs:
+                if seq.swa_restore is not None:
+                    self.swa_pool.restore(seq)  # in stream order before the forward that reads it
         sample_seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
         sampling = self.sampling_state.batch(sample_seqs)  # gathered from the slots on the device
         state = StepState(batch, sampling, self.kv_cache)
@@ -264,6 +272,12 @@ class Engine:
             for seq in batch.seqs:
                 if seq.cache_root is not None and not seq.finished:
                     self.prefix_cache.commit(seq, seq.num_computed_tokens)
+            if self.swa_pool is not None:
+                for seq, n in zip(batch.seqs, batch.num_tokens):
+                    if seq.swa_restore is not None:
+                        seq.swa_restore = None
+                    elif seq.cache_root is not None and not seq.finished:
+                        self.swa_pool.after_step(seq, n)
         end_step = getattr(self.model, "end_step", None)
         if end_step is not None:
             end_step()  # e.g. close the step's expert-load record (no host sync)

@@ -13,6 +13,7 @@ from ..models import loader
 from ..models.quant import fp8_block_size
 from .config import EngineConfig, config_fields
 from .prefix_cache import checkpoint_identity
+from .swa_pool import wanted as swa_pool_wanted
 from .engine import Engine
 from .graph import Pipeline
 from .params import SamplingParams
@@ -127,6 +128,8 @@ class LLM:
             log.warning("tokenizer has %d tokens but the model only %d logits", self.tokenizer.vocab_size,
                         net.vocab_size)
         max_len = loader.check_max_model_len(config.max_model_len, hf_config, net.max_position)
+        if swa_pool_wanted(config, net):  # the cache then keeps each slot's recent encoder outputs (sized below)
+            net.keep_encoder_outputs = True
         self.kv_plan = self._plan_kv(config, net, ops, torch_dtype, max_len)
         num_blocks, max_len = self.kv_plan.num_blocks, self.kv_plan.max_model_len
         self.engine = Engine(config, net, self.tokenizer, pipeline, ops, num_blocks, max_len,
@@ -274,7 +277,10 @@ class LLM:
     def cache_stats(self) -> dict:
         """Prefix-cache totals (core/prefix_cache.py ``summary``); {"enabled": False} when caching is off."""
         cache = self.engine.prefix_cache
-        return {"enabled": False} if cache is None else {"enabled": True, **cache.summary()}
+        if cache is None:
+            return {"enabled": False}
+        pool = self.engine.swa_pool
+        return {"enabled": True, **cache.summary(), **(pool.summary() if pool is not None else {})}
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (as vLLM's reset_prefix_cache); returns how many."""

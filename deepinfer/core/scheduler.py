@@ -97,9 +97,11 @@ class Scheduler:
     """``running`` is a dict used as an ordered set (admission order); ``waiting`` a WaitingQueue."""
 
     def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: float = 0.01, aging_steps: int = 32, prefix=None, replay=None):
+                 watermark: float = 0.01, aging_steps: int = 32, prefix=None, replay=None,
+                 swa_pool=None):
         """prefix: core.prefix_cache.PrefixCache or None; replay: (seq, hit tokens) -> first position to
-        recompute (the swa_replay stage's ``plan``), None: recompute from the hit point."""
+        recompute (the swa_replay stage's ``plan``), None: recompute from the hit point; swa_pool:
+        core.swa_pool.SwaStatePool or None (a hit whose window state it holds restores instead of replaying)."""
         self.pool = pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -111,7 +113,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._passed_over: dict = {}  # waiting seq -> steps in which a later-keyed sequence was admitted
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))  # per-sequence state slots (rings, tails)
-        self.prefix, self.replay = prefix, replay
+        self.prefix, self.replay, self.swa_pool = prefix, replay, swa_pool
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -134,6 +136,7 @@ class Scheduler:
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = seq.num_committed_blocks = seq.num_cached_tokens = seq.prefix_replay_start = 0
+        seq.swa_restore = None
 
     def _use_prefix(self, seq: Sequence) -> None:
         """Give a waiting sequence the cached blocks of its longest cached prefix and the position to
@@ -142,7 +145,8 @@ class Scheduler:
             return
         hit = self.prefix.lookup(seq, min(len(seq.token_ids), seq.num_tokens) - 1)
         P = len(hit) * self.block_size
-        start = P if self.replay is None or not P else self.replay(seq, P)
+        snapshot = self.swa_pool.take(seq, P) if self.swa_pool is not None and P else None
+        start = P if self.replay is None or not P or snapshot is not None else self.replay(seq, P)
         if not 0 < start <= P:  # nothing cached, or a hit the model cannot use
             self.pool.free(hit)
             return
@@ -150,6 +154,13 @@ class Scheduler:
         seq.num_committed_blocks = len(hit)
         seq.num_computed_tokens, seq.num_cached_tokens = start, P
         seq.prefix_replay_start = start if start < P else 0
+        seq.swa_restore = (P, snapshot) if snapshot is not None else None
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens seq computes this step: what it has left, within the budget (and, with an encoder-SWA pool,
+        its prompt's last chunk stopping at its last block boundary: core/swa_pool.py)."""
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        return n if self.swa_pool is None else self.swa_pool.align(seq, n)
 
     def _held(self, seq: Sequence) -> bool:
         """A sibling waits while the first sequence of its request has not computed the prompt's full blocks."""
@@ -184,7 +195,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING or seq.draining:
                 continue  # preempted earlier in this loop, or its last token is already being sampled
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget)
             while not self._grow(seq, n):
                 # Never take blocks back from a chosen row, nor from a draining one (its blocks go back within
                 # a step); seq itself is always a candidate, so the search ends.
@@ -223,7 +234,7 @@ class Scheduler:
                 held.append(seq)
                 continue
             self._use_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget)
             if not self._grow(seq, n, reserve=self.watermark_blocks if self.running else 0):
                 self._drop_blocks(seq)  # a prefix hit's blocks go back (they stay cached)
                 skipped.append((seq, admitted))

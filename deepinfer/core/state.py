@@ -46,6 +46,9 @@ class Sequence:
     num_committed_blocks: int = 0  # leading blocks of block_table registered (or hit) in the cache
     num_cached_tokens: int = 0  # tokens of the last admission's hit: their paged KV is shared, never rewritten
     prefix_replay_start: int = 0  # first position recomputed after that hit (< num_cached_tokens: SWA replay)
+    # (P, snapshot) when that hit brings the window state back from the encoder-SWA pool (core/swa_pool.py)
+    # instead of replaying: restored before the sequence's next step, then None.
+    swa_restore: Optional[tuple] = None
     wait_for: Optional["Sequence"] = None  # a sibling (n > 1) waits for this one to compute the shared prompt
     state_slot: int = -1  # per-sequence state (SWA rings, compressor tails) while it holds KV; scheduler-owned
     # Tokens sampled by launched steps but not yet collected (engine-owned): each a negative reference into the

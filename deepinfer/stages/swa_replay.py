@@ -4,7 +4,8 @@ out of the model and the engine.
 At admission: the decoder's replay start (CED's decoder runs over the last n_win prompt tokens;
 ``model.replay_start_for``, or ``replay_start_for_scoring`` for a request that scores its prompt).
 
-On a prefix-cache hit of P tokens (``plan``, called by the scheduler): the model's ``swa_state()`` says what
+On a prefix-cache hit of P tokens (``plan``, called by the scheduler, unless the encoder-SWA pool holds the
+window state at P: core/swa_pool.py restores it and nothing is replayed): the model's ``swa_state()`` says what
 the hit does not bring back. None (the Llama family; Mistral's and Qwen2's window KV lives in the blocks):
 compute from P. Otherwise the window state of ``layers`` layers is rebuilt by recomputing from s < P with
 the window cut at s (in every layer: the decoder's cut is the later of its own replay start and s):

@@ -16,6 +16,15 @@ from pathlib import Path
 from ..models.ced.config import CEDConfig
 from .tokenizers import build_test_tokenizer
 
+# A fixed small config with every layer mode, a window of 6 and a ring of 8: the prefix-cache tests (bounded
+# replay, the encoder-SWA pool) build it with block size 4.
+REPLAY_CONFIG = dict(hidden_size=48, num_layers=6, num_encoder_layers=3, num_heads=2, head_dim=32, rope_dim=8,
+                     q_lora_rank=32, out_groups=2, out_group_dim=32, n_win=6, swa_allowance=2,
+                     layer_modes=("swa", "full", "reuse", "full", "reindex", "reuse"), encoder_ratio=2,
+                     index_topk=4, pool_block=2, pool_blocks=2, index_heads=2, index_head_dim=32, n_routed_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                     max_position_embeddings=512)
+
 # Dimensions shared by every drawn config that the strategy does not vary.
 _FIXED = dict(index_head_dim=32, index_heads=2, q_lora_rank=32, out_group_dim=32, moe_intermediate_size=32,
               n_routed_experts=4, n_shared_experts=1, decoder_ratio=1, max_position_embeddings=512)

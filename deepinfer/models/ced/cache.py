@@ -10,6 +10,9 @@
   (no speculative allowance: the scoring pass only runs over prompt tokens).
 - The compressor's incomplete trailing group: the normed inputs of its tokens, per sequence; m slots (token
   at position p in slot p % m), so a decode step writes its token and reads the whole group unbranched.
+- With an encoder-SWA pool (core/swa_pool.py, ``keep_encoder_outputs``): the final encoder hidden states of
+  each sequence's last ring-many positions (position p in slot p % ring), which a snapshot keeps beside the
+  encoder rings because the decoder replays the last n_win prompt tokens' encoder outputs.
 Per-sequence parts are indexed by the sequence's state slot, plus one scratch row (slot ``max_seqs``) that
 a CUDA graph's padded rows use (backends/cuda_graph.py).
 """
@@ -31,7 +34,8 @@ def _alloc(n: int, channels: int, fmt: str, device, lead=()):
 
 
 class CEDCache:
-    def __init__(self, c: CEDConfig, num_blocks: int, block_size: int, max_seqs: int, dtype, device):
+    def __init__(self, c: CEDConfig, num_blocks: int, block_size: int, max_seqs: int, dtype, device,
+                 keep_encoder_outputs: bool = False):
         self.c, self.block_size, self.dtype, self.device = c, block_size, dtype, device
         self.kv, self.ik, self.pending = {}, {}, {}
         for l, mode in enumerate(c.layer_modes):
@@ -50,6 +54,8 @@ class CEDCache:
                      for l in range(c.num_layers)}
         self.score_ring = {l: _alloc(c.n_win, c.head_dim, c.swa_kv_format, device, lead=(max_seqs,))
                            for l in range(c.num_encoder_layers, c.num_layers)}
+        self.henc = torch.zeros(max_seqs + 1, c.ring_size, c.hidden_size, dtype=dtype, device=device) \
+            if keep_encoder_outputs else None
 
     @staticmethod
     def bytes_per_token(c: CEDConfig) -> int:

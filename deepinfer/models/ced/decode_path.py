@@ -77,6 +77,8 @@ def forward_decode(model, input_ids, meta, cache):
     for layer in model.layers[: c.num_encoder_layers]:
         h = engine_path.layer_engine(model, layer, h, enc, None, cache, ctx, stats)
     h_enc = h
+    if cache.henc is not None:  # an encoder-SWA pool snapshots these (core/swa_pool.py)
+        cache.henc[enc.ring_slot, enc.pos % cache.henc.shape[1]] = h_enc.to(cache.henc.dtype)
     for layer in model.layers[c.num_encoder_layers:]:
         h = engine_path.layer_engine(model, layer, h, dec, h_enc, cache, ctx, stats)
     return h

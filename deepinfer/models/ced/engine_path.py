@@ -5,7 +5,10 @@ Per row (a sequence computing positions [a, b) this step, replay start s):
 - every full layer compresses the groups that complete in the chunk (with the tail left over from the
   previous chunk) and writes them to the paged cache before attention (visibility does the causality);
 - the decoder runs only over positions >= s, with its SWA cut at s (bounded replay; s = 0 is exact).
-  The decoder's full layer still compresses every chunk token from the final encoder state;
+  The decoder's full layer still compresses every chunk token from the final encoder state. A row whose
+  encoder window state was just restored from the encoder-SWA pool (``meta.enc_restored``; core/swa_pool.py)
+  starts its decoder at s even before its chunk: those positions' encoder outputs come from the cache's
+  ``henc`` (the snapshot's), the rest from this step's encoder;
 - a row whose replay start is a ``ReplayStart`` (a request that scores its prompt) then runs the decoder a
   second time, over its chunk's positions < score_end with no cut and its own scoring rings: exact replay's
   logits for prompt logprobs, without touching the state it generates from.
@@ -49,12 +52,18 @@ class Pass:
             n += q
         self.n = n
         self.min_pos = min(pos) if pos else None  # host-known: counting it needs no device read
-        # Index of each query among the step's T tokens.
+        # Index of each query among the step's T tokens (-1: a position before the row's chunk, whose input
+        # the caller supplies: a restored row's decoder, see ``early``).
         qs = [0]
         for k in meta.nums:
             qs.append(qs[-1] + k)
-        tok = [qs[r] + (p - meta.starts[r]) for r, p in zip(self.rows, pos)]
+        tok = [qs[r] + (p - meta.starts[r]) if p >= meta.starts[r] else -1 for r, p in zip(self.rows, pos)]
         self.rows_t, self.pos, self.tok = to_device([self.rows, pos, tok], torch.long, device).unbind(0)
+        early = [i for i, t in enumerate(tok) if t < 0]
+        self.early = self.late = None  # [E], [n - E] queries before / inside their row's chunk (when E > 0)
+        if early:
+            self.early = to_device(early, torch.long, device)
+            self.late = to_device([i for i, t in enumerate(tok) if t >= 0], torch.long, device)
         # Per query: its replay cut, first fresh position, offset of that position's row, and ring (state slot).
         per_row = to_device([cut, lo, self.lstart, list(meta.state_slots)], torch.long, device)
         self.cut_t, self.lo_t, self.lstart_t, self.ring_slot = per_row[:, self.rows_t].unbind(0)
@@ -69,16 +78,32 @@ class Pass:
         _write_ring(layer, self, kv, cache, self.meta, self.device, ops)
 
 
-def _write_ring(layer, P: Pass, kv, cache, meta, device, ops):
-    size = cache.rings(P.score)[layer.i][0].shape[1]  # each row keeps its last `size` positions
+def _last_queries(P: Pass, size: int, meta, device):
+    """(queries, their state slots): each row's last ``size`` queries of pass P, or None when there is none."""
     keep = []
     for r in range(len(meta.starts)):
         n_r = (P.lstart[r + 1] if r + 1 < len(P.lstart) else P.n) - P.lstart[r]
         keep += range(P.lstart[r] + max(0, n_r - size), P.lstart[r] + n_r)
-    if keep:
-        idx = to_device(keep, torch.long, device)
-        slots = to_device(meta.state_slots, torch.long, device)[P.rows_t[idx]]
+    if not keep:
+        return None
+    idx = to_device(keep, torch.long, device)
+    return idx, to_device(meta.state_slots, torch.long, device)[P.rows_t[idx]]
+
+
+def _write_ring(layer, P: Pass, kv, cache, meta, device, ops):
+    last = _last_queries(P, cache.rings(P.score)[layer.i][0].shape[1], meta, device)
+    if last is not None:
+        idx, slots = last
         cache.ring_write(layer.i, slots, P.pos[idx], kv[idx], quantize=ops.quantize_kv, score=P.score)
+
+
+def _keep_encoder_outputs(enc: Pass, h_enc, cache, meta, device) -> None:
+    """Each row's last ring-many final encoder outputs into the cache's ``henc`` (an encoder-SWA pool keeps them)."""
+    size = cache.henc.shape[1]
+    last = _last_queries(enc, size, meta, device)
+    if last is not None:
+        idx, slots = last
+        cache.henc[slots, enc.pos[idx] % size] = h_enc[enc.tok[idx]].to(cache.henc.dtype)
 
 
 def _compress_chunk(model, layer, xs, meta, cache, device):
@@ -236,14 +261,23 @@ def forward_engine(model, input_ids, meta, cache):
     for layer in model.layers[: c.num_encoder_layers]:
         h = layer_engine(model, layer, h, enc, None, cache, ctx, stats)
     h_enc = h
-    lo = [max(a, s) for a, s in zip(meta.starts, meta.replay_starts)]
+    if cache.henc is not None:
+        _keep_encoder_outputs(enc, h_enc, cache, meta, device)
+    restored = meta.enc_restored or [False] * len(meta.starts)
+    lo = [s if back else max(a, s) for a, s, back in zip(meta.starts, meta.replay_starts, restored)]
     # The decoder's cut: its replay start, or a prefix hit's replay start if later (its rings start there).
     dec = Pass(meta, lo, ends, device, cut=[max(s, c) for s, c in zip(meta.replay_starts, enc.cut)])
-    hd = h_enc[dec.tok]
+    hd = h_enc[dec.tok.clamp(min=0)]
+    if dec.early is not None:  # a restored row's positions before its chunk: the snapshot's encoder outputs
+        e = dec.early
+        hd[e] = cache.henc[dec.ring_slot[e], dec.pos[e] % cache.henc.shape[1]].to(hd.dtype)
     for layer in model.layers[c.num_encoder_layers:]:
         hd = layer_engine(model, layer, hd, dec, h_enc, cache, ctx, stats)
     out = torch.zeros_like(h_enc)
-    out[dec.tok] = hd
+    if dec.early is None:
+        out[dec.tok] = hd
+    else:
+        out[dec.tok[dec.late]] = hd[dec.late]
     # Prompt scoring (ReplayStart rows): the decoder again over positions < score_end, as exact replay runs it.
     score_ends = [min(b, getattr(s, "score_end", 0)) for b, s in zip(ends, meta.replay_starts)]
     if any(e > a for e, a in zip(score_ends, meta.starts)):

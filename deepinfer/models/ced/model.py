@@ -211,7 +211,8 @@ class CEDEngineMixin:
     def allocate_kv_cache(self, num_slots, dtype, device, block_size: int = 16, max_seqs: int = 1):
         from .cache import CEDCache
 
-        return CEDCache(self.config, num_slots // block_size, block_size, max_seqs, dtype, device)
+        return CEDCache(self.config, num_slots // block_size, block_size, max_seqs, dtype, device,
+                        keep_encoder_outputs=getattr(self, "keep_encoder_outputs", False))
 
     def kv_bytes_per_token(self, dtype) -> int:
         from .cache import CEDCache
@@ -226,7 +227,8 @@ class CEDEngineMixin:
     def paged_kv_views(self, cache, block_size: int) -> list:
         """The paged part of the cache, for the prefix cache's slower tiers (core/kv_offload.py): each full
         layer's global KV and indexer keys, block_size / m entry rows per block. The SWA rings and compressor
-        tails are per-sequence state, never cached (a hit rebuilds them: stages/swa_replay.py)."""
+        tails are per-sequence state, not paged (a hit rebuilds them, stages/swa_replay.py, or restores the
+        encoder's from the encoder-SWA pool, core/swa_pool.py)."""
         views = []
         for l in sorted(cache.kv):
             per = block_size // self.config.ratio(l)
@@ -249,6 +251,31 @@ class CEDEngineMixin:
 
         c = self.config
         return SwaState(window=c.n_win, layers=c.num_layers, needs_all_positions=c.replay_mode == "exact")
+
+    # The encoder-SWA pool's contract (core/swa_pool.py): the window state at a block boundary P, the encoder
+    # rings' and the final encoder outputs' positions [P - n_win, P), out of and back into a state slot.
+    @property
+    def swa_snapshot_slack(self) -> int:
+        """How far past P a sequence may be and its rings still hold [P - n_win, P): the speculative allowance."""
+        return self.config.ring_size - self.config.n_win
+
+    def _window_rows(self, cache, P: int):
+        c = self.config
+        pos = torch.arange(P - c.n_win, P, device=cache.device)
+        r = pos % c.ring_size
+        for l in range(c.num_encoder_layers):
+            codes, scales = cache.ring[l]
+            yield f"ring{l}.codes", codes, r
+            if scales.shape[-1]:
+                yield f"ring{l}.scales", scales, r
+        yield "encoder_out", cache.henc, r
+
+    def swa_snapshot(self, cache, slot: int, P: int) -> dict:
+        return {name: t[slot, r] for name, t, r in self._window_rows(cache, P)}
+
+    def swa_restore(self, cache, slot: int, P: int, payload: dict) -> None:
+        for name, t, r in self._window_rows(cache, P):
+            t[slot, r] = payload[name].to(t.device, non_blocking=True)
 
     def replay_start_for_scoring(self, num_prompt_tokens: int) -> int:
         """The replay start of a request that also scores its prompt (prompt_logprobs): its own replay start,
