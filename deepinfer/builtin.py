@@ -78,3 +78,11 @@ def deepinfer_register_recipes(register):
 
     for f in sorted(builtin_dir().glob("*.toml")):
         register.recipe(name=f.stem, spec=f)
+
+
+@hookimpl
+def deepinfer_register_parsers(register):
+    from .entrypoints.parsers import builtin_parsers  # plain Python: no server dependency is imported
+
+    for (kind, name), factory in builtin_parsers().items():
+        register.parser(kind=kind, name=name, factory=factory)

@@ -1,4 +1,4 @@
-"""The ``deepinfer`` command: generate | chat | plugins | pipeline | init-model | bench | check.
+"""The ``deepinfer`` command: generate | chat | serve | plugins | pipeline | init-model | bench | check.
 
 Exit status: 0 on success, 1 when a request failed (the others still print),
 2 for a bad argument or value (``error: ...`` on stderr, no traceback), 130 on
@@ -316,9 +316,10 @@ def plugin_report() -> list:
 
     def labels(entries, category: str) -> list:
         out = []
-        for e in sorted((e for e in entries if e.category == category), key=lambda e: (e.kind or "", e.name)):
+        for e in sorted((e for e in entries if e.category == category or (category == "parser" and e.category.endswith(
+                "_parser"))), key=lambda e: (e.kind or "", e.name)):
             notes = marks.get(id(e), []) + ([] if e.available is None or e.available() else ["unavailable"])
-            out.append((f"{e.kind}/{e.name}" if category == "stage" else e.name)
+            out.append((f"{e.kind}/{e.name}" if category in ("stage", "parser") else e.name)
                        + (f" ({'; '.join(notes)})" if notes else ""))
         return out
 
@@ -327,7 +328,8 @@ def plugin_report() -> list:
         entries = by_plugin.get(name, [])
         report.append({"name": name, "origin": plugin_origin(pm, name),
                        **{key: labels(entries, cat) for key, cat in
-                          (("stages", "stage"), ("backends", "backend"), ("models", "model"), ("recipes", "recipe"))}})
+                          (("stages", "stage"), ("backends", "backend"), ("models", "model"), ("recipes", "recipe"),
+                           ("parsers", "parser"))}})
     return report
 
 
@@ -339,7 +341,7 @@ def cmd_plugins(args) -> int:
     for p in report:
         print(f"{p['name']}  ({p['origin']})")
         shown = False
-        for key in ("stages", "backends", "models", "recipes"):
+        for key in ("stages", "backends", "models", "recipes", "parsers"):
             if p[key]:
                 print(f"  {key + ':':<10}{', '.join(p[key])}")
                 shown = True
@@ -541,6 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="FILE",
                    help="JSONL file to append the result row to (default: none, only the table is printed)")
     p.set_defaults(func=cmd_bench)
+
+    from .entrypoints.cli_serve import add_serve_parser
+
+    add_serve_parser(sub, _model_args)
 
     p = sub.add_parser("check", help="numerical checks of fast paths against their oracles")
     check = p.add_subparsers(dest="check", metavar="CHECK", required=True)

@@ -111,6 +111,13 @@ class TestPlugin:
         register.model(architecture="TestOnlyForCausalLM", factory=make)
 
     @hookimpl
+    def deepinfer_register_parsers(self, register):
+        from deepinfer.entrypoints.parsers import TagToolParser
+
+        register.parser(kind="tool", name="test_tags", factory=lambda: TagToolParser(name="test_tags", start="<call>",
+                                                                                       end="</call>"))
+
+    @hookimpl
     def deepinfer_register_recipes(self, register):
         register.recipe(name="always7", spec={
             "description": "the reference stages with a sampler that always picks token 7",
@@ -564,6 +571,26 @@ def test_top_a_mixed_batch_greedy_seeded_banned(top_a_entry_point):
     st = _state(logits[:1], params[:1])
     TopASample()(st)
     assert st.next_tokens.tolist() == [1]
+
+
+@exercises("deepinfer_register_parsers")
+def test_parser_plugin_is_chosen_by_name_and_reads_its_format():
+    from deepinfer.entrypoints.parsers import choose_parser, parse_output
+
+    pm = new_plugin_manager(load_entry_points=False)
+    pm.register(TestPlugin(), name="test-plugin")
+    reg = get_registry(pm)
+    assert reg.get("tool_parser", "test_tags").plugin == "test-plugin"
+    assert reg.get("tool_parser", "qwen3").plugin == BUILTIN and reg.get("reasoning_parser", "qwen3").plugin == BUILTIN
+    parser = choose_parser(reg, "tool", "test_tags", None)
+    parsed = parse_output('hi <call>{"name": "f", "arguments": {"x": 1}}</call>', parser)
+    assert parsed.content == "hi " and [(c.name, c.arguments) for c in parsed.calls] == [("f", '{"x": 1}')]
+    assert choose_parser(reg, "tool", None, "ced").name == "demo"  # the family's default
+    assert choose_parser(reg, "tool", "none", "ced") is None
+    with pytest.raises(PluginError, match="unknown tool_parser 'nope'"):
+        choose_parser(reg, "tool", "nope", None)
+    with pytest.raises(PluginError, match="kind 'output'"):
+        reg.parser(kind="output", name="x", factory=dict)
 
 
 # The meta-test.

@@ -66,3 +66,15 @@ def deepinfer_register_recipes(register) -> None:
     ``speculative``; see core/recipe.py). It is checked when a pipeline is
     built from it. Returns nothing.
     """
+
+
+@hookspec
+def deepinfer_register_parsers(register) -> None:
+    """Register output parsers for the server: ``register.parser(kind=..., name=..., factory=...)``.
+
+    ``kind`` is ``"tool"`` (tool calls in a model's output) or ``"reasoning"`` (its reasoning text);
+    ``factory()`` takes no argument and returns a parser object (entrypoints/parsers.py: a tool parser has
+    ``parse(text, final) -> Parsed`` and ``needs_special_tokens``, a reasoning parser ``split(text, final)
+    -> (reasoning, rest)``). Called when a server is built (``deepinfer serve --tool-call-parser NAME``),
+    never per request. Returns nothing.
+    """

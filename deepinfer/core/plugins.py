@@ -34,6 +34,9 @@ STAGE_KINDS = ("tokenize", "prefix_cache", "prefill", "swa_replay", "draft", "fo
                "sample", "detokenize")
 
 
+PARSER_KINDS = ("tool", "reasoning")
+
+
 class PluginError(ValueError):
     """A plugin registered something wrong (conflict, bad name) or a name is unknown."""
 
@@ -42,7 +45,7 @@ class PluginError(ValueError):
 class Entry:
     """One registered thing and the plugin that provided it."""
 
-    category: str  # stage | backend | model | recipe
+    category: str  # stage | backend | model | recipe | tool_parser | reasoning_parser
     name: str
     obj: Any
     plugin: str
@@ -102,6 +105,15 @@ class Registry:
             raise PluginError(f"plugin {self.current_plugin!r}: recipe {name!r} must be a dict with 'stages' "
                               "or a pathlib.Path to a .toml recipe file")
         self._add(Entry("recipe", name, spec, self.current_plugin, override=override), override)
+
+    def parser(self, kind: str, name: str, factory: Callable, override: bool = False) -> None:
+        """An output parser of the server (entrypoints/parsers.py); kind: "tool" or "reasoning"."""
+        if kind not in PARSER_KINDS:
+            raise PluginError(f"plugin {self.current_plugin!r}: parser {name!r} has kind {kind!r}; expected one of "
+                              f"{PARSER_KINDS}")
+        if not callable(factory):
+            raise PluginError(f"plugin {self.current_plugin!r}: parser {name!r} factory is not callable")
+        self._add(Entry(f"{kind}_parser", name, factory, self.current_plugin, kind=kind, override=override), override)
 
     # Lookups.
     def names(self, category: str) -> list[str]:
@@ -179,6 +191,7 @@ _HOOKS = {
     "deepinfer_register_backends": None,
     "deepinfer_register_models": None,
     "deepinfer_register_recipes": None,
+    "deepinfer_register_parsers": None,
 }
 
 

@@ -1,0 +1,221 @@
+"""AsyncLLM: the engine loop in its own thread; requests are added, streamed and aborted from asyncio.
+
+The Engine is not thread-safe, so only the engine thread touches it. Callers post commands (add, abort) to an
+inbox; the thread applies them between steps, steps while any request is unfinished, and hands each
+RequestOutput to its request's asyncio queue (``loop.call_soon_threadsafe``). When idle it blocks on the
+inbox, so an idle server costs no CPU.
+
+Leaving ``generate``'s iterator early (a client that disconnects cancels the task that iterates it) aborts
+the request: the engine finishes its sequences and their KV blocks go back to the pool at once.
+
+``stats()`` is a snapshot taken by the engine thread after every step (running and waiting sequences, KV
+blocks, prefix-cache hit rate), so readers on other threads never walk the engine's structures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator, Optional
+
+from ..core.params import SamplingParams
+from ..outputs import CompletionOutput, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shut down, or crashed); no request can be served."""
+
+
+class AsyncLLM:
+    """An asynchronous front end over one LLM. ``AsyncLLM(model=...)`` takes LLM's arguments;
+    ``AsyncLLM(llm=existing)`` wraps an LLM already built. Use ``async with`` or call ``shutdown()``."""
+
+    def __init__(self, llm=None, **llm_kwargs):
+        if llm is None:
+            from ..core.llm import LLM
+
+            llm = LLM(**llm_kwargs)
+        elif llm_kwargs:
+            raise TypeError("AsyncLLM: pass llm=... or LLM's arguments, not both")
+        self.llm, self.engine, self.tokenizer = llm, llm.engine, llm.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._queues: dict = {}  # request id -> (loop, asyncio.Queue); owned by the engine thread once added
+        self._ids = itertools.count()
+        self._stopping = threading.Event()
+        self._dead: Optional[str] = None
+        self._stats = self._snapshot()
+        self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
+        self._thread.start()
+
+    # --- the caller's side (any thread; generate from an event loop) ---------------------------------------
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def generate(self, prompt, params: SamplingParams, request_id: Optional[str] = None,
+                       stream: bool = True, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative RequestOutputs of one request (``stream=False``: only the final one). A request that
+        fails (bad prompt, bad schema, a failing step) ends with an output whose ``error`` is set. Closing the
+        iterator before the end (or cancelling the task) aborts the request and frees its KV blocks."""
+        self._check_alive()
+        rid = request_id or self.new_request_id()
+        q: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(("add", rid, prompt, params, stream, priority, (asyncio.get_running_loop(), q)))
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                while not q.empty() and not out.finished:  # a slow consumer skips to the latest (cumulative)
+                    nxt = q.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        raise nxt
+                    out = nxt
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (no effect when it has finished); its blocks are freed before the next step."""
+        self._inbox.put(("abort", request_id))
+
+    def stats(self) -> dict:
+        """The engine's state after its latest step: running/waiting sequences, KV blocks, prefix-cache totals."""
+        return self._stats
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def _check_alive(self) -> None:
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running ({self._dead or 'its thread ended'})")
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is in flight (each stream ends with finish_reason "abort") and stop the engine thread."""
+        if self._thread.is_alive():
+            self._inbox.put(("stop",))
+            self._thread.join(timeout)
+        self._dead = self._dead or "shut down"
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
+
+    # --- the engine thread ---------------------------------------------------------------------------------
+
+    def _deliver(self, rid: str, item) -> None:
+        entry = self._queues.get(rid)
+        if entry is None:
+            return
+        loop, q = entry
+        if isinstance(item, BaseException) or item.finished:
+            self._queues.pop(rid, None)
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody listens any more
+            self._queues.pop(rid, None)
+
+    def _apply(self, cmd) -> bool:
+        """Apply one inbox command; False on stop."""
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt, params, stream, priority, target = cmd
+            self._queues[rid] = target
+            try:
+                self.engine.add_request(rid, prompt, params, stream=stream, priority=priority)
+            except Exception as exc:  # a bad argument (duplicate id, not SamplingParams): this request only
+                self._deliver(rid, _error_output(rid, f"{type(exc).__name__}: {exc}"))
+        elif kind == "abort":
+            if cmd[1] in self.engine.requests:
+                self.engine.abort(cmd[1])
+        elif kind == "stop":
+            return False
+        return True
+
+    def _run(self) -> None:
+        try:
+            running = True
+            while running:
+                # Block while idle; otherwise take what arrived since the last step without waiting.
+                block = not self.engine.has_unfinished()
+                while running:
+                    try:
+                        cmd = self._inbox.get(block=block, timeout=0.5 if block else None)
+                    except queue.Empty:
+                        if block:
+                            self._stats = self._snapshot()
+                            continue
+                        break
+                    running = self._apply(cmd)
+                    block = False
+                if not running:
+                    break
+                if not self.engine.has_unfinished():
+                    continue
+                try:
+                    outs = self.engine.step()
+                except Exception as exc:  # a bug the engine did not contain: fail what is in flight, keep going
+                    log.exception("deepinfer: engine step raised; failing the requests in flight")
+                    self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                    continue
+                for out in outs:
+                    self._deliver(out.request_id, out)
+                self._stats = self._snapshot()
+            self._fail_all("the server is shutting down", reason="abort")
+        except BaseException as exc:  # pragma: no cover - the thread itself broke
+            self._dead = f"engine thread crashed: {type(exc).__name__}: {exc}"
+            log.exception("deepinfer: %s", self._dead)
+            for rid in list(self._queues):
+                self._deliver(rid, EngineDeadError(self._dead))
+        finally:
+            self._stats = self._snapshot()
+            if self._dead is None:
+                self._dead = "shut down"
+
+    def _fail_all(self, message: str, reason: str = "error") -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+        try:
+            self.engine.step()  # reports (and frees) the aborted requests
+            self.engine.sync()
+        except Exception:  # pragma: no cover
+            log.exception("deepinfer: could not step the engine while failing its requests")
+        for rid in list(self._queues):
+            self._deliver(rid, _error_output(rid, message) if reason == "error" else _abort_output(rid))
+
+    def _snapshot(self) -> dict:
+        eng = self.engine
+        sched, pool = eng.scheduler, eng.pool
+        cache = eng.prefix_cache
+        summary = cache.summary() if cache is not None else {}
+        return {"running": len(sched.running), "waiting": len(sched.waiting), "requests": len(eng.requests),
+                "kv_blocks_total": pool.num_blocks, "kv_blocks_free": pool.num_free,
+                "kv_usage": 1.0 - pool.num_free / pool.num_blocks,
+                "prefix_cache_queries": summary.get("query_tokens", 0), "prefix_cache_hits": summary.get("hit_tokens", 0),
+                "prefix_cache_hit_rate": summary.get("hit_rate", 0.0), "steps": eng.stats["steps"],
+                "time": time.time()}
+
+
+def _error_output(rid: str, message: str) -> RequestOutput:
+    comp = CompletionOutput(index=0, text="", token_ids=[], finish_reason="error", error=message)
+    return RequestOutput(rid, None, [], [comp], True, error=message)
+
+
+def _abort_output(rid: str) -> RequestOutput:
+    return RequestOutput(rid, None, [], [CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],
+                         True)
