@@ -11,9 +11,9 @@ time from submitting the request until its first token (TTFT, the engine stepped
 - ``cold``: nothing cached (the engine's cache reset);
 - ``device``: the prefix's blocks still in device memory;
 - ``host``: evicted to the host pool (``host_cache_gb``) by filling the pool, then found there;
-- ``disk``: a fresh engine on the same ``cache_dir`` (a restart, then one unrelated request of the same length
-  computed cold, as a restarted server would have served, so the hit pays no first-request warm-up), nothing
-  in device or host memory.
+- ``disk``: a fresh engine on the same ``cache_dir`` (a restart, then two unrelated requests sharing a prefix
+  of the same length, a miss and a hit, as a restarted server would have served, so the measured hit pays no
+  first-request compilation), nothing of the measured prefix in device or host memory.
 For CED, ``device`` and ``host`` hit a prefix that an earlier request crossed mid-chunk (bounded replay), and
 ``device+swa`` / ``host+swa`` one that an earlier request ended at (P + 1 tokens), whose encoder window state
 the encoder-SWA pool (core/swa_pool.py) restores. ``fetch_ms``: time spent in the prefix-cache lookup
@@ -155,7 +155,9 @@ def tiers(args, path, cfg, P: int, vocab: int, rows: list) -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     fresh = build(path, cfg, args, cache_dir=cache_dir)  # a restart: disk only
-    ttft(fresh, gpu_bench.random_ids(rng, vocab, P + args.suffix), f"warm{P}")  # a miss, computed cold
+    other = gpu_bench.random_ids(rng, vocab, P)  # unrelated traffic first: a miss, then a hit on it, so the
+    ttft(fresh, other + gpu_bench.random_ids(rng, vocab, args.suffix), f"warm{P}")  # disk hit compiles nothing
+    ttft(fresh, other + gpu_bench.random_ids(rng, vocab, args.suffix), f"warmhit{P}")
     spent = timed_lookups(fresh)
     times["disk"] = [ttft(fresh, last_prefix + gpu_bench.random_ids(rng, vocab, args.suffix), f"disk{P}")]
     fetch["disk"] = [sum(spent)]
