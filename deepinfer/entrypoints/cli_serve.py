@@ -95,6 +95,9 @@ def add_serve_parser(sub, model_args) -> argparse.ArgumentParser:
                    help="reasoning parser (qwen3, deepseek_r1, demo, none, or a plugin's; default: the family's)")
     g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="a jinja2 chat template (a file, or the template text) overriding the checkpoint's")
+    g.add_argument("--disable-any-whitespace", action="store_true",
+                   help="JSON from response_format is written with fixed separators and no other whitespace (small "
+                        "models otherwise tend to pad JSON with newlines); forced tool calls always are")
     g.add_argument("--timeout-graceful-shutdown", type=float, default=10.0, metavar="S",
                    help="on SIGINT/SIGTERM, let in-flight requests finish this long, then abort them (default 10)")
     g.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
@@ -139,13 +142,15 @@ def cmd_serve(args) -> int:
     settings = ServerSettings(model_name=name, api_key=args.api_key or os.environ.get("DEEPINFER_API_KEY") or None,
                               max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
                               tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                              chat_template=template, model_aliases=tuple(x for x in (model, str(llm.model_path))
+                              chat_template=template, json_compact=args.disable_any_whitespace,
+                              model_aliases=tuple(x for x in (model, str(llm.model_path))
                                                                           if x))
     app = build_app(engine, settings)
 
     @app.on_event("shutdown")
-    def _stop_engine():
+    def _stop_engine():  # after uvicorn has let in-flight requests finish (--timeout-graceful-shutdown)
         engine.shutdown()
+        print("deepinfer serve: stopped", file=sys.stderr, flush=True)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.timeout_graceful_shutdown, access_log=False)

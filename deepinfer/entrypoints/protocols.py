@@ -77,8 +77,10 @@ class Limits:
 
 def sampling_params(body: dict, prompt_len: int, limits: Limits, *, max_tokens_keys=("max_tokens",),
                     default_max_tokens: Optional[int] = None, stop_key: str = "stop", logprobs=None,
-                    structured=None, skip_special_tokens: Optional[bool] = None) -> SamplingParams:
-    """SamplingParams of one request; ConversionError / ValueError name the field that is wrong."""
+                    structured=None, skip_special_tokens: Optional[bool] = None,
+                    max_temperature: float = 2.0) -> SamplingParams:
+    """SamplingParams of one request; ConversionError / ValueError name the field that is wrong. temperature is
+    held to the protocol's range (OpenAI's [0, 2], Anthropic's [0, 1])."""
     kw = dict(limits.defaults)
     for name, types, what in (("temperature", NUM, "a number"), ("top_p", NUM, "a number"), ("min_p", NUM, "a number"),
                               ("presence_penalty", NUM, "a number"), ("frequency_penalty", NUM, "a number"),
@@ -89,6 +91,9 @@ def sampling_params(body: dict, prompt_len: int, limits: Limits, *, max_tokens_k
         v = _type_check(body, name, types, what)
         if v is not None:
             kw[name] = v
+    t = body.get("temperature")
+    if t is not None and not 0 <= t <= max_temperature:
+        raise ConversionError(f"temperature={t!r} is invalid: must be in [0, {max_temperature:g}]", "temperature")
     max_tokens = None
     for key in max_tokens_keys:
         v = _type_check(body, key, int, "an integer >= 1")
@@ -152,7 +157,7 @@ def sampling_params(body: dict, prompt_len: int, limits: Limits, *, max_tokens_k
     return SamplingParams(**kw)
 
 
-def response_format(fmt, param: str = "response_format") -> Optional[StructuredOutputsParams]:
+def response_format(fmt, param: str = "response_format", compact: bool = False) -> Optional[StructuredOutputsParams]:
     """OpenAI's response_format (Chat Completions) or text.format (Responses) as structured outputs."""
     if fmt is None:
         return None
@@ -162,13 +167,13 @@ def response_format(fmt, param: str = "response_format") -> Optional[StructuredO
     if kind == "text":
         return None
     if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json_object=True, disable_any_whitespace=compact)
     if kind == "json_schema":
         spec = fmt.get("json_schema", fmt)  # Chat nests it; Responses puts schema beside type
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise ConversionError(f"{param}.json_schema.schema must be a JSON schema object", f"{param}.json_schema")
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema, disable_any_whitespace=compact)
     raise ConversionError(f"{param}.type={kind!r} is invalid: expected text, json_object or json_schema",
                           f"{param}.type")
 

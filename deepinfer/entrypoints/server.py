@@ -59,6 +59,7 @@ class ServerSettings:
     reasoning_parser: Optional[str] = None
     chat_template: Optional[str] = None  # a template source, overriding the checkpoint's
     model_aliases: tuple = ()
+    json_compact: bool = False  # response_format JSON without free whitespace (--disable-any-whitespace)
 
 
 def _openai_error(e: ApiError) -> dict:
@@ -275,7 +276,7 @@ class Server:
                            kind="prompt_too_long")
 
     def prepare_chat(self, conv: Conversation, body: dict, choice, structured, *, max_tokens_keys,
-                     logprobs=None) -> Prepared:
+                     logprobs=None, max_temperature: float = 2.0) -> Prepared:
         plan, forced = tool_plan(conv.tools, choice, self.tool_parser)
         if forced is not None and structured is not None:
             raise ConversionError("a forced tool_choice cannot be combined with response_format", "tool_choice")
@@ -285,7 +286,8 @@ class Server:
         self.check_prompt_len(len(ids))
         special = False if plan.parser is not None and getattr(plan.parser, "needs_special_tokens", False) else None
         params = sampling_params(body, len(ids), self.limits, max_tokens_keys=max_tokens_keys, logprobs=logprobs,
-                                 structured=structured if forced is None else forced, skip_special_tokens=special)
+                                 structured=structured if forced is None else forced, skip_special_tokens=special,
+                                 max_temperature=max_temperature)
         return Prepared(ids, text, params, plan, self.reasoning_parser)
 
     async def run(self, request: Request, prep: Prepared, stream: bool):
@@ -304,8 +306,8 @@ class Server:
 
 def _engine_error(message: str) -> ApiError:
     """An engine failure as an HTTP error: a ValueError at admission is the request's fault (400)."""
-    bad = message.startswith(("ValueError", "PluginError", "KeyError", "TypeError", "SchemaError",
-                              "structured outputs"))
+    bad = message.startswith(("ValueError", "PluginError", "KeyError", "TypeError", "SchemaError")) \
+        or "structured outputs: " in message  # a grammar that fails to compile (the constrain stage says so)
     return ApiError(400 if bad else 500, message, param=param_of(message),
                     kind="bad_request" if bad else "engine_error")
 
@@ -487,7 +489,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, registry=None) -> Fast
         if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or lp < 0):
             raise ApiError(400, f"logprobs={lp!r} is invalid: must be an integer >= 0", param="logprobs",
                            kind="bad_field")
-        structured = response_format(body.get("response_format"))
+        structured = response_format(body.get("response_format"), compact=settings.json_compact)
         preps = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
@@ -580,7 +582,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, registry=None) -> Fast
                            kind="bad_field")
         if top and not lp:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs", kind="bad_field")
-        structured = response_format(body.get("response_format"))
+        structured = response_format(body.get("response_format"), compact=settings.json_compact)
         prep = srv.prepare_chat(conv, body, openai_tool_choice(body.get("tool_choice")), structured,
                                 max_tokens_keys=("max_completion_tokens", "max_tokens"),
                                 logprobs=(top or 0) if lp else None)
@@ -685,7 +687,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, registry=None) -> Fast
                                 "whole conversation in input", param="previous_response_id", kind="bad_field")
         conv = responses_conversation(body)
         text_cfg = body.get("text") if isinstance(body.get("text"), dict) else {}
-        structured = response_format(text_cfg.get("format"), "text.format")
+        structured = response_format(text_cfg.get("format"), "text.format", compact=settings.json_compact)
         if body.get("n") not in (None, 1):
             raise ApiError(400, "n is not a Responses field", param="n", kind="bad_field")
         prep = srv.prepare_chat(conv, body, openai_tool_choice(body.get("tool_choice")), structured,
@@ -798,7 +800,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, registry=None) -> Fast
             raise ApiError(400, "max_tokens: a required integer field", param="max_tokens", kind="bad_field")
         conv = anthropic_conversation(body)
         return srv.prepare_chat(conv, {**body, "stop": body.get("stop_sequences")},
-                                anthropic_tool_choice(body.get("tool_choice")), None, max_tokens_keys=("max_tokens",))
+                                anthropic_tool_choice(body.get("tool_choice")), None, max_tokens_keys=("max_tokens",),
+                                max_temperature=1.0)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):

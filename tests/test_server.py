@@ -1,0 +1,396 @@
+"""deepinfer serve, driven by the official openai and anthropic clients against a server in a subprocess (as
+vLLM's tests do): every endpoint streaming and not, n > 1, logprobs, stop, seeds, structured outputs, tool calls
+round-tripped through each protocol (forced by the constrain stage, so valid with the demo model), the bad
+inputs, and a load test of 200 streams with a fifth of the clients leaving early. One server for the module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+httpx = pytest.importorskip("httpx")
+jsonschema = pytest.importorskip("jsonschema")
+
+KEY = "test-key"
+MODEL = "demo"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def start_server(*extra, timeout=120.0):
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "DEEPINFER_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "deepinfer.cli", "serve", "--port", "0", "--api-key", KEY, "--max-tokens-limit",
+           "3000", "--max-body-bytes", "200000", "--num-kv-blocks", "256", "--disable-any-whitespace", *extra]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
+    proc.log = []  # every stderr line, read by a thread so the pipe never fills and blocks the server
+    threading.Thread(target=lambda: proc.log.extend(iter(proc.stderr.readline, "")), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(r"on (http://[\d.]+:\d+) \(ready\)", "".join(proc.log))
+        if m:
+            return proc, m.group(1)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not start:\n" + "".join(proc.log))
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server()
+    yield url
+    proc.send_signal(signal.SIGTERM)  # graceful: uvicorn drains, the engine stops, then the signal is re-raised
+    try:
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+        time.sleep(0.2)
+        assert "deepinfer serve: stopped" in "".join(proc.log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def ant(server):
+    return anthropic.Anthropic(base_url=server, api_key=KEY, max_retries=0)
+
+
+def metrics(server) -> dict:
+    text = httpx.get(server + "/metrics").text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def gauge(server, name):
+    return metrics(server)[f'deepinfer_{name}{{model_name="{MODEL}"}}']
+
+
+GREEDY = {"temperature": 0.0}
+AGREEDY = {"extra_body": {"temperature": 0.0}}  # this anthropic client has no temperature argument
+HI = [{"role": "user", "content": "def f():"}]
+
+
+# --- utility routes ------------------------------------------------------------------------------------------
+
+def test_models_health_version_tokenize(server, oai):
+    assert [m.id for m in oai.models.list().data] == [MODEL]
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+    assert httpx.get(server + "/version").json()["version"]
+    h = {"Authorization": f"Bearer {KEY}"}
+    tok = httpx.post(server + "/tokenize", json={"prompt": "def f():"}, headers=h).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 4096
+    back = httpx.post(server + "/detokenize", json={"tokens": tok["tokens"]}, headers=h).json()
+    assert back["prompt"].endswith("def f():")
+    bad = httpx.post(server + "/detokenize", json={"tokens": [10**9]}, headers=h)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+# --- completions ---------------------------------------------------------------------------------------------
+
+def test_completions_plain_stream_n_logprobs_stop(oai):
+    r = oai.completions.create(model=MODEL, prompt="def f():", max_tokens=6, **GREEDY)
+    text = r.choices[0].text
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+    chunks = list(oai.completions.create(model=MODEL, prompt="def f():", max_tokens=6, stream=True,
+                                         stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text  # greedy: the same tokens
+    assert chunks[-1].usage.completion_tokens == 6
+    r = oai.completions.create(model=MODEL, prompt=["a = 1", "import os"], n=2, max_tokens=3, logprobs=2, seed=5)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3] and r.usage.completion_tokens == 12
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 3 and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert all(x <= 0 for x in lp.token_logprobs)
+    stop = text[2:4]
+    r = oai.completions.create(model=MODEL, prompt="def f():", max_tokens=6, stop=[stop], **GREEDY)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[:text.index(stop)]
+
+
+def test_seed_reproducibility(oai):
+    kw = dict(model=MODEL, messages=HI, max_tokens=8, temperature=1.0)
+    a = oai.chat.completions.create(seed=123, **kw).choices[0].message.content
+    b = oai.chat.completions.create(seed=123, **kw).choices[0].message.content
+    others = {oai.chat.completions.create(seed=s, **kw).choices[0].message.content for s in (1, 2, 3)}
+    assert a == b and len(others | {a}) > 1
+
+
+# --- chat completions ----------------------------------------------------------------------------------------
+
+def test_chat_plain_stream_n_logprobs(oai):
+    r = oai.chat.completions.create(model=MODEL, messages=HI, max_completion_tokens=6, **GREEDY)
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and r.usage.completion_tokens == 6 and r.usage.prompt_tokens > 3
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, stream=True,
+                                              stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+    r = oai.chat.completions.create(model=MODEL, messages=HI, n=3, max_tokens=4, logprobs=True, top_logprobs=3,
+                                    seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 12
+    for c in r.choices:
+        assert len(c.logprobs.content) == 4
+        for entry in c.logprobs.content:
+            assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+            assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-5
+    streamed = list(oai.chat.completions.create(model=MODEL, messages=HI, n=2, max_tokens=3, stream=True, seed=7,
+                                                logprobs=True))
+    per = {0: 0, 1: 0}
+    for c in streamed:
+        for ch in c.choices:
+            per[ch.index] += len(ch.logprobs.content) if ch.logprobs else 0
+    assert per == {0: 3, 1: 3}
+
+
+def test_chat_structured_outputs(oai):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 99}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    r = oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=40, **GREEDY,
+                                    response_format={"type": "json_schema",
+                                                     "json_schema": {"name": "x", "schema": schema}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=10,
+                                    extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = oai.completions.create(model=MODEL, prompt="x", max_tokens=10,
+                               extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    assert re.fullmatch("[0-9]{3}", r.choices[0].text)
+
+
+# --- tools, through each protocol ----------------------------------------------------------------------------
+
+PARAMS = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+          "required": ["city", "days"], "additionalProperties": False}
+OAI_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": PARAMS}},
+             {"type": "function", "function": {"name": "get_time", "description": "time",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+ASK = "What is the weather in Paris?"
+
+
+def test_chat_tool_calls_forced_streamed_and_round_tripped(oai, server):
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=OAI_TOOLS,
+                                    tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                    max_tokens=40, **GREEDY)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), PARAMS)
+    # Streaming: the deltas assemble to the same call (greedy).
+    args, names = "", []
+    for ch in oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=OAI_TOOLS,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                          max_tokens=40, stream=True, **GREEDY):
+        for tc in (ch.choices[0].delta.tool_calls or []) if ch.choices else []:
+            names += [tc.function.name] if tc.function.name else []
+            args += tc.function.arguments or ""
+    assert names == ["get_weather"] and json.loads(args) == json.loads(call.function.arguments)
+    r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=OAI_TOOLS,
+                                    tool_choice="required", max_tokens=60, **GREEDY)
+    calls = r.choices[0].message.tool_calls
+    assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
+    for c in calls:
+        if c.function.name == "get_weather":
+            jsonschema.validate(json.loads(c.function.arguments), PARAMS)
+    # Round trip: the call and its result go back; the prompt holds both.
+    history = [{"role": "user", "content": ASK},
+               {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21C"}]
+    r = oai.chat.completions.create(model=MODEL, messages=history, tools=OAI_TOOLS, max_tokens=4, **GREEDY)
+    assert r.choices[0].message.content is not None
+    tok = httpx.post(server + "/tokenize", json={"messages": history, "tools": OAI_TOOLS, "return_token_strs": True},
+                     headers={"x-api-key": KEY}).json()
+    prompt = "".join(tok["token_strs"])
+    assert "sunny, 21C" in prompt and call.function.arguments in prompt and tok["count"] == r.usage.prompt_tokens
+
+
+def test_anthropic_and_responses_round_trip_to_the_same_prompt(oai, ant):
+    """The same exchange through each protocol: the forced call validates, and sending it back with its result
+    renders the same prompt (equal prompt token counts) as Chat Completions does."""
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in OAI_TOOLS]
+    m = ant.messages.create(model=MODEL, max_tokens=40, messages=[{"role": "user", "content": ASK}], tools=tools,
+                            tool_choice={"type": "tool", "name": "get_weather"}, **AGREEDY)
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and use.name == "get_weather"
+    jsonschema.validate(use.input, PARAMS)
+    with ant.messages.stream(model=MODEL, max_tokens=40, messages=[{"role": "user", "content": ASK}], tools=tools,
+                             tool_choice={"type": "any"}, **AGREEDY) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use" and all(b.type == "tool_use" for b in final.content)
+    args = json.dumps(use.input)
+    a_hist = [{"role": "user", "content": ASK},
+              {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
+                                                 "input": use.input}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
+    n_ant = ant.messages.count_tokens(model=MODEL, messages=a_hist, tools=tools).input_tokens
+    m2 = ant.messages.create(model=MODEL, max_tokens=3, messages=a_hist, tools=tools, **AGREEDY)
+    assert m2.usage.input_tokens == n_ant
+    c_hist = [{"role": "user", "content": ASK},
+              {"role": "assistant", "content": None, "tool_calls": [
+                  {"id": use.id, "type": "function", "function": {"name": use.name, "arguments": args}}]},
+              {"role": "tool", "tool_call_id": use.id, "content": "sunny"}]
+    r = oai.chat.completions.create(model=MODEL, messages=c_hist, tools=OAI_TOOLS, max_tokens=3, **GREEDY)
+    flat = [{"type": "function", **t["function"]} for t in OAI_TOOLS]
+    resp = oai.responses.create(model=MODEL, input=[{"role": "user", "content": ASK},
+                                                    {"type": "function_call", "call_id": use.id, "name": use.name,
+                                                     "arguments": args},
+                                                    {"type": "function_call_output", "call_id": use.id,
+                                                     "output": "sunny"}], tools=flat, max_output_tokens=3,
+                                temperature=0.0)
+    assert r.usage.prompt_tokens == n_ant == resp.usage.input_tokens
+    forced = oai.responses.create(model=MODEL, input=ASK, tools=flat, max_output_tokens=40, temperature=0.0,
+                                  tool_choice={"type": "function", "name": "get_weather"})
+    (fc,) = [o for o in forced.output if o.type == "function_call"]
+    jsonschema.validate(json.loads(fc.arguments), PARAMS)
+
+
+# --- responses and messages, streaming and not ---------------------------------------------------------------
+
+def test_responses_create_and_stream(oai):
+    r = oai.responses.create(model=MODEL, input="def f():", instructions="code", max_output_tokens=6,
+                             temperature=0.0)
+    assert r.status == "incomplete" and r.usage.output_tokens == 6 and r.output_text
+    types, text = [], ""
+    with oai.responses.create(model=MODEL, input="def f():", instructions="code", max_output_tokens=6,
+                              temperature=0.0, stream=True) as s:
+        for ev in s:
+            types.append(ev.type)
+            if ev.type == "response.output_text.delta":
+                text += ev.delta
+            last = ev
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.incomplete"
+    assert "response.output_item.added" in types and "response.output_text.done" in types
+    assert text == r.output_text == last.response.output_text
+
+
+def test_messages_create_stream_stop_sequences(ant):
+    m = ant.messages.create(model=MODEL, max_tokens=6, system="code", messages=HI, **AGREEDY)
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 6 and m.content[0].type == "text"
+    with ant.messages.stream(model=MODEL, max_tokens=6, system="code", messages=HI, **AGREEDY) as s:
+        streamed = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert streamed == m.content[0].text == final.content[0].text and final.usage.output_tokens == 6
+    stop = m.content[0].text[1:3]
+    m2 = ant.messages.create(model=MODEL, max_tokens=6, system="code", messages=HI, **AGREEDY,
+                             stop_sequences=[stop])
+    assert m2.stop_reason == "stop_sequence" and m2.stop_sequence == stop
+    # A final assistant message is a prefill: the reply continues it.
+    m3 = ant.messages.create(model=MODEL, max_tokens=3, messages=HI + [{"role": "assistant", "content": "    return"}],
+                             **AGREEDY)
+    assert m3.usage.input_tokens > ant.messages.count_tokens(model=MODEL, messages=HI).input_tokens
+
+
+# --- bad inputs: 4xx in each protocol's shape, and the server keeps serving -----------------------------------
+
+def _post(server, path, body, key=KEY, raw=None):
+    headers = {"x-api-key": key} if key else {}
+    if raw is not None:
+        return httpx.post(server + path, content=raw, headers={**headers, "content-type": "application/json"})
+    return httpx.post(server + path, json=body, headers=headers)
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/chat/completions", {"model": "nope", "messages": HI}, 404, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HI, "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HI, "top_p": "high"}, 400, "top_p"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 100000}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x " * 5000}, 400, "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4,
+                         "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "wat"}}}},
+     400, None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HI, "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/responses", {"model": MODEL, "input": 5}, 400, "input"),
+])
+def test_bad_requests_openai_shape(server, path, body, status, param):
+    r = _post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and (param is None or err["param"] == param)
+
+
+def test_bad_requests_anthropic_shape_and_auth(server, ant):
+    for body, status, kind in [({"model": MODEL, "messages": HI}, 400, "invalid_request_error"),
+                               ({"model": "nope", "max_tokens": 4, "messages": HI}, 404, "not_found_error"),
+                               ({"model": MODEL, "max_tokens": 4, "messages": HI, "temperature": 9}, 400,
+                                "invalid_request_error")]:
+        r = _post(server, "/v1/messages", body)
+        assert r.status_code == status and r.json()["type"] == "error" and r.json()["error"]["type"] == kind
+    r = _post(server, "/v1/messages", None, raw=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = _post(server, "/v1/chat/completions", None, raw=b"[1, 2")
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = _post(server, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": HI}, key="wrong")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": HI}, key=None)
+    assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError):
+        ant.messages.create(model="nope", max_tokens=4, messages=HI)
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "x" * 300000})
+    assert r.status_code == 413 and "200000" in r.json()["error"]["message"]
+    assert httpx.get(server + "/health").status_code == 200  # still serving
+    m = metrics(server)
+    assert m[f'deepinfer_request_errors_total{{kind="unknown_model",model_name="{MODEL}"}}'] >= 1
+
+
+# --- load: 200 streams, a fifth of the clients leave early ----------------------------------------------------
+
+def test_200_streams_with_disconnects_complete_and_free_every_block(server):
+    rng = random.Random(0)
+    n, leave = 200, set(random.Random(1).sample(range(200), 40))
+
+    async def one(client, i):
+        want = 3000 if i in leave else 3 + i % 4  # those that leave would run for a minute if not aborted
+        body = {"model": MODEL, "prompt": f"x{i} = ", "max_tokens": want, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}, "temperature": 0.5}
+        got = 0
+        async with client.stream("POST", "/v1/completions", json=body, headers={"x-api-key": KEY}) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if i in leave and rng.random() < 0.3:
+                    return None  # disconnect mid-stream
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        got = chunk["usage"]["completion_tokens"]
+        return want, got
+
+    async def main():
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server, limits=limits, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(n)))
+
+    results = asyncio.run(main())
+    finished = [r for r in results if r is not None]
+    assert len(finished) == n - len(leave) and all(results[i] is None for i in leave)
+    assert all(want == got for want, got in finished)
+    deadline = time.monotonic() + 10  # an aborted request leaves at the next step
+    while time.monotonic() < deadline and (gauge(server, "num_requests_running") or gauge(server, "kv_blocks_free")
+                                           != gauge(server, "kv_blocks_total")):
+        time.sleep(0.2)
+    assert gauge(server, "num_requests_running") == 0 and gauge(server, "num_requests_waiting") == 0
+    assert gauge(server, "kv_blocks_free") == gauge(server, "kv_blocks_total") == 256
+    m = metrics(server)
+    assert m[f'deepinfer_time_to_first_token_seconds_count{{model_name="{MODEL}"}}'] >= len(finished)
