@@ -84,6 +84,16 @@ def _optional_str(inst, attribute, value):
         raise ValueError(f"EngineConfig.{attribute.name}={value!r} is invalid: must be a path (str) or None")
 
 
+def _eplb_config(inst, attribute, value):
+    if value is not None:
+        if not inst.enable_eplb:
+            raise ValueError(f"EngineConfig.eplb_config={value!r} is given but enable_eplb=False; pass "
+                             "enable_eplb=True to use it")
+        from ..parallel.placement import EplbConfig  # parallel/ is imported only when EPLB is asked for
+
+        EplbConfig.from_dict(value)  # raises naming the key and the value
+
+
 def _dtype(inst, attribute, value):
     if value not in DTYPES:
         raise ValueError(f"EngineConfig.dtype={value!r} is invalid: expected one of {DTYPES}")
@@ -144,6 +154,10 @@ class EngineConfig:
         "tensor_parallel_size", 1, "tensor parallelism is not implemented yet; one device serves the model"))
     speculative_config: Optional[dict] = attrs.field(default=None, validator=_only(
         "speculative_config", None, "speculative decoding (draft and verify stages) is not implemented yet"))
+    # Expert-parallel load balancing (parallel/placement.py), vLLM's names: eplb_config keys window_size,
+    # step_interval, num_redundant_experts, log_balancedness, and the simulated num_ranks / num_nodes.
+    enable_eplb: bool = attrs.field(default=False, validator=_optional_bool)
+    eplb_config: Optional[dict] = attrs.field(default=None, validator=_eplb_config)
 
     def __attrs_post_init__(self) -> None:
         if self.kv_cache_memory_gb is not None and not (isinstance(self.kv_cache_memory_gb, (int, float))

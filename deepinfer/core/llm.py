@@ -121,6 +121,10 @@ class LLM:
         for key, value in pipeline.model_settings.items():  # the recipe's slow twins, where the model has them
             if hasattr(net, key):
                 setattr(net, key, value)
+        if config.enable_eplb:  # replicated expert slots, rebalanced from the load (parallel/placement.py)
+            from ..parallel.placement import enable_eplb
+
+            enable_eplb(net, config.eplb_config)
         from ..tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer.from_dir(tokenizer or self.model_path)
@@ -293,6 +297,14 @@ class LLM:
         if load is None:
             raise ValueError(f"{type(self.engine.model).__name__} has no experts; expert load needs an MoE model")
         return load.as_dict()
+
+    def eplb_stats(self) -> dict:
+        """Expert-parallel load balancing: the layout, rebalances so far (step, balancedness before and after,
+        slots moved) and the balancedness over the current window under the placement in use and the default."""
+        eplb = getattr(self.engine.model, "eplb", None)
+        if eplb is None:
+            raise ValueError("EPLB is off; pass LLM(..., enable_eplb=True) (an MoE model)")
+        return eplb.stats()
 
     def dump_expert_load(self, path, **extra) -> None:
         """Append the expert load as JSONL rows (one per MoE layer) with the model path and any extra fields."""

@@ -30,6 +30,14 @@ class ExpertLoad:
         self.steps = torch.zeros(self.window, len(self.layers), self.num_experts, dtype=torch.long, device=device)
         self.current = torch.zeros(len(self.layers), self.num_experts, dtype=torch.long, device=device)
 
+    def set_window(self, window: int) -> None:
+        """Keep the last ``window`` steps from now on (EPLB's window_size); forgets what was recorded."""
+        if window < 1:
+            raise ValueError(f"expert load window={window} must be >= 1")
+        self.window, self.num_steps = window, 0
+        if self.steps is not None:
+            self._alloc(self.steps.device)
+
     def record(self, layer: int, ids: torch.Tensor) -> None:
         """ids: [T, k] expert ids chosen for T tokens at model layer ``layer``."""
         if self.current is None or self.current.device != ids.device:

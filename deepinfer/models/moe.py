@@ -11,6 +11,10 @@ transformers 5 and of the reference kernels. Checkpoints are read in both layout
 ``store_experts_fp8``): w13/w2 are then float8_e4m3fn with ``w13_scale_inv``/``w2_scale_inv`` beside them,
 read from each tensor's ``weight_scale_inv`` (per expert) or ``_scale_inv`` (fused), and passed to
 ``Ops.moe_experts``.
+
+Expert-parallel load balancing (parallel/placement.py) gives a block a ``placement``: its expert tensors then
+hold physical slots (replicas of the logical experts, [P, ...]), the router's logical choices are recorded as
+load and then mapped to slots, and checkpoint I/O goes through the logical view.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .quant import FP8, SCALE_BLOCK, SCALE_SUFFIX, fp8_scales
 
 NAMINGS = ("mixtral", "qwen", "deepseek")
 IMPLS = ("routed", "dense")
+EXPERT_PARAMS = ("w13", "w2", "w13_scale_inv", "w2_scale_inv")  # the per-expert tensors, [E, ...] (EPLB: [P, ...])
 # naming -> (gate, up, down) per-expert projection names
 _EXPERT_PARTS = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_proj"),
                  "deepseek": ("gate_proj", "up_proj", "down_proj")}
@@ -75,6 +80,7 @@ class MoEBlock(nn.Module):
         self.shared_size, self.has_shared_gate = shared_size, shared_gate
         self.checkpoint_prefix = checkpoint_prefix
         self.expert_load = expert_load
+        self.placement = None  # EPLB: an ExpertPlacement (parallel/placement.py) once enabled
 
         self.gate_weight = nn.Parameter(torch.empty(E, d))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E)) if correction_bias else None
@@ -114,6 +120,8 @@ class MoEBlock(nn.Module):
                         else ref_moe.route(logits, self.top_k, **kw))  # [T, k] float32, [T, k] int64
         if self.expert_load is not None:
             self.expert_load.record(self.layer, ids)
+        if self.placement is not None:  # EPLB: each logical choice goes to one of its replicas' slots
+            ids = self.placement.physical_ids(ids)
         moe_experts = getattr(self.ops, "moe_experts", None)
         scales = fp8_scales(self)  # FP8 experts' block scales, else None
         if moe_experts is not None:
@@ -183,6 +191,9 @@ class MoEBlock(nn.Module):
     def load_checkpoint_tensor(self, local_name: str, tensor: torch.Tensor, full_name: Optional[str] = None) -> None:
         """Copy one checkpoint tensor (name relative to this block) into our weights."""
         full_name = full_name or local_name
+        if self.placement is not None:
+            raise WeightError(f"checkpoint tensor {full_name!r}: load the weights before enabling EPLB (the "
+                              "experts are held as replicated physical slots)")
         fused = self._fused()
         if local_name in fused:
             pname, covers = fused[local_name]
@@ -214,6 +225,8 @@ class MoEBlock(nn.Module):
         out = {}
         for name, (pname, idx) in self._slots().items():
             p = getattr(self, pname).data
+            if self.placement is not None and pname in EXPERT_PARAMS:
+                p = self.placement.logical(p)  # EPLB: [P, ...] slots -> [E, ...] logical experts
             out[name] = (p[idx] if idx else p).clone()
         return out
 
@@ -235,3 +248,5 @@ class MoEModel:
     def end_step(self) -> None:
         if getattr(self, "expert_load", None) is not None:
             self.expert_load.end_step()
+        if getattr(self, "eplb", None) is not None:  # EPLB (parallel/placement.py): rebalance every step_interval
+            self.eplb.end_step()
