@@ -18,11 +18,11 @@ Our own implementation of the hierarchical policy DeepSeek describes for V3 (git
   by default ``default_placement``), are improved by swapping slots between the heaviest rank and another;
   the lighter wins, the one in use on a tie, so rebalancing never makes the heaviest rank heavier and moves no
   weights for nothing.
-* Then, where the search is small (few experts and slots per node: ``EXACT_BUDGET``), a branch-and-bound
-  search over replica counts and packings replaces the greedy result by a placement whose heaviest rank is
-  as light as possible (the greedy can miss it: loads 4, 4, 1 on 2 ranks of 2 slots give 5 for the greedy
-  replication, 4.5 when the light expert takes the redundant slot). On real sizes (128 experts) the greedy
-  result stands.
+* Then, where the search is small (at most ``EXACT_MAX_SLOTS`` slots per node, within ``EXACT_BUDGET``
+  search nodes), a branch-and-bound search over replica counts and packings replaces the result by a placement
+  whose heaviest rank is as light as possible (the greedy can miss it: loads 4, 4, 1 on 2 ranks of 2 slots
+  give 5 for the greedy replication, 4.5 when the light expert takes the redundant slot). On real sizes (128
+  experts) the refined greedy result stands.
 
 Balancedness is DeepSeek's and vLLM's figure of merit: the mean rank load over the heaviest rank's load,
 summed over layers first (a layer waits for its heaviest rank, so the sum of the maxima is the time).
@@ -40,7 +40,8 @@ from typing import Optional, Sequence
 
 import torch
 
-EXACT_BUDGET = 200_000  # search nodes per (layer, node) sub-problem before the exact phase gives up
+EXACT_MAX_SLOTS = 16  # the exact phase runs on (layer, node) sub-problems of at most this many slots
+EXACT_BUDGET = 50_000  # and gives up after this many search nodes (the placement found so far stands)
 
 
 def check_layout(num_experts: int, num_replicas: int, num_groups: int, num_nodes: int, num_ranks: int) -> None:
@@ -137,7 +138,7 @@ def _search(load: Sequence[float], num_slots: int, num_ranks: int, best: float, 
     each rank of the lightest one found (None: none beats ``best``) and whether the search finished within
     ``budget`` nodes (then nothing beats what it returns)."""
     E, per_rank = len(load), num_slots // num_ranks
-    if math.comb(num_slots - 1, E - 1) > budget:
+    if num_slots > EXACT_MAX_SLOTS or math.comb(num_slots - 1, E - 1) > budget:
         return None, False
     total = sum(load)
     lower, tol = total / num_ranks, 1e-12 * max(total, 1.0)
