@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence
 
 from .bench import bench_params, format_table, percentile
 
-QUANTILES = (50, 90, 99)
+QUANTILES = (50, 90, 95, 99)
 
 
 # --- the workload ------------------------------------------------------------------------------------------

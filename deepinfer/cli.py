@@ -544,9 +544,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSONL file to append the result row to (default: none, only the table is printed)")
     p.set_defaults(func=cmd_bench)
 
+    from .entrypoints.bench_client import add_bench_serve_parser
     from .entrypoints.cli_serve import add_serve_parser
 
     add_serve_parser(sub, _model_args)
+    add_bench_serve_parser(sub)
 
     p = sub.add_parser("check", help="numerical checks of fast paths against their oracles")
     check = p.add_subparsers(dest="check", metavar="CHECK", required=True)
@@ -578,6 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "serve"]:  # `deepinfer bench serve`: the HTTP client benchmark (bench-serve)
+        argv = ["bench-serve", *argv[2:]]
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2, message already printed)

@@ -34,4 +34,33 @@ run() {
 run generate --max-tokens 8 "def f():"
 run init-model --arch llama --out "$work/ckpt"
 run generate --model "$work/ckpt" --max-tokens 8 "def f():"
+# deepinfer serve works from the plain install: start it on a free port, ask /health and a chat completion.
+"$work/venv/bin/deepinfer" serve --port 0 --threads 1 >"$work/serve.out" 2>"$work/serve.err" &
+serve_pid=$!
+url=""
+for _ in $(seq 1 120); do
+    url=$(sed -n 's/.* on \(http:[^ ]*\) (ready)$/\1/p' "$work/serve.err")
+    [ -n "$url" ] && break
+    kill -0 "$serve_pid" 2>/dev/null || break
+    sleep 0.5
+done
+echo "+ deepinfer serve --port 0 (${url:-not ready})"
+if [ -z "$url" ] || ! "$work/venv/bin/python" - "$url" <<'PY'
+import json, sys, urllib.request
+url = sys.argv[1]
+assert json.load(urllib.request.urlopen(url + "/health"))["status"] == "ok"
+body = json.dumps({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+req = urllib.request.Request(url + "/v1/chat/completions", body, {"content-type": "application/json"})
+out = json.load(urllib.request.urlopen(req))
+assert out["usage"]["completion_tokens"] == 4, out
+print("  chat completion:", repr(out["choices"][0]["message"]["content"]))
+PY
+then
+    kill "$serve_pid" 2>/dev/null
+    cat "$work/serve.err"
+    echo "check_plain_install: 'deepinfer serve' failed in a plain install" >&2
+    exit 1
+fi
+kill "$serve_pid"
+wait "$serve_pid" 2>/dev/null || true
 echo "check_plain_install: ok"

@@ -191,7 +191,7 @@ def test_in_process_plugin_registers_with_provenance(test_plugin):
     assert reg.get("recipe", "always7").plugin == "test-plugin"
     assert reg.get("model", "LlamaForCausalLM").plugin == BUILTIN  # no override asked
     assert {e.name for e in reg.by_plugin()["test-plugin"]} == {"always_token", "counting", "never_here",
-                                                                "TestOnlyForCausalLM", "always7"}
+                                                                "TestOnlyForCausalLM", "always7", "test_tags"}
     assert plugin_origin(pm, "test-plugin") == f"in-process object ({__name__})"
 
 

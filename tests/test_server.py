@@ -394,3 +394,14 @@ def test_200_streams_with_disconnects_complete_and_free_every_block(server):
     assert gauge(server, "kv_blocks_free") == gauge(server, "kv_blocks_total") == 256
     m = metrics(server)
     assert m[f'deepinfer_time_to_first_token_seconds_count{{model_name="{MODEL}"}}'] >= len(finished)
+
+
+def test_a_non_streaming_client_that_leaves_aborts_its_request(server):
+    body = {"model": MODEL, "messages": HI, "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/chat/completions", json=body, headers={"x-api-key": KEY}, timeout=1.5)
+    deadline = time.monotonic() + 10  # 3000 tokens would take a minute: only the abort ends it this soon
+    while time.monotonic() < deadline and gauge(server, "num_requests_running"):
+        time.sleep(0.1)
+    assert gauge(server, "num_requests_running") == 0
+    assert gauge(server, "kv_blocks_free") == gauge(server, "kv_blocks_total")

@@ -119,16 +119,25 @@ class AsyncLLM:
     # --- the engine thread ---------------------------------------------------------------------------------
 
     def _deliver(self, rid: str, item) -> None:
-        entry = self._queues.get(rid)
-        if entry is None:
-            return
-        loop, q = entry
-        if isinstance(item, BaseException) or item.finished:
-            self._queues.pop(rid, None)
-        try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody listens any more
-            self._queues.pop(rid, None)
+        self._deliver_all([(rid, item)])
+
+    def _deliver_all(self, items) -> None:
+        """Hand outputs to their requests' queues: one wake-up of each caller's event loop per step."""
+        by_loop: dict = {}
+        for rid, item in items:
+            entry = self._queues.get(rid)
+            if entry is None:
+                continue
+            if isinstance(item, BaseException) or item.finished:
+                self._queues.pop(rid, None)
+            by_loop.setdefault(entry[0], []).append((entry[1], item))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:  # the caller's loop is closed: nobody listens any more
+                for q, _ in puts:
+                    for rid in [r for r, e in self._queues.items() if e[1] is q]:
+                        self._queues.pop(rid, None)
 
     def _apply(self, cmd) -> bool:
         """Apply one inbox command; False on stop."""
@@ -173,8 +182,7 @@ class AsyncLLM:
                     log.exception("deepinfer: engine step raised; failing the requests in flight")
                     self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
                     continue
-                for out in outs:
-                    self._deliver(out.request_id, out)
+                self._deliver_all([(out.request_id, out) for out in outs])
                 self._stats = self._snapshot()
             self._fail_all("the server is shutting down", reason="abort")
         except BaseException as exc:  # pragma: no cover - the thread itself broke
@@ -209,6 +217,11 @@ class AsyncLLM:
                 "prefix_cache_queries": summary.get("query_tokens", 0), "prefix_cache_hits": summary.get("hit_tokens", 0),
                 "prefix_cache_hit_rate": summary.get("hit_rate", 0.0), "steps": eng.stats["steps"],
                 "time": time.time()}
+
+
+def _put_all(puts) -> None:
+    for q, item in puts:
+        q.put_nowait(item)
 
 
 def _error_output(rid: str, message: str) -> RequestOutput:

@@ -1,0 +1,205 @@
+"""The server against the offline engine on one workload, and the server's latency at three request rates.
+
+    python benchmarks/serve_bench.py --model demo --out docs/results/serve_cpu.jsonl            # the CPU table
+    python benchmarks/serve_bench.py --model llama-3.1-8b --device cuda --dtype bfloat16 \\
+        --num-prompts 512 --concurrency 64 --input-len-range 256 1024 --output-len-range 128 256 \\
+        --rates 8 16 32 --out /tmp/out/serve_h200.jsonl                                          # the H200 one
+
+1. offline: the engine in this process (bench_serving.serve, the loop behind ``deepinfer bench --request-rate``),
+   every request at once, at most --concurrency running (max_num_seqs);
+2. server: this script again as a server process (``--serve-only``: the same LLM, built the same way, behind
+   ``deepinfer serve``'s app), driven over HTTP by ``deepinfer bench serve`` with the same requests (same seed)
+   at rate inf and --max-concurrency = --concurrency.
+
+Both engines stay loaded and the two runs alternate --repeats times (the idle one blocks, costing nothing), so a
+shared machine's drift hits both alike; the API's overhead is 1 - median(server tok/s / offline tok/s) over the
+pairs. Then the server alone at each of --rates (Poisson arrivals). On a GPU both processes hold the model:
+give the KV pool a fixed size (--kv-gb) so neither profiles the other's memory. Models: ``demo`` (the bundled
+checkpoint) or a gpu_bench shape with random weights (``llama-3.1-8b``: d 4096, 32 layers, GQA 32/8, vocab 128256).
+Rows (JSONL, one per run, with ``phase``: offline | server) go to --out; a table is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def build(args, model_dir):
+    """The LLM both phases serve: the demo checkpoint, or a gpu_bench shape with dummy weights."""
+    kw = dict(max_num_seqs=args.concurrency, max_model_len=args.max_model_len, recipe=args.recipe)
+    if args.kv_gb:
+        kw["kv_cache_memory_gb"] = args.kv_gb
+    if args.threads:
+        kw["threads"] = args.threads
+    if args.model == "demo":
+        from deepinfer import LLM
+
+        return LLM(None, device=args.device, dtype=args.dtype, **kw)
+    import gpu_bench
+
+    ns = argparse.Namespace(dtype=args.dtype or "bfloat16", device=args.device or "cuda", backend=None,
+                            build_in_dtype="auto")
+    return gpu_bench.build_llm(Path(model_dir), ns, gpu_bench.SHAPES[args.model], **kw)[0]
+
+
+def model_dir(args) -> str:
+    if args.model == "demo":
+        from deepinfer.models.loader import resolve_model_path
+
+        return str(resolve_model_path(None))
+    import gpu_bench
+
+    d = Path(tempfile.mkdtemp(prefix="serve_bench_"))
+    cfg = dict(gpu_bench.SHAPES[args.model])
+    cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), args.max_model_len)
+    gpu_bench.write_model_dir(d, cfg)
+    return str(d)
+
+
+def workload(args, tokenizer):
+    from deepinfer.bench import random_prompts
+    from deepinfer.bench_serving import arrival_times, draw_lengths
+
+    in_lens = draw_lengths(args.num_prompts, *args.input_len_range, args.seed, "input")
+    out_lens = draw_lengths(args.num_prompts, *args.output_len_range, args.seed, "output")
+    prompts = random_prompts(tokenizer, args.num_prompts, in_lens, args.seed)
+    return prompts, out_lens, arrival_times(args.num_prompts, math.inf, 1.0, args.seed)
+
+
+def offline(args, llm, repeat: int) -> dict:
+    from deepinfer.bench import engine_settings, machine_info
+    from deepinfer.bench_serving import serve, summarize
+
+    prompts, out_lens, arrivals = workload(args, llm.tokenizer)
+    lines, duration, steps = serve(llm.engine, prompts, out_lens, arrivals)
+    return {"bench": "benchmarks/serve_bench.py", "phase": "offline", "engine": "offline", "repeat": repeat,
+            "shape": args.model, **engine_settings(llm), "num_prompts": args.num_prompts, "request_rate": "inf",
+            "concurrency": args.concurrency, "input_len_range": args.input_len_range,
+            "output_len_range": args.output_len_range, "seed": args.seed, "steps": steps,
+            **summarize(lines, duration), **machine_info()}
+
+
+def serve_only(args) -> None:
+    import uvicorn
+
+    from deepinfer.entrypoints import AsyncLLM
+    from deepinfer.entrypoints.server import ServerSettings, build_app
+
+    llm = build(args, args.model_dir)
+    engine = AsyncLLM(llm=llm)
+    app = build_app(engine, ServerSettings(model_name=args.model))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
+    from deepinfer.entrypoints.cli_serve import _announce
+
+    _announce(server, args, args.model)
+    server.run()
+    engine.shutdown()
+
+
+def start_server(args, mdir):
+    cmd = [sys.executable, __file__, "--serve-only", "--model-dir", mdir] + [a for a in sys.argv[1:]
+                                                                            if a != "--serve-only"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    log: list = []
+    threading.Thread(target=lambda: log.extend(iter(proc.stderr.readline, "")), daemon=True).start()
+    deadline = time.monotonic() + args.start_timeout
+    while time.monotonic() < deadline:
+        m = re.search(r"on (http://[\d.]+:\d+) \(ready\)", "".join(log))
+        if m:
+            return proc, m.group(1) + "/v1"
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("server did not start:\n" + "".join(log[-40:]))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="demo", help="demo, or a gpu_bench shape such as llama-3.1-8b")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--recipe", default="default")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--num-prompts", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=16, help="max_num_seqs, and the client's max concurrency")
+    ap.add_argument("--input-len-range", type=int, nargs=2, default=[32, 96])
+    ap.add_argument("--output-len-range", type=int, nargs=2, default=[16, 48])
+    ap.add_argument("--rates", type=float, nargs="*", default=[1.0, 2.0, 4.0], help="request rates (req/s); none: skip")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating offline/server pairs at rate inf")
+    ap.add_argument("--kv-gb", type=float, default=None, help="KV pool size of each engine (GB)")
+    ap.add_argument("--gpu-hour-cost", type=float, default=None)
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--serve-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.max_model_len is None:
+        args.max_model_len = args.input_len_range[1] + args.output_len_range[1] + 8
+    if args.serve_only:
+        serve_only(args)
+        return 0
+    from deepinfer.bench import append_jsonl, format_table
+    from deepinfer.entrypoints.bench_client import bench_serve
+
+    from deepinfer.bench import warmup
+
+    mdir = model_dir(args)
+    llm = build(args, mdir)
+    warmup(llm, workload(args, llm.tokenizer)[0], 4)
+    proc, url = start_server(args, mdir)
+    rows, ratios = [], []
+    try:
+        common = dict(num_prompts=args.num_prompts, input_len_range=args.input_len_range,
+                      output_len_range=args.output_len_range, tokenizer=mdir, seed=args.seed,
+                      gpu_hour_cost=args.gpu_hour_cost, echo=lambda *a: None)
+
+        def server_row(rate, repeat=None):
+            row = bench_serve(url, args.model, request_rate=rate, label="server", warmups=int(repeat == 0),
+                              max_concurrency=args.concurrency if math.isinf(rate) else None, **common)
+            return {**row, "phase": "server", "repeat": repeat, "shape": args.model, "concurrency": args.concurrency,
+                    "recipe": args.recipe, "server_max_num_seqs": args.concurrency}
+
+        for k in range(args.repeats):
+            off, srv = offline(args, llm, k), server_row(math.inf, k)
+            srv["output_tok_s_vs_offline"] = srv["output_tok_s"] / off["output_tok_s"]
+            ratios.append(srv["output_tok_s_vs_offline"])
+            rows += [off, srv]
+        for rate in args.rates:
+            rows.append(server_row(rate))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    ratio = sorted(ratios)[len(ratios) // 2]
+    for r in rows:
+        r.setdefault("median_server_over_offline", ratio)
+    if args.out:
+        append_jsonl(args.out, rows)
+    cols = (("phase", "phase", "{}"), ("rate", "request_rate", "{}"), ("done", "completed", "{}"),
+            ("err", "failed", "{}"), ("req/s", "request_throughput", "{:.2f}"), ("out tok/s", "output_tok_s", "{:.1f}"),
+            ("vs offline", "output_tok_s_vs_offline", "{:.3f}"), ("repeat", "repeat", "{}"), ("TTFT p50", "ttft_p50_s", "ms"),
+            ("TTFT p95", "ttft_p95_s", "ms"), ("TTFT p99", "ttft_p99_s", "ms"), ("ITL p50", "itl_p50_s", "ms"),
+            ("ITL p95", "itl_p95_s", "ms"), ("ITL p99", "itl_p99_s", "ms"), ("E2E p50", "e2e_p50_s", "ms"),
+            ("E2E p95", "e2e_p95_s", "ms"), ("E2E p99", "e2e_p99_s", "ms"))
+    print(format_table(rows, cols))
+    print(f"API overhead at rate inf, concurrency {args.concurrency}: {100 * (1 - ratio):.1f}% of the offline "
+          f"output tok/s (median server/offline ratio {ratio:.3f} over {len(ratios)} alternating pairs: "
+          f"{', '.join(f'{x:.3f}' for x in ratios)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""AsyncLLM from Python: streams from asyncio, concurrent requests, abort on leaving the loop, a failing request
+alone, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from deepinfer import SamplingParams
+from deepinfer.entrypoints import AsyncLLM, EngineDeadError
+
+
+GREEDY6 = SamplingParams(max_tokens=6, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from deepinfer import LLM
+
+    llm = LLM(None, threads=1, num_kv_blocks=64, max_model_len=512)
+    offline = llm.generate(["def f():", "import os"], GREEDY6, use_tqdm=False)  # before the engine thread owns it
+    eng = AsyncLLM(llm=llm)
+    eng.offline = [o.outputs[0].token_ids for o in offline]
+    yield eng
+    eng.shutdown()
+
+
+def wait_idle(engine, timeout=10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = engine.stats()
+        if st["requests"] == 0 and st["kv_blocks_free"] == st["kv_blocks_total"]:
+            return st
+        time.sleep(0.05)
+    return engine.stats()
+
+
+def test_stream_concurrent_abort_and_a_failing_request(engine):
+    async def collect(prompt, n_tokens):
+        outs = [o async for o in engine.generate(prompt, SamplingParams(max_tokens=n_tokens, ignore_eos=True,
+                                                                        temperature=0.0))]
+        return outs
+
+    async def leave_early():
+        got = 0
+        async for out in engine.generate("x = ", SamplingParams(max_tokens=400, ignore_eos=True)):
+            got = len(out.outputs[0].token_ids)
+            if got >= 2:
+                break  # aborts the request
+        return got
+
+    async def main():
+        return await asyncio.gather(collect("def f():", 5), collect("import os", 3), leave_early(),
+                                    collect("y" * 3000, 4))
+
+    a, b, left, bad = asyncio.run(main())
+    assert [len(o.outputs[0].token_ids) for o in a] == list(range(1, 6))  # cumulative, one token a step
+    assert a[-1].finished and a[-1].outputs[0].finish_reason == "length" and len(b[-1].outputs[0].token_ids) == 3
+    assert 2 <= left < 400
+    assert bad[-1].error and "max_model_len" in bad[-1].error  # fails alone
+    st = wait_idle(engine)
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] == 64 and st["running"] == st["waiting"] == 0
+
+
+def test_same_greedy_output_as_the_offline_api(engine):
+    async def final(prompt):
+        outs = [o async for o in engine.generate(prompt, GREEDY6, stream=False)]
+        assert len(outs) == 1  # not streamed: only the final output
+        return outs[0].outputs[0].token_ids
+
+    async def main():
+        return await asyncio.gather(final("def f():"), final("import os"))
+
+    assert asyncio.run(main()) == engine.offline
+
+
+def test_shutdown_ends_streams_and_refuses_new_requests():
+    eng = AsyncLLM(model=None, threads=1, num_kv_blocks=32, max_model_len=256)
+
+    async def long_one():
+        last = None
+        async for last in eng.generate("x", SamplingParams(max_tokens=200, ignore_eos=True)):
+            if len(last.outputs[0].token_ids) == 1:
+                await asyncio.get_running_loop().run_in_executor(None, eng.shutdown)
+        return last
+
+    last = asyncio.run(long_one())
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert not eng.is_alive
+
+    async def after():
+        async for _ in eng.generate("x", SamplingParams(max_tokens=2)):
+            pass
+
+    with pytest.raises(EngineDeadError, match="shut down"):
+        asyncio.run(after())
