@@ -22,6 +22,7 @@ Rows (JSONL, one per run, with ``phase``: offline | server) go to --out; a table
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -125,6 +126,19 @@ def start_server(args, mdir):
     raise SystemExit("server did not start:\n" + "".join(log[-40:]))
 
 
+def table(rows: list) -> str:
+    from deepinfer.bench import format_table
+
+    cols = (("phase", "phase", "{}"), ("rate", "request_rate", "{}"), ("done", "completed", "{}"),
+            ("err", "failed", "{}"), ("req/s", "request_throughput", "{:.2f}"), ("out tok/s", "output_tok_s", "{:.1f}"),
+            ("vs offline", "output_tok_s_vs_offline", "{:.3f}"), ("repeat", "repeat", "{}"), ("TTFT p50", "ttft_p50_s", "ms"),
+            ("TTFT p95", "ttft_p95_s", "ms"), ("TTFT p99", "ttft_p99_s", "ms"), ("ITL p50", "itl_p50_s", "ms"),
+            ("ITL p95", "itl_p95_s", "ms"), ("ITL p99", "itl_p99_s", "ms"), ("E2E p50", "e2e_p50_s", "ms"),
+            ("E2E p95", "e2e_p95_s", "ms"), ("E2E p99", "e2e_p99_s", "ms"), ("$/M tok", "cost_per_million_output_tokens",
+                                                                             "{:.3f}"))
+    return format_table(rows, cols)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo", help="demo, or a gpu_bench shape such as llama-3.1-8b")
@@ -144,6 +158,7 @@ def main() -> int:
     ap.add_argument("--gpu-hour-cost", type=float, default=None)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table", default=None, metavar="FILE", help="only print the table of FILE's rows")
     ap.add_argument("--serve-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -152,7 +167,11 @@ def main() -> int:
     if args.serve_only:
         serve_only(args)
         return 0
-    from deepinfer.bench import append_jsonl, format_table
+    if args.table:
+        rows = [json.loads(x) for x in Path(args.table).read_text().splitlines() if x.strip()]
+        print(table(rows))
+        return 0
+    from deepinfer.bench import append_jsonl
     from deepinfer.entrypoints.bench_client import bench_serve
 
     from deepinfer.bench import warmup
@@ -188,13 +207,7 @@ def main() -> int:
         r.setdefault("median_server_over_offline", ratio)
     if args.out:
         append_jsonl(args.out, rows)
-    cols = (("phase", "phase", "{}"), ("rate", "request_rate", "{}"), ("done", "completed", "{}"),
-            ("err", "failed", "{}"), ("req/s", "request_throughput", "{:.2f}"), ("out tok/s", "output_tok_s", "{:.1f}"),
-            ("vs offline", "output_tok_s_vs_offline", "{:.3f}"), ("repeat", "repeat", "{}"), ("TTFT p50", "ttft_p50_s", "ms"),
-            ("TTFT p95", "ttft_p95_s", "ms"), ("TTFT p99", "ttft_p99_s", "ms"), ("ITL p50", "itl_p50_s", "ms"),
-            ("ITL p95", "itl_p95_s", "ms"), ("ITL p99", "itl_p99_s", "ms"), ("E2E p50", "e2e_p50_s", "ms"),
-            ("E2E p95", "e2e_p95_s", "ms"), ("E2E p99", "e2e_p99_s", "ms"))
-    print(format_table(rows, cols))
+    print(table(rows))
     print(f"API overhead at rate inf, concurrency {args.concurrency}: {100 * (1 - ratio):.1f}% of the offline "
           f"output tok/s (median server/offline ratio {ratio:.3f} over {len(ratios)} alternating pairs: "
           f"{', '.join(f'{x:.3f}' for x in ratios)})")

@@ -268,11 +268,11 @@ class Server:
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def check_prompt_len(self, n: int) -> None:
+    def check_prompt_len(self, n: int, param: str = "messages") -> None:
         if n + 1 > self.engine.max_model_len:
             raise ApiError(400, f"the prompt has {n} tokens; this model's context is {self.engine.max_model_len} "
                                 f"tokens, which leaves no room for output (at most {self.engine.max_model_len - 1} "
-                                "prompt tokens)", param="messages", code="context_length_exceeded",
+                                "prompt tokens)", param=param, code="context_length_exceeded",
                            kind="prompt_too_long")
 
     def prepare_chat(self, conv: Conversation, body: dict, choice, structured, *, max_tokens_keys,
@@ -499,7 +499,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, registry=None) -> Fast
             else:
                 raise ApiError(400, f"prompt[{i}] must be a string or a non-empty list of token ids", param="prompt",
                                kind="bad_field")
-            srv.check_prompt_len(len(ids))
+            srv.check_prompt_len(len(ids), "prompt")
             params = sampling_params(body, len(ids), srv.limits, default_max_tokens=16, logprobs=lp,
                                      structured=structured)
             preps.append(Prepared(ids, text, params, ToolPlan(), None))
