@@ -655,7 +655,7 @@ def test_kv_bytes_per_token_and_cache_layout(tmp_path, gfmt, ifmt, m, D, dh):
             assert codes.shape[-1] == C // 2
             paged += codes.numel() + scales.numel()
         if ml > 1:  # the compressor's group: m hidden states per sequence (plus the graphs' scratch row)
-            assert tuple(cache.pending[l].shape) == (max_seqs + 1, ml, cfg.hidden_size)
+            assert tuple(cache.pending[l].shape) == (max_seqs + 1, ml + cfg.swa_allowance, cfg.hidden_size)
     assert paged == num_blocks * block_size * exact
     # SWA rings: every layer, n_win + allowance FP8 slots per sequence (plus the graphs' scratch row).
     assert sorted(cache.ring) == list(range(cfg.num_layers))

@@ -43,6 +43,15 @@ def _optional_bool(inst, attribute, value):
         raise ValueError(f"EngineConfig.{attribute.name}={value!r} is invalid: must be a bool")
 
 
+def _speculative(inst, attribute, value):
+    from .speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(value)
+    if spec is not None and spec.dynamic:
+        raise ValueError("speculative_config dynamic=True is not supported yet: dynamic draft lengths need a "
+                         "drafter that reports confidences (DSpark); use dynamic=False (fixed k)")
+
+
 def _only(name: str, allowed, why: str):
     def check(inst, attribute, value):
         if value != allowed or isinstance(value, bool) != isinstance(allowed, bool):
@@ -152,8 +161,9 @@ class EngineConfig:
     fp8_experts: str = attrs.field(default="fp8", validator=_one_of("fp8_experts", ("fp8", "dequantize")))
     tensor_parallel_size: int = attrs.field(default=1, validator=_only(
         "tensor_parallel_size", 1, "tensor parallelism is not implemented yet; one device serves the model"))
-    speculative_config: Optional[dict] = attrs.field(default=None, validator=_only(
-        "speculative_config", None, "speculative decoding (draft and verify stages) is not implemented yet"))
+    # {"method": a registered draft stage (e.g. "ngram"), "num_speculative_tokens": k, ...the drafter's own
+    # arguments}; None: no speculation (core/speculative.py).
+    speculative_config: Optional[dict] = attrs.field(default=None, validator=_speculative)
     # Expert-parallel load balancing (parallel/placement.py), vLLM's names: eplb_config keys window_size,
     # step_interval, num_redundant_experts, log_balancedness, and the simulated num_ranks / num_nodes.
     enable_eplb: bool = attrs.field(default=False, validator=_optional_bool)

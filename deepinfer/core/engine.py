@@ -19,11 +19,12 @@ from .kv_cache import BlockPool, blocks_needed
 from .kv_offload import block_mover
 from .prefix_cache import PrefixCache
 from .swa_pool import SwaStatePool, wanted as swa_pool_wanted
+from .speculative import SpecStats, SpeculativeConfig, accept_row, build_drafter, can_speculate, sampling_rows
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
 from .requests import Request, request_output
 from .stage import RowError
-from .state import AdmitState, ScheduledBatch, Sequence, StepState
+from .state import AdmitState, ScheduledBatch, SeqStatus, Sequence, StepState
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,12 @@ class Engine:
         self._n_before_known = next((i for i, st in enumerate(step_stages[:self._n_device_stages])
                                      if getattr(st, "reads_known_tokens", False)), self._n_device_stages)
         self._jumpers = [st for st in step_stages if hasattr(st, "jump_forward")]
+        # Speculative decoding (core/speculative.py): the drafter, and no overlap (drafting reads the last token).
+        self.spec = SpeculativeConfig.parse(config.speculative_config)
+        self.drafter, self.spec_stats = None, SpecStats()
+        if self.spec is not None:
+            self.drafter = build_drafter(pipeline.registry, self.spec, context, model)
+            self.overlap = False
 
     # Admission.
     def add_request(self, request_id: str, prompt, params: SamplingParams, stream: bool = False,
@@ -237,6 +244,8 @@ class Engine:
         return self._collect(touched)
 
     def _launch(self, touched: dict, prev=None):
+        if self.drafter is not None:
+            self._propose_drafts()
         batch = self.scheduler.schedule()
         if batch is None:
             return None
@@ -319,6 +328,8 @@ class Engine:
                 launched.event.synchronize()  # this step only; the one launched after it keeps running
             if launched.host_tokens is not None:
                 state.next_tokens = launched.host_tokens
+            if state.batch.drafts is not None:
+                self._accept_drafts(state)
             failed = self._run_stages(self.stages["step"][self._n_device_stages:], state)
         except Exception as exc:
             for seq in sample_seqs:
@@ -332,6 +343,11 @@ class Engine:
                 failed.setdefault(rows[r], "the model produced non-finite logits (NaN or inf) for this request")
         self._fail_rows(state.batch, failed, touched)
         self._fold(state, sample_seqs, touched)
+        for r, tokens in getattr(state, "spec_extra", {}).items():  # a verified row's further tokens
+            seq = sample_seqs[r]
+            for tok in tokens:
+                if seq.finished or not self._fold_forced(seq, tok, touched):
+                    break
         mover = self.prefix_cache.mover if self.prefix_cache is not None else None
         if mover is not None and mover.pending:
             mover.flush()  # blocks evicted to the host/disk tiers whose copies have run
@@ -438,13 +454,65 @@ class Engine:
         through the host stages (text, stop checks) as a sampled token does; the next step computes their KV."""
         for stage in self._jumpers:
             for tok in stage.jump_forward(seq):
-                batch = ScheduledBatch([seq], [0], [seq.num_computed_tokens], [True])
-                state = StepState(batch, None, self.kv_cache)
-                state.next_tokens = torch.tensor([tok])
-                failed = self._run_stages(self.stages["step"][self._n_device_stages:], state)
-                if failed:
-                    self._fail_rows(batch, failed, touched)
+                if not self._fold_forced(seq, tok, touched) or seq.finished:
                     return
-                self._fold_token(seq, state.outputs[0])
-                if seq.finished:
-                    return
+
+    def _fold_forced(self, seq, tok: int, touched: dict) -> bool:
+        """Append a token that no sampler drew this step (jump-forward, an accepted draft) through the host
+        stages; False when they failed the request."""
+        batch = ScheduledBatch([seq], [0], [seq.num_computed_tokens], [True])
+        state = StepState(batch, None, self.kv_cache)
+        state.next_tokens = torch.tensor([tok])
+        failed = self._run_stages(self.stages["step"][self._n_device_stages:], state)
+        if failed:
+            self._fail_rows(batch, failed, touched)
+            return False
+        self._fold_token(seq, state.outputs[0])
+        return True
+
+    # Speculative decoding (core/speculative.py).
+    def _propose_drafts(self) -> None:
+        """Ask the drafter for the next step's drafts of every decoding sequence that may speculate."""
+        k, vocab = self.spec.num_speculative_tokens, self.model.vocab_size
+        for seq in self.scheduler.running:
+            seq.draft = []
+            if seq.status is not SeqStatus.RUNNING or seq.draining or seq.pending \
+                    or seq.num_tokens - seq.num_computed_tokens != 1 or not can_speculate(seq.params):
+                continue
+            room = min(k, self.max_model_len - seq.num_tokens - 1)
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+            if room <= 0:
+                continue
+            draft = list(self.drafter.propose(seq, room))[:room]
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in draft):
+                if "bad draft" not in self.warned:
+                    self.warned.add("bad draft")
+                    log.warning("deepinfer: draft stage %r proposed tokens outside 0..%d (e.g. %r); ignored",
+                                self.spec.method, vocab - 1, draft[:8])
+                continue
+            seq.draft = draft
+
+    def _accept_drafts(self, state: StepState) -> None:
+        """Per drafting row: how many drafts stand, the token after them, and the rollback of the rest."""
+        batch, sampling = state.batch, state.sampling
+        tokens = state.next_tokens.tolist()
+        state.spec_extra = {}
+        off = 0
+        for r, i in enumerate(state.sample_rows):
+            drafts = batch.drafts[i]
+            if not drafts:
+                continue
+            k, seq = len(drafts), batch.seqs[i]
+            raw = torch.cat([state.draft_logits[off:off + k], state.logits[r:r + 1]])  # [k + 1, V]
+            off += k
+            gen = sampling.generators[r] if sampling.generators[r] is not None else self.generator
+            emitted = accept_row(sampling_rows(sampling, r, k + 1).process(raw), drafts, None,
+                                 seq.params.greedy, gen)
+            accepted = len(emitted) - 1
+            self.spec_stats.record(k, accepted)
+            seq.num_computed_tokens -= k - accepted  # the rejected drafts' KV is overwritten later
+            tokens[r] = emitted[0]
+            if accepted:
+                state.spec_extra[r] = emitted[1:]
+        state.next_tokens = torch.tensor(tokens)

@@ -124,6 +124,9 @@ class ForwardInputs:
     block_size: int
     device: torch.device
     tables: object = None  # core.block_tables.BlockTables (synced) to build on the device; None: on the host
+    # [D] stream positions whose logits verify drafts: each drafting sampling row's last token and all but its
+    # last draft (a row with k drafts: k positions, in batch order); empty when no row drafts.
+    draft_index: list = attrs.field(factory=list)
     _built: Optional[tuple] = None
 
     @property
@@ -163,5 +166,10 @@ def plan(batch, block_size: int, device, tables=None) -> Optional[ForwardInputs]
         where[i] = r
         qstart.append(qstart[-1] + batch.num_tokens[i])
     sample_index = [qstart[where[i] + 1] - 1 for i in range(n) if batch.samples[i]]
+    draft_index = []
+    for i, d in enumerate(batch.drafts or ()):
+        if d:
+            end = qstart[where[i] + 1] - 1  # the last draft's position: its logits give the bonus token
+            draft_index.extend(range(end - len(d), end))
     return ForwardInputs(batch, rows, where, qstart, sample_index, sum(is_dec), block_size, torch.device(device),
-                         tables)
+                         tables, draft_index)

@@ -286,6 +286,16 @@ class LLM:
         pool = self.engine.swa_pool
         return {"enabled": True, **cache.summary(), **(pool.summary() if pool is not None else {})}
 
+    def spec_stats(self) -> dict:
+        """Speculative decoding's accounting since start-up (core/speculative.py): rows verified, draft tokens,
+        accepted tokens, acceptance by draft position, tokens emitted per verified row; {"enabled": False}
+        without speculative_config."""
+        eng = self.engine
+        if eng.spec is None:
+            return {"enabled": False}
+        return {"enabled": True, "method": eng.spec.method, "num_speculative_tokens": eng.spec.num_speculative_tokens,
+                **eng.spec_stats.summary()}
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block no request holds (as vLLM's reset_prefix_cache); returns how many."""
         cache = self.engine.prefix_cache

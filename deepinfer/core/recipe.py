@@ -11,7 +11,7 @@ A recipe file (recipes/*.toml holds the built-in ones)::
     [cache]                          # the prefix-cache fields: enable_prefix_caching, host_cache_gb, cache_dir,
                                      # disk_cache_gb
     [model]                          # the model's own slow twins, applied where the model has them: pool_impl
-    [speculative]                    # empty: speculative decoding is not implemented yet
+    [speculative]                    # speculative_config: method (a draft stage), num_speculative_tokens, ...
 
 Everything is checked when the recipe is loaded, never when it runs: an unknown key, an unknown stage (names
 resolve through the plugin registry, so a plugin's stage may go anywhere), an argument its stage does not
@@ -109,16 +109,21 @@ def parse(data: dict, name: str, where: str, registry: Registry) -> Recipe:
     description = data.get("description", "")
     if not isinstance(description, str):
         fail(f"description = {_show(description)} is invalid: must be a string")
-    if data.get("speculative"):
-        key, value = next(iter(data["speculative"].items()))
-        fail(f"[speculative] {key} = {_show(value)} is not supported: speculative decoding (draft and verify "
-             "stages) is not implemented yet; leave [speculative] empty or remove it")
+    speculative = data.get("speculative") or None
+    if speculative is not None:
+        from .config import _speculative
+
+        try:
+            _speculative(None, None, speculative)
+        except ValueError as exc:
+            fail(f"[speculative] is invalid: {exc}")
     backend = data.get("backend")
     if backend is not None and backend not in registry.names("backend"):
         fail(f"backend = {_show(backend)} is invalid: registered backends: {', '.join(registry.names('backend'))}")
     return Recipe(name=name, source=where, description=description.strip(),
                   stages=_stages(data.get("stages"), fail, registry), backend=backend,
-                  engine=_engine(data.get("engine", {}), data.get("cache", {}), fail),
+                  engine={**_engine(data.get("engine", {}), data.get("cache", {}), fail),
+                          **({"speculative_config": dict(speculative)} if speculative else {})},
                   model=_model(data.get("model", {}), fail))
 
 

@@ -159,7 +159,13 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens seq computes this step: what it has left, within the budget (and, with an encoder-SWA pool,
         its prompt's last chunk stopping at its last block boundary: core/swa_pool.py)."""
-        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        left = seq.num_tokens - seq.num_computed_tokens
+        if seq.draft:
+            if left == 1 and budget > 1:  # a decode row verifies its draft: its last token and up to k drafts
+                del seq.draft[budget - 1:]
+                return 1 + len(seq.draft)
+            seq.draft.clear()
+        n = min(left, budget)
         return n if self.swa_pool is None else self.swa_pool.align(seq, n)
 
     def _held(self, seq: Sequence) -> bool:
@@ -219,8 +225,9 @@ class Scheduler:
         seqs = [s for s, _ in chosen]
         nums = [n for _, n in chosen]
         starts = [s.num_computed_tokens for s in seqs]
-        samples = [s.num_computed_tokens + n == s.num_tokens for s, n in chosen]
-        return ScheduledBatch(seqs=seqs, num_tokens=nums, start=starts, samples=samples)
+        samples = [s.num_computed_tokens + n - len(s.draft) == s.num_tokens for s, n in chosen]
+        drafts = [list(s.draft) for s in seqs] if any(s.draft for s in seqs) else None
+        return ScheduledBatch(seqs=seqs, num_tokens=nums, start=starts, samples=samples, drafts=drafts)
 
     def _admit(self, chosen: list, budget: int) -> int:
         """Admit waiting sequences in key order, skipping ahead of ones that do not fit (see the module

@@ -49,6 +49,7 @@ class Sequence:
     # (P, snapshot) when that hit brings the window state back from the encoder-SWA pool (core/swa_pool.py)
     # instead of replaying: restored before the sequence's next step, then None.
     swa_restore: Optional[tuple] = None
+    draft: list = attrs.field(factory=list)  # speculative tokens proposed for its next step (core/speculative.py)
     wait_for: Optional["Sequence"] = None  # a sibling (n > 1) waits for this one to compute the shared prompt
     state_slot: int = -1  # per-sequence state (SWA rings, compressor tails) while it holds KV; scheduler-owned
     # Tokens sampled by launched steps but not yet collected (engine-owned): each a negative reference into the
@@ -72,11 +73,15 @@ class Sequence:
         return len(self.token_ids) + len(self.pending)
 
     def input_ids(self, start: int, n: int) -> list:
-        """Token ids of positions start .. start+n-1; pending positions give their future references (< 0)."""
+        """Token ids of positions start .. start+n-1; pending positions give their future references (< 0), and
+        positions past every known token its draft tokens (a speculative step)."""
         known = self.token_ids[start:start + n]
         if len(known) < n:
             k = max(start - len(self.token_ids), 0)
             known = known + self.pending[k:k + n - len(known)]
+        if len(known) < n:
+            k = max(start - self.num_tokens, 0)
+            known = known + self.draft[k:k + n - len(known)]
         return known
 
     @property
@@ -120,6 +125,7 @@ class ScheduledBatch:
     start: list  # [B] first position computed this step (== seq.num_computed_tokens before the step)
     samples: list  # [B] bool: the step completes the sequence's known tokens, so it samples one
     future: Optional[torch.Tensor] = None  # engine: device buffer that negative (pending) input ids index
+    drafts: Optional[list] = None  # [B] draft tokens each row verifies after its last token (None: no row drafts)
 
     @property
     def total_tokens(self) -> int:
@@ -136,6 +142,7 @@ class StepState:
         self.inputs: Any = None  # prefill: core.inputs.ForwardInputs, every row as one ragged token stream
         self.hidden: Optional[torch.Tensor] = None  # forward: [T, d] final hidden states of the stream
         self.logits: Optional[torch.Tensor] = None  # verify: [S, V] logits of the sampling rows, in batch order
+        self.draft_logits: Optional[torch.Tensor] = None  # verify: [D, V] logits at the drafted positions (row order)
         self.prompt_logprobs: Optional[dict] = None  # verify: seq_id -> (first position, prompt logprob entries)
         self.bad_rows: Optional[torch.Tensor] = None  # engine: [S] bool, sampling rows whose logits were not finite
         self.next_tokens: Optional[torch.Tensor] = None  # sample: [S] int64

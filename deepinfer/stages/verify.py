@@ -1,6 +1,7 @@
 """Step stage: score the positions the step asked for from the forward's hidden states: the next-token
 logits of every sampling row (in batch order), and the prompt positions whose logprobs a request wants.
-With no draft tokens, verify is plain decode; a speculative verify accepts or rejects drafts here."""
+With draft tokens (speculative decoding), also the logits at every drafted position; the engine accepts or
+rejects the drafts from them (core/speculative.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class VerifyStage(Stage):
     name = "verify"
     kind = "verify"
     reads = ("inputs", "hidden")
-    writes = ("logits", "prompt_logprobs")
+    writes = ("logits", "prompt_logprobs", "draft_logits")
 
     model: object
     ops: object
@@ -34,6 +35,9 @@ class VerifyStage(Stage):
             else:
                 rows = hidden.index_select(0, to_device(inp.sample_index, torch.long, hidden.device))
             state.logits = self.model.compute_logits(rows)  # [S, V]
+            if inp.draft_index:  # speculative rows: the target at every drafted position (core/speculative.py)
+                at = to_device(inp.draft_index, torch.long, hidden.device)
+                state.draft_logits = self.model.compute_logits(hidden.index_select(0, at))  # [D, V]
         if inp is not None:
             self._prompt_logprobs(state, inp, hidden)
 

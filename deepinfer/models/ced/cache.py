@@ -8,8 +8,10 @@
 - Scoring rings: SWA KV of the decoder layers as exact replay computes it, for a request that scores its
   prompt under bounded replay (models.ced.model.ReplayStart); ``n_win`` slots per sequence and decoder layer
   (no speculative allowance: the scoring pass only runs over prompt tokens).
-- The compressor's incomplete trailing group: the normed inputs of its tokens, per sequence; m slots (token
-  at position p in slot p % m), so a decode step writes its token and reads the whole group unbranched.
+- The compressor's incomplete trailing group: the normed inputs of its last tokens, per sequence; m +
+  swa_allowance slots (token at position p in slot p % slots), so a decode step writes its token and reads
+  the whole group unbranched, and a speculative step whose drafts are rejected (at most the allowance) still
+  finds the inputs of the group it rolled back into.
 - With an encoder-SWA pool (core/swa_pool.py, ``keep_encoder_outputs``): the final encoder hidden states of
   each sequence's last ring-many positions (position p in slot p % ring), which a snapshot keeps beside the
   encoder rings because the decoder replays the last n_win prompt tokens' encoder outputs.
@@ -49,7 +51,8 @@ class CEDCache:
             self.kv[l] = _alloc(n, c.head_dim, c.global_kv_format, device)
             self.ik[l] = _alloc(n, c.index_head_dim, c.index_k_format, device)
             if m > 1:
-                self.pending[l] = torch.zeros(max_seqs + 1, m, c.hidden_size, dtype=dtype, device=device)
+                self.pending[l] = torch.zeros(max_seqs + 1, m + c.swa_allowance, c.hidden_size, dtype=dtype,
+                                              device=device)
         self.ring = {l: _alloc(c.ring_size, c.head_dim, c.swa_kv_format, device, lead=(max_seqs + 1,))
                      for l in range(c.num_layers)}
         self.score_ring = {l: _alloc(c.n_win, c.head_dim, c.swa_kv_format, device, lead=(max_seqs,))

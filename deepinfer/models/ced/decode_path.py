@@ -42,9 +42,11 @@ class DecodePass:
         slots = self.ring_slot
         j = self.pos // m  # the group this token belongs to
         if m > 1:
-            tail = cache.pending[layer.i]  # [S, m, d]
-            tail[slots, self.pos % m] = xs.to(tail.dtype)
-            group = tail[slots].reshape(self.n * m, d)
+            tail = cache.pending[layer.i]  # [S, m + allowance, d]: position p in slot p % (m + allowance)
+            size = tail.shape[1]
+            tail[slots, self.pos % size] = xs.to(tail.dtype)
+            members = (j * m)[:, None] + torch.arange(m, device=j.device)  # [n, m] the group's positions
+            group = tail[slots[:, None], members % size].reshape(self.n * m, d)
         else:
             group = xs
         e, k = layer.entries(group, j)

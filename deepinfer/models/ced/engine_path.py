@@ -118,7 +118,9 @@ def _compress_chunk(model, layer, xs, meta, cache, device):
         qs += k
         pend = a % m
         if m > 1:
-            tail = cache.pending[layer.i][meta.state_slots[r], :pend]
+            store = cache.pending[layer.i]  # [S, slots, d]: position p in slot p % slots
+            size = store.shape[1]
+            tail = store[meta.state_slots[r], [p % size for p in range(a - pend, a)]]
             x_row = torch.cat([tail, x_row], dim=0)  # tokens from (a // m) * m
         j0, j1 = a // m, b // m
         skip = min(max(0, floors[r] // m - j0), j1 - j0)  # entries of a prefix hit's shared blocks: never rewritten
@@ -126,10 +128,9 @@ def _compress_chunk(model, layer, xs, meta, cache, device):
             chunks.append(x_row[skip * m: (j1 - j0) * m])
             ids.append(torch.arange(j0 + skip, j1, device=device))
             rows.append((r, j0 + skip, j1))
-        if m > 1:
-            rest = x_row[(j1 - j0) * m:]
-            if rest.shape[0]:
-                cache.pending[layer.i][meta.state_slots[r], : rest.shape[0]] = rest
+        if m > 1:  # the chunk's last tokens, complete groups' too: a rejected draft may roll back into them
+            keep = range(max(a, b - size), b)
+            store[meta.state_slots[r], [p % size for p in keep]] = x_row[keep.start - j0 * m:]
     if not chunks:
         return
     e, k = layer.entries(torch.cat(chunks), torch.cat(ids))

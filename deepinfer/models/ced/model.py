@@ -255,6 +255,12 @@ class CEDEngineMixin:
     # The encoder-SWA pool's contract (core/swa_pool.py): the window state at a block boundary P, the encoder
     # rings' and the final encoder outputs' positions [P - n_win, P), out of and back into a state slot.
     @property
+    def max_draft_tokens(self) -> int:
+        """Most drafts a speculative step may verify: rejected ones must not overwrite the window state the
+        accepted ones still need (the rings' and the compressor tails' allowance)."""
+        return self.config.swa_allowance
+
+    @property
     def swa_snapshot_slack(self) -> int:
         """How far past P a sequence may be and its rings still hold [P - n_win, P): the speculative allowance."""
         return self.config.ring_size - self.config.n_win

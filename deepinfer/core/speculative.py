@@ -1,0 +1,206 @@
+"""Speculative decoding: what a draft costs and how it is accepted, without changing the output distribution.
+
+Configured as in vLLM: ``LLM(..., speculative_config={"method": NAME, "num_speculative_tokens": k})`` where
+NAME is a registered stage of kind ``draft`` (the example plugin ``plugins/deepinfer-ngram`` registers
+``"ngram"``: prompt lookup, with ``prompt_lookup_min`` / ``prompt_lookup_max``). Before each step the engine
+asks the drafter for up to k tokens per decoding sequence (``propose``); the step computes the sequence's last
+token and its drafts in one forward, like a short prefill chunk among the other rows; the verify stage gives
+the target's logits at every drafted position; then ``accept`` here decides, per row, how many drafts stand:
+
+- greedy rows: a draft stands while it equals the target's argmax; the first that does not is replaced by
+  that argmax, and when all stand the target's token after the last one is added (the bonus token), so the
+  output is exactly greedy decoding's;
+- sampled rows: draft d at a position with target distribution p (temperature, top-k, top-p, min-p and
+  penalties applied, penalties counting the drafts before it) and draft distribution q (a point mass for
+  a drafter that gives no probabilities) stands with probability min(1, p(d) / q(d)); the first rejected one
+  is replaced by a draw from the residual max(0, p - q) renormalised; the bonus is drawn from p. This is the
+  standard rejection scheme: every emitted token has the target's distribution. Draws come from the
+  request's own generator when it has a seed, so a seeded request repeats.
+
+Rejected drafts are rolled back: the sequence's computed length drops to its accepted tokens (their paged
+KV stays valid; the rest is overwritten by later steps), CED's SWA rings keep the window within their
+speculative allowance (so k is capped by it), blocks past the accepted tokens are never committed to the
+prefix cache (only known tokens are hashed). Requests whose sampling needs per-step host state the drafts
+would bypass (structured outputs, logits processors, bad words, min_tokens, allowed_token_ids, logit bias)
+decode one token at a time. Overlap scheduling is off while speculating (drafting reads the last token).
+
+``stats`` keeps honest accounting: drafts proposed, draft tokens, accepted tokens, per draft position, and
+emitted tokens per verified row (1 + accepted), from which tau is reported as measured, not as 1 + k x rate.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+import attrs
+import torch
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+def _k(inst, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"speculative_config num_speculative_tokens={value!r} is invalid: must be an int in "
+                         f"1..{MAX_SPECULATIVE_TOKENS}")
+
+
+def _method(inst, attribute, value) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"speculative_config method={value!r} is invalid: must be the name of a registered draft "
+                         "stage (e.g. 'ngram')")
+
+
+@attrs.frozen
+class SpeculativeConfig:
+    method: str = attrs.field(validator=_method)
+    num_speculative_tokens: int = attrs.field(validator=_k)
+    dynamic: bool = False
+    options: dict = attrs.field(factory=dict)  # everything else: the drafter's own arguments
+
+    @classmethod
+    def parse(cls, spec) -> Optional["SpeculativeConfig"]:
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', "
+                             f"'num_speculative_tokens': 3}}, got {type(spec).__name__}")
+        rest = dict(spec)
+        for key in ("method", "num_speculative_tokens"):
+            if key not in rest:
+                raise ValueError(f"speculative_config lacks {key!r} (it has {sorted(spec)})")
+        dynamic = rest.pop("dynamic", False)
+        if not isinstance(dynamic, bool):
+            raise ValueError(f"speculative_config dynamic={dynamic!r} is invalid: must be true or false")
+        return cls(rest.pop("method"), rest.pop("num_speculative_tokens"), dynamic, rest)
+
+
+def can_speculate(params) -> bool:
+    """Whether a request's sampling lets drafted tokens be verified in one step (see the module docstring)."""
+    return not (params.structured_outputs is not None or params.logits_processors or params.bad_words
+                or params.min_tokens or params.allowed_token_ids or params.logit_bias
+                or params.logprobs is not None or params.presence_penalty or params.frequency_penalty
+                or params.repetition_penalty != 1.0)
+
+
+def build_drafter(registry, spec: SpeculativeConfig, context: dict, model):
+    """The draft stage speculative_config names, built with its options and the engine context it asks for."""
+    from .graph import StageSpec, instantiate
+    from .plugins import get_registry
+
+    registry = registry or get_registry()
+    entry = registry.get("stage", spec.method)  # an unknown name lists the registered ones
+    if entry.kind != "draft":
+        drafts = [n for n in registry.names("stage") if registry.get("stage", n).kind == "draft"]
+        raise ValueError(f"speculative_config method={spec.method!r} is a {entry.kind!r} stage, not a draft stage; "
+                         f"registered draft stages: {', '.join(drafts) or 'none (pip install plugins/deepinfer-ngram)'}")
+    limit = getattr(model, "max_draft_tokens", None)
+    if limit is not None and spec.num_speculative_tokens > limit:
+        raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} exceeds what "
+                         f"{type(model).__name__} can roll back ({limit}: its SWA rings' speculative allowance)")
+    stage = instantiate(StageSpec(spec.method, "draft", entry.obj, entry.plugin, dict(spec.options)),
+                        {**context, "num_speculative_tokens": spec.num_speculative_tokens})
+    if not callable(getattr(stage, "propose", None)):
+        raise ValueError(f"draft stage {spec.method!r} has no propose(seq, k) method")
+    return stage
+
+
+@attrs.frozen
+class RowDistributions:
+    """The sampling parameters of one row repeated over its k + 1 verified positions."""
+
+    batch: object  # a SamplingBatch of k + 1 rows
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits the sampler draws from (temperature, top-k, top-p, min-p) at each position."""
+        from ..backends.reference.sampling import process_logits
+
+        return process_logits(logits, self.batch)
+
+
+def sampling_rows(batch, row: int, n: int) -> RowDistributions:
+    """Row ``row`` of a SamplingBatch, n times (a speculating row has no penalties, bias, bans or processors)."""
+    idx = torch.full((n,), row, dtype=torch.long, device=batch.temperature.device)
+    pick = attrs.evolve(batch, temperature=batch.temperature[idx], top_k=batch.top_k[idx], top_p=batch.top_p[idx],
+                        min_p=batch.min_p[idx], presence_penalty=None, frequency_penalty=None,
+                        repetition_penalty=None, output_counts=None, prompt_mask=None, banned=None,
+                        generators=[batch.generators[row]] * n, logit_bias=None, processors=None,
+                        processor_errors={})
+    return RowDistributions(pick)
+
+
+@attrs.define
+class SpecStats:
+    steps: int = 0  # verified rows (a sequence's step with at least one draft)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # accepted + one target token per verified row
+    accepted_at: Counter = attrs.field(factory=Counter)  # draft position (0-based) -> times it stood
+    proposed_at: Counter = attrs.field(factory=Counter)  # draft position -> times it was proposed
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        self.emitted_tokens += accepted + 1
+        self.proposed_at.update(range(drafted))
+        self.accepted_at.update(range(accepted))
+
+    def summary(self) -> dict:
+        rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+        per_pos = [round(self.accepted_at[i] / self.proposed_at[i], 4) for i in sorted(self.proposed_at)]
+        return {"verified_rows": self.steps, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens, "acceptance_rate": round(rate, 4),
+                "acceptance_by_position": per_pos,
+                "tokens_per_verified_row": round(self.emitted_tokens / self.steps, 4) if self.steps else 0.0}
+
+
+def _draw(probs: torch.Tensor, gen) -> int:
+    """One token drawn from probs [V] (non-negative, any scale) with gen, on gen's device."""
+    return int(torch.multinomial(probs.double(), 1, generator=gen).item())
+
+
+def _uniform(gen, device) -> float:
+    return torch.rand((), generator=gen, dtype=torch.float64, device=device).item()
+
+
+def _residual_draw(p: torch.Tensor, q: torch.Tensor, gen) -> int:
+    r = (p - q).clamp_min(0)
+    if not r.sum() > 0:  # p <= q everywhere (p == q): a draw from p is exact
+        r = p
+    return _draw(r, gen)
+
+
+def accept_row(logits: torch.Tensor, drafts: list, draft_probs: Optional[torch.Tensor], greedy: bool,
+               gen: Optional[torch.Generator]) -> list:
+    """Tokens one row emits: its accepted drafts and one target token.
+
+    logits [k + 1, V]: the target's processed logits (process_logits: what the sampler draws from) at the row's
+    drafted positions and after the last draft; drafts: the k drafted tokens; draft_probs [k, V] the drafter's
+    distributions, or None for a point mass at each draft; greedy: take argmaxes; gen: the row's generator
+    (its seed), or None for torch's default (the caller passes the engine's when the request has none)."""
+    k = len(drafts)
+    if greedy:
+        best = logits.argmax(dim=-1).tolist()
+        out = []
+        for j in range(k):
+            if drafts[j] != best[j]:
+                return out + [best[j]]
+            out.append(drafts[j])
+        return out + [best[k]]
+    device = gen.device if gen is not None else torch.device("cpu")
+    p = logits.float().softmax(dim=-1).to(device)  # [k + 1, V]
+    out = []
+    for j in range(k):
+        d = drafts[j]
+        if draft_probs is None:
+            q = torch.zeros_like(p[j])
+            q[d] = 1.0
+        else:
+            q = draft_probs[j].float().to(device)
+        qd = float(q[d])
+        if qd > 0 and _uniform(gen, device) < min(1.0, float(p[j, d]) / qd):
+            out.append(d)
+            continue
+        return out + [_residual_draw(p[j], q, gen)]
+    return out + [_draw(p[k], gen)]
