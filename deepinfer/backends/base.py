@@ -22,6 +22,9 @@ class Ops:
     name = "base"
     device: torch.device
     moe_capture_safe = False  # moe_experts(impl="routed") never syncs with the host (so decode may be captured)
+    # Set by the engine with EngineConfig.batch_invariant (backends/batch_invariant.py): attention and MoE take
+    # paths whose reduction order per row does not depend on the other rows of the call.
+    batch_invariant = False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise NotImplementedError

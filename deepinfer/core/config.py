@@ -131,6 +131,9 @@ class EngineConfig:
     # device). None: on for CUDA devices, off elsewhere (nothing runs asynchronously there to overlap).
     overlap_scheduling: Optional[bool] = None
     seed: int = 0
+    # Batch-invariant kernels (backends/batch_invariant.py): a request's tokens and logprobs do not depend on the
+    # other requests of its steps (the deterministic recipe; README "Deterministic inference" says what holds).
+    batch_invariant: bool = attrs.field(default=False, validator=_optional_bool)
     device: Optional[str] = None  # None: from the backend
     # vLLM's names, where the meaning carries over (see core/vllm_compat.py for the ones refused).
     # CUDA: the share of total device memory the engine may hold, weights, activations and CUDA graphs

@@ -13,6 +13,7 @@ import time
 import torch
 
 from ..outputs import Logprob, entries_from
+from ..backends.batch_invariant import kernel_mode
 from .block_tables import BlockTables
 from .sampling_state import SamplingState
 from .kv_cache import BlockPool, blocks_needed
@@ -63,6 +64,8 @@ class Engine:
         self.config, self.model, self.tokenizer, self.pipeline, self.ops = config, model, tokenizer, pipeline, ops
         self.max_model_len = max_model_len
         self.device = ops.device
+        # Device stages (and the CUDA graphs that hold them) run in this context: batch-invariant kernels or none.
+        self.kernel_mode = kernel_mode(config.batch_invariant, ops)
         dtype = next(model.parameters()).dtype
         use_graphs = (not config.enforce_eager and self.device.type == "cuda"
                       and getattr(model, "supports_cuda_graphs", False))
@@ -93,7 +96,7 @@ class Engine:
 
             self.decode_graphs = DecodeGraphs(model, self.kv_cache, self.block_tables, config.block_size,
                                               self.device, capture_sizes(config.cuda_graph_sizes, config.max_num_seqs))
-            with torch.no_grad():
+            with torch.no_grad(), self.kernel_mode():
                 self.graph_bytes = self.decode_graphs.capture_all(progress=log.isEnabledFor(logging.INFO))
             log.info("CUDA graphs: %d captured (batch sizes %s), %.2f GiB", len(self.decode_graphs.graphs),
                      list(self.decode_graphs.batch_buckets), self.graph_bytes / 2**30)
@@ -357,14 +360,15 @@ class Engine:
         """Run stages in order; returns {batch row: message} of the rows a stage traced a fault to (RowError),
         and of rows whose logits are not finite (checked on the device after each stage that writes them)."""
         failed: dict = {}
-        for stage in stages:
-            try:
-                stage(state)
-            except RowError as exc:
-                for i in exc.rows:
-                    failed.setdefault(i, f"stage {stage.name!r} failed for this request: {exc.messages.get(i, exc)}")
-            if "logits" in stage.writes:
-                _guard_logits(state)
+        with self.kernel_mode():
+            for stage in stages:
+                try:
+                    stage(state)
+                except RowError as exc:
+                    for i in exc.rows:
+                        failed.setdefault(i, f"stage {stage.name!r} failed for this request: {exc.messages.get(i, exc)}")
+                if "logits" in stage.writes:
+                    _guard_logits(state)
         return failed
 
     def _fail_batch(self, batch, exc: Exception, touched: dict) -> None:

@@ -108,7 +108,7 @@ def paged_cases(draw, max_rows: int = 5, max_len: int = 40, head_dims=(8, 16, 32
         share = draw(st.integers(0, min(need[0], need[1]) - 1))
         tables[1][:share] = tables[0][:share]
     seqs = [SimpleNamespace(input_ids=lambda st_, n_: [0] * n_, block_table=t, state_slot=0, replay_start=0,
-                            prefix_replay_start=0, num_cached_tokens=0)
+                            prefix_replay_start=0, num_cached_tokens=0, swa_restore=None)
             for t in tables]
     batch = SimpleNamespace(seqs=seqs, start=[p for p, _ in rows], num_tokens=[n for _, n in rows], future=None)
     _, meta, _ = build_inputs(batch, list(range(R)), bs, "cpu", num_decodes=nd)

@@ -36,6 +36,21 @@ def kernel_device_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
+INVARIANT_MOE_BLOCK_M = 16  # batch-invariant mode: the fused MoE's one M-block size (its K step follows from it)
+INVARIANT_CED_SPLIT_TILES = 4  # batch-invariant mode: key tiles per split of the CED attention kernel
+
+
+def invariant_ced_splits(q, entries, entry_slots, window: int) -> int:
+    """The CED attention kernel's split count from a fixed split size (INVARIANT_CED_SPLIT_TILES key tiles):
+    it depends on the layer's window and top-K only, never on the number of queries."""
+    from . import triton_ced_attention as tca
+
+    bn = tca.launch_config(q.shape[1], q.shape[2], q.dtype)["BLOCK_N"]
+    K = entry_slots.shape[1] if entries is not None else 0
+    tiles = max(-(-window // bn), -(-K // bn))
+    return max(1, min(16, -(-tiles // INVARIANT_CED_SPLIT_TILES)))
+
+
 class NvidiaOps(ReferenceOps):
     name = "nvidia"
     moe_capture_safe = True  # routed moe_experts runs the fused kernel: no host sync (CUDA graphs may hold it)
@@ -83,11 +98,15 @@ class NvidiaOps(ReferenceOps):
         if impl == "routed" and kernel_device_ok(x, w13, w2, weights, ids, w13_scale, w2_scale) \
                 and triton_moe.supports(x, w13, w2, weights, ids, **scales):
             self.kernel_calls["fused_moe"] += 1
-            return triton_moe.fused_experts(x, w13, w2, weights, ids, clamp=clamp, **scales)
+            # Batch-invariant: one M-block size (and so one K step) whatever the number of tokens.
+            block_m = INVARIANT_MOE_BLOCK_M if self.batch_invariant else None
+            return triton_moe.fused_experts(x, w13, w2, weights, ids, clamp=clamp, block_m=block_m, **scales)
         return super().moe_experts(x, w13, w2, weights, ids, clamp=clamp, impl=impl, **scales)
 
     # Attention.
     def paged_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale, window=None, sinks=None):
+        if self.batch_invariant:
+            return self._invariant_attention(q, k_cache, v_cache, meta, scale, window, sinks)
         nd = meta.num_decodes
         if 0 < nd < meta.q_index.shape[0] and meta.max_q > 1:
             # A mixed step: its decode rows (first in the stream) to the decode kernel, the chunks to the
@@ -126,6 +145,23 @@ class NvidiaOps(ReferenceOps):
                                                 meta.seq_lens, meta.max_q, scale, window, sinks)
         return super().paged_attention(q, k_cache, v_cache, meta, scale, window, sinks)
 
+    def _invariant_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale, window, sinks):
+        """Batch-invariant mode: every row, decode or prefill chunk, through the one paged prefill kernel (no
+        split-K: a program walks its row's keys in BLOCK_N tiles from the first), so a position's attention has
+        the same bits whether it is decoded, prefilled in a chunk or after a prefix hit; else the reference's
+        invariant attention (whose matmuls batch_invariant("cuda") routes to Triton)."""
+        from . import triton_prefill
+
+        if meta.cu_q is not None and meta.block_table is not None and meta.max_q > 0 and 0 < scale < float("inf") \
+                and kernel_device_ok(q, k_cache, v_cache, meta.block_table, meta.cu_q, meta.seq_lens, sinks) \
+                and triton_prefill.supports(q, k_cache, v_cache, meta.block_table, meta.block_size, meta.cu_q,
+                                            meta.seq_lens, sinks):
+            self.kernel_calls["paged_prefill"] += 1
+            self.kernel_calls["paged_attention:invariant"] += 1
+            return triton_prefill.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.block_size, meta.cu_q,
+                                                meta.seq_lens, meta.max_q, scale, window, sinks)
+        return super().paged_attention(q, k_cache, v_cache, meta, scale, window, sinks)
+
     # CED (DeepSeek-V4.1-Flash): window + top-K sparse attention over the FP8 rings and the paged FP4 KV in one
     # pass, and the indexer's scores and top-K over the FP4 index keys (modules imported on first use).
     def ced_sparse_attention(self, q, kv, ring, entries, entry_slots, *, pos, cut, fresh_lo, fresh_start, ring_slot,
@@ -133,7 +169,10 @@ class NvidiaOps(ReferenceOps):
         from . import triton_ced_attention as tca
 
         where = dict(pos=pos, cut=cut, fresh_lo=fresh_lo, fresh_start=fresh_start, ring_slot=ring_slot)
-        if kernel_choice.use_tilelang("ced_sparse_attention", q.device):  # TileLang where it measured faster
+        splits = None
+        if self.batch_invariant:  # Triton with a fixed split size over the keys (so a split count fixed per layer)
+            splits = invariant_ced_splits(q, entries, entry_slots, window)
+        elif kernel_choice.use_tilelang("ced_sparse_attention", q.device):  # TileLang where it measured faster
             from . import tilelang_ced_attention as lca
 
             if kernel_device_ok(q, kv, *ring, *(entries or ()), entry_slots, sinks, *where.values()) \
@@ -146,7 +185,7 @@ class NvidiaOps(ReferenceOps):
                 and tca.supports(q, kv, ring, entries, entry_slots, ring_fmt, entry_fmt, sinks):
             self.kernel_calls["ced_sparse_attention"] += 1
             return tca.sparse_attention(q, kv, ring, entries, entry_slots, window=window, ring_fmt=ring_fmt,
-                                        entry_fmt=entry_fmt, sinks=sinks, scale=scale, **where)
+                                        entry_fmt=entry_fmt, sinks=sinks, scale=scale, num_splits=splits, **where)
         return super().ced_sparse_attention(q, kv, ring, entries, entry_slots, window=window, ring_fmt=ring_fmt,
                                             entry_fmt=entry_fmt, sinks=sinks, scale=scale, **where)
 

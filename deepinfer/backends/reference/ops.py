@@ -38,6 +38,10 @@ class ReferenceOps(Ops):
         return rotate(q, k, positions, cos_sin_cache, interleaved)
 
     def paged_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale, window=None, sinks=None):
+        if self.batch_invariant:  # every row, in KV blocks from position 0 (one order whatever the batch)
+            from .invariant_attention import invariant_paged_attention
+
+            return invariant_paged_attention(q, k_cache, v_cache, meta, scale, window, sinks)
         # Decode rows on the CPU attend to their blocks in place; the rest through the padded path (the oracle).
         return attention.paged_attention(q, k_cache, v_cache, meta, scale, window, sinks)
 
@@ -70,7 +74,7 @@ class ReferenceOps(Ops):
     def compute_logprobs(self, logits, token_ids, num_top):
         from .sampling import compute_logprobs
 
-        return compute_logprobs(logits, token_ids, num_top)
+        return compute_logprobs(logits, token_ids, num_top, stable=self.batch_invariant)
 
     def apply_token_bitmask(self, logits, bitmask, rows):
         from .bitmask import apply_token_bitmask

@@ -155,10 +155,12 @@ class LogprobsTensors:
     top_logprobs: torch.Tensor  # [S, n] float32
 
 
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int,
+                     stable: bool = False) -> LogprobsTensors:
     """Logprobs of the raw model distribution (before penalties/temperature), as vLLM reports by default.
 
-    logits: [S, V]; token_ids: [S] int64 chosen tokens; num_top >= 0.
+    logits: [S, V]; token_ids: [S] int64 chosen tokens; num_top >= 0. ``stable``: tied top-n logprobs in
+    ascending token id (a stable sort; topk's order among ties may change with the batch: batch-invariant mode).
     """
     logprobs = logits.float().log_softmax(dim=-1)  # [S, V]
     token_ids = token_ids.to(device=logprobs.device, dtype=torch.int64)
@@ -166,7 +168,12 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     # vLLM's rank: how many tokens are at least as likely as the chosen one (ties count against it).
     ranks = (logprobs >= token_logprobs).sum(dim=-1)  # [S]
     if num_top > 0:
-        top_logprobs, top_ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)  # [S, n] each
+        n = min(num_top, logprobs.shape[-1])
+        if stable:
+            top_logprobs, top_ids = logprobs.sort(dim=-1, descending=True, stable=True)
+            top_logprobs, top_ids = top_logprobs[:, :n], top_ids[:, :n]
+        else:
+            top_logprobs, top_ids = logprobs.topk(n, dim=-1)  # [S, n] each
     else:
         top_logprobs = logprobs.new_empty(logprobs.shape[0], 0)
         top_ids = token_ids.new_empty(logprobs.shape[0], 0)

@@ -1,0 +1,212 @@
+"""Batch-invariant execution: while ``batch_invariant(device)`` is active, each row of every matmul and of every
+op whose result could depend on the rows beside it is computed the same way whatever the batch holds.
+
+Why a model's output can depend on its batch: a GEMM library picks its blocking (and on a GPU its split-K and
+tile config) from the shape, so row i of ``X @ W`` gets other roundings when X has 3 rows than when it has 300;
+torch's vectorised CPU loops compute the elements of a last, partial vector (and of each thread's chunk's
+tail) with the scalar function, which differs from the SIMD one by an ulp for sigmoid, silu, softplus, pow and
+bf16 rsqrt (measured: tests/test_batch_invariant.py); GPU reductions split a row across blocks when there
+are few rows. None of these is wrong; each makes a request's output a function of its neighbours.
+
+What this module does (the models are not edited: they call nn.Linear / F.linear / torch.einsum as before):
+while the context is active it overrides aten kernels for one dispatch key through ``torch.library``, and
+removes the overrides on exit (nested contexts share one installation).
+
+- CPU: ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv`` run the GEMM on fixed-shape row tiles of
+  ``ROW_TILE`` rows (the last tile zero-padded), each copied into a fresh buffer so every call of the
+  un-overridden kernel (the ``out=`` overload) has one shape and one alignment; ``UNARY`` elementwise ops
+  run on a contiguous copy padded to whole SIMD vectors, in pieces small enough for one thread, so every
+  element goes through the vector function.
+- CUDA (``nvidia/triton_batch_invariant.py``): ``mm``, ``addmm``, ``bmm`` through one Triton matmul with a
+  fixed tile config for every M and no split-K; ``mean.dim``, ``sum.dim_IntList``, ``_softmax`` and
+  ``_log_softmax`` one program per row, the row walked in fixed chunks from its start.
+
+Attention and MoE are the backends' own ops: with ``ops.batch_invariant`` set (the engine sets it from
+EngineConfig.batch_invariant), the reference backend attends over the KV in fixed blocks from position 0
+(reference/invariant_attention.py) and the nvidia backend routes every row through one attention kernel and
+one MoE tile config. What is guaranteed, and what is not, is in README.md ("Deterministic inference").
+
+The override is process-wide for the dispatch key while active (another thread's CPU matmuls take the tiled
+path too: slower, same function). Tensors that need a gradient are not supported inside the context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+ROW_TILE = 16  # rows per GEMM call on the CPU: every call has this many rows
+PAD = 256  # elementwise inputs are padded to a multiple of this many elements (whole vectors, any ISA)
+PIECE = 16384  # elements per elementwise call: below torch's grain size (32768), so one thread runs it
+# Elementwise ops whose vectorised CPU loops treat a tail differently (or may): (name, overload, out overload).
+UNARY = (("exp", "default", "out"), ("log", "default", "out"), ("sin", "default", "out"),
+         ("cos", "default", "out"), ("tanh", "default", "out"), ("sigmoid", "default", "out"),
+         ("silu", "default", "out"), ("rsqrt", "default", "out"), ("erf", "default", "out"),
+         ("log1p", "default", "out"), ("expm1", "default", "out"), ("gelu", "default", "out"),
+         ("softplus", "default", "out"), ("pow", "Tensor_Scalar", "Tensor_Scalar_out"))
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+_lock = threading.Lock()
+_active: dict = {}  # dispatch key -> [depth, torch.library.Library]
+
+
+# ------------------------------------------------------------------------------------------------ CPU
+def _fresh_rows(a: torch.Tensor, lo: int, n: int, rows: int) -> torch.Tensor:
+    """A new [rows, K] contiguous buffer holding a[lo:lo + n] and zeros after."""
+    t = a.new_zeros(rows, a.shape[1])
+    t[:n] = a[lo:lo + n]
+    return t
+
+
+def _canon(b: torch.Tensor) -> torch.Tensor:
+    """b [K, N] as is when it (or its transpose) is contiguous, else a contiguous copy: one layout per call site."""
+    return b if b.is_contiguous() or b.t().is_contiguous() else b.contiguous()
+
+
+def cpu_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N] on ROW_TILE-row tiles: row i's result does not depend on M or on i."""
+    M, N = a.shape[0], b.shape[1]
+    dtype = torch.result_type(a, b)
+    out = torch.empty(M, N, dtype=dtype, device=a.device)
+    if M == 0:
+        return out
+    b = _canon(b)
+    for lo in range(0, M, ROW_TILE):
+        n = min(ROW_TILE, M - lo)
+        res = torch.empty(ROW_TILE, N, dtype=dtype, device=a.device)
+        torch.ops.aten.mm.out(_fresh_rows(a, lo, n, ROW_TILE), b, out=res)
+        out[lo:lo + n] = res[:n]
+    return out
+
+
+def cpu_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N]: M padded to whole ROW_TILE tiles, each tile one matrix of one bmm call."""
+    B, M, K = a.shape
+    N = b.shape[2]
+    dtype = torch.result_type(a, b)
+    if B == 0 or M == 0:
+        return torch.empty(B, M, N, dtype=dtype, device=a.device)
+    tiles = -(-M // ROW_TILE)
+    ap = a.new_zeros(B, tiles * ROW_TILE, K)
+    ap[:, :M] = a
+    ap = ap.view(B * tiles, ROW_TILE, K)
+    bp = b.contiguous() if tiles == 1 else b[:, None].expand(B, tiles, K, N).reshape(B * tiles, K, N)
+    res = torch.empty(B * tiles, ROW_TILE, N, dtype=dtype, device=a.device)
+    torch.ops.aten.bmm.out(ap, bp, out=res)
+    return res.view(B, tiles * ROW_TILE, N)[:, :M].contiguous()
+
+
+def _scaled(out, bias, beta, alpha):
+    if alpha != 1:
+        out = out * alpha
+    if beta == 0:
+        return out
+    return out + (bias if beta == 1 else bias * beta)
+
+
+def cpu_addmm(bias, a, b, *, beta=1, alpha=1):
+    return _scaled(cpu_mm(a, b), bias, beta, alpha)
+
+
+def cpu_baddbmm(bias, a, b, *, beta=1, alpha=1):
+    return _scaled(cpu_bmm(a, b), bias, beta, alpha)
+
+
+def cpu_mv(a, v):
+    return cpu_mm(a, v[:, None])[:, 0]
+
+
+def _unary(op, op_out):
+    """An elementwise op computed on a contiguous copy padded to whole vectors, PIECE elements per call."""
+
+    def impl(x, *args, **kwargs):
+        if x.dtype not in FLOATS or x.numel() == 0:  # as the op computes it (the out overload is not overridden)
+            dtype = op(x.to("meta"), *args, **kwargs).dtype  # the result dtype the op decides (ints -> float, ...)
+            return op_out(x, *args, **kwargs, out=torch.empty(0, dtype=dtype, device=x.device))
+        n = x.numel()
+        total = -(-n // PAD) * PAD
+        buf = x.new_zeros(total)
+        buf[:n] = x.reshape(-1)
+        res = torch.empty(total, dtype=x.dtype, device=x.device)
+        for lo in range(0, total, PIECE):
+            op_out(buf[lo:lo + PIECE], *args, **kwargs, out=res[lo:lo + PIECE])
+        return res[:n].view(x.shape)
+
+    return impl
+
+
+def _pow_scalar_base():
+    """pow(Scalar base, Tensor exponent): the tensor is the second argument."""
+    tensor_first = _unary(lambda e, base: torch.ops.aten.pow.Scalar(base, e),
+                          lambda e, base, out: torch.ops.aten.pow.Scalar_out(base, e, out=out))
+    return lambda base, exponent: tensor_first(exponent, base)
+
+
+def _cpu_impls() -> dict:
+    impls = {"mm": cpu_mm, "bmm": cpu_bmm, "addmm": cpu_addmm, "baddbmm": cpu_baddbmm, "mv": cpu_mv,
+             "pow.Scalar": _pow_scalar_base()}
+    for name, overload, out in UNARY:
+        key = name if overload == "default" else f"{name}.{overload}"
+        packet = getattr(torch.ops.aten, name)
+        impls[key] = _unary(getattr(packet, overload), getattr(packet, out))
+    return impls
+
+
+def _impls(key: str) -> dict:
+    if key == "CPU":
+        return _cpu_impls()
+    if key == "CUDA":
+        from .nvidia import triton_batch_invariant
+
+        return triton_batch_invariant.cuda_impls()
+    raise ValueError(f"batch_invariant: no batch-invariant kernels for dispatch key {key!r} (CPU or CUDA)")
+
+
+def dispatch_key(device) -> str:
+    kind = torch.device(device).type
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"batch_invariant: device {kind!r} has no batch-invariant kernels (cpu or cuda)")
+    return kind.upper()
+
+
+@contextlib.contextmanager
+def batch_invariant(device="cpu"):
+    """Override the batch-dependent aten kernels of ``device``'s dispatch key while the block runs."""
+    key = dispatch_key(device)
+    with _lock:
+        entry = _active.get(key)
+        if entry is None:
+            import warnings
+
+            lib = torch.library.Library("aten", "IMPL")
+            with warnings.catch_warnings():  # "overriding a previously registered kernel": that is the point
+                warnings.simplefilter("ignore")
+                for name, fn in _impls(key).items():
+                    lib.impl(name, fn, key)
+            entry = _active[key] = [0, lib]
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            entry[0] -= 1
+            if entry[0] == 0:
+                entry[1]._destroy()
+                del _active[key]
+
+
+def is_active(device="cpu") -> bool:
+    return dispatch_key(device) in _active
+
+
+def kernel_mode(enabled: bool, ops):
+    """What an engine runs its device stages in: with ``enabled``, ``batch_invariant(ops.device)`` (and
+    ``ops.batch_invariant`` set, which switches the backend's attention and MoE to their invariant paths);
+    otherwise a null context. Returns a callable that makes a fresh context each time."""
+    if not enabled:
+        return contextlib.nullcontext
+    dispatch_key(ops.device)  # fails now, naming the device, where there are no invariant kernels
+    ops.batch_invariant = True
+    return lambda: batch_invariant(ops.device)

@@ -1,0 +1,160 @@
+"""The batch-invariant Triton kernels (backends/nvidia/triton_batch_invariant.py) against torch, and their
+invariance: a row's result is the same bits alone, at any position, in a batch of any size.
+
+Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py) on small
+shapes: the invariance holds there by construction of the loops (the same program walks the same chunks), the
+values meet torch's within float tolerance. The GPU tests (marked gpu) check the compiled kernels, and the
+CUDA overrides installed by ``batch_invariant("cuda")`` on a Llama-sized linear, where cuBLAS alone is not
+invariant (the negative control).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from deepinfer.testing.kernels import DEV, HAS_CUDA, examples, gen, gpu, skip_module_without_kernels
+
+skip_module_without_kernels()
+
+from deepinfer.backends.nvidia import triton_batch_invariant as tbi  # noqa: E402
+
+DTYPES = (torch.float32, torch.bfloat16)
+FAST = examples(25)
+
+
+def _tol(dtype, K, scale):
+    return (4e-6 if dtype == torch.float32 else 2e-2) * max(K, 1) ** 0.5 * scale
+
+
+@FAST
+@given(B=st.integers(0, 2), M=st.integers(1, 20), K=st.integers(1, 40), N=st.integers(1, 20),
+       dtype=st.sampled_from(DTYPES), bias=st.sampled_from([None, "row", "full"]), transposed=st.booleans(),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_matmul_matches_torch_and_is_row_invariant(B, M, K, N, dtype, bias, transposed, seed, data):
+    g = gen(seed)
+    a = torch.randn(max(B, 1), M, K, generator=g).to(DEV, dtype)
+    b = torch.randn(max(B, 1), N, K, generator=g).to(DEV, dtype).transpose(1, 2)  # F.linear's weight.t()
+    if not transposed:
+        b = b.contiguous()
+    x = None if bias is None else torch.randn(N if bias == "row" else (M, N), generator=g).to(DEV, dtype)
+    if B == 0:
+        a, b = a[0], b[0]
+    out = tbi.matmul(a, b, x, alpha=1.0, beta=1.0)
+    ref = (a.double() @ b.double()) + (0 if x is None else x.double())
+    scale = float(a.abs().max() * b.abs().max()) + (0 if x is None else float(x.abs().max()))
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert float((out.double() - ref).abs().max()) <= _tol(dtype, K, scale) * 4
+    i = data.draw(st.integers(0, M - 1), label="row")
+    a1 = a[..., i:i + 1, :].clone()
+    x1 = None if x is None or bias == "row" else x[i:i + 1]
+    one = tbi.matmul(a1, b, x if bias == "row" else x1)
+    assert torch.equal(one, out[..., i:i + 1, :])
+
+
+@FAST
+@given(R=st.integers(1, 6), n=st.integers(1, 40), dtype=st.sampled_from(DTYPES), mean=st.booleans(),
+       last=st.booleans(), seed=st.integers(0, 2**16), data=st.data())
+def test_row_reductions_match_torch_and_are_row_invariant(R, n, dtype, mean, last, seed, data):
+    x = (torch.randn(R, n, generator=gen(seed)) * 3).to(DEV, dtype)
+    xin = x if last else x.t().contiguous()  # reduce the last dim, or dim 0 of the transpose
+    dim = -1 if last else 0
+    f = tbi.row_mean if mean else tbi.row_sum
+    out = f(xin, [dim])
+    ref = (xin.double().mean(dim) if mean else xin.double().sum(dim))
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert float((out.double() - ref).abs().max()) <= _tol(dtype, n, 3.0 * (1 if mean else n ** 0.5)) * 4
+    i = data.draw(st.integers(0, R - 1), label="row")
+    one = f(x[i:i + 1], [-1], keepdim=True)
+    assert torch.equal(one[0, 0], f(x, [-1])[i])
+
+
+@FAST
+@given(R=st.integers(1, 5), n=st.integers(1, 40), dtype=st.sampled_from(DTYPES), log=st.booleans(),
+       half_to_float=st.booleans(), seed=st.integers(0, 2**16), data=st.data())
+def test_softmax_matches_torch_and_is_row_invariant(R, n, dtype, log, half_to_float, seed, data):
+    half_to_float = half_to_float and dtype != torch.float32
+    x = (torch.randn(R, n, generator=gen(seed)) * 4).to(DEV, dtype)
+    f = tbi.log_softmax if log else tbi.softmax
+    out = f(x, -1, half_to_float)
+    ref = (torch.log_softmax if log else torch.softmax)(x.double(), -1)
+    assert out.dtype == (torch.float32 if half_to_float else dtype)
+    tol = 1e-5 if out.dtype == torch.float32 else 2e-2
+    assert float((out.double() - ref).abs().max()) <= tol * (1 + float(ref.abs().max()))
+    i = data.draw(st.integers(0, R - 1), label="row")
+    assert torch.equal(f(x[i:i + 1].clone(), -1, half_to_float)[0], out[i])
+    # a non-last dim: the same rows, transposed
+    assert torch.equal(f(x.t().contiguous(), 0, half_to_float).t(), out)
+
+
+def test_fallbacks_for_what_the_kernels_do_not_cover():
+    ints = torch.arange(12, device=DEV).view(3, 4)
+    assert torch.equal(tbi.row_sum(ints, [1]), ints.sum(1))
+    d = torch.randn(3, 4, dtype=torch.float64, device=DEV)
+    assert torch.equal(tbi.row_mean(d, [1]), d.mean(1))
+    assert torch.equal(tbi.softmax(d, 1), torch.softmax(d, 1))
+    assert tbi.row_sum(torch.zeros(0, 3, device=DEV), [1]).shape == (0,)
+    assert set(tbi.cuda_impls()) >= {"mm", "addmm", "bmm", "mean.dim", "_log_softmax"}
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_cuda_overrides_make_a_llama_linear_batch_invariant():
+    """Llama-3.1-8B's MLP up projection (4096 -> 14336, bf16): under batch_invariant("cuda") row 0 of a
+    batch of 1..256 rows is the same bits; with cuBLAS alone it is not (the negative control)."""
+    from deepinfer.backends.batch_invariant import batch_invariant
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(256, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(14336, 4096, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+
+    def rows0():
+        return [torch.nn.functional.linear(x[:m], w)[0] for m in (1, 3, 16, 64, 129, 256)]
+
+    plain = rows0()
+    with batch_invariant("cuda"):
+        inv = rows0()
+        sm = [torch.softmax(x[:m].float(), -1)[0] for m in (1, 7, 256)]
+        mn = [x[:m].float().pow(2).mean(-1)[0] for m in (1, 7, 256)]
+    assert all(torch.equal(r, inv[0]) for r in inv)
+    assert all(torch.equal(r, sm[0]) for r in sm) and all(torch.equal(r, mn[0]) for r in mn)
+    assert not all(torch.equal(r, plain[0]) for r in plain), "cuBLAS was invariant here: the control proves nothing"
+
+
+_COMPILE_SCRIPT = r'''
+import json
+from deepinfer.backends.nvidia import triton_batch_invariant as tbi
+from deepinfer.testing.kernels import compile_sm90
+
+assert not tbi.INTERPRET
+report = {}
+mm_ints = "M N K s_ab s_am s_ak s_bb s_bk s_bn s_cb s_cm s_cn s_xb s_xm s_xn"
+for dt, name in (("bf16", "bfloat16"), ("fp32", "float32")):
+    import torch
+    cfg = tbi.MM_CONFIG[getattr(torch, name)]
+    p = "*" + dt
+    for bias in (False, True):
+        k = compile_sm90(tbi._mm_kernel, dict(a_ptr=p, b_ptr=p, c_ptr=p, bias_ptr=p, alpha="fp32", beta="fp32",
+                                              **{n: "i32" for n in mm_ints.split()}),
+                         dict(HAS_BIAS=bias, SCALED=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                              BLOCK_K=cfg["BLOCK_K"], PRECISION="ieee" if dt == "fp32" else "tf32", K_I=0),
+                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        report[f"mm_{dt}_{bias}"] = k.n_spills if hasattr(k, "n_spills") else 0
+    k = compile_sm90(tbi._row_sum_kernel, dict(x_ptr=p, out_ptr=p, N="i32", s_x="i32", scale="fp32"),
+                     dict(BLOCK=tbi.ROW_BLOCK, N_I=0), num_warps=4)
+    report[f"sum_{dt}"] = 0
+    for log in (False, True):
+        k = compile_sm90(tbi._softmax_kernel, dict(x_ptr=p, out_ptr="*fp32", N="i32", s_x="i32", s_o="i32"),
+                         dict(LOG=log, BLOCK=tbi.ROW_BLOCK, N_I=0), num_warps=4)
+        report[f"softmax_{dt}_{log}"] = 0
+print(json.dumps(report))
+'''
+
+
+def test_kernels_compile_for_hopper():
+    """The compiled path (CPU CI never runs it): every kernel builds for sm_90 in bf16 and float32."""
+    from deepinfer.testing.kernels import run_compile_script
+
+    report = run_compile_script(_COMPILE_SCRIPT)
+    assert len(report) == 2 * (2 + 1 + 2)
