@@ -65,6 +65,29 @@ def test_greedy_speculation_reproduces_plain_decoding(which, llama, ced):
     assert st["tokens_per_verified_row"] == pytest.approx(1 + st["accepted_tokens"] / st["verified_rows"], abs=1e-3)
 
 
+@pytest.mark.parametrize("penalties", [False, True])
+def test_penalties_and_logprobs_under_speculation_match_plain_decoding(llama, penalties):
+    """Penalties count each draft before the next position; logprobs are each token's own position's."""
+    pen = dict(presence_penalty=0.05, frequency_penalty=0.02, repetition_penalty=1.01) if penalties else {}
+    sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=3, **pen)
+    ps = prompts(512)
+    ref = LLM(llama, num_kv_blocks=128, block_size=4).generate(ps, sp, use_tqdm=False)
+    fast = LLM(llama, num_kv_blocks=128, block_size=4, speculative_config=NGRAM)
+    got = fast.generate(ps, sp, use_tqdm=False)
+    st = fast.spec_stats()
+    assert st["accepted_tokens"] > 0, st  # drafts stood, so the counts after them matter
+    for i, (a, b) in enumerate(zip(got, ref)):
+        a, b = a.outputs[0], b.outputs[0]
+        step = assert_same_or_near_tie(a.token_ids, b.token_ids, b.logprobs, NEAR_TIE["float32"], what=f"prompt {i}")
+        n = len(a.token_ids) if step is None else step
+        assert len(a.logprobs) == len(a.token_ids)
+        for j in range(n):
+            t = a.token_ids[j]
+            assert set(a.logprobs[j]) == set(b.logprobs[j]), j
+            assert abs(a.logprobs[j][t].logprob - b.logprobs[j][t].logprob) <= 1e-4 * max(1, abs(b.logprobs[j][t].logprob))
+            assert a.logprobs[j][t].rank == b.logprobs[j][t].rank
+
+
 def test_seeded_sampling_with_speculation_repeats(llama):
     sp = SamplingParams(max_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=1234, ignore_eos=True)
     runs = []
@@ -78,7 +101,7 @@ def test_seeded_sampling_with_speculation_repeats(llama):
 def test_requests_that_cannot_speculate_decode_one_token_at_a_time(llama):
     llm = LLM(llama, num_kv_blocks=128, block_size=4, speculative_config=NGRAM)
     out = llm.generate(prompts(512)[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
-                                                        presence_penalty=0.5), use_tqdm=False)[0]
+                                                        logit_bias={5: 0.5}), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 12 and llm.spec_stats()["draft_tokens"] == 0
 
 

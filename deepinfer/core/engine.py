@@ -347,9 +347,13 @@ class Engine:
         self._fail_rows(state.batch, failed, touched)
         self._fold(state, sample_seqs, touched)
         for r, tokens in getattr(state, "spec_extra", {}).items():  # a verified row's further tokens
-            seq = sample_seqs[r]
-            for tok in tokens:
-                if seq.finished or not self._fold_forced(seq, tok, touched):
+            seq, lps = sample_seqs[r], getattr(state, "spec_logprobs", {}).get(r)
+            for j, tok in enumerate(tokens, start=1):
+                if seq.finished:
+                    break
+                if lps is not None:
+                    self._append_logprobs(seq, tok, *lps[j])
+                if not self._fold_forced(seq, tok, touched):
                     break
         mover = self.prefix_cache.mover if self.prefix_cache is not None else None
         if mover is not None and mover.pending:
@@ -417,7 +421,7 @@ class Engine:
                 raise RuntimeError(f"prompt logprobs of sequence {seq_id} would skip positions "
                                    f"{len(seq.prompt_logprobs)}..{start - 1}")
             seq.prompt_logprobs[start:] = entries
-        lp_rows = None
+        lp_rows, spec_logprobs = None, getattr(state, "spec_logprobs", {})
         if state.logprobs is not None:
             want = [s.params.logprobs or 0 for s in sample_seqs]
             lp_rows = entries_from(state.logprobs, range(len(sample_seqs)), want, None)
@@ -428,19 +432,26 @@ class Engine:
                 continue  # finished (stop, abort, error) while this step was in flight: its token is dropped
             req = self.requests[seq.request_id]
             req.first_token_time = req.first_token_time or now
-            if seq.params.logprobs is not None and lp_rows is not None:
+            spec_lp = spec_logprobs.get(r)
+            if spec_lp is not None:  # a verified row: its first token's logprobs are at its first position
+                self._append_logprobs(seq, upd.token_id, *spec_lp[0])
+            elif seq.params.logprobs is not None and lp_rows is not None:
                 dicts, tok_lp, ranks = lp_rows
-                d = dicts[r]
-                d[upd.token_id] = Logprob(tok_lp[r], ranks[r], None)
-                if self.tokenizer is not None:
-                    from ..detokenizer import decode_token
-
-                    d = {t: Logprob(l.logprob, l.rank, decode_token(self.tokenizer, t)) for t, l in d.items()}
-                seq.logprobs = (seq.logprobs or []) + [d]
+                self._append_logprobs(seq, upd.token_id, dicts[r], tok_lp[r], ranks[r])
             self._fold_token(seq, upd)
             touched[seq.request_id] = req
             if seq.params.jump_forward and not seq.finished and not seq.pending:
                 self._jump_forward(seq, touched)
+
+    def _append_logprobs(self, seq, token_id: int, top: dict, token_logprob: float, rank: int) -> None:
+        """One generated position's logprobs entry: the top-n dict plus the chosen token, with their texts."""
+        d = dict(top)
+        d[token_id] = Logprob(token_logprob, rank, None)
+        if self.tokenizer is not None:
+            from ..detokenizer import decode_token
+
+            d = {t: Logprob(l.logprob, l.rank, decode_token(self.tokenizer, t)) for t, l in d.items()}
+        seq.logprobs = (seq.logprobs or []) + [d]
 
     def _fold_token(self, seq, upd) -> None:
         """Append one token (sampled, or forced by a grammar) with its text and finish reason."""
@@ -501,7 +512,7 @@ class Engine:
         """Per drafting row: how many drafts stand, the token after them, and the rollback of the rest."""
         batch, sampling = state.batch, state.sampling
         tokens = state.next_tokens.tolist()
-        state.spec_extra = {}
+        state.spec_extra, state.spec_logprobs = {}, {}
         off = 0
         for r, i in enumerate(state.sample_rows):
             drafts = batch.drafts[i]
@@ -511,9 +522,17 @@ class Engine:
             raw = torch.cat([state.draft_logits[off:off + k], state.logits[r:r + 1]])  # [k + 1, V]
             off += k
             gen = sampling.generators[r] if sampling.generators[r] is not None else self.generator
-            emitted = accept_row(sampling_rows(sampling, r, k + 1).process(raw), drafts, None,
+            emitted = accept_row(sampling_rows(sampling, r, drafts).process(raw), drafts, None,
                                  seq.params.greedy, gen)
             accepted = len(emitted) - 1
+            p = seq.params
+            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+                self.sampling_state.recount(seq.state_slot, tokens[r], emitted)  # the step counted its bonus draw
+            if p.logprobs is not None:  # each emitted token's logprobs at its own position (raw logits)
+                lp = self.ops.compute_logprobs(raw[:len(emitted)], torch.tensor(emitted, device=raw.device),
+                                               p.logprobs)
+                tops, tok_lp, ranks = entries_from(lp, range(len(emitted)), [p.logprobs] * len(emitted), None)
+                state.spec_logprobs[r] = list(zip(tops, tok_lp, ranks))
             self.spec_stats.record(k, accepted)
             seq.num_computed_tokens -= k - accepted  # the rejected drafts' KV is overwritten later
             tokens[r] = emitted[0]

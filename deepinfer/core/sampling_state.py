@@ -100,6 +100,13 @@ class SamplingState:
             use_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)),
             logit_bias=_build_bias(params, self.vocab_size, self.device), processors=processors)
 
+    def recount(self, slot: int, drop: int, add: list) -> None:
+        """A speculative step emitted ``add`` where ``record`` counted ``drop`` (a row with penalties)."""
+        if self.counts is not None:
+            self.counts[slot, drop] -= 1
+            self.counts[slot].index_put_((torch.tensor(add, device=self.counts.device),),
+                                         torch.ones(len(add), device=self.counts.device), accumulate=True)
+
     def record(self, next_tokens: torch.Tensor) -> None:
         """Count the last batch's sampled tokens [S] into its slots (on the device, no host sync)."""
         if self.counts is not None and self._idx is not None and next_tokens is not None and next_tokens.numel():

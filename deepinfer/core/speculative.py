@@ -11,7 +11,7 @@ the target's logits at every drafted position; then ``accept`` here decides, per
   that argmax, and when all stand the target's token after the last one is added (the bonus token), so the
   output is exactly greedy decoding's;
 - sampled rows: draft d at a position with target distribution p (temperature, top-k, top-p, min-p and
-  penalties applied, penalties counting the drafts before it) and draft distribution q (a point mass for
+  penalties applied, penalties counting the drafts before it as output) and draft distribution q (a point mass for
   a drafter that gives no probabilities) stands with probability min(1, p(d) / q(d)); the first rejected one
   is replaced by a draw from the residual max(0, p - q) renormalised; the bonus is drawn from p. This is the
   standard rejection scheme: every emitted token has the target's distribution. Draws come from the
@@ -22,7 +22,8 @@ KV stays valid; the rest is overwritten by later steps), CED's SWA rings keep th
 speculative allowance (so k is capped by it), blocks past the accepted tokens are never committed to the
 prefix cache (only known tokens are hashed). Requests whose sampling needs per-step host state the drafts
 would bypass (structured outputs, logits processors, bad words, min_tokens, allowed_token_ids, logit bias)
-decode one token at a time. Overlap scheduling is off while speculating (drafting reads the last token).
+decode one token at a time. Penalty counts are corrected to the emitted tokens; logprobs are computed at
+each emitted token's own position. Overlap scheduling is off while speculating (drafting reads the last token).
 
 ``stats`` keeps honest accounting: drafts proposed, draft tokens, accepted tokens, per draft position, and
 emitted tokens per verified row (1 + accepted), from which tau is reported as measured, not as 1 + k x rate.
@@ -78,9 +79,7 @@ class SpeculativeConfig:
 def can_speculate(params) -> bool:
     """Whether a request's sampling lets drafted tokens be verified in one step (see the module docstring)."""
     return not (params.structured_outputs is not None or params.logits_processors or params.bad_words
-                or params.min_tokens or params.allowed_token_ids or params.logit_bias
-                or params.logprobs is not None or params.presence_penalty or params.frequency_penalty
-                or params.repetition_penalty != 1.0)
+                or params.min_tokens or params.allowed_token_ids or params.logit_bias)
 
 
 def build_drafter(registry, spec: SpeculativeConfig, context: dict, model):
@@ -118,14 +117,25 @@ class RowDistributions:
         return process_logits(logits, self.batch)
 
 
-def sampling_rows(batch, row: int, n: int) -> RowDistributions:
-    """Row ``row`` of a SamplingBatch, n times (a speculating row has no penalties, bias, bans or processors)."""
+def sampling_rows(batch, row: int, drafts: list) -> RowDistributions:
+    """Row ``row`` of a SamplingBatch at each of its len(drafts) + 1 verified positions: the same parameters,
+    and penalties that count the drafts before each position as output tokens (a speculating row has no bias,
+    bans or processors)."""
+    n = len(drafts) + 1
     idx = torch.full((n,), row, dtype=torch.long, device=batch.temperature.device)
+    pen = {}
+    if batch.output_counts is not None:
+        counts = batch.output_counts[idx].clone()  # [n, V]
+        for j, d in enumerate(drafts):
+            counts[j + 1:, d] += 1
+        pen = dict(presence_penalty=batch.presence_penalty[idx], frequency_penalty=batch.frequency_penalty[idx],
+                   repetition_penalty=batch.repetition_penalty[idx], output_counts=counts,
+                   prompt_mask=batch.prompt_mask[idx])
+    none = dict.fromkeys(("presence_penalty", "frequency_penalty", "repetition_penalty", "output_counts",
+                          "prompt_mask"))
     pick = attrs.evolve(batch, temperature=batch.temperature[idx], top_k=batch.top_k[idx], top_p=batch.top_p[idx],
-                        min_p=batch.min_p[idx], presence_penalty=None, frequency_penalty=None,
-                        repetition_penalty=None, output_counts=None, prompt_mask=None, banned=None,
-                        generators=[batch.generators[row]] * n, logit_bias=None, processors=None,
-                        processor_errors={})
+                        min_p=batch.min_p[idx], banned=None, generators=[batch.generators[row]] * n,
+                        logit_bias=None, processors=None, processor_errors={}, **{**none, **pen})
     return RowDistributions(pick)
 
 
