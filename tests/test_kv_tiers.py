@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import deepinfer.core.kv_tiers.entry_files as files_mod
 from deepinfer.core.kv_tiers import DiskTier, HostTier, TieredStore
-from deepinfer.core.kv_tiers.entry_format import PREFIX_BYTES
+from deepinfer.core.kv_tiers.entry_format import FORMAT_VERSION, PREFIX_BYTES
 from deepinfer.core.kv_tiers.payload import DTYPES
 
 LOGGER = "deepinfer.kv_tiers"
@@ -236,15 +236,15 @@ def test_entry_under_another_keys_name_is_corrupt(tmp_path):
     assert tier.get(key(1)) is None and tier.stats().corrupt == 1 and not wrong.exists()
 
 
-@pytest.mark.parametrize("how", ["identity", "version"])
+@pytest.mark.parametrize("how", ["identity", "older version", "newer version"])
 def test_foreign_entry_is_a_miss_logged_once_and_kept(tmp_path, caplog, how):
     if how == "identity":
         DiskTier(tmp_path, 1 << 20, "other-model|float16|layout-1").put(key(0), block(0))
-    else:
+    else:  # version 1 held one block per file, hashed alike: it must never read as a version-2 run
         DiskTier(tmp_path, 1 << 20, ID).put(key(0), block(0))
         (path,) = entry_files(tmp_path)
         data = bytearray(path.read_bytes())
-        data[8:12] = struct.pack("<I", 2)
+        data[8:12] = struct.pack("<I", 1 if how == "older version" else FORMAT_VERSION + 1)
         path.write_bytes(bytes(data))
     tier = DiskTier(tmp_path, 1 << 20, ID)
     assert tier.get(key(0)) is None and tier.get(key(0)) is None
@@ -349,10 +349,10 @@ def _busy_worker(directory: str, worker: str, capacity: str) -> None:
                       "hits": s.hits, "evictions": s.evictions}), flush=True)
 
 
-@pytest.mark.parametrize("capacity", [1 << 30, 6000])
-def test_two_processes_share_a_directory(tmp_path, capacity):
-    """Same and different keys from two processes at once, with and without evictions racing reads."""
-    children = [_spawn("_busy_worker", tmp_path, w, capacity) for w in range(2)]
+def _run_together(directory, fn: str, *args) -> list:
+    """Run fn(directory, worker, *args) in two processes started together; their JSON reports, each checked
+    for no bad reads, no corrupt or foreign entries and the tier still on; no temporaries left behind."""
+    children = [_spawn(fn, directory, w, *args) for w in range(2)]
     try:
         for c in children:
             assert c.stdout.readline() == "ready\n"
@@ -367,7 +367,14 @@ def test_two_processes_share_a_directory(tmp_path, capacity):
     assert [c.returncode for c in children] == [0, 0]
     for rep in reports:
         assert (rep["bad"], rep["corrupt"], rep["foreign"], rep["enabled"]) == (0, 0, 0, True), rep
-    assert not temp_files(tmp_path)
+    assert not temp_files(directory)
+    return reports
+
+
+@pytest.mark.parametrize("capacity", [1 << 30, 6000])
+def test_two_processes_share_a_directory(tmp_path, capacity):
+    """Same and different keys from two processes at once, with and without evictions racing reads."""
+    reports = _run_together(tmp_path, "_busy_worker", capacity)
     check = DiskTier(tmp_path, 1 << 30, ID)
     for path in entry_files(tmp_path):
         i = int.from_bytes(bytes.fromhex(path.stem)[:4], "little")
@@ -455,3 +462,155 @@ def test_store_host_then_disk_with_promotion_and_ttl(tmp_path):
     host_only = TieredStore(HostTier(1 << 20, pin_memory=False), None)
     host_only.put(key(3), block(3))
     assert_same(host_only.get(key(3)), block(3)) and host_only.stats().disk is None
+
+
+# -- runs: consecutive blocks of a chain as one entry, found from any member
+
+
+def members(first: int, n: int) -> tuple:
+    return tuple(key(first + i) for i in range(n))
+
+
+def run_payload(first: int, n: int) -> dict:
+    """Block first+i's rows are row i: each block's bytes depend on its own number only (the oracle below)."""
+    return {"k": torch.stack([block(first + i)["k"] for i in range(n)]),
+            "v": torch.stack([block(first + i)["v"] for i in range(n)])}
+
+
+def assert_block(run, i: int) -> None:
+    """run holds block i at its position: the run's row equals block(i), built independently."""
+    assert run is not None and run.members[run.position] == key(i)
+    assert_same({name: t[run.position] for name, t in run.payload.items()}, block(i))
+
+
+def test_host_runs_are_found_from_any_member_and_dropped_whole():
+    size = 10 * (2 * 64 * 4 + 64 * 4)
+    tier = HostTier(2 * size, pin_memory=False)
+    assert tier.put(key(0), run_payload(0, 10), members=members(0, 10))
+    assert tier.put(key(20), run_payload(20, 10), members=members(20, 10))
+    for i in (0, 4, 9, 20, 29):
+        assert_block(tier.find(key(i)), i)
+    assert tier.find(key(10)) is None and tier.held([key(3), key(10), key(25)]) == [True, False, True]
+    assert tier.find(key(5)) is not None  # run 0 is now the most recently used: run 20 goes first
+    assert tier.put(key(40), run_payload(40, 10), members=members(40, 10))
+    assert all(tier.find(key(i)) is None for i in range(20, 30))  # evicting a run drops every member
+    assert tier.stats().entries == 2 and tier.stats().bytes == 2 * size and tier.stats().evictions == 1
+    assert tier.evict(key(40)) and tier.find(key(45)) is None
+    assert_same(tier.get(key(0)), run_payload(0, 10))  # get by the run's key returns the whole run
+
+
+def test_bad_runs_are_named():
+    tier = HostTier(1 << 20, pin_memory=False)
+    with pytest.raises(ValueError, match="start with its key"):
+        tier.put(key(1), run_payload(0, 3), members=members(0, 3))
+    with pytest.raises(ValueError, match="dim 0"):
+        tier.put(key(0), run_payload(0, 2), members=members(0, 3))
+    with pytest.raises(ValueError, match="distinct"):
+        tier.put(key(0), run_payload(0, 2), members=(key(0), key(0)))
+    with pytest.raises(ValueError, match="length"):
+        tier.put(key(0), run_payload(0, 2), members=(key(0), b"short"))
+
+
+def test_disk_runs_survive_a_restart_indexed_from_the_file_heads(tmp_path, monkeypatch):
+    DiskTier(tmp_path, 1 << 30, ID).put(key(0), run_payload(0, 10), members=members(0, 10))
+    DiskTier(tmp_path, 1 << 30, ID).put(key(50), block(50))  # a plain entry beside it
+    reads = []
+    real = files_mod.EntryFiles.read
+    monkeypatch.setattr(files_mod.EntryFiles, "read", lambda self, path: reads.append(path) or real(self, path))
+    again = DiskTier(tmp_path, 1 << 30, ID)
+    assert not reads and again.stats().indexed == 10  # start-up read heads only
+    for i in (9, 0, 5):
+        assert_block(again.find(key(i)), i)
+    assert len(reads) == 3 and again.find(key(10)) is None and again.find(key(50)) is None
+    assert_same(again.get(key(50)), block(50))
+
+
+def test_store_puts_in_each_tier_only_the_blocks_it_lacks(tmp_path):
+    store = TieredStore(HostTier(1 << 20, pin_memory=False), DiskTier(tmp_path, 1 << 30, ID))
+    store.put_run(members(0, 10), run_payload(0, 10))
+    (first,) = entry_files(tmp_path)
+    inode = first.stat().st_ino
+    store.host.evict(key(0))
+    # A chain whose head (0..3) is held and whose tail (100..105) is new, as after a hit that went on.
+    chain = members(0, 4) + members(100, 6)
+    payload = {n: torch.cat([run_payload(0, 4)[n], run_payload(100, 6)[n]]) for n in ("k", "v")}
+    store.put_run(chain, payload)
+    assert first.stat().st_ino == inode and len(entry_files(tmp_path)) == 2  # the long run is not replaced
+    assert DiskTier(tmp_path, 1 << 30, ID).find(key(100)).members == members(100, 6)  # the tail, its own run
+    assert store.host.find(key(100)).position == 4 and store.host.find(key(0)).members == chain  # host lacked all
+    for i in (*range(10), *range(100, 106)):
+        assert_block(store.find(key(i)), i)
+    fresh = TieredStore(HostTier(1 << 20, pin_memory=False), DiskTier(tmp_path, 1 << 30, ID))
+    assert_block(fresh.find(key(7)), 7)  # a disk hit, promoted whole to host memory
+    assert fresh.host.find(key(2)).members == members(0, 10) and fresh.stats().disk_hits == 1
+
+
+def _run_writer(directory: str, worker: str) -> None:
+    """Child: wait for "go", then write runs under shared names (every run starts at a block 0..39) whose
+    other blocks differ between the processes (worker w's chain from block f goes on with 1000 w + f + 1, ...),
+    cut at points that differ between rounds, evicting some, and look blocks of both chains up: every hit
+    must hold the block's own bytes at the position found. Prints its stats as JSON."""
+    tier = DiskTier(directory, 1 << 30, ID)
+    print("ready", flush=True)
+    assert sys.stdin.readline() == "go\n"
+    w, bad, found = int(worker), 0, 0
+    for r in range(6):
+        cut = 3 + (r + w) % 5
+        for first in range(0, 40, cut):
+            ids = [first] + [1000 * w + first + j for j in range(1, min(cut, 40 - first))]
+            payload = {n: torch.stack([block(i)[n] for i in ids]) for n in ("k", "v")}
+            tier.put(key(first), payload, members=[key(i) for i in ids])
+            for i in ((first * 7 + r) % 40, 1000 * (1 - w) + (first * 3 + w) % 40, 1000 * w + first + 1):
+                run = tier.find(key(i))
+                if run is not None:
+                    found += 1
+                    try:
+                        assert_block(run, i)
+                    except AssertionError:
+                        bad += 1
+            if r % 2:
+                tier.evict(key((first * 5) % 40))
+    s = tier.stats()
+    print(json.dumps({"bad": bad, "found": found, "corrupt": s.corrupt, "foreign": s.foreign,
+                      "enabled": s.enabled}), flush=True)
+
+
+def test_two_processes_write_and_find_runs_in_one_directory(tmp_path):
+    reports = _run_together(tmp_path, "_run_writer")
+    assert all(rep["found"] > 0 for rep in reports)
+    check = DiskTier(tmp_path, 1 << 30, ID)  # a restart: every indexed member reads as its own block
+    assert check.stats().indexed > 0
+    for i in (*range(40), *range(1000, 1040)):
+        run = check.find(key(i))
+        if run is not None:
+            assert_block(run, i)
+    assert check.stats().corrupt == 0
+
+
+def _stalled_run_writer(directory: str) -> None:
+    """Child: write a 64-block run but stop halfway through its payload, say so, and wait to be killed."""
+    tier = DiskTier(directory, 1 << 30, ID)
+
+    def half(f, chunks):
+        for c in chunks[:3]:  # prefix, header, members
+            f.write(c)
+        f.write(chunks[3][: len(chunks[3]) // 2])
+        f.flush()
+        print("half written", flush=True)
+        sys.stdin.read()
+    files_mod._write_chunks = half
+    tier.put(key(0), run_payload(0, 64), members=members(0, 64))
+
+
+def test_run_writer_killed_mid_entry_leaves_nothing_any_member_finds(tmp_path, caplog):
+    child = _spawn("_stalled_run_writer", tmp_path)
+    try:
+        assert child.stdout.readline() == "half written\n"
+        reader = DiskTier(tmp_path, 1 << 30, ID)  # its start-up scan sees only the live writer's temporary
+        assert reader.stats().indexed == 0 and all(reader.find(key(i)) is None for i in (0, 1, 63))
+    finally:
+        child.kill()
+        child.wait()
+    fresh = DiskTier(tmp_path, 1 << 30, ID)
+    assert not temp_files(tmp_path) and fresh.stats().indexed == 0 and fresh.find(key(5)) is None
+    assert not warnings_of(caplog)

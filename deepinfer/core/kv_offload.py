@@ -1,15 +1,23 @@
-"""Moving whole KV blocks between the device cache and the slower prefix-cache tiers (core/kv_tiers).
+"""Moving KV blocks between the device cache and the slower prefix-cache tiers (core/kv_tiers), in runs.
 
 A model's paged cache is a set of tensors in which block b owns ``rows`` consecutive rows along one dim
 (``paged_kv_views``): the Llama family's K and V [layers, slots, heads, dim] own slots b*bs .. b*bs+bs-1 along
-dim 1; CED's FP4 global KV and indexer keys own bs/m entry rows along dim 0 per full layer. A block's payload
-is those rows of every view, copied to host memory.
+dim 1; CED's FP4 global KV and indexer keys own bs/m entry rows along dim 0 per full layer.
 
-Leaving the device (``save``): when the pool evicts a cached block, its rows are copied to pinned host memory
-without blocking, in stream order before any later kernel overwrites the block; the payloads wait in
-``pending`` until the engine, which has waited for its step anyway, stores them (``flush``). Coming back
-(``load``): a payload found in a tier is copied into a freshly allocated block, again in stream order, so
-the step that reads it sees it.
+Runs: the tiers store consecutive blocks of one chain as one entry (kv_tiers/payload.py), so a long prefix
+is a few files and a few host entries, not one per block. A run's payload holds, per view, one tensor
+[blocks, rows, *the view's other dims] (the view's block dim moved first): the run's rows back to back, so
+any stretch of its blocks is a slice along dim 0 and a load is one copy per view.
+
+Leaving the device (``save``): when the pool evicts a batch of cached blocks, ``chain_runs`` groups them into
+runs (a block whose parent block is in the batch continues its parent's run; at most ``max_run_blocks``
+blocks per run), their rows are gathered and copied to pinned host memory without blocking, in stream order
+before any later kernel overwrites the blocks (one gather and one copy per view for the whole batch); the
+runs wait in ``pending`` until the engine, which has waited for its step anyway, stores them (``flush``).
+Coming back: ``fetch`` finds the runs covering a list of hashes (a run may start before the first hash or go
+on past what matches; the fetch takes what matches, in order, and stops at the first hash no tier has), and
+``load`` copies them into freshly allocated blocks: per view one host-to-device copy per run found and one
+scatter for them all, again in stream order, so the step that reads them sees them.
 """
 
 from __future__ import annotations
@@ -18,7 +26,12 @@ import logging
 
 import torch
 
+from .kv_tiers.payload import Run
+
 log = logging.getLogger(__name__)
+
+MAX_RUN_BYTES = 16 << 20  # a run's payload at most (fewer blocks when a tier is small: see BlockMover)
+MAX_RUN_BLOCKS = 1024  # and at most this many blocks (a disk header lists them: 32 bytes each)
 
 
 def paged_kv_views(model, cache, block_size: int) -> list:
@@ -31,11 +44,56 @@ def paged_kv_views(model, cache, block_size: int) -> list:
     return [(f"kv{i}", t, 1, block_size) for i, t in enumerate(tensors)]
 
 
+def chain_runs(items: list, max_blocks: int) -> list:
+    """items: (hash, block, parent hash or None) of evicted blocks, in eviction order. Returns runs, lists of
+    items in chain order: a block whose parent is among the items continues its parent's run (the first such
+    child in item order does; a sibling starts a run of its own), and a run longer than max_blocks goes on
+    in a new run. Every item is in exactly one run; runs come in the order of their first item's chain root."""
+    index = {it[0]: it for it in items}
+    children: dict = {}
+    for it in items:
+        if it[2] in index and it[2] != it[0]:
+            children.setdefault(it[2], []).append(it)
+    runs, seen = [], set()
+    starts = [it for it in items if it[2] not in index or it[2] == it[0]]
+    starts += items  # anything not reached from a root (a cycle, which hashes never form) starts its own run
+    for start in starts:
+        if start[0] in seen:
+            continue
+        todo = [start]
+        while todo:
+            it, run = todo.pop(), []
+            while it is not None and it[0] not in seen:
+                seen.add(it[0])
+                if len(run) == max_blocks:
+                    runs.append(run)
+                    run = []
+                run.append(it)
+                kids = [k for k in children.get(it[0], ()) if k[0] not in seen]
+                todo += reversed(kids[1:])
+                it = kids[0] if kids else None
+            if run:
+                runs.append(run)
+    return runs
+
+
 class BlockMover:
-    def __init__(self, views: list, store, device):
+    def __init__(self, views: list, store, device, max_run_bytes: int = MAX_RUN_BYTES,
+                 max_run_blocks: int = MAX_RUN_BLOCKS):
+        """max_run_bytes / max_run_blocks cap a run; a run is also kept under a quarter of the smallest tier's
+        capacity, so a tier never refuses one for its size alone."""
         self.views, self.store, self.device = views, store, torch.device(device)
-        self.pending: list = []  # (hash, payload, event or None) copied off the device, not yet stored
-        self.saved = self.loaded = 0
+        # The shape of one block's rows in a run tensor, per view: [rows, *the view's dims but the block dim].
+        self._block_shapes = {name: [rows, *t.movedim(dim, 0).shape[1:]] for name, t, dim, rows in views}
+        block_bytes = sum(rows * t.movedim(dim, 0)[0].numel() * t.element_size() for _, t, dim, rows in views)
+        caps = [max_run_bytes] + [tier.capacity_bytes // 4 for tier in (getattr(store, "host", None),
+                                                                        getattr(store, "disk", None))
+                                  if tier is not None]
+        self.block_bytes = max(1, block_bytes)
+        self.max_run_blocks = max(1, min(max_run_blocks, min(caps) // self.block_bytes))
+        self.pending: list = []  # (members, payload, event or None): runs copied off the device, not stored yet
+        self._pending_at: dict = {}  # member -> (index in pending, position)
+        self.saved = self.loaded = self.runs_saved = 0
 
     def _index(self, blocks: list, rows: int, device) -> torch.Tensor:
         """The rows of ``blocks`` along a view's block dim, block after block."""
@@ -43,65 +101,113 @@ class BlockMover:
         return (b[:, None] * rows + torch.arange(rows)).flatten().to(device, non_blocking=True)
 
     def save(self, items: list) -> None:
-        """items: (hash, block id) of blocks about to be reused: copy them off the device now, one gather and
-        one copy per view for all of them (each block's payload is a slice of those copies)."""
+        """items: (hash, block id, parent hash or None) of blocks about to be reused: group them into runs and
+        copy them off the device now, one gather and one copy per view for all of them."""
+        runs = chain_runs(items, self.max_run_blocks)
+        blocks = [b for run in runs for _, b, _ in run]
         cuda = self.device.type == "cuda"
-        blocks = [b for _, b in items]
-        payloads = [{} for _ in items]
+        payloads = [{} for _ in runs]
         for name, t, dim, rows in self.views:
-            src = t.index_select(dim, self._index(blocks, rows, t.device))
+            src = t.movedim(dim, 0).index_select(0, self._index(blocks, rows, t.device))  # [blocks*rows, ...]
             dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda)
             dst.copy_(src, non_blocking=cuda)
-            for p, part in zip(payloads, dst.split(rows, dim)):
-                p[name] = part
+            dst = dst.view(len(blocks), *self._block_shapes[name])
+            at = 0
+            for p, run in zip(payloads, runs):
+                p[name] = dst[at:at + len(run)]
+                at += len(run)
         ev = None
         if cuda:
             ev = torch.cuda.Event()
             ev.record()
-        self.pending += [(h, p, ev) for (h, _), p in zip(items, payloads)]
+        for run, p in zip(runs, payloads):
+            members = tuple(h for h, _, _ in run)
+            for pos, h in enumerate(members):
+                self._pending_at[h] = (len(self.pending), pos)
+            self.pending.append((members, p, ev))
 
     def flush(self, wait: bool = False) -> None:
-        """Store the copied blocks in the tiers: those whose copies have run (all of them with ``wait``)."""
+        """Store the copied runs in the tiers: those whose copies have run (all of them with ``wait``)."""
         keep = []
-        for h, payload, ev in self.pending:
+        for members, payload, ev in self.pending:
             if ev is not None and not wait and not ev.query():
-                keep.append((h, payload, ev))
+                keep.append((members, payload, ev))
                 continue
             if ev is not None:
                 ev.synchronize()
-            self.store.put(h, payload)
-            self.saved += 1
+            self.store.put_run(members, payload)
+            self.saved += len(members)
+            self.runs_saved += 1
         self.pending = keep
+        self._pending_at = {h: (i, pos) for i, (members, _, _) in enumerate(keep) for pos, h in enumerate(members)}
 
-    def find(self, h: bytes):
-        """The payload stored under hash h (a block evicted before, possibly by another engine), or None."""
-        for ph, payload, ev in self.pending:  # evicted this step, not stored yet
-            if ph == h:
-                if ev is not None:
-                    ev.synchronize()
-                return payload
-        payload = self.store.get(h)
-        if payload is None:
+    def find(self, h: bytes) -> Run | None:
+        """The run holding block h (evicted before, possibly by another engine), or None."""
+        at = self._pending_at.get(h)
+        if at is not None:  # evicted, not stored yet
+            members, payload, ev = self.pending[at[0]]
+            if ev is not None:
+                ev.synchronize()
+            return Run(members[0], members, at[1], payload)
+        run = self.store.find(h)
+        if run is None:
             return None
-        for name, t, dim, rows in self.views:  # a file of another layout is a miss, never a wrong read
-            p = payload.get(name)
-            want = list(t.shape)
-            want[dim] = rows
-            if p is None or list(p.shape) != want or p.dtype != t.dtype:
-                log.warning("deepinfer: a stored KV block does not fit this engine's cache (%s); ignored", name)
+        for name, t, _, _ in self.views:  # a file of another layout is a miss, never a wrong read
+            p = run.payload.get(name)
+            if p is None or list(p.shape) != [len(run.members), *self._block_shapes[name]] or p.dtype != t.dtype:
+                log.warning("deepinfer: a stored KV run does not fit this engine's cache (%s); ignored", name)
                 return None
-        return payload
+        return run
 
-    def load(self, blocks: list, payloads: list) -> None:
-        """Copy payloads into device blocks: one host concatenation, one copy and one scatter per view."""
+    def fetch(self, hashes: list, stop=None) -> list:
+        """[(payload, start, count)]: runs covering hashes[0], hashes[1], ... in order, each contributing its
+        blocks start .. start+count-1; they end at the first hash no tier has, or for which ``stop(h)``."""
+        pieces, i = [], 0
+        while i < len(hashes) and not (stop is not None and stop(hashes[i])):
+            run = self.find(hashes[i])
+            if run is None:
+                break
+            pos, n = run.position, 1
+            while pos + n < len(run.members) and i + n < len(hashes) and run.members[pos + n] == hashes[i + n] \
+                    and not (stop is not None and stop(hashes[i + n])):
+                n += 1
+            pieces.append((run.payload, pos, n))
+            i += n
+        return pieces
+
+    def load(self, blocks: list, pieces: list) -> None:
+        """Copy the blocks of ``pieces`` (from fetch; the first len(blocks) of them) into device blocks. Per
+        view: on a GPU, the pieces' rows are copied into one device buffer (no host concatenation) and
+        scattered by one index_copy_; on the CPU, each piece is scattered straight from where it lies."""
         if not blocks:
             return
+        cut, left = [], len(blocks)
+        for payload, start, n in pieces:
+            if left == 0:
+                break
+            cut.append((payload, start, min(n, left)))
+            left -= cut[-1][2]
+        if left:
+            raise ValueError(f"load: {len(blocks)} blocks but the pieces hold {len(blocks) - left}")
         cuda = self.device.type == "cuda"
         for name, t, dim, rows in self.views:
-            data = torch.cat([p[name] for p in payloads], dim)
-            if cuda:
-                data = data.pin_memory()
-            t.index_copy_(dim, self._index(blocks, rows, t.device), data.to(t.device, non_blocking=True))
+            dst, idx = t.movedim(dim, 0), self._index(blocks, rows, t.device)
+            parts = [p[name][s:s + n].flatten(0, 1) for p, s, n in cut]  # [n*rows, ...] each
+            if not cuda:
+                at = 0
+                for part in parts:
+                    dst.index_copy_(0, idx[at:at + len(part)], part)
+                    at += len(part)
+                continue
+            if len(parts) == 1:
+                data = parts[0].to(t.device, non_blocking=True)
+            else:
+                data = torch.empty((len(idx), *parts[0].shape[1:]), dtype=t.dtype, device=t.device)
+                at = 0
+                for part in parts:
+                    data[at:at + len(part)].copy_(part, non_blocking=True)
+                    at += len(part)
+            dst.index_copy_(0, idx, data)
         self.loaded += len(blocks)
 
 

@@ -10,6 +10,11 @@ A registered block belongs to the pool like any other; when its last owner frees
 among the free blocks until an allocation evicts it (least recently freed first, core/kv_cache.py). A
 lookup takes the longest run of registered hashes from block 0 and adds an owner to each block.
 
+With slower tiers (a ``mover``, core/kv_offload.py): the cache remembers each registered block's parent
+hash, so an eviction hands the mover (hash, block, parent) and chains of evicted blocks are stored as runs,
+one tier entry each; a lookup goes on past the device's blocks with the runs the tiers hold and brings
+them back in one batched copy.
+
 The per-request policy (the extra keys, which requests may hit, how much of a hit a model can use) is the
 ``prefix_cache`` and ``swa_replay`` stages'; this module is the mechanism the scheduler calls.
 """
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+from array import array
 from collections import Counter
 from pathlib import Path
 from typing import Optional
@@ -46,21 +53,35 @@ def root_key(identity: str, salt: Optional[str] = None) -> bytes:
     return h.digest()
 
 
+def token_bytes(tokens) -> bytes:
+    """Token ids as 8-byte little-endian signed ints, packed (an id outside int64 is an OverflowError)."""
+    a = array("q", tokens)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
 def chain(parent: bytes, tokens) -> bytes:
-    """The hash of a full block: its parent's hash and its token ids (as 8-byte little-endian ints)."""
-    h = hashlib.sha256(parent)
-    h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
-    return h.digest()
+    """The hash of a full block: sha256 of its parent's hash, then its token ids (``token_bytes``)."""
+    return hashlib.sha256(parent + token_bytes(tokens)).digest()
 
 
 def block_hashes(root: bytes, tokens, block_size: int, have: Optional[list] = None,
                  upto: Optional[int] = None) -> list:
     """Hashes of every full block of ``tokens`` (of its first ``upto`` tokens), extending ``have`` (the hashes
-    already computed) in place."""
+    already computed) in place. The same as ``chain`` block by block; the tokens are packed once."""
     out = [] if have is None else have
     n = len(tokens) if upto is None else min(upto, len(tokens))
-    for i in range(len(out), n // block_size):
-        out.append(chain(out[-1] if out else root, tokens[i * block_size:(i + 1) * block_size]))
+    first, last = len(out), n // block_size
+    if first >= last:
+        return out
+    packed = token_bytes(tokens[first * block_size:last * block_size])
+    step = 8 * block_size
+    prev = out[-1] if out else root
+    sha = hashlib.sha256
+    for off in range(0, len(packed), step):
+        prev = sha(prev + packed[off:off + step]).digest()
+        out.append(prev)
     return out
 
 
@@ -70,34 +91,48 @@ class PrefixCache:
         self.pool, self.block_size, self.mover = pool, block_size, mover
         self.block_of: dict = {}  # hash -> block id
         self.hash_of: dict = {}  # block id -> hash
+        self.parent_of: dict = {}  # hash -> the hash of the block before it (None: a sequence's first block)
         pool.on_evict = self._evict
         self.stats = Counter()  # queries, query_tokens, hit_tokens, evictions, registered
 
     def lookup(self, seq, max_tokens: int) -> list:
         """Block ids of the longest cached prefix of seq (at most ``max_tokens`` tokens), each with an owner
-        added; the caller frees them if it does not use them (and counts the admission: ``count``)."""
+        added; the caller frees them if it does not use them (and counts the admission: ``count``).
+
+        Blocks in device memory are taken as they are; where the device has none, the run goes on in the
+        slower tiers: runs of blocks found there (as few entries as cover the next hashes) come back into
+        freshly allocated blocks, all of them with one batched copy per cache view."""
         hashes = block_hashes(seq.cache_root, seq.token_ids, self.block_size, seq.block_hashes)
-        hit = []
-        for h in hashes[: max_tokens // self.block_size]:
-            b = self.block_of.get(h)
-            if b is None:
+        limit = min(len(hashes), max_tokens // self.block_size)
+        hit, loaded, pieces, i = [], [], [], 0
+        while i < limit:
+            b = self.block_of.get(hashes[i])
+            if b is not None:
+                self.pool.revive(b)
+                hit.append(b)
+                i += 1
+                continue
+            if self.mover is None:
                 break
-            hit.append(b)
-        for b in hit:
-            self.pool.revive(b)
-        if self.mover is not None:  # the run goes on in the slower tiers: each block found comes back
-            found = []
-            for h in hashes[len(hit): max_tokens // self.block_size]:
-                payload = self.mover.find(h)
-                if payload is None or not self.pool.can_allocate(1):
-                    break
-                (b,) = self.pool.allocate(1)
+            got = self.mover.fetch(hashes[i:limit], stop=self.block_of.__contains__)
+            n = min(sum(c for _, _, c in got), self.pool.num_free)
+            if n == 0:
+                break
+            blocks = self.pool.allocate(n)  # may evict other free cached blocks (to the tiers)
+            for k, b in enumerate(blocks):
+                h = hashes[i + k]
                 self.block_of[h], self.hash_of[b] = b, h
+                self.parent_of[h] = hashes[i + k - 1] if i + k else None
                 self.pool.mark_cached(b)
-                found.append((b, payload))
-            self.mover.load([b for b, _ in found], [p for _, p in found])
-            hit += [b for b, _ in found]
-            self.stats["tier_hit_blocks"] += len(found)
+            loaded += blocks
+            pieces += got
+            hit += blocks
+            i += n
+            if n < sum(c for _, _, c in got):
+                break  # no room for more (load takes the first len(loaded) blocks of the pieces)
+        if loaded:
+            self.mover.load(loaded, pieces)
+            self.stats["tier_hit_blocks"] += len(loaded)
         return hit
 
     def count(self, seq) -> None:
@@ -117,25 +152,26 @@ class PrefixCache:
             h, b = hashes[i], seq.block_table[i]
             if h not in self.block_of and b not in self.hash_of:
                 self.block_of[h], self.hash_of[b] = b, h
+                self.parent_of[h] = hashes[i - 1] if i else None
                 self.pool.mark_cached(b)
                 self.stats["registered"] += 1
         seq.num_committed_blocks = n
 
     def _forget(self, blocks: list) -> list:
-        """Drop the hashes of ``blocks``; returns the (hash, block) pairs that had one."""
+        """Drop the hashes of ``blocks``; returns (hash, block, parent hash) of those that had one."""
         gone = []
         for b in blocks:
             h = self.hash_of.pop(b, None)
             if h is not None:
                 del self.block_of[h]
-                gone.append((h, b))
+                gone.append((h, b, self.parent_of.pop(h, None)))
         return gone
 
     def _evict(self, blocks: list) -> None:
         gone = self._forget(blocks)
         self.stats["evictions"] += len(gone)
         if gone and self.mover is not None:
-            self.mover.save(gone)  # before the block is reused
+            self.mover.save(gone)  # before the blocks are reused; chains of them become runs
 
     def summary(self) -> dict:
         """Totals since start-up: lookups, their prompt tokens and the tokens hit, blocks registered, evicted,
@@ -146,7 +182,8 @@ class PrefixCache:
                 "hit_rate": st["hit_tokens"] / q if q else 0.0, "blocks_registered": st["registered"],
                 "evictions": st["evictions"], "cached_blocks": len(self.block_of),
                 "cached_free_blocks": self.pool.num_cached_free, "tier_hit_blocks": st["tier_hit_blocks"],
-                "blocks_saved_to_tiers": self.mover.saved if self.mover is not None else 0}
+                "blocks_saved_to_tiers": self.mover.saved if self.mover is not None else 0,
+                "runs_saved_to_tiers": self.mover.runs_saved if self.mover is not None else 0}
 
     def reset(self) -> int:
         """Forget every cached block that no one uses (they return to plain free blocks); returns how many."""

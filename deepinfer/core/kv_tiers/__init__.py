@@ -1,15 +1,18 @@
-"""The storage under the prefix cache's device tier: KV block payloads in host memory and on disk.
+"""The storage under the prefix cache's device tier: KV payloads in host memory and on disk.
 
-A KV block leaves device memory as a payload, ``dict[str, torch.Tensor]`` of CPU tensors (one block's bytes
-across the model's cache tensors), keyed by the engine's chained block hash (bytes). Entries are also tied to
-an identity string (model + dtype + cache layout): the disk tier serves only entries written for its own.
+KV blocks leave device memory in runs: consecutive blocks of one chain as one entry, a ``dict[str,
+torch.Tensor]`` of CPU tensors whose dim 0 is the run's block index, keyed by the first block's chained hash
+(bytes) and listing every block's hash (its members); each tier finds a run from any member. Plain entries
+(a payload under a key, no members) are stored too: the encoder-SWA pool's snapshots. Entries are also tied
+to an identity string (model + dtype + cache layout): the disk tier serves only entries written for its own.
 
-- payload.py      the key and payload contract, tensors to and from raw bytes
-- host.py         HostTier: LRU in (pinned) host memory, byte cap, per-entry TTL
-- entry_format.py the disk file format (magic, version, checksum, JSON header, raw bytes; no pickle)
-- disk.py         DiskTier: one file per entry, atomic publication, LRU by mtime, shared by processes,
-                  faults degrade to "no disk tier" with one warning
-- store.py        TieredStore: host then disk, disk hits promoted, writes through
+- payload.py      the key, payload and run contract, tensors to and from raw bytes
+- host.py         HostTier: LRU in (pinned) host memory, byte cap, per-entry TTL, member index
+- entry_format.py the disk file format (magic, version, checksum, JSON header, members, raw bytes; no pickle)
+- entry_files.py  the directory's files: atomic publication, reads, stamps, scans
+- disk.py         DiskTier: one file per entry, LRU by mtime, shared by processes, a member index rebuilt
+                  from the files' heads at start-up, faults degrade to "no disk tier" with one warning
+- store.py        TieredStore: host then disk, disk hits promoted, writes through (runs: what a tier lacks)
 
 The modules' docstrings state the file format, the atomicity argument and the failure behaviour.
 """
@@ -17,7 +20,8 @@ The modules' docstrings state the file format, the atomicity argument and the fa
 from deepinfer.core.kv_tiers.disk import DiskStats, DiskTier
 from deepinfer.core.kv_tiers.entry_format import FORMAT_VERSION, EntryCorrupt, EntryForeign
 from deepinfer.core.kv_tiers.host import HostStats, HostTier
+from deepinfer.core.kv_tiers.payload import Run
 from deepinfer.core.kv_tiers.store import StoreStats, TieredStore
 
 __all__ = ["DiskStats", "DiskTier", "EntryCorrupt", "EntryForeign", "FORMAT_VERSION", "HostStats", "HostTier",
-           "StoreStats", "TieredStore"]
+           "Run", "StoreStats", "TieredStore"]

@@ -1,8 +1,18 @@
-"""DiskTier: KV block payloads as files in a directory that outlives the process, LRU, capped by bytes.
+"""DiskTier: KV payloads as files in a directory that outlives the process, LRU, capped by bytes.
 
 The directory comes from the argument or DEEPINFER_CACHE_DIR; its layout and why several processes may share
 it are in entry_files.py, the file format in entry_format.py. put replaces whatever file is under its key's
-name (a foreign one included) unless it already holds this identity's complete entry, which it only stamps.
+name (a foreign one included) unless it already holds this identity's complete entry (for a run: one whose
+members begin with the new run's), which it only stamps.
+
+Runs (payload.py) are files named by their first block's hash. The tier keeps an in-memory index from every
+member hash to (run key, position), built at start-up from each file's head (entry_format.read_head: the
+header and the members, not the payload), extended by its own writes and by every run it reads, and
+refreshed by every directory scan (files it has not indexed, by name and inode, are read the same way; gone
+ones are forgotten). ``find(h)`` reads the file the index names, or the file named h itself when h is not
+indexed (a run another live process wrote since the last scan, found from its first block), checks it
+whole as ``get`` does, and serves it only when its members hold h: an index entry whose file vanished or
+was replaced by another run is a miss, and the index learns the file's real members.
 
 LRU: a hit and a write stamp the file's mtime. When a writer's estimate of the directory's bytes (its last
 scan plus its own writes) passes capacity_bytes, it scans the directory and deletes the oldest entries, any
@@ -29,9 +39,8 @@ from pathlib import Path
 import attrs
 
 from deepinfer.core.kv_tiers.entry_files import EntryFiles, unlink_quietly
-from deepinfer.core.kv_tiers.entry_format import (PREFIX_BYTES, EntryCorrupt, EntryForeign, decode, encode,
-                                                  read_header, read_prefix)
-from deepinfer.core.kv_tiers.payload import check_key, check_payload
+from deepinfer.core.kv_tiers.entry_format import EntryCorrupt, EntryForeign, decode, encode, read_head
+from deepinfer.core.kv_tiers.payload import Run, check_key, check_payload, check_run
 
 log = logging.getLogger("deepinfer.kv_tiers")
 
@@ -50,6 +59,7 @@ class DiskStats:
     evictions: int
     corrupt: int
     foreign: int
+    indexed: int  # run members this process knows where to find
 
 
 class DiskTier:
@@ -76,33 +86,37 @@ class DiskTier:
         self._reported: set = set()  # (file name, inode) already logged
         self._entries = self._bytes = 0
         self._hits = self._misses = self._writes = self._evictions = self._corrupt = self._foreign = 0
+        self._runs: dict = {}  # file key -> (inode, members): every entry file whose head this process read
+        self._where: dict = {}  # run member -> (run key, position)
         try:
             self._files.probe()
-            self._evict()  # counts what is there, removes dead writers' temporaries, applies the cap
+            self._evict()  # counts what is there, removes dead writers' temporaries, applies the cap, indexes
         except OSError as e:
             self._disable(f"cannot use {self.root}: {e}")
 
-    def put(self, key: bytes, payload: dict) -> bool:
-        """Write key's entry. False, storing nothing, when the tier is disabled, the write failed or the entry
-        alone is over capacity_bytes."""
+    def put(self, key: bytes, payload: dict, members=None) -> bool:
+        """Write key's entry; with ``members``, a run (payload.py) that each member then finds. False, storing
+        nothing, when the tier is disabled, the write failed or the entry alone is over capacity_bytes."""
         check_key(key)
         check_payload(payload)
+        members = () if members is None else check_run(key, members, payload)
         if not self.enabled:
             return False
-        if self._holds(key):
+        if self._holds(key, members):
             self._files.stamp(self._files.path(key))
             return True
-        chunks = encode(key, self.identity, payload)
+        chunks = encode(key, self.identity, payload, members)
         size = sum(memoryview(c).nbytes for c in chunks)
         if size > self.capacity_bytes:
             return False
         try:
-            self._files.publish(key, chunks)
+            inode = self._files.publish(key, chunks)
         except OSError as e:
             if e.errno not in _RACES:
                 self._disable(f"writing {key.hex()}: {e}")
             return False
         with self._lock:
+            self._learn(key, inode, members)
             self._writes += 1
             self._entries += 1
             self._bytes += size
@@ -118,13 +132,43 @@ class DiskTier:
     def get(self, key: bytes) -> dict | None:
         """key's payload, now the most recently used, or None: absent, invalid, or the tier disabled."""
         check_key(key)
-        payload = self._read(key) if self.enabled else None
+        got = self._read(key) if self.enabled else None
+        self._count(got is not None)
+        return None if got is None else got[0]
+
+    def find(self, member: bytes) -> Run | None:
+        """The run holding block ``member`` (its file now the most recently used), or None: not indexed and no
+        run starts there, the file gone, invalid or holding other blocks now, or the tier disabled."""
+        check_key(member)
+        run = None
+        if self.enabled:
+            with self._lock:
+                key, pos = self._where.get(member, (member, 0))
+            got = self._read(key)
+            if got is not None:
+                payload, members = got
+                if pos >= len(members) or members[pos] != member:
+                    pos = members.index(member) if member in members else -1
+                if pos >= 0:
+                    run = Run(key, members, pos, payload)
+        self._count(run is not None)
+        return run
+
+    def held(self, members) -> list:
+        """For each hash, whether the index knows a file holding it that still exists (not validated: find may
+        still miss); such files are stamped as just used (the caller was about to store those blocks again)."""
+        if not self.enabled:
+            return [False] * len(members)
         with self._lock:
-            if payload is None:
-                self._misses += 1
-            else:
-                self._hits += 1
-        return payload
+            keys = [self._where.get(m, (None,))[0] for m in members]
+        alive = {}
+        for k in dict.fromkeys(keys):
+            if k is not None:
+                path = self._files.path(k)
+                alive[k] = path.is_file()
+                if alive[k]:
+                    self._files.stamp(path)
+        return [k is not None and alive[k] for k in keys]
 
     def contains(self, key: bytes) -> bool:
         """Whether an entry file exists under key's name (not validated: get may still miss)."""
@@ -132,55 +176,90 @@ class DiskTier:
 
     def evict(self, key: bytes) -> bool:
         """Delete key's entry file; whether there was one."""
-        return unlink_quietly(self._files.path(check_key(key)))
+        gone = unlink_quietly(self._files.path(check_key(key)))
+        with self._lock:
+            self._forget(key)
+        return gone
 
     def stats(self) -> DiskStats:
         with self._lock:
             return DiskStats(self.enabled, self._entries, self._bytes, self.capacity_bytes, self._hits,
-                             self._misses, self._writes, self._evictions, self._corrupt, self._foreign)
+                             self._misses, self._writes, self._evictions, self._corrupt, self._foreign,
+                             len(self._where))
 
-    def _read(self, key: bytes) -> dict | None:
+    def _count(self, hit: bool) -> None:
+        with self._lock:
+            if hit:
+                self._hits += 1
+            else:
+                self._misses += 1
+
+    def _read(self, key: bytes) -> tuple | None:
+        """(payload, members) of key's file, checked whole; None (and the index forgets the file) otherwise."""
         path = self._files.path(key)
+        got = None
         try:
             buf, inode = self._files.read(path)
         except OSError as e:
             if e.errno not in _RACES:
                 self._report(path, None, "unreadable", str(e))
-            return None
-        try:
-            payload = decode(buf, key, self.identity)
-        except EntryForeign as e:
-            self._report(path, inode, "foreign", str(e))
-            return None
-        except EntryCorrupt as e:
-            self._report(path, inode, "corrupt", f"{e}; deleted")
-            self._files.remove_if_same(path, inode)
-            return None
-        self._files.stamp(path)
-        return payload
+            buf = None
+        if buf is not None:
+            try:
+                got = decode(buf, key, self.identity)
+            except EntryForeign as e:
+                self._report(path, inode, "foreign", str(e))
+            except EntryCorrupt as e:
+                self._report(path, inode, "corrupt", f"{e}; deleted")
+                self._files.remove_if_same(path, inode)
+        with self._lock:
+            if got is None:
+                self._forget(key)
+            else:
+                self._learn(key, inode, got[1])
+        if got is not None:
+            self._files.stamp(path)
+        return got
 
-    def _holds(self, key: bytes) -> bool:
-        """Whether key's file looks like this identity's complete entry (header and size, not the checksum)."""
+    def _holds(self, key: bytes, members: tuple) -> bool:
+        """Whether key's file looks like this identity's complete entry holding at least ``members`` (head and
+        size, not the checksum); the index learns its members."""
         try:
-            with open(self._files.path(key), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                prefix = f.read(PREFIX_BYTES)
-                header_len, header = read_header(prefix + f.read(read_prefix(prefix)))
-            return (header.get("identity") == self.identity and header.get("key") == key.hex()
-                    and size == PREFIX_BYTES + header_len + header.get("payload_bytes", -1))
+            (header, held, start), inode, size = self._files.read_head(self._files.path(key), read_head)
+            ok = (header.get("identity") == self.identity and header.get("key") == key.hex()
+                  and size == start + header.get("payload_bytes", -1) and held[:len(members)] == members
+                  and bool(held) == bool(members))
         except (OSError, ValueError, TypeError):
             return False
+        if ok:
+            with self._lock:
+                self._learn(key, inode, held)
+        return ok
+
+    def _learn(self, key: bytes, inode: int, members: tuple) -> None:
+        """The file named key (this inode) holds these members. Caller holds self._lock."""
+        self._forget(key)
+        self._runs[key] = (inode, members)
+        for i, m in enumerate(members):
+            self._where[m] = (key, i)
+
+    def _forget(self, key: bytes) -> None:
+        """The file named key is gone or unknown. Caller holds self._lock."""
+        _, members = self._runs.pop(key, (None, ()))
+        for m in members:
+            if self._where.get(m, (None,))[0] == key:
+                del self._where[m]
 
     def _evict(self) -> None:
-        """Scan the directory (removing dead writers' temporaries), then delete the oldest entries while over
-        capacity, down to evict_to of it."""
+        """Scan the directory (removing dead writers' temporaries), delete the oldest entries while over
+        capacity, down to evict_to of it, then bring the index up to date with the files that are left."""
         if not self._evicting.acquire(blocking=False):
             return  # another thread of this process is at it
         try:
             files = self._files.scan()
             total, evicted = sum(f[1] for f in files), 0
             target = self.evict_to * self.capacity_bytes if total > self.capacity_bytes else total
-            for _, size, path in files:
+            for _, size, path, _ in files:
                 if total <= target:
                     break
                 unlink_quietly(path)  # gone either way: a racing evicter may have been first
@@ -189,8 +268,38 @@ class DiskTier:
             with self._lock:
                 self._entries, self._bytes = len(files) - evicted, total
                 self._evictions += evicted
+            self._index(files[evicted:])
         finally:
             self._evicting.release()
+
+    def _index(self, files: list) -> None:
+        """Read the heads of the files (from a scan) that the index does not know by name and inode, and forget
+        the files that are no longer there. A head that does not read as this identity's is left out (get and
+        find report it when they meet it)."""
+        keys = {}
+        for _, _, path, inode in files:
+            name = os.path.basename(path)[:-len(".kvb")]
+            try:
+                keys[bytes.fromhex(name)] = (inode, path)
+            except ValueError:
+                continue
+        with self._lock:
+            for k in [k for k in self._runs if k not in keys]:
+                self._forget(k)
+            todo = [(k, inode, path) for k, (inode, path) in keys.items() if self._runs.get(k, (None,))[0] != inode]
+        for k, inode, path in todo:
+            try:
+                (header, members, _), inode, _ = self._files.read_head(path, read_head)
+            except OSError:
+                continue  # gone meanwhile
+            except ValueError:  # EntryCorrupt, EntryForeign: known, holding nothing to find
+                members = ()
+            else:
+                if header.get("identity") != self.identity or header.get("key") != k.hex() \
+                        or (members and members[0] != k):
+                    members = ()
+            with self._lock:
+                self._learn(k, inode, members)
 
     def _report(self, path: Path, inode, kind: str, why: str) -> None:
         with self._lock:

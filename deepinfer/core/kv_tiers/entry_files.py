@@ -1,6 +1,7 @@
 """The files of a KV cache directory: where entries live, how they are published, read, stamped and listed.
 
-Layout: ``<root>/<first two hex digits of the key>/<key hex>.kvb`` holds one entry (format: entry_format.py);
+Layout: ``<root>/<first two hex digits of the key>/<key hex>.kvb`` holds one entry, a run's under its first
+block's hash (format: entry_format.py);
 ``.<key hex>.<pid>.<random>.tmp`` beside it is an entry being written (``.probe.<pid>.<random>.tmp`` in the
 root is the start-up check that the directory is writable). Only names of these shapes are ever opened or
 removed; anything else in the directory is left alone.
@@ -58,13 +59,14 @@ class EntryFiles:
     def probe(self) -> None:
         """Create the root if needed and prove it writable: write, then delete, a temporary file."""
         self.root.mkdir(parents=True, exist_ok=True)
-        os.unlink(self._write_temp(self.root, "probe", [b""]))
+        os.unlink(self._write_temp(self.root, "probe", [b""])[0])
 
-    def publish(self, key: bytes, chunks) -> None:
-        """Write key's entry from chunks and rename it into place; nothing of it is left behind on failure."""
+    def publish(self, key: bytes, chunks) -> int:
+        """Write key's entry from chunks and rename it into place; nothing of it is left behind on failure.
+        Returns the file's inode."""
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._write_temp(path.parent, key.hex(), chunks, publish_as=path)
+        return self._write_temp(path.parent, key.hex(), chunks, publish_as=path)[1]
 
     def read(self, path: Path) -> tuple:
         """(the whole file as a bytearray, its inode)."""
@@ -76,6 +78,13 @@ class EntryFiles:
                 while n < len(buf) and (got := f.readinto(view[n:])):
                     n += got
         return (buf if n == len(buf) else buf[:n]), st.st_ino
+
+    def read_head(self, path, parse) -> tuple:
+        """(parse(read), inode, size) with ``read(n)`` reading the file's next n bytes: a file's first bytes
+        without the rest (entry_format.read_head)."""
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            return parse(f.read), st.st_ino, st.st_size
 
     def remove_if_same(self, path: Path, inode: int) -> None:
         """Delete path if it is still the file read as inode (not a good entry published since)."""
@@ -94,7 +103,7 @@ class EntryFiles:
             pass
 
     def scan(self) -> list:
-        """[(mtime_ns, size, path)] of every entry file, oldest first; removes dead writers' temporaries."""
+        """[(mtime_ns, size, path, inode)] of every entry file, oldest first; removes dead writers' temporaries."""
         files = []
         top = _scandir_quietly(self.root)
         for in_shard, listing in [(False, top), *((True, _scandir_quietly(e.path)) for e in top if _is_shard(e))]:
@@ -102,7 +111,7 @@ class EntryFiles:
                 if in_shard and e.name.endswith(ENTRY_SUFFIX) and not e.name.startswith("."):
                     try:
                         st = e.stat()
-                        files.append((st.st_mtime_ns, st.st_size, e.path))
+                        files.append((st.st_mtime_ns, st.st_size, e.path, e.inode()))
                     except FileNotFoundError:
                         pass
                 elif e.name.startswith(".") and e.name.endswith(TMP_SUFFIX):
@@ -114,9 +123,9 @@ class EntryFiles:
             self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
             return self._last_stamp
 
-    def _write_temp(self, directory: Path, stem: str, chunks, publish_as: Path | None = None) -> Path:
+    def _write_temp(self, directory: Path, stem: str, chunks, publish_as: Path | None = None) -> tuple:
         """Write chunks to a new locked temporary file in directory and rename it to publish_as, if given,
-        before the lock is released. The temporary is removed if anything fails."""
+        before the lock is released; (its first name, its inode). The temporary is removed if anything fails."""
         tmp = directory / f".{stem}.{os.getpid()}.{secrets.token_hex(8)}{TMP_SUFFIX}"
         with open(tmp, "xb") as f:
             try:
@@ -125,12 +134,13 @@ class EntryFiles:
                 f.flush()
                 stamp = self._next_stamp()
                 os.utime(f.fileno(), ns=(stamp, stamp))
+                inode = os.fstat(f.fileno()).st_ino
                 if publish_as is not None:
                     os.replace(tmp, publish_as)
             except BaseException:
                 unlink_quietly(tmp)
                 raise
-        return tmp
+        return tmp, inode
 
 
 def unlink_quietly(path) -> bool:

@@ -1,6 +1,8 @@
-"""HostTier: KV block payloads in host memory, least-recently-used first out, capped by bytes, with TTLs.
+"""HostTier: KV payloads in host memory, least-recently-used first out, capped by bytes, with TTLs.
 
-Payloads live in pinned memory when CUDA is available (so the device tier copies them back asynchronously) and
+An entry is a plain payload or a run of blocks (payload.py); the tier indexes every member of a run, so
+``find`` answers a lookup that starts at any block of it, and capacity, LRU order and eviction count whole
+entries: dropping a run drops all its members. Payloads live in pinned memory when CUDA is available (so the device tier copies them back asynchronously) and
 as the given CPU tensors otherwise. An entry may carry a time to live (CED's encoder SWA KV is kept for
 minutes); an expired entry is never returned and its memory is given back at the next put or get. Time comes
 from an injected clock (time.monotonic by default), so tests move it by hand. All methods are thread-safe.
@@ -16,7 +18,7 @@ from collections import OrderedDict
 import attrs
 import torch
 
-from deepinfer.core.kv_tiers.payload import check_key, check_payload
+from deepinfer.core.kv_tiers.payload import Run, check_key, check_payload, check_run
 
 
 def _check_ttl(ttl_s):
@@ -41,6 +43,7 @@ class _Entry:
     payload: dict
     nbytes: int
     expires_at: float | None
+    members: tuple = ()  # a run's block hashes; () for a plain entry
 
 
 class HostTier:
@@ -60,17 +63,20 @@ class HostTier:
         self._clock = clock
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._where: dict = {}  # run member -> (run key, position)
         self._expiries: list = []  # heap of (expires_at, seq, key, entry); stale rows are skipped
         self._seq = 0
         self._bytes = 0
         self._hits = self._misses = self._evictions = self._expirations = 0
         self._lock = threading.Lock()
 
-    def put(self, key: bytes, payload: dict, ttl_s: float | None = None) -> bool:
+    def put(self, key: bytes, payload: dict, ttl_s: float | None = None, members=None) -> bool:
         """Store (or replace) key's payload as the most recently used; ttl_s=None takes the tier's default.
-        False, storing nothing, when the payload alone is over capacity_bytes."""
+        With ``members`` the entry is a run (payload.py) and each member now finds it (a member another run
+        held moves to this one). False, storing nothing, when the payload alone is over capacity_bytes."""
         check_key(key)
         nbytes = check_payload(payload)
+        members = () if members is None else check_run(key, members, payload)
         ttl_s = self.ttl_s if ttl_s is None else _check_ttl(ttl_s)
         payload = {name: t if not self._pin or t.is_pinned() else t.pin_memory() for name, t in payload.items()}
         with self._lock:
@@ -79,8 +85,10 @@ class HostTier:
             self._drop(key)
             if nbytes > self.capacity_bytes:
                 return False
-            entry = _Entry(payload, nbytes, None if ttl_s is None else now + ttl_s)
+            entry = _Entry(payload, nbytes, None if ttl_s is None else now + ttl_s, members)
             self._entries[key] = entry
+            for i, m in enumerate(members):
+                self._where[m] = (key, i)
             self._bytes += nbytes
             if entry.expires_at is not None:
                 self._seq += 1
@@ -101,6 +109,39 @@ class HostTier:
             self._entries.move_to_end(key)
             self._hits += 1
             return entry.payload
+
+    def find(self, member: bytes) -> Run | None:
+        """The run holding block ``member`` (now the most recently used), or None (a miss)."""
+        check_key(member)
+        with self._lock:
+            self._expire(self._clock())
+            key, pos = self._where.get(member, (None, 0))
+            if key is None:
+                self._misses += 1
+                return None
+            entry = self._entries[key]
+            self._entries.move_to_end(key)
+            self._hits += 1
+            return Run(key, entry.members, pos, entry.payload)
+
+    def held(self, members) -> list:
+        """For each hash, whether a run here holds it; a run holding one becomes the most recently used (the
+        caller was about to store that block again)."""
+        with self._lock:
+            self._expire(self._clock())
+            out = []
+            for m in members:
+                where = self._where.get(m)
+                out.append(where is not None)
+                if where is not None:
+                    self._entries.move_to_end(where[0])
+            return out
+
+    def stored(self, key: bytes) -> dict | None:
+        """key's payload as stored (pinned where the tier pins), changing no order or count; None if absent."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else entry.payload
 
     def contains(self, key: bytes) -> bool:
         """Whether get(key) would hit now; changes neither the LRU order nor the hit counts."""
@@ -123,6 +164,9 @@ class HostTier:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes
+            for m in entry.members:
+                if self._where.get(m, (None,))[0] == key:
+                    del self._where[m]
         return entry is not None
 
     def _expire(self, now: float) -> None:

@@ -1,14 +1,21 @@
-"""What a tier stores: one KV block's payload, its key, and the payload as raw bytes.
+"""What a tier stores: entries of KV payloads under keys, runs of blocks among them, payloads as raw bytes.
 
-- A key is the block hash: ``bytes`` of 1 to 64 bytes (the engine chains a 32-byte sha256 digest).
-- A payload is a ``dict[str, torch.Tensor]`` of CPU tensors: the bytes of one block across a model's cache
-  tensors, named by the model. Any dtype in ``DTYPES``; any shape, zero-size and 0-d included.
-- The tiers own a payload once it is put, and ``get`` returns the stored tensors without copying: neither
-  side may write to them afterwards.
+- A key is a block hash: ``bytes`` of 1 to 64 bytes (the engine chains a 32-byte sha256 digest).
+- A payload is a ``dict[str, torch.Tensor]`` of CPU tensors, named by its writer. Any dtype in ``DTYPES``;
+  any shape, zero-size and 0-d included.
+- A run is an entry holding consecutive blocks of one chain: its ``members`` are their hashes in chain order
+  (distinct, all as long as the key), its key is ``members[0]``, and every tensor's dim 0 is the block
+  index (``shape[0] == len(members)``), so block i of the run is ``t[i]`` of every tensor and any stretch of
+  blocks is a slice along dim 0 (``run_slice``). The tiers index every member of a run, so a lookup that
+  starts at any of its blocks finds it (``find`` returns a ``Run``). An entry without members (a plain
+  entry: the encoder-SWA pool's snapshots) is found by its key alone.
+- The tiers own a payload once it is put, and ``get`` and ``find`` return the stored tensors without
+  copying: neither side may write to them afterwards.
 """
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 Payload = dict  # dict[str, torch.Tensor]
@@ -35,6 +42,40 @@ def check_key(key) -> bytes:
     if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"a KV tier key must be bytes of length 1..{MAX_KEY_BYTES}, got {key!r:.80}")
     return key
+
+
+@attrs.frozen(eq=False)
+class Run:
+    """A run found through one of its members: the block asked for is ``members[position]``, whose bytes are
+    row ``position`` of every tensor of ``payload``."""
+
+    key: bytes
+    members: tuple
+    position: int
+    payload: dict
+
+
+def check_run(key: bytes, members, payload: dict) -> tuple:
+    """members as a tuple, or a ValueError naming what breaks the run contract (see the module docstring)."""
+    members = tuple(members)
+    check_key(key)
+    if not members or members[0] != key:
+        raise ValueError(f"a run's members must start with its key {key.hex():.16}..., got {len(members)} members")
+    for m in members:
+        if not isinstance(m, bytes) or len(m) != len(key):
+            raise ValueError(f"run member {m!r:.80} is not bytes of the key's length {len(key)}")
+    if len(set(members)) != len(members):
+        raise ValueError(f"a run's {len(members)} members are not distinct")
+    for name, t in payload.items():
+        if t.dim() == 0 or t.shape[0] != len(members):
+            raise ValueError(f"run tensor {name!r} has shape {tuple(t.shape)}; dim 0 must be the run's "
+                             f"{len(members)} blocks")
+    return members
+
+
+def run_slice(payload: dict, start: int, stop: int) -> dict:
+    """Blocks [start, stop) of a run's payload (views, no copy)."""
+    return {name: t[start:stop] for name, t in payload.items()}
 
 
 def check_payload(payload) -> int:

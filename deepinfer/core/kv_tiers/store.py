@@ -2,6 +2,11 @@
 
 get looks in the host tier, then on disk, and promotes a disk hit to the host tier; put writes through to both
 (to_disk=False keeps an entry in host memory only: CED's encoder SWA KV, with a TTL). Either tier may be None.
+
+Runs (payload.py) go in through put_run and come out through find, the same way. put_run stores in each tier
+only the stretches of the run that tier does not hold yet (each stretch a run of its own, keyed by its first
+block), so a chain whose head came back from a tier and whose tail is new adds the tail, and never replaces
+a longer run that starts at the same block.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import attrs
 
 from deepinfer.core.kv_tiers.disk import DiskStats, DiskTier
 from deepinfer.core.kv_tiers.host import HostStats, HostTier
-from deepinfer.core.kv_tiers.payload import check_key
+from deepinfer.core.kv_tiers.payload import Run, check_key, check_run, run_slice
 
 
 @attrs.frozen
@@ -39,13 +44,7 @@ class TieredStore:
             payload, tier = self.disk.get(key), "disk"
             if payload is not None and self.host is not None:
                 self.host.put(key, payload)
-        with self._lock:
-            if payload is None:
-                self._misses += 1
-            elif tier == "host":
-                self._host_hits += 1
-            else:
-                self._disk_hits += 1
+        self._count(payload is not None, tier)
         return payload
 
     def put(self, key: bytes, payload: dict, host_ttl: float | None = None, to_disk: bool = True) -> None:
@@ -55,6 +54,48 @@ class TieredStore:
             self.host.put(key, payload, ttl_s=host_ttl)
         if to_disk and self.disk is not None:
             self.disk.put(key, payload)
+
+    def find(self, member: bytes) -> Run | None:
+        """The run holding block ``member`` from the nearest tier that has one, or None. A disk hit is promoted
+        to the host tier (whole) and served from there (pinned memory where the host tier pins)."""
+        check_key(member)
+        run = self.host.find(member) if self.host is not None else None
+        tier = "host"
+        if run is None and self.disk is not None:
+            run, tier = self.disk.find(member), "disk"
+            if run is not None and self.host is not None and self.host.put(run.key, run.payload,
+                                                                           members=run.members):
+                run = Run(run.key, run.members, run.position, self.host.stored(run.key) or run.payload)
+        self._count(run is not None, tier)
+        return run
+
+    def _count(self, hit: bool, tier: str) -> None:
+        with self._lock:
+            if not hit:
+                self._misses += 1
+            elif tier == "host":
+                self._host_hits += 1
+            else:
+                self._disk_hits += 1
+
+    def put_run(self, members, payload: dict) -> None:
+        """Store a run (payload.py) in every tier: in each, the stretches of blocks it does not hold already."""
+        members = check_run(members[0] if members else b"", members, payload)
+        for tier in (self.host, self.disk):
+            if tier is None:
+                continue
+            held = tier.held(members)
+            i = 0
+            while i < len(members):
+                if held[i]:
+                    i += 1
+                    continue
+                j = i
+                while j < len(members) and not held[j]:
+                    j += 1
+                tier.put(members[i], payload if j - i == len(members) else run_slice(payload, i, j),
+                         members=members[i:j])
+                i = j
 
     def contains(self, key: bytes) -> bool:
         return (self.host is not None and self.host.contains(key)) or (
