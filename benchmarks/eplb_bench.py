@@ -18,8 +18,10 @@ gives the ratio of output tokens/s (EPLB's cost in one process: the replica rout
 communication to win back yet).
 
 Policy part (``--real-shapes``, on by default): the policy alone on synthetic skewed loads (tokens routed by
-a softmax router whose logits are N(0, 1) plus ``--bias`` x 10 on the hot experts) at the Qwen3-30B-A3B shape
-(48 layers, 128 experts, top-8) and the DeepSeek-V3 shape (58 layers, 256 experts in 8 groups, top-8).
+a router whose logits are N(0, 1) plus ``--bias`` x 10 on the hot experts) at the Qwen3-30B-A3B shape
+(48 layers, 128 experts, top-8) and the DeepSeek-V3 shape (58 layers, 256 experts in 8 groups, top-8); then
+the steady state: a second sample of the same router, its balancedness under the first placement (held out)
+and after rebalancing from it, with the slots that move, at the default keep_margin and at 0.
 
 Writes JSONL rows with every setting and prints a table.
 """
@@ -127,9 +129,11 @@ def engine_rows(args, arch: str, path: str, hf_layers: int) -> list:
     return rows
 
 
-def synthetic_load(layers: int, experts: int, top_k: int, tokens: int, hot: int, bias: float, seed: int):
-    """[layers, experts] tokens per expert: a softmax router over N(0, 1) logits, + bias x 10 on hot experts."""
-    g = torch.Generator().manual_seed(seed)
+def synthetic_load(layers: int, experts: int, top_k: int, tokens: int, hot: int, bias: float, seed: int,
+                   sample: int = 0):
+    """[layers, experts] tokens per expert: a router's top-k over N(0, 1) logits, + bias x 10 on the hot
+    experts (drawn from ``seed``); ``sample`` draws other tokens of the same router."""
+    g = torch.Generator().manual_seed(seed * 7919 + sample)
     out = torch.zeros(layers, experts)
     for layer in range(layers):
         logits = torch.randn(tokens, experts, generator=g)
@@ -155,6 +159,10 @@ def policy_rows(args) -> list:
             phy2log, _, _ = eplb.rebalance_experts(load, P, G, nodes, ranks)
             dt = time.perf_counter() - t0
             default = eplb.default_placement(L, E, P)
+            # Steady state: rebalance again from another sample of the same router, from the placement in use.
+            load2 = synthetic_load(L, E, k, args.synthetic_tokens, args.hot, args.bias, args.seed, sample=1)
+            again, _, _ = eplb.rebalance_experts(load2, P, G, nodes, ranks, current=phy2log)
+            fresh, _, _ = eplb.rebalance_experts(load2, P, G, nodes, ranks, current=phy2log, keep_margin=0.0)
             rows.append({"bench": "eplb_policy", "shape": name, "moe_layers": L, "num_experts": E, "top_k": k,
                          "num_groups": G, "num_ranks": ranks, "num_nodes": nodes, "num_redundant_experts": redundant,
                          "policy": "hierarchical" if nodes > 1 and G % nodes == 0 else "global",
@@ -162,7 +170,12 @@ def policy_rows(args) -> list:
                          "seed": args.seed,
                          "default": eplb.balancedness(eplb.rank_loads(load, default, ranks)),
                          "eplb": eplb.balancedness(eplb.rank_loads(load, phy2log, ranks)),
-                         "policy_s": dt, **machine_info()})
+                         "policy_s": dt, "moved_first": float((phy2log != default).float().mean()),
+                         "moved_again": float((again != phy2log).float().mean()),
+                         "again_held_out": eplb.balancedness(eplb.rank_loads(load2, phy2log, ranks)),
+                         "again": eplb.balancedness(eplb.rank_loads(load2, again, ranks)),
+                         "keep_margin": eplb.KEEP_MARGIN, "moved_again_margin0": float((fresh != phy2log).float().mean()),
+                         "again_margin0": eplb.balancedness(eplb.rank_loads(load2, fresh, ranks)), **machine_info()})
     return rows
 
 
@@ -180,12 +193,15 @@ def table(rows: list) -> str:
                        f"{r['moved_slots']} | {r['tok_s_eplb'] / r['tok_s_off']:.2f}x | {r['tokens_match']} |")
     pol = [r for r in rows if r["bench"] == "eplb_policy"]
     if pol:
-        out += ["", "| shape | layers x E | ranks:nodes:redundant | policy | default | EPLB | policy s |",
-                "|---|---|---|---|---:|---:|---:|"]
+        out += ["", "| shape | layers x E | ranks:nodes:redundant | policy | default | EPLB | policy s | slots moved "
+                "| 2nd sample: held out -> rebalanced | slots moved | margin 0: rebalanced | slots moved |",
+                "|---|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
         for r in pol:
             out.append(f"| {r['shape']} | {r['moe_layers']} x {r['num_experts']} | {r['num_ranks']}:{r['num_nodes']}:"
                        f"{r['num_redundant_experts']} | {r['policy']} | {r['default']:.3f} | **{r['eplb']:.3f}** | "
-                       f"{r['policy_s']:.2f} |")
+                       f"{r['policy_s']:.2f} | {r['moved_first']:.0%} | {r['again_held_out']:.3f} -> "
+                       f"**{r['again']:.3f}** | {r['moved_again']:.0%} | {r['again_margin0']:.3f} | "
+                       f"{r['moved_again_margin0']:.0%} |")
     return "\n".join(out)
 
 

@@ -145,6 +145,24 @@ def test_rebalancing_from_the_placement_in_use_keeps_what_need_not_move():
     assert eplb.balancedness(ranks) > eplb.balancedness(eplb.rank_loads(load, eplb.default_placement(1, 8, 12), 4))
 
 
+@settings(max_examples=30, deadline=None)
+@given(layouts(), st.randoms(use_true_random=False))
+def test_a_relabelled_placement_in_use_moves_nothing(case, rnd):
+    load, P, groups, nodes, ranks = case
+    first = eplb.rebalance_experts(load, P, groups, nodes, ranks)[0][0].tolist()
+    per_node, per_rank = P // nodes, P // ranks
+    blocks = [first[n:n + per_node] for n in range(0, P, per_node)]  # shuffle nodes, ranks within, slots within
+    rnd.shuffle(blocks)
+    relabelled = []
+    for node in blocks:
+        rs = [node[r:r + per_rank] for r in range(0, per_node, per_rank)]
+        rnd.shuffle(rs)
+        for r in rs:
+            relabelled += rnd.sample(r, len(r))
+    again = eplb.rebalance_experts(load, P, groups, nodes, ranks, current=[relabelled])[0][0].tolist()
+    assert again == relabelled
+
+
 def test_balancedness():
     assert eplb.balancedness(torch.tensor([[2.0, 2.0], [1.0, 3.0]])) == pytest.approx((2 + 2) / (2 + 3))
     assert eplb.balancedness(torch.zeros(2, 4)) == 1.0

@@ -14,10 +14,11 @@ Our own implementation of the hierarchical policy DeepSeek describes for V3 (git
 * Replicate: every expert gets one slot, and each further slot goes to the expert whose per-replica load
   (load / replicas) is the highest. Pack: replicas heaviest first, each onto the lightest rank that still
   has a free slot (every rank ends with exactly its slots).
-* Refinement (ours): the greedy placement, and under the global policy also the placement in use (``current``,
-  by default ``default_placement``), are improved by swapping slots between the heaviest rank and another;
-  the lighter wins, the one in use on a tie, so rebalancing never makes the heaviest rank heavier and moves no
-  weights for nothing.
+* Refinement (ours): the greedy placement, and the placement in use (``current``, by default
+  ``default_placement``; under the hierarchical policy only where it keeps each group on one node and its
+  busiest node is within the margin below), are improved by swapping slots between the heaviest rank and another;
+  the one in use is kept unless the other's heaviest rank is lighter by more than ``KEEP_MARGIN`` (1%), so
+  rebalancing never makes the heaviest rank heavier and does not move most weights for a sliver.
 * Then, where the search is small (at most ``EXACT_MAX_SLOTS`` slots per node, within ``EXACT_BUDGET``
   search nodes), a branch-and-bound search over replica counts and packings replaces the result by a placement
   whose heaviest rank is as light as possible (the greedy can miss it: loads 4, 4, 1 on 2 ranks of 2 slots
@@ -36,12 +37,17 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from typing import Optional, Sequence
 
 import torch
 
 EXACT_MAX_SLOTS = 16  # the exact phase runs on (layer, node) sub-problems of at most this many slots
 EXACT_BUDGET = 50_000  # and gives up after this many search nodes (the placement found so far stands)
+# The placement in use (refined by swaps) stays unless a new one's heaviest rank is lighter by more than this
+# fraction: a fresh greedy placement differs in most slots, and from one window to the next of the same
+# router it is often only 0.1% lighter (benchmarks/eplb_bench.py).
+KEEP_MARGIN = 0.01
 
 
 def check_layout(num_experts: int, num_replicas: int, num_groups: int, num_nodes: int, num_ranks: int) -> None:
@@ -216,38 +222,65 @@ def _improve(load: Sequence[float], ranks: list, max_rounds: int = 10_000) -> li
 
 
 def place(load: Sequence[float], num_slots: int, num_ranks: int, seed: Optional[list] = None,
-          budget: int = EXACT_BUDGET):
+          keep_margin: float = KEEP_MARGIN, budget: int = EXACT_BUDGET):
     """Experts of one (layer, node) onto ``num_ranks`` ranks of ``num_slots / num_ranks`` slots. Candidates: the
-    greedy placement and ``seed`` (the placement in use, experts per rank), each improved by swaps; then the
-    exact search when it is small. Returns (experts in each rank's slots, whether it is proven optimal). The
-    seed stays as it is unless another candidate's heaviest rank is lighter (no weights move for nothing)."""
-    candidates = [_improve(load, _greedy(load, num_slots, num_ranks))]
-    if seed is not None:  # first: the seed as it is, kept unless the heaviest rank gets lighter
-        candidates[:0] = [[list(r) for r in seed], _improve(load, [list(r) for r in seed])]
-    ranks = min(candidates, key=lambda r: _max_rank(load, r))  # min keeps the first of equals
+    greedy placement, improved by swaps, and ``seed`` (the placement in use, experts per rank) as it is or
+    improved by swaps (a few slots move), the greedy winning only when its heaviest rank is lighter by more
+    than ``keep_margin`` (a fraction); then the exact search when it is small. Returns (experts in each rank's
+    slots, whether it is proven optimal)."""
+    ranks = _improve(load, _greedy(load, num_slots, num_ranks))
+    if seed is not None:
+        kept = min([[list(r) for r in seed], _improve(load, [list(r) for r in seed])],
+                   key=lambda r: _max_rank(load, r))  # min keeps the first of equals: the seed as it is
+        if _max_rank(load, ranks) >= _max_rank(load, kept) * (1 - keep_margin):
+            ranks = kept
     better, exact = _search(load, num_slots, num_ranks, _max_rank(load, ranks), budget)
     return (better or ranks), exact
 
 
+def _groups_on_nodes(current: list, group_size: int, num_groups: int, num_nodes: int) -> Optional[list]:
+    """The node of each group in ``current`` when it keeps every group on one node, num_groups / num_nodes
+    groups on each (a placement of the hierarchical policy); else None."""
+    per_node, node_of = len(current) // num_nodes, [None] * num_groups
+    for p, e in enumerate(current):
+        if node_of[e // group_size] not in (None, p // per_node):
+            return None
+        node_of[e // group_size] = p // per_node
+    if None in node_of or any(node_of.count(n) != num_groups // num_nodes for n in range(num_nodes)):
+        return None
+    return node_of
+
+
 def _layer(load: list, num_replicas: int, num_groups: int, num_nodes: int, num_ranks: int,
-           current: Optional[list] = None):
+           current: Optional[list] = None, keep_margin: float = KEEP_MARGIN):
     """One layer's phy2log (list) and whether it is proven optimal. Global policy (``num_nodes`` 1): all
-    experts onto all ranks, refining ``current`` too. Hierarchical: groups onto nodes, then each node's experts
-    onto its ranks (``current`` unused: it need not keep groups on nodes)."""
+    experts onto all ranks. Hierarchical: groups onto nodes, then each node's experts onto its ranks. Either
+    way ``current`` is a candidate where it fits the policy (hierarchical: it keeps every group on one node,
+    and its busiest node is within ``keep_margin`` of the new packing's)."""
     per_rank = num_replicas // num_ranks
+    current_ranks = None if current is None else [current[r:r + per_rank] for r in range(0, num_replicas, per_rank)]
     if num_nodes == 1:
-        seed = None if current is None else [current[r * per_rank:(r + 1) * per_rank] for r in range(num_ranks)]
-        ranks, exact = place(load, num_replicas, num_ranks, seed)
+        ranks, exact = place(load, num_replicas, num_ranks, current_ranks, keep_margin)
         return [e for r in ranks for e in r], exact
     E = len(load)
     group_size = E // num_groups
     group_load = [sum(load[g * group_size:(g + 1) * group_size]) for g in range(num_groups)]
     node_of = pack(group_load, num_nodes)
+    kept = None if current is None else _groups_on_nodes(current, group_size, num_groups, num_nodes)
+
+    def busiest(nodes: list) -> float:
+        return max(sum(w for w, n in zip(group_load, nodes) if n == node) for node in range(num_nodes))
+
+    seeded = kept is not None and busiest(kept) * (1 - keep_margin) <= busiest(node_of)
+    node_of = kept if seeded else node_of
     slots_per_node, ranks_per_node = num_replicas // num_nodes, num_ranks // num_nodes
     phy2log, exact = [], True
     for n in range(num_nodes):
         experts = [e for g in range(num_groups) if node_of[g] == n for e in range(g * group_size, (g + 1) * group_size)]
-        ranks, ok = place([load[e] for e in experts], slots_per_node, ranks_per_node)
+        local = {e: i for i, e in enumerate(experts)}
+        seed = [[local[e] for e in r] for r in current_ranks[n * ranks_per_node:(n + 1) * ranks_per_node]] \
+            if seeded else None
+        ranks, ok = place([load[e] for e in experts], slots_per_node, ranks_per_node, seed, keep_margin)
         exact &= ok
         for r in ranks:
             phy2log.extend(experts[i] for i in r)
@@ -280,15 +313,17 @@ def tables(phy2log: torch.Tensor, num_experts: int):
 
 
 def rebalance_experts(load, num_replicas: int, num_groups: int, num_nodes: int, num_ranks: int,
-                      current=None):
+                      current=None, keep_margin: float = KEEP_MARGIN):
     """The placement for ``load`` [L, E] (tokens per logical expert, per MoE layer; [E] is one layer).
     ``current``: the phy2log [L, P] in use (default: ``default_placement``); under the global policy the new
-    placement's heaviest rank is never heavier than its. Either way a slot whose rank keeps its expert keeps
-    it (fewer weights to move).
+    placement's heaviest rank is never heavier than its (under the hierarchical one, when ``current`` keeps
+    every group on one node and its busiest node is no busier than the new packing's), and the new placement
+    replaces it only where its heaviest rank is lighter by more than ``keep_margin`` (swaps aside). Either way nodes, ranks and slots are matched to
+    ``current`` (without changing any rank's load) so that fewer weights move.
 
     Returns (phy2log [L, P], log2phy [L, E, max replicas] (-1 padded), logcnt [L, E]), int64 on the CPU.
     """
-    phy2log, _ = _rebalance(load, num_replicas, num_groups, num_nodes, num_ranks, current)
+    phy2log, _ = _rebalance(load, num_replicas, num_groups, num_nodes, num_ranks, current, keep_margin)
     return (phy2log, *tables(phy2log, _as_load(load).shape[1]))
 
 
@@ -303,7 +338,37 @@ def _align(new: list, old: list) -> list:
     return [next(fill) if e is None else e for e in out]
 
 
-def _rebalance(load, num_replicas, num_groups, num_nodes, num_ranks, current):
+def _match(new: list, old: list, size: int) -> list:
+    """``new`` with its blocks of ``size`` slots (ranks, or nodes) permuted so that each lands where ``old`` has
+    the most of its experts: pairs of blocks by decreasing overlap, greedily (ties: lower indices)."""
+    n = len(new) // size
+    blocks = [Counter(new[i * size:(i + 1) * size]) for i in range(n)]
+    olds = [Counter(old[j * size:(j + 1) * size]) for j in range(n)]
+    pairs = sorted(((-sum((blocks[i] & olds[j]).values()), i, j) for i in range(n) for j in range(n)))
+    to, taken = {}, set()
+    for _, i, j in pairs:
+        if i not in to and j not in taken:
+            to[i] = j
+            taken.add(j)
+    out = [None] * len(new)
+    for i, j in to.items():
+        out[j * size:(j + 1) * size] = new[i * size:(i + 1) * size]
+    return out
+
+
+def _in_place(new: list, old: list, per_node: int, per_rank: int) -> list:
+    """``new`` rearranged without changing any rank's load or any group's node: nodes, then the ranks within
+    each node, then the slots within each rank, matched to ``old`` so that fewer weights move."""
+    new = _match(new, old, per_node)
+    out = []
+    for n in range(0, len(new), per_node):
+        node = _match(new[n:n + per_node], old[n:n + per_node], per_rank)
+        out += [e for r in range(0, per_node, per_rank)
+                for e in _align(node[r:r + per_rank], old[n + r:n + r + per_rank])]
+    return out
+
+
+def _rebalance(load, num_replicas, num_groups, num_nodes, num_ranks, current, keep_margin=KEEP_MARGIN):
     """(phy2log [L, P], whether every layer is proven optimal)."""
     load = _as_load(load)
     L, E = load.shape
@@ -319,9 +384,8 @@ def _rebalance(load, num_replicas, num_groups, num_nodes, num_ranks, current):
     per_rank, rows, exact = num_replicas // num_ranks, [], True
     for layer in range(L):
         old = current[layer].tolist()
-        new, ok = _layer(load[layer].tolist(), num_replicas, groups, nodes, num_ranks, old)
-        rows.append([e for r in range(0, num_replicas, per_rank)
-                     for e in _align(new[r:r + per_rank], old[r:r + per_rank])])
+        new, ok = _layer(load[layer].tolist(), num_replicas, groups, nodes, num_ranks, old, keep_margin)
+        rows.append(_in_place(new, old, num_replicas // nodes, per_rank))
         exact &= ok
     return torch.tensor(rows, dtype=torch.long), exact
 
