@@ -104,7 +104,7 @@ def _mismatching_rows(f, x) -> int:
 @pytest.mark.parametrize("name,D", [("linear", 256), ("sigmoid", 20), ("softplus", 8)])
 def test_without_the_override_rows_depend_on_the_batch(name, D):
     """Negative control: the same check fails with torch's own kernels (so the one above can fail)."""
-    x = torch.randn(300, D, generator=torch.Generator().manual_seed(0)) * 3
+    x = torch.randn(120, D, generator=torch.Generator().manual_seed(0)) * 3
     f = BLOCKS[name] if name != "linear" else (lambda x: F.linear(x, _w(256, 384, x.dtype)))
     with threads(2):
         assert _mismatching_rows(f, x) > 0
@@ -273,7 +273,7 @@ def test_deterministic_recipe_is_batch_invariant_float32(demo_float32):
 
 
 def test_deterministic_recipe_is_batch_invariant_bfloat16():
-    results = _check_guarantee("deterministic", "bfloat16", others=((63,), (5,)))
+    results = _check_guarantee("deterministic", "bfloat16", others=((47,), (4,)))
     assert _differing(results) == [], "the target's output changed with its batch"
 
 

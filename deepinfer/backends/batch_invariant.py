@@ -127,11 +127,17 @@ def _unary(op, op_out):
             return op_out(x, *args, **kwargs, out=torch.empty(0, dtype=dtype, device=x.device))
         n = x.numel()
         total = -(-n // PAD) * PAD
-        buf = x.new_zeros(total)
-        buf[:n] = x.reshape(-1)
+        if total == n and x.is_contiguous():  # whole vectors already: no copy
+            buf = x.view(-1)
+        else:
+            buf = x.new_zeros(total)
+            buf[:n] = x.reshape(-1)
         res = torch.empty(total, dtype=x.dtype, device=x.device)
-        for lo in range(0, total, PIECE):
-            op_out(buf[lo:lo + PIECE], *args, **kwargs, out=res[lo:lo + PIECE])
+        if total <= PIECE:
+            op_out(buf, *args, **kwargs, out=res)
+        else:
+            for lo in range(0, total, PIECE):
+                op_out(buf[lo:lo + PIECE], *args, **kwargs, out=res[lo:lo + PIECE])
         return res[:n].view(x.shape)
 
     return impl
