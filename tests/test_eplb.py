@@ -23,6 +23,7 @@ from hypothesis import given, settings, strategies as st
 from deepinfer import LLM, SamplingParams
 from deepinfer.backends.reference.ops import ReferenceOps
 from deepinfer.models.moe import MoEBlock
+from deepinfer.models.quant import FP8, quantize_fp8_block, store_experts_fp8
 from deepinfer.parallel import eplb
 from deepinfer.parallel.placement import EplbConfig, ExpertPlacement
 from deepinfer.testing.models import build_tiny_hf_model
@@ -237,6 +238,27 @@ def test_moved_slots_hold_their_experts_weights():
     for p, e in enumerate(new):
         assert torch.equal(block.w13[p], logical[0][e]) and torch.equal(block.w2[p], logical[1][e])
     assert torch.equal(block.checkpoint_tensors()["experts.0.down_proj.weight"], logical[1][0])
+
+
+def test_fp8_experts_move_with_their_block_scales():
+    block = MoEBlock(16, 128, 4, 2, ReferenceOps("cpu"), layer=0)  # an expert width of 128: servable as FP8
+    g = torch.Generator().manual_seed(3)
+    for p in block.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.5
+    assert store_experts_fp8(block, (128, 128)) == [""]
+    for name in ("w13", "w2"):
+        w, scale = getattr(block, name), getattr(block, name + "_scale_inv")
+        for e in range(4):  # per-expert scales that differ: a slot moved without its scale would be wrong
+            q, s = quantize_fp8_block(torch.randn(w.shape[1:], generator=g) * (e + 1))
+            w.data[e], scale.data[e] = q, s
+    block.requires_grad_(False)
+    x = torch.randn(9, 16, generator=g)
+    want = block(x)
+    place = ExpertPlacement([0, 1, 2, 3, 3, 0], 4, "cpu")
+    place.attach(block)
+    assert block.w13.dtype == FP8 and block.w2_scale_inv.shape[0] == 6
+    place.move(block, [3, 2, 1, 0, 3, 3])
+    torch.testing.assert_close(block(x), want, rtol=1e-4, atol=1e-4)  # other matmul sizes: rounding only
 
 
 # ------------------------------------------------------------------------------------------ serving
