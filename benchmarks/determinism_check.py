@@ -94,6 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if cuda else "cpu")
     ap.add_argument("--dtype", default="bfloat16" if cuda else "float32")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kv-gb", type=float, default=30.0, help="CUDA: the engine's KV cache (one engine at a time)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=150.0, help="per recipe")
     ap.add_argument("--out", default="determinism_check.jsonl")
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     sizes = [b for b in (1, 8, 32, 64, 128) if b < args.max_num_seqs] + [args.max_num_seqs]  # graph sizes
     bargs = argparse.Namespace(batches=sizes, in_len=max(args.max_prompt, args.target_len),
                                out_len=max(args.max_tokens, args.target_tokens), device=args.device,
-                               dtype=args.dtype, threads=args.threads)
+                               dtype=args.dtype, threads=args.threads, kv_gb=args.kv_gb)
     cfg, name = determinism_bench.shape_config(args.shape, bargs.in_len + bargs.out_len + 16)
     rows = []
     with tempfile.TemporaryDirectory(prefix="deepinfer-det-check-") as d:

@@ -132,15 +132,15 @@ report = {}
 mm_ints = "M N K s_ab s_am s_ak s_bb s_bk s_bn s_cb s_cm s_cn s_xb s_xm s_xn"
 for dt, name in (("bf16", "bfloat16"), ("fp32", "float32")):
     import torch
-    cfg = tbi.MM_CONFIG[getattr(torch, name)]
     p = "*" + dt
-    for bias in (False, True):
+    for (N, bias) in ((4096, False), (16384, False), (4096, True)):
+        cfg = tbi.mm_config(getattr(torch, name), N)
         k = compile_sm90(tbi._mm_kernel, dict(a_ptr=p, b_ptr=p, c_ptr=p, bias_ptr=p, alpha="fp32", beta="fp32",
                                               **{n: "i32" for n in mm_ints.split()}),
                          dict(HAS_BIAS=bias, SCALED=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                               BLOCK_K=cfg["BLOCK_K"], PRECISION="ieee" if dt == "fp32" else "tf32", K_I=0),
                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        report[f"mm_{dt}_{bias}"] = k.n_spills if hasattr(k, "n_spills") else 0
+        report[f"mm_{dt}_{N}_{bias}"] = cfg["BLOCK_N"]
     k = compile_sm90(tbi._row_sum_kernel, dict(x_ptr=p, out_ptr=p, N="i32", s_x="i32", scale="fp32"),
                      dict(BLOCK=tbi.ROW_BLOCK, N_I=0), num_warps=4)
     report[f"sum_{dt}"] = 0
@@ -157,4 +157,5 @@ def test_kernels_compile_for_hopper():
     from deepinfer.testing.kernels import run_compile_script
 
     report = run_compile_script(_COMPILE_SCRIPT)
-    assert len(report) == 2 * (2 + 1 + 2)
+    assert len(report) == 2 * (3 + 1 + 2)
+    assert report["mm_bf16_4096_False"] == 64 and report["mm_bf16_16384_False"] == 128

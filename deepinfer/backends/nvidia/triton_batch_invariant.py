@@ -1,9 +1,10 @@
 """Batch-invariant CUDA kernels in Triton: the aten overrides ``batch_invariant("cuda")`` installs.
 
 - ``matmul``: C = alpha * A @ B (+ beta * bias), batched or not, one program per (BLOCK_M x BLOCK_N) output
-  tile walking the whole K in BLOCK_K steps from 0 (no split-K, no stream-K). The tile config depends on
-  nothing but the dtype, so every row of A meets the same sequence of tl.dot calls whatever M is (cuBLAS
-  picks its kernel, split-K included, from M). Float32 uses the "ieee" dot (no TF32).
+  tile walking the whole K in BLOCK_K steps from 0 (no split-K, no stream-K). The tile config depends on the
+  dtype and N only (N is a weight's width, the same in every call of a layer), never on M, so every row of A
+  meets the same sequence of tl.dot calls whatever M is (cuBLAS picks its kernel, split-K included, from M).
+  Float32 uses the "ieee" dot (no TF32).
 - ``row_sum`` / ``row_mean`` (aten sum.dim_IntList, mean.dim) and ``softmax`` / ``log_softmax``: one program
   per row, the row walked in BLOCK-wide chunks from its start, per-lane float32 accumulation, then one
   tree reduction of the BLOCK lanes: the order depends on the row's length only (torch's reductions split a
@@ -26,10 +27,12 @@ from .triton_norm import cast_rne, to_f32  # noqa: F401  (cast_rne: the stores' 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# One tile config per dtype, never derived from M (nor from N or K: one config, whatever the weights' shape).
+# The tile config: from the dtype and N (a weight's shape, the same in every call of a layer), never from M.
+# BLOCK_N 64 below N = 8192 so that a decode step's narrower projections still spread over the SMs.
 MM_CONFIG = {torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
-             torch.bfloat16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
-             torch.float16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)}
+             torch.bfloat16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+             torch.float16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)}
+WIDE_N = 8192
 INTERP_MM = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1)
 ROW_BLOCK = 16 if INTERPRET else 1024  # lanes of the row kernels
 
@@ -72,6 +75,13 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
              cast_rne(acc, c_ptr.dtype.element_ty), mask=cmask)
 
 
+def mm_config(dtype: torch.dtype, N: int) -> dict:
+    cfg = dict(MM_CONFIG[dtype])
+    if N < WIDE_N:
+        cfg["BLOCK_N"] = 64
+    return cfg
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, alpha=1.0, beta=1.0) -> torch.Tensor:
     """a [M, K] @ b [K, N] or a [B, M, K] @ b [B, K, N] (any strides), times alpha, plus beta * bias
     (broadcastable to the output), in a's dtype (a and b share it)."""
@@ -83,7 +93,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, alpha=1.0, beta=1.0) -> 
     if out.numel():
         has_bias = bias is not None and beta != 0
         x = bias.expand(nb, M, N) if has_bias else out  # broadcast by strides (0 along expanded dims)
-        cfg = INTERP_MM if INTERPRET else MM_CONFIG[a.dtype]
+        cfg = INTERP_MM if INTERPRET else mm_config(a.dtype, N)
         grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), nb)
         _mm_kernel[grid](A, Bm, out, x, M, N, K, *A.stride(), *Bm.stride(), *out.stride(), *x.stride(),
                          float(alpha), float(beta), HAS_BIAS=has_bias, SCALED=alpha != 1,
