@@ -267,11 +267,25 @@ ARCHS = ["mixtral", "qwen3-moe", "deepseek_v3"]
 PROMPTS = [[7, 11, 13, 17, 19], [23, 29, 31, 37, 41, 43, 47, 53], [59, 61]]
 
 
+_CKPTS: dict = {}
+
+
+def _ckpt(name: str, factory) -> tuple:
+    if name not in _CKPTS:
+        path = factory.mktemp(name)
+        build_tiny_hf_model(path, name, init_range=0.3)
+        _CKPTS[name] = name, str(path)
+    return _CKPTS[name]
+
+
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    build_tiny_hf_model(path, request.param, init_range=0.3)
-    return request.param, str(path)
+    return _ckpt(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return _ckpt("mixtral", tmp_path_factory)
 
 
 def _greedy(path: str, **kw):
@@ -315,10 +329,8 @@ def test_bad_eplb_config_names_the_value(cfg, match):
         EplbConfig.from_dict(cfg)
 
 
-def test_bad_layout_for_the_model_names_the_value(tiny):
-    name, path = tiny
-    if name != "mixtral":
-        pytest.skip("one model is enough")
+def test_bad_layout_for_the_model_names_the_value(mixtral):
+    _, path = mixtral
     with pytest.raises(ValueError, match="num_replicas=9 physical slots do not divide over num_ranks=2"):
         LLM(model=path, num_kv_blocks=8, enable_eplb=True, eplb_config={"num_redundant_experts": 1, "num_ranks": 2})
     with pytest.raises(ValueError, match="enable_eplb=False"):
