@@ -42,7 +42,7 @@ def _i(n: int) -> int:
     return int(n) if INTERPRET else 0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M (Triton would specialise M == 1, M % 16)
 def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_xb, s_xm, s_xn, alpha, beta,
                HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
