@@ -14,8 +14,9 @@ pushed out of the pool by an allocation of every free block (the engine's evicti
 ``fetch_ms`` is the lookup's time (hashing the prompt, finding the entries, copying them into the pool's
 blocks), the median of ``--repeats`` lookups (``fetch_min_ms`` the fastest, ``fetch_cpu_ms`` the median
 process CPU time, which a busy shared machine inflates less than wall time; torch runs one thread);
-``entries_read`` the tier entries one lookup reads (host entries or disk files); between two, the blocks are evicted again (already stored:
-nothing new written). ``hash_ms``: hashing the prompt's blocks alone, the fastest of five.
+``entries_read`` the tier entries one lookup reads (host entries or disk files); between two, the blocks are
+evicted again (already stored: nothing new written). ``hash_ms``: hashing the prompt's blocks alone, the
+fastest of five.
 """
 
 from __future__ import annotations

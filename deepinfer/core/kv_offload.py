@@ -107,8 +107,12 @@ class BlockMover:
         blocks = [b for run in runs for _, b, _ in run]
         cuda = self.device.type == "cuda"
         payloads = [{} for _ in runs]
+        index = {}
         for name, t, dim, rows in self.views:
-            src = t.movedim(dim, 0).index_select(0, self._index(blocks, rows, t.device))  # [blocks*rows, ...]
+            idx = index.get((rows, t.device))
+            if idx is None:
+                idx = index[rows, t.device] = self._index(blocks, rows, t.device)
+            src = t.movedim(dim, 0).index_select(0, idx)  # [blocks*rows, ...]
             dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda)
             dst.copy_(src, non_blocking=cuda)
             dst = dst.view(len(blocks), *self._block_shapes[name])
@@ -167,10 +171,15 @@ class BlockMover:
             run = self.find(hashes[i])
             if run is None:
                 break
-            pos, n = run.position, 1
-            while pos + n < len(run.members) and i + n < len(hashes) and run.members[pos + n] == hashes[i + n] \
-                    and not (stop is not None and stop(hashes[i + n])):
-                n += 1
+            pos = run.position
+            k = min(len(run.members) - pos, len(hashes) - i)
+            want = hashes[i:i + k]
+            if run.members[pos:pos + k] == tuple(want) and not (stop is not None and any(map(stop, want))):
+                n = k  # the common case: the run matches to its end or to the last hash asked for
+            else:
+                n = 1
+                while n < k and run.members[pos + n] == want[n] and not (stop is not None and stop(want[n])):
+                    n += 1
             pieces.append((run.payload, pos, n))
             i += n
         return pieces
@@ -190,8 +199,12 @@ class BlockMover:
         if left:
             raise ValueError(f"load: {len(blocks)} blocks but the pieces hold {len(blocks) - left}")
         cuda = self.device.type == "cuda"
+        index = {}
         for name, t, dim, rows in self.views:
-            dst, idx = t.movedim(dim, 0), self._index(blocks, rows, t.device)
+            idx = index.get((rows, t.device))
+            if idx is None:
+                idx = index[rows, t.device] = self._index(blocks, rows, t.device)
+            dst = t.movedim(dim, 0)
             parts = [p[name][s:s + n].flatten(0, 1) for p, s, n in cut]  # [n*rows, ...] each
             if not cuda:
                 at = 0

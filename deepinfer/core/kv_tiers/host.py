@@ -2,10 +2,11 @@
 
 An entry is a plain payload or a run of blocks (payload.py); the tier indexes every member of a run, so
 ``find`` answers a lookup that starts at any block of it, and capacity, LRU order and eviction count whole
-entries: dropping a run drops all its members. Payloads live in pinned memory when CUDA is available (so the device tier copies them back asynchronously) and
-as the given CPU tensors otherwise. An entry may carry a time to live (CED's encoder SWA KV is kept for
-minutes); an expired entry is never returned and its memory is given back at the next put or get. Time comes
-from an injected clock (time.monotonic by default), so tests move it by hand. All methods are thread-safe.
+entries: dropping a run drops all its members. Payloads live in pinned memory when CUDA is available (so the
+device tier copies them back asynchronously) and as the given CPU tensors otherwise. An entry may carry a time
+to live (CED's encoder SWA KV is kept for minutes); an expired entry is never returned and its memory is given
+back at the next put or get. Time comes from an injected clock (time.monotonic by default), so tests move it
+by hand. All methods are thread-safe.
 """
 
 from __future__ import annotations
