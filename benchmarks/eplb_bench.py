@@ -23,6 +23,11 @@ a router whose logits are N(0, 1) plus ``--bias`` x 10 on the hot experts) at th
 the steady state: a second sample of the same router, its balancedness under the first placement (held out)
 and after rebalancing from it, with the slots that move, at the default keep_margin and at 0.
 
+Block part (``--block``, on by default): what the replica routing costs where the experts do real work: one
+MoEBlock of the moe_bench shape (d=1024, 64 experts, top-8, F=256, float32, routed, reference backend) with
+and without a placement of 8 redundant slots, at 8, 64 and 256 tokens; outputs checked to agree first, then
+``--block-repeats`` rounds alternating the two; the ratio is the median of the per-round ratios.
+
 Writes JSONL rows with every setting and prints a table.
 """
 
@@ -38,7 +43,10 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.bench import append_jsonl, engine_settings, machine_info
+from deepinfer.backends.reference.ops import ReferenceOps
+from deepinfer.models.moe import MoEBlock
 from deepinfer.parallel import eplb
+from deepinfer.parallel.placement import ExpertPlacement
 from deepinfer.testing.models import build_tiny_hf_model
 
 EXPERT_KEYS = {"qwen3-moe": ("num_experts", "num_experts_per_tok"),
@@ -179,6 +187,43 @@ def policy_rows(args) -> list:
     return rows
 
 
+def block_rows(args) -> list:
+    d, E, k, F, redundant = 1024, 64, 8, 256, 8
+    g = torch.Generator().manual_seed(args.seed)
+    plain = MoEBlock(d, F, E, k, ReferenceOps("cpu"), layer=0)
+    for p in plain.parameters():
+        p.data = torch.randn(p.shape, generator=g) * d ** -0.5
+    plain.requires_grad_(False)
+    placed = MoEBlock(d, F, E, k, ReferenceOps("cpu"), layer=0).requires_grad_(False)
+    placed.load_state_dict(plain.state_dict())
+    ExpertPlacement(eplb.default_placement(1, E, E + redundant)[0].tolist(), E, "cpu").attach(placed)
+    rows = []
+    for T in (8, 64, 256):
+        x = torch.randn(T, d, generator=g)
+        with torch.no_grad():
+            a, b = plain(x), placed(x)
+        err = float((a - b).abs().max() / a.abs().max())
+        if err > 1e-4:
+            raise SystemExit(f"the block on slots disagrees at T={T}: max relative difference {err:.2e}")
+        ratios, t_plain, t_placed = [], [], []
+        for r in range(args.block_repeats):
+            pair = {}
+            for name, blk in (("plain", plain), ("placed", placed))[::(-1 if r % 2 else 1)]:
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    blk(x)
+                pair[name] = time.perf_counter() - t0
+            ratios.append(pair["placed"] / pair["plain"])
+            t_plain.append(pair["plain"])
+            t_placed.append(pair["placed"])
+        rows.append({"bench": "eplb_block", "hidden": d, "experts": E, "top_k": k, "expert_size": F,
+                     "num_redundant_experts": redundant, "tokens": T, "dtype": "float32", "backend": "reference",
+                     "repeats": args.block_repeats, "ms_plain": 1e3 * statistics.median(t_plain),
+                     "ms_placed": 1e3 * statistics.median(t_placed), "placed_over_plain": statistics.median(ratios),
+                     "max_rel_diff": err, **machine_info()})
+    return rows
+
+
 def table(rows: list) -> str:
     out = []
     eng = [r for r in rows if r["bench"] == "eplb_engine"]
@@ -202,12 +247,20 @@ def table(rows: list) -> str:
                        f"{r['policy_s']:.2f} | {r['moved_first']:.0%} | {r['again_held_out']:.3f} -> "
                        f"**{r['again']:.3f}** | {r['moved_again']:.0%} | {r['again_margin0']:.3f} | "
                        f"{r['moved_again_margin0']:.0%} |")
+    blk = [r for r in rows if r["bench"] == "eplb_block"]
+    if blk:
+        out += ["", "| MoEBlock | tokens | plain ms | on slots ms | on slots / plain |", "|---|---:|---:|---:|---:|"]
+        for r in blk:
+            out.append(f"| d={r['hidden']}, E={r['experts']}+{r['num_redundant_experts']}, top-{r['top_k']}, "
+                       f"F={r['expert_size']} | {r['tokens']} | {r['ms_plain']:.2f} | {r['ms_placed']:.2f} | "
+                       f"**{r['placed_over_plain']:.3f}x** |")
     return "\n".join(out)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", nargs="+", default=["qwen3-moe", "deepseek_v3"], choices=sorted(EXPERT_KEYS))
+    ap.add_argument("--arch", nargs="*", default=["qwen3-moe", "deepseek_v3"], choices=sorted(EXPERT_KEYS),
+                    help="tiny models of the engine part (none: skip it)")
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--layouts", type=layout, nargs="+", default=[(4, 1, 0), (4, 1, 4), (8, 1, 8), (8, 2, 8)],
@@ -222,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--real-shapes", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--synthetic-tokens", type=int, default=4096, help="tokens per layer of the synthetic load")
+    ap.add_argument("--block", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--block-repeats", type=int, default=9)
     ap.add_argument("--out", default="eplb_bench.jsonl")
     args = ap.parse_args(argv)
     if args.threads:
@@ -237,6 +292,8 @@ def main(argv=None) -> int:
             rows += engine_rows(args, arch, d, overrides["num_hidden_layers"])
     if args.real_shapes:
         rows += policy_rows(args)
+    if args.block:
+        rows += block_rows(args)
     append_jsonl(args.out, rows)
     print(table(rows))
     print(f"\n{len(rows)} rows appended to {args.out}")
