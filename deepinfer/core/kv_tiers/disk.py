@@ -165,7 +165,10 @@ class DiskTier:
         for k in dict.fromkeys(keys):
             if k is not None:
                 path = self._files.path(k)
-                alive[k] = path.is_file()
+                try:
+                    alive[k] = path.is_file()
+                except OSError:  # unreadable: store the blocks again (a failing write turns the tier off)
+                    alive[k] = False
                 if alive[k]:
                     self._files.stamp(path)
         return [k is not None and alive[k] for k in keys]
