@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -333,5 +334,16 @@ def test_bad_layout_for_the_model_names_the_value(mixtral):
     _, path = mixtral
     with pytest.raises(ValueError, match="num_replicas=9 physical slots do not divide over num_ranks=2"):
         LLM(model=path, num_kv_blocks=8, enable_eplb=True, eplb_config={"num_redundant_experts": 1, "num_ranks": 2})
-    with pytest.raises(ValueError, match="enable_eplb=False"):
-        LLM(model=path, num_kv_blocks=8, eplb_config={"num_ranks": 2})
+    with pytest.raises(ValueError, match=r"eplb_config\['num_ranks'\]=0 is invalid"):
+        LLM(model=path, num_kv_blocks=8, eplb_config={"num_ranks": 0})  # checked even while EPLB is off
+
+
+def test_eplb_from_a_recipe_file(mixtral, tmp_path):
+    recipe = tmp_path / "eplb.toml"
+    recipe.write_text(Path(__file__).parents[1].joinpath("recipes", "default.toml").read_text()
+                      + "\n[engine]\nenable_eplb = true\n[engine.eplb_config]\nnum_redundant_experts = 4\n"
+                        "num_ranks = 4\nstep_interval = 2\n")
+    llm = LLM(model=mixtral[1], recipe=str(recipe), num_kv_blocks=16)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    stats = llm.eplb_stats()
+    assert stats["num_physical_experts"] == 12 and stats["num_ranks"] == 4 and stats["rebalances"] >= 1

@@ -94,11 +94,9 @@ def _optional_str(inst, attribute, value):
 
 
 def _eplb_config(inst, attribute, value):
+    # Checked alone (a recipe checks each key by itself); inert unless enable_eplb, as in vLLM.
     if value is not None:
-        if not inst.enable_eplb:
-            raise ValueError(f"EngineConfig.eplb_config={value!r} is given but enable_eplb=False; pass "
-                             "enable_eplb=True to use it")
-        from ..parallel.placement import EplbConfig  # parallel/ is imported only when EPLB is asked for
+        from ..parallel.placement import EplbConfig  # parallel/ is imported only when EPLB is configured
 
         EplbConfig.from_dict(value)  # raises naming the key and the value
 
