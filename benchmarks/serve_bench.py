@@ -13,7 +13,8 @@
 
 Both engines stay loaded and the two runs alternate --repeats times (the idle one blocks, costing nothing), so a
 shared machine's drift hits both alike; the API's overhead is 1 - median(server tok/s / offline tok/s) over the
-pairs. Then the server alone at each of --rates (Poisson arrivals). On a GPU both processes hold the model:
+pairs. Each row also has the CPU seconds its engine's process spent per output token (/proc: the server process
+alone, not the client), a measure that other work on a shared machine disturbs far less than wall time. Then the server alone at each of --rates (Poisson arrivals). On a GPU both processes hold the model:
 give the KV pool a fixed size (--kv-gb) so neither profiles the other's memory. Models: ``demo`` (the bundled
 checkpoint) or a gpu_bench shape with random weights (``llama-3.1-8b``: d 4096, 32 layers, GQA 32/8, vocab 128256).
 Rows (JSONL, one per run, with ``phase``: offline | server) go to --out; a table is printed at the end.
@@ -78,17 +79,26 @@ def workload(args, tokenizer):
     return prompts, out_lens, arrival_times(args.num_prompts, math.inf, 1.0, args.seed)
 
 
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc), all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def offline(args, llm, repeat: int) -> dict:
     from deepinfer.bench import engine_settings, machine_info
     from deepinfer.bench_serving import serve, summarize
 
     prompts, out_lens, arrivals = workload(args, llm.tokenizer)
+    cpu0 = proc_cpu_s(os.getpid())
     lines, duration, steps = serve(llm.engine, prompts, out_lens, arrivals)
+    cpu = proc_cpu_s(os.getpid()) - cpu0
+    summary = summarize(lines, duration)
     return {"bench": "benchmarks/serve_bench.py", "phase": "offline", "engine": "offline", "repeat": repeat,
             "shape": args.model, **engine_settings(llm), "num_prompts": args.num_prompts, "request_rate": "inf",
             "concurrency": args.concurrency, "input_len_range": args.input_len_range,
-            "output_len_range": args.output_len_range, "seed": args.seed, "steps": steps,
-            **summarize(lines, duration), **machine_info()}
+            "output_len_range": args.output_len_range, "seed": args.seed, "steps": steps, **summary,
+            "cpu_s": cpu, "cpu_ms_per_output_token": 1000 * cpu / max(summary["output_tokens"], 1), **machine_info()}
 
 
 def serve_only(args) -> None:
@@ -131,12 +141,40 @@ def table(rows: list) -> str:
 
     cols = (("phase", "phase", "{}"), ("rate", "request_rate", "{}"), ("done", "completed", "{}"),
             ("err", "failed", "{}"), ("req/s", "request_throughput", "{:.2f}"), ("out tok/s", "output_tok_s", "{:.1f}"),
-            ("vs offline", "output_tok_s_vs_offline", "{:.3f}"), ("repeat", "repeat", "{}"), ("TTFT p50", "ttft_p50_s", "ms"),
+            ("vs offline", "output_tok_s_vs_offline", "{:.3f}"), ("repeat", "repeat", "{}"),
+            ("CPU ms/tok", "cpu_ms_per_output_token", "{:.2f}"), ("TTFT p50", "ttft_p50_s", "ms"),
             ("TTFT p95", "ttft_p95_s", "ms"), ("TTFT p99", "ttft_p99_s", "ms"), ("ITL p50", "itl_p50_s", "ms"),
             ("ITL p95", "itl_p95_s", "ms"), ("ITL p99", "itl_p99_s", "ms"), ("E2E p50", "e2e_p50_s", "ms"),
             ("E2E p95", "e2e_p95_s", "ms"), ("E2E p99", "e2e_p99_s", "ms"), ("$/M tok", "cost_per_million_output_tokens",
                                                                              "{:.3f}"))
     return format_table(rows, cols)
+
+
+def plot(rows: list, path: str) -> None:
+    """TTFT, ITL and E2E (p50/p95/p99) of the server's rows at finite rates, against the rate."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot written: matplotlib is not installed", file=sys.stderr)
+        return
+    pts = sorted((r for r in rows if r.get("phase") == "server" and r.get("request_rate") != "inf"),
+                 key=lambda r: r["request_rate"])
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for ax, metric in zip(axes, ("ttft", "itl", "e2e")):
+        for q in (50, 95, 99):
+            ax.plot([r["request_rate"] for r in pts], [1000 * r[f"{metric}_p{q}_s"] for r in pts], marker="o",
+                    label=f"p{q}")
+        ax.set_title(metric.upper())
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("ms")
+        ax.legend()
+    fig.suptitle(f"deepinfer serve, {pts[0]['model'] if pts else ''}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 def main() -> int:
@@ -159,6 +197,8 @@ def main() -> int:
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--table", default=None, metavar="FILE", help="only print the table of FILE's rows")
+    ap.add_argument("--png", default=None, metavar="FILE", help="with --table: plot the server's latency "
+                                                                  "percentiles against the request rate (matplotlib)")
     ap.add_argument("--serve-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -170,6 +210,8 @@ def main() -> int:
     if args.table:
         rows = [json.loads(x) for x in Path(args.table).read_text().splitlines() if x.strip()]
         print(table(rows))
+        if args.png:
+            plot(rows, args.png)
         return 0
     from deepinfer.bench import append_jsonl
     from deepinfer.entrypoints.bench_client import bench_serve
@@ -180,22 +222,30 @@ def main() -> int:
     llm = build(args, mdir)
     warmup(llm, workload(args, llm.tokenizer)[0], 4)
     proc, url = start_server(args, mdir)
-    rows, ratios = [], []
+    rows, ratios, cpu_ratios = [], [], []
     try:
         common = dict(num_prompts=args.num_prompts, input_len_range=args.input_len_range,
                       output_len_range=args.output_len_range, tokenizer=mdir, seed=args.seed,
                       gpu_hour_cost=args.gpu_hour_cost, echo=lambda *a: None)
 
         def server_row(rate, repeat=None):
-            row = bench_serve(url, args.model, request_rate=rate, label="server", warmups=int(repeat == 0),
+            if repeat == 0:  # the warm-up, outside the CPU count
+                bench_serve(url, args.model, request_rate=rate, num_prompts=4, output_len_range=(4, 4),
+                            **{k: v for k, v in common.items() if k not in ("num_prompts", "output_len_range")})
+            cpu0 = proc_cpu_s(proc.pid)
+            row = bench_serve(url, args.model, request_rate=rate, label="server", warmups=0,
                               max_concurrency=args.concurrency if math.isinf(rate) else None, **common)
-            return {**row, "phase": "server", "repeat": repeat, "shape": args.model, "concurrency": args.concurrency,
+            cpu = proc_cpu_s(proc.pid) - cpu0  # the server process only: the client's CPU is not the API's cost
+            return {**row, "cpu_s": cpu, "cpu_ms_per_output_token": 1000 * cpu / max(row["output_tokens"], 1),
+                    "phase": "server", "repeat": repeat, "shape": args.model, "concurrency": args.concurrency,
                     "recipe": args.recipe, "server_max_num_seqs": args.concurrency}
 
         for k in range(args.repeats):
             off, srv = offline(args, llm, k), server_row(math.inf, k)
             srv["output_tok_s_vs_offline"] = srv["output_tok_s"] / off["output_tok_s"]
+            srv["cpu_per_token_vs_offline"] = srv["cpu_ms_per_output_token"] / off["cpu_ms_per_output_token"]
             ratios.append(srv["output_tok_s_vs_offline"])
+            cpu_ratios.append(srv["cpu_per_token_vs_offline"])
             rows += [off, srv]
         for rate in args.rates:
             rows.append(server_row(rate))
@@ -203,14 +253,18 @@ def main() -> int:
         proc.terminate()
         proc.wait(60)
     ratio = sorted(ratios)[len(ratios) // 2]
+    cpu_ratio = sorted(cpu_ratios)[len(cpu_ratios) // 2]
     for r in rows:
         r.setdefault("median_server_over_offline", ratio)
+        r.setdefault("median_cpu_per_token_server_over_offline", cpu_ratio)
     if args.out:
         append_jsonl(args.out, rows)
     print(table(rows))
     print(f"API overhead at rate inf, concurrency {args.concurrency}: {100 * (1 - ratio):.1f}% of the offline "
           f"output tok/s (median server/offline ratio {ratio:.3f} over {len(ratios)} alternating pairs: "
           f"{', '.join(f'{x:.3f}' for x in ratios)})")
+    print(f"CPU time per output token, server process / offline process: median {cpu_ratio:.3f} "
+          f"({', '.join(f'{x:.3f}' for x in cpu_ratios)})")
     return 0
 
 

@@ -407,3 +407,38 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(server):
         time.sleep(0.1)
     assert gauge(server, "num_requests_running") == 0
     assert gauge(server, "kv_blocks_free") == gauge(server, "kv_blocks_total")
+
+
+# --- deepinfer bench serve, against this server ----------------------------------------------------------------
+
+def test_bench_serve_replays_the_workload_and_reports_it(server, tmp_path):
+    from deepinfer.bench_serving import draw_lengths
+    from deepinfer.entrypoints.bench_client import bench_serve, cost_per_million
+
+    out = tmp_path / "rows.jsonl"
+    row = bench_serve(server + "/v1", None, num_prompts=6, request_rate=20.0, input_len_range=(4, 12),
+                      output_len_range=(2, 5), seed=3, api_key=KEY, gpu_hour_cost=2.0, warmups=0, out=str(out),
+                      echo=lambda *a: None)
+    assert row["model"] == MODEL and row["completed"] == 6 and row["failed"] == 0
+    assert row["output_tokens"] == sum(draw_lengths(6, 2, 5, 3, "output"))  # ignore_eos: exactly what was asked
+    assert row["ttft_p50_s"] <= row["ttft_p95_s"] <= row["ttft_p99_s"] <= row["e2e_p99_s"]
+    assert row["cost_per_million_output_tokens"] == pytest.approx(2.0 * 1e6 / (row["output_tok_s"] * 3600))
+    assert json.loads(out.read_text().splitlines()[-1])["num_prompts"] == 6
+    assert cost_per_million(3.0, 1000.0) == pytest.approx(3.0 * 1e6 / 3.6e6) and cost_per_million(None, 5) is None
+    bad = bench_serve(server + "/v1", MODEL, num_prompts=2, input_len=4, output_len=2, api_key="wrong", warmups=0,
+                      echo=lambda *a: None)
+    assert bad["failed"] == 2 and "401" in bad["first_error"]
+
+
+def test_serve_command_line_checks_its_flags_before_loading(capsys):
+    from deepinfer.cli import main
+
+    assert main(["serve", "--max-body-bytes", "0"]) == 2
+    assert "--max-body-bytes=0 is invalid" in capsys.readouterr().err
+    assert main(["serve", "a", "--model", "b"]) == 2
+    assert "give the model once" in capsys.readouterr().err
+    assert main(["bench", "serve", "--num-prompts", "0"]) == 2
+    assert main(["serve", "--help"]) == 0
+    helptext = capsys.readouterr().out
+    for flag in ("--max-num-seqs", "--enable-prefix-caching", "--api-key", "--host", "--recipe", "--tool-call-parser"):
+        assert flag in helptext
