@@ -160,8 +160,16 @@ class EngineConfig:
     # half the memory of bf16, through Ops.moe_experts); "dequantize" dequantizes them at load like the dense
     # weights (the oracle of the FP8 path). See models/quant.py for the layouts kept FP8.
     fp8_experts: str = attrs.field(default="fp8", validator=_one_of("fp8_experts", ("fp8", "dequantize")))
-    tensor_parallel_size: int = attrs.field(default=1, validator=_only(
-        "tensor_parallel_size", 1, "tensor parallelism is not implemented yet; one device serves the model"))
+    # Parallel serving over torch.distributed (parallel/workers.py; README "Parallel serving"): one rank per
+    # device, tensor_parallel_size x data_parallel_size of them; the Llama family's dense layers tensor-parallel,
+    # MoE experts expert-parallel (enable_expert_parallel; exchanged by all-to-all, or one all-reduce). A
+    # collective that waits longer than distributed_timeout_s fails its step (a peer died or hangs).
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive("tensor_parallel_size"))
+    data_parallel_size: int = attrs.field(default=1, validator=_positive("data_parallel_size"))
+    enable_expert_parallel: bool = attrs.field(default=False, validator=_optional_bool)
+    expert_parallel_comm: str = attrs.field(default="alltoall", validator=_one_of(
+        "expert_parallel_comm", ("alltoall", "allreduce")))
+    distributed_timeout_s: float = attrs.field(default=300.0, validator=_positive_seconds)
     # {"method": a registered draft stage (e.g. "ngram"), "num_speculative_tokens": k, ...the drafter's own
     # arguments}; None: no speculation (core/speculative.py).
     speculative_config: Optional[dict] = attrs.field(default=None, validator=_speculative)

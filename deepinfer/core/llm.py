@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -115,8 +116,15 @@ class LLM:
                              f"quantization_config.quant_method 'fp8'); {self.model_path} is not one, and online "
                              "quantization is not implemented")
         torch_dtype = loader.torch_dtype(config.dtype, hf_config, ops.device)
-        net = loader.build_model(self.model_path, hf_config, ops, torch_dtype, ops.device, registry, load_format,
-                                 config.fp8_experts)
+        if config.tensor_parallel_size * config.data_parallel_size > 1:  # rank 0 of parallel serving (parallel/)
+            from ..parallel.workers import start_parallel
+
+            net = start_parallel(config, self.model_path, hf_config, ops, self.backend_name, torch_dtype, load_format,
+                                 registry, threads)
+            weakref.finalize(self, net.shutdown)
+        else:
+            net = loader.build_model(self.model_path, hf_config, ops, torch_dtype, ops.device, registry, load_format,
+                                     config.fp8_experts)
         net.requires_grad_(False)  # inference only: no op records an autograd graph
         for key, value in pipeline.model_settings.items():  # the recipe's slow twins, where the model has them
             if hasattr(net, key):
@@ -160,6 +168,13 @@ class LLM:
         plan = plan_kv(config, per_block, fixed, max_len, config.max_model_len is not None, profile)
         log.info("%s", plan.describe())
         return plan
+
+    def shutdown(self) -> None:
+        """Stop the parallel workers (tensor_parallel_size > 1) and leave the process group; a no-op otherwise.
+        Also runs when the LLM is garbage-collected or the interpreter exits."""
+        stop = getattr(self.engine.model, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the checkpoint's generation_config.json sampling defaults (as vLLM does)."""

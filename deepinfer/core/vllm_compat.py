@@ -12,7 +12,6 @@ from __future__ import annotations
 _LOCAL = "DeepInfer loads a local directory or the local Hugging Face cache; fetch the revision with `hf download`"
 _NO_LORA = "LoRA adapters are not supported; merge the adapter into the weights"
 _TEXT_ONLY = "DeepInfer serves text-only causal LMs"
-_ONE_DEVICE = "DeepInfer runs on one device for now"
 
 # keyword -> (values accepted as a no-op, what to use instead)
 REFUSED: dict = {
@@ -24,9 +23,10 @@ REFUSED: dict = {
     "download_dir": ((None,), _LOCAL + "; HF_HOME points at the cache"), "hf_token": ((None,), _LOCAL),
     "swap_space": ((0,), "preemption is by recompute, there is no CPU swap space"),
     "cpu_offload_gb": ((0,), "weights stay on the device; pick a smaller dtype or model"),
-    "pipeline_parallel_size": ((1,), _ONE_DEVICE), "data_parallel_size": ((1,), _ONE_DEVICE),
-    "distributed_executor_backend": ((None,), _ONE_DEVICE), "disable_custom_all_reduce": ((False, True), ""),
-    "enable_expert_parallel": ((False,), _ONE_DEVICE),
+    "pipeline_parallel_size": ((1,), "pipeline parallelism is not implemented; use tensor_parallel_size"),
+    "distributed_executor_backend": ((None, "mp"), "the engine spawns its workers (torch.multiprocessing); across "
+                                                   "machines run the script under torchrun"),
+    "disable_custom_all_reduce": ((False, True), ""),
     "enable_chunked_prefill": ((None, True), "chunked prefill is always on; max_num_batched_tokens sets the chunk "
                                              "(at least max_model_len prefills every prompt in one step)"),
     "max_num_partial_prefills": ((None, 1), "chunked prefill takes prompts in arrival order"),

@@ -1,0 +1,180 @@
+"""Expert parallelism: a MoE block's experts sharded over R ranks, tokens dispatched to them and combined back.
+
+Rank ``r`` holds experts ``[r E/R, (r+1) E/R)`` (w13, w2; its checkpoint tensors are the only expert tensors it
+reads). The block's input is the same on every rank (attention is tensor-parallel or replicated), and so is the
+router (replicated, float32). Two ways to run the experts, the same function:
+
+* ``alltoall`` (the default): rank r takes its contiguous share of the tokens, sends each (token, choice) pair
+  to the rank that holds the chosen expert (``all_to_all_single`` of the pairs' hidden rows, local expert ids and
+  routing weights), runs its experts over what it received (``Ops.moe_experts`` with one choice per row), sends
+  the weighted outputs back, sums each token's choices, and the tokens' outputs are all-gathered so every rank
+  holds the whole batch again.
+* ``allreduce`` (the fallback where all-to-all is missing or slow): every rank runs its own experts over the
+  pairs that chose them, over all tokens, and one all-reduce sums the partial outputs.
+
+Shared experts and the router stay replicated. The expert load is recorded on every rank for all tokens (the
+driver's record is the one reported).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..backends.reference import moe as ref_moe
+from ..models.moe import _FUSED_DOWN, _FUSED_GATE_UP, MoEBlock
+from .tp_layers import Slice
+
+EP_COMMS = ("alltoall", "allreduce")
+
+
+class ExpertParallelMoE(MoEBlock):
+    """A MoEBlock holding ``num_local`` experts from ``first``; set up by ``shard_experts``."""
+
+    comm: object
+    first: int
+    num_local: int
+    ep_comm: str
+
+    def _slots(self) -> dict:
+        """The checkpoint names of this rank's experts (their global numbers) and of the replicated tensors."""
+        out = {}
+        for name, (pname, idx) in MoEBlock._slots(self).items():
+            m = re.match(r"experts\.(\d+)\.", name)
+            if m is None:
+                out[name] = (pname, idx)
+            elif self.first <= int(m.group(1)) < self.first + self.num_local:
+                out[name] = (pname, (int(m.group(1)) - self.first, *idx[1:]))
+        return out
+
+    def _route(self, x):
+        logits = F.linear(x.float(), self.gate_weight.float())  # [T, E]
+        kw = dict(scoring=self.scoring, renormalize=self.renormalize, scaling=self.scaling, n_group=self.n_group,
+                  topk_group=self.topk_group, group_score=self.group_score, bias=self.e_score_correction_bias)
+        moe_route = getattr(self.ops, "moe_route", None)
+        weights, ids = (moe_route(logits, self.top_k, **kw) if moe_route is not None
+                        else ref_moe.route(logits, self.top_k, **kw))  # [T, k] float32, [T, k] int64
+        if self.expert_load is not None:
+            self.expert_load.record(self.layer, ids)
+        return weights, ids
+
+    def _experts(self, xs, local_ids, w):
+        """Rows xs [N, d], each with one local expert id [N] and weight [N] -> weighted outputs [N, d]."""
+        if xs.shape[0] == 0:
+            return xs.new_zeros(xs.shape)
+        moe_experts = getattr(self.ops, "moe_experts", None)
+        args = (xs, self.w13, self.w2, w[:, None], local_ids[:, None])
+        if moe_experts is not None:
+            return moe_experts(*args, clamp=self.clamp, impl=self.impl)
+        fn = ref_moe.experts_dense if self.impl == "dense" else ref_moe.experts_routed
+        return fn(*args, clamp=self.clamp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self._route(x)
+        out = self._alltoall(x, weights, ids) if self.ep_comm == "alltoall" else self._allreduce(x, weights, ids)
+        if self.shared_w13 is not None:
+            gate, up = F.linear(x, self.shared_w13).chunk(2, dim=-1)  # [T, Fs] each
+            shared = F.linear(F.silu(gate) * up, self.shared_w2)  # [T, d]
+            if self.shared_gate_weight is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_gate_weight)) * shared
+            out = out + shared
+        return out
+
+    def _allreduce(self, x, weights, ids):
+        T, k = ids.shape
+        flat = ids.reshape(-1)
+        mine = ((flat >= self.first) & (flat < self.first + self.num_local)).nonzero().flatten()  # [N] pair indices
+        ys = self._experts(x[mine // k], flat[mine] - self.first, weights.reshape(-1)[mine])  # [N, d]
+        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+        out.index_add_(0, mine // k, ys.float())
+        return self.comm.all_reduce(out).to(x.dtype)
+
+    def _alltoall(self, x, weights, ids):
+        comm, R = self.comm, self.comm.world_size
+        T, k = ids.shape
+        bounds = [T * r // R for r in range(R + 1)]  # rank r's tokens: [bounds[r], bounds[r + 1])
+        lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
+        flat = ids[lo:hi].reshape(-1)  # [n k] my tokens' choices
+        dest = flat // self.num_local  # [n k] the rank holding each chosen expert
+        order = torch.argsort(dest, stable=True)
+        send = torch.bincount(dest, minlength=R)  # [R]
+        counts = comm.all_to_all(send, [1] * R, [1] * R).tolist()  # [R] pairs each rank sends me
+        send = send.tolist()
+        tok = lo + order // k  # [n k] token of each sorted pair
+        xs = comm.all_to_all(x[tok], send, counts)  # [M, d]
+        meta = torch.stack([flat[order] - dest[order] * self.num_local,
+                            weights[lo:hi].reshape(-1)[order].view(torch.int32).long()], dim=1)  # [n k, 2]
+        meta = comm.all_to_all(meta, send, counts)  # [M, 2] local expert id, weight's float32 bits
+        w = meta[:, 1].to(torch.int32).view(torch.float32)
+        ys = self._experts(xs, meta[:, 0], w)  # [M, d] weighted
+        back = comm.all_to_all(ys, counts, send)  # [n k, d] in my sorted pair order
+        mine = torch.zeros(hi - lo, x.shape[1], dtype=torch.float32, device=x.device)
+        mine.index_add_(0, tok - lo, back.float())
+        return comm.all_gather_rows(mine, [bounds[r + 1] - bounds[r] for r in range(R)]).to(x.dtype)
+
+
+def shard_experts(model, comm, ep_comm: str = "alltoall") -> tuple:
+    """Turn every MoEBlock of a model on the meta device into an ExpertParallelMoE holding this rank's experts.
+    Returns (block checkpoint prefixes, the expert ranges) for the checkpoint plan (``expert_plan``)."""
+    if ep_comm not in EP_COMMS:
+        raise ValueError(f"expert-parallel communication {ep_comm!r} is invalid: expected one of {EP_COMMS}")
+    R, r = comm.world_size, comm.rank
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    prefixes = []
+    for b in blocks:
+        E = b.num_experts
+        if E % R:
+            raise ValueError(f"enable_expert_parallel: {E} experts do not divide over {R} ranks "
+                             f"(tensor_parallel_size x data_parallel_size); choose a world size that divides {E}")
+        n = E // R
+        b.__class__ = ExpertParallelMoE
+        b.comm, b.first, b.num_local, b.ep_comm = comm, r * n, n, ep_comm
+        b.w13 = nn.Parameter(torch.empty(n, *b.w13.shape[1:], device="meta", dtype=b.w13.dtype), requires_grad=False)
+        b.w2 = nn.Parameter(torch.empty(n, *b.w2.shape[1:], device="meta", dtype=b.w2.dtype), requires_grad=False)
+        prefixes.append(b.checkpoint_prefix)
+    return blocks, prefixes
+
+
+def _alias(prefix: str) -> tuple:
+    """A block's checkpoint prefix and Mixtral's other spelling of it (transformers 5 writes either)."""
+    if prefix.endswith(".block_sparse_moe"):
+        return prefix, prefix[:-len("block_sparse_moe")] + "mlp"
+    return (prefix,)
+
+
+def expert_plan(blocks: list) -> tuple:
+    """(keep(name), plan(name)) for the MoE blocks' checkpoint tensors: another rank's per-expert tensors are
+    not read; fused expert tensors ([E, ...]) are read as this rank's rows."""
+    where = {}
+    for b in blocks:
+        for p in _alias(b.checkpoint_prefix):
+            where[p + "."] = b
+
+    def block_of(name: str) -> Optional[tuple]:
+        for p, b in where.items():
+            if name.startswith(p):
+                return b, name[len(p):]
+        return None
+
+    def keep(name: str) -> bool:
+        found = block_of(name)
+        if found is None:
+            return True
+        b, local = found
+        m = re.match(r"experts\.(\d+)\.", local)
+        return m is None or b.first <= int(m.group(1)) < b.first + b.num_local
+
+    def plan(name: str) -> Optional[Slice]:
+        found = block_of(name)
+        if found is None:
+            return None
+        b, local = found
+        if local in (_FUSED_GATE_UP, _FUSED_DOWN):
+            return Slice(0, b.first, b.first + b.num_local)
+        return None
+
+    return keep, plan, tuple(where)

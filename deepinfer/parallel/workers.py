@@ -1,0 +1,509 @@
+"""Parallel serving's processes: the driver (rank 0, the user's process) and the workers (ranks 1..W-1).
+
+The design: rank 0 runs the whole engine unchanged (scheduler, every stage, sampling, detokenization). Its
+model is a ``DriverModel``: each call the engine makes on the model (allocate the KV cache, the forward, the
+logits) first sends the workers a step message over the control group (a fixed-size int64 header, then one
+int64 payload of the step's token ids and attention metadata on the compute group), then runs rank 0's own
+shard. Every worker runs the same call on its shard, so their collectives pair up. Logits are gathered on rank
+0 (vocabulary-parallel LM head) or computed there alone (a replicated head). The scheduler, sampler and
+stages never see a rank: no stage changes, one place that knows about workers.
+
+Start-up (``start_parallel``): rank 0 builds its shard on the meta device first (a layout that does not divide
+fails there, before any process starts), spawns W-1 workers (torch.multiprocessing, spawn) or, under torchrun,
+finds the other ranks already running the same script; every rank meets at a TCPStore, joins the process
+group, loads only its slices of the safetensors, and reports its status in the store; rank 0 waits for them
+while watching the worker processes, so a worker that fails at start-up is reported with its error, not a hang.
+
+Faults: a collective that fails (a peer died: gloo raises at once; NCCL after ``distributed_timeout_s``) or a
+worker process found dead before a step marks the group broken: the step's requests fail with a
+``DistributedError`` naming the rank and its exit code, the remaining workers are stopped, and every later
+step fails at once with the same message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Optional
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .dist import Comm, DistributedError, ParallelConfig, init_world, leave_world, rank_device, torchrun_env
+
+log = logging.getLogger(__name__)
+
+HEADER = 80  # int64 words of a step message's header
+FORWARD, LOGITS, ALLOC, RESERVE, STOP = 1, 2, 3, 4, 5
+# The attention metadata fields a forward needs (layout.AttnMetadata), then the token ids.
+META_TENSORS = ("positions", "slot_mapping", "seq_lens", "q_index", "q_valid", "kv_slots", "q_pos", "block_table",
+                "cu_q", "state_rows", "replay_rows", "swa_cut_rows")
+INT_DTYPES = (torch.int64, torch.int32, torch.bool)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@attrs.frozen
+class WorkerSpec:
+    """What a worker needs to build its shard (plain values: spawn pickles it)."""
+
+    model_path: str
+    hf_config: dict
+    dtype: str  # torch dtype name
+    load_format: str
+    backend: str
+    device_type: str
+    parallel: ParallelConfig
+    ep_comm: str
+    store_host: str
+    store_port: int
+    agent_store: bool  # torchrun's agent hosts the store
+    threads: Optional[int]
+
+
+# ------------------------------------------------------------------------------------------ building a shard
+
+
+def build_shard(spec: WorkerSpec, comm: Comm, ops, registry):
+    """This rank's shard of the model on the meta device: the Llama family tensor-parallel (MoE members: attention
+    tensor-parallel, experts expert-parallel), DeepSeek-V2/V3 with replicated MLA and expert-parallel experts.
+    Returns (model, keep, plan, vocab_parallel)."""
+    from ..models import loader
+    from ..models.llama import LlamaForCausalLM
+    from .expert_parallel import expert_plan, shard_experts
+    from .tp_layers import llama_plan, shard_llama
+
+    pc = spec.parallel
+    W = pc.world_size
+    path = loader.Path(spec.model_path)
+    arch = loader.architecture(path, spec.hf_config, registry.names("model"))
+    with torch.device("meta"):
+        model = registry.get("model", arch).obj(spec.hf_config, ops)
+    model = model.to(getattr(torch, spec.dtype))
+    moe = [m for m in model.modules() if type(m).__name__ == "MoEBlock"]
+    if moe and not pc.enable_expert_parallel:
+        raise ValueError(f"{arch} is a mixture-of-experts model: tensor_parallel_size={pc.tensor_parallel_size} "
+                         "needs enable_expert_parallel=True (experts sharded over the ranks; tensor-parallel "
+                         "experts are not implemented)")
+    keep_e, plan_e, moe_prefixes = (lambda n: True), (lambda n: None), ()
+    if moe:
+        blocks, _ = shard_experts(model, comm, spec.ep_comm)
+        keep_e, plan_e, moe_prefixes = expert_plan(blocks)
+    if isinstance(model, LlamaForCausalLM):
+        plan_t = llama_plan(shard_llama(model, comm, W, comm.rank), moe_prefixes)
+        vocab_parallel = True
+    elif moe:  # DeepSeek: MLA, dense MLPs, embedding and head replicated
+        plan_t, vocab_parallel = (lambda n: None), False
+    else:
+        raise ValueError(f"{arch} has no tensor-parallel implementation: parallel serving covers the Llama family "
+                         "(Llama, Mistral, Qwen2, Qwen3 and their MoE members) and DeepSeek-V2/V3 with "
+                         "enable_expert_parallel=True")
+    model.supports_cuda_graphs = False
+
+    def plan(name):
+        return plan_e(name) or plan_t(name)
+
+    return model, keep_e, plan, vocab_parallel
+
+
+def load_shard(model, spec: WorkerSpec, device, keep, plan) -> None:
+    from ..models import loader
+    from .tp_layers import iter_shard
+
+    model.to_empty(device=device)
+    if spec.load_format == "dummy":
+        loader.dummy_init_(model)
+    else:
+        model.load_weights(iter_shard(loader.Path(spec.model_path), keep, plan))
+    model.requires_grad_(False)
+    model.eval()
+
+
+# ------------------------------------------------------------------------------------------ step messages
+
+
+def _header(*words) -> torch.Tensor:
+    h = torch.zeros(HEADER, dtype=torch.long)
+    h[:len(words)] = torch.tensor(words, dtype=torch.long)
+    return h
+
+
+def pack_forward(ids, meta) -> tuple:
+    """(header, payload): the token ids and the metadata tensors as one int64 payload, their shapes in the header."""
+    words = [FORWARD, meta.block_size, meta.max_q, meta.num_decodes]
+    parts = []
+    for t in (ids, *(getattr(meta, f) for f in META_TENSORS)):
+        if t is None:
+            words += [0, 0, 0, 0, 0]
+            continue
+        if t.dim() > 2:
+            raise ValueError(f"parallel forward: metadata tensor of {t.dim()} dims")
+        shape = list(t.shape) + [1] * (2 - t.dim())
+        words += [1, INT_DTYPES.index(t.dtype), t.dim(), *shape]
+        parts.append(t.reshape(-1).long())
+    return _header(*words), torch.cat(parts)
+
+
+def unpack_forward(header: list, payload: torch.Tensor) -> tuple:
+    from ..layout import AttnMetadata
+
+    block_size, max_q, num_decodes = header[1:4]
+    tensors, off, w = [], 0, 4
+    for _ in range(1 + len(META_TENSORS)):
+        present, code, ndim, d0, d1 = header[w:w + 5]
+        w += 5
+        if not present:
+            tensors.append(None)
+            continue
+        n = d0 * d1
+        t = payload[off:off + n].to(INT_DTYPES[code]).view([d0, d1][:ndim])
+        off += n
+        tensors.append(t)
+    ids, rest = tensors[0], tensors[1:]
+    meta = AttnMetadata(**dict(zip(META_TENSORS, rest)), block_size=block_size, max_q=max_q, num_decodes=num_decodes)
+    return ids, meta
+
+
+def payload_size(header: list) -> int:
+    n, w = 0, 4
+    for _ in range(1 + len(META_TENSORS)):
+        present, _, _, d0, d1 = header[w:w + 5]
+        n += present * d0 * d1
+        w += 5
+    return n
+
+
+# ------------------------------------------------------------------------------------------ the worker
+
+
+def _rendezvous(spec: WorkerSpec, rank: int):
+    """The TCPStore every rank meets at (rank 0 hosts it unless torchrun's agent does)."""
+    is_master = rank == 0 and not spec.agent_store
+    return dist.TCPStore(spec.store_host, spec.store_port, spec.parallel.world_size, is_master=is_master,
+                         timeout=timedelta(seconds=spec.parallel.timeout_s), wait_for_workers=False)
+
+
+def _join(spec: WorkerSpec, rank: int, store, device) -> Comm:
+    pc = spec.parallel
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=dist.PrefixStore("deepinfer/pg", store), rank=rank,
+                            world_size=pc.world_size, timeout=timedelta(seconds=pc.timeout_s))
+    return init_world(rank, pc.world_size, "", device, pc.timeout_s)
+
+
+def worker_main(spec: WorkerSpec, rank: int, local_rank: Optional[int] = None) -> None:
+    """A worker's life: meet, build and load its shard, report, then run the driver's step messages until STOP."""
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(spec.threads or 1)
+    store = _rendezvous(spec, rank)
+    try:
+        from ..core.llm import choose_backend
+        from ..core.plugins import get_registry
+
+        device = rank_device(spec.device_type, rank if local_rank is None else local_rank, spec.parallel.world_size)
+        registry = get_registry()
+        ops, _ = choose_backend(registry, spec.backend, str(device))
+        store.set(f"joined/{rank}", "")
+        comm = _join(spec, rank, store, device)
+        model, keep, plan, vocab_parallel = build_shard(spec, comm, ops, registry)
+        load_shard(model, spec, device, keep, plan)
+    except BaseException as exc:  # reported to rank 0, which names it
+        store.set(f"status/{rank}", f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    store.set(f"status/{rank}", "")
+    store.wait(["go"])
+    if store.get("go") != b"ok":
+        os._exit(0)
+    try:
+        _serve(model, comm, ops, vocab_parallel)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    leave_world()
+    os._exit(0)
+
+
+def _serve(model, comm: Comm, ops, vocab_parallel: bool) -> None:
+    kv = None
+    with torch.no_grad():
+        while True:
+            h = torch.empty(HEADER, dtype=torch.long)
+            dist.broadcast(h, src=0, group=comm.control)
+            words = h.tolist()
+            op = words[0]
+            if op == STOP:
+                return
+            if op == FORWARD:
+                payload = torch.empty(payload_size(words), dtype=torch.long, device=comm.device)
+                dist.broadcast(payload, src=0)
+                ids, meta = unpack_forward(words, payload)
+                model(ids, meta, kv)
+            elif op == LOGITS:
+                n, d, code = words[1:4]
+                rows = torch.empty(n, d, dtype=FLOAT_DTYPES[code], device=comm.device)
+                dist.broadcast(rows, src=0)
+                comm.gather_cat(model.compute_logits(rows))
+            elif op == ALLOC:
+                num_slots, code, block_size, max_seqs = words[1:5]
+                kv = None  # free the old cache first
+                kv = model.allocate_kv_cache(num_slots, FLOAT_DTYPES[code], comm.device, block_size=block_size,
+                                             max_seqs=max_seqs)
+            elif op == RESERVE:
+                model.reserve_positions(words[1])
+            else:
+                raise RuntimeError(f"worker rank {comm.rank}: unknown step message {op}")
+
+
+# ------------------------------------------------------------------------------------------ the driver
+
+
+class DriverRuntime:
+    """Rank 0's side: the worker processes, the step messages, the broken state."""
+
+    def __init__(self, comm: Comm, procs: list, store):
+        self.comm, self.procs, self.store = comm, procs, store
+        self.failed: Optional[str] = None
+        self.closed = False
+
+    def dead(self) -> list:
+        return [(r, p.pid, p.exitcode) for r, p in enumerate(self.procs, start=1) if p.exitcode is not None]
+
+    def check(self) -> None:
+        if self.failed is not None:
+            raise DistributedError(self.failed)
+        dead = self.dead()
+        if dead:
+            self.fail(None)
+            raise DistributedError(self.failed)
+
+    def fail(self, exc: Optional[BaseException]) -> None:
+        """Mark the group broken (naming dead workers, else the error) and stop what is left of it."""
+        if self.failed is not None:
+            return
+        time.sleep(0.2)  # a worker whose socket just closed is about to be reaped: name it
+        dead = self.dead()
+        if dead:
+            who = "; ".join(f"worker rank {r} (pid {pid}) exited with code {c}" for r, pid, c in dead)
+            msg = f"distributed serving failed: {who}"
+        else:
+            msg = f"distributed serving failed: a collective failed ({type(exc).__name__}: {exc})"
+        self.failed = msg + ". The engine's workers are shut down; start a new LLM to serve again"
+        log.error("%s", self.failed)
+        self._stop(graceful=False)
+
+    def send(self, header: torch.Tensor) -> None:
+        dist.broadcast(header, src=0, group=self.comm.control)
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self._stop(graceful=self.failed is None)
+
+    def _stop(self, graceful: bool) -> None:
+        self.closed = True
+        if graceful:
+            try:
+                self.send(_header(STOP))
+            except Exception:
+                graceful = False
+        for p in self.procs:
+            p.join(5 if graceful else 0.5)
+            if p.exitcode is None:
+                p.terminate()
+                p.join(5)
+            if p.exitcode is None:
+                p.kill()
+        leave_world()
+
+
+class DriverModel(nn.Module):
+    """Rank 0's model: the local shard, behind calls that first tell the workers to make the same call."""
+
+    def __init__(self, inner: nn.Module, runtime: DriverRuntime, vocab_parallel: bool):
+        super().__init__()
+        self.inner = inner
+        self.runtime, self.vocab_parallel = runtime, vocab_parallel
+        self.supports_cuda_graphs = False
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
+
+    def _guarded(self, fn, *args):
+        self.runtime.check()
+        try:
+            return fn(*args)
+        except DistributedError:
+            raise
+        except Exception as exc:  # the ranks' collectives are out of step now: nothing can continue
+            self.runtime.fail(exc)
+            raise DistributedError(self.runtime.failed) from exc
+
+    def forward(self, input_ids, meta, kv_cache):
+        def run():
+            header, payload = pack_forward(input_ids, meta)
+            self.runtime.send(header)
+            dist.broadcast(payload.to(self.runtime.comm.device), src=0)
+            return self.inner(input_ids, meta, kv_cache)
+
+        return self._guarded(run)
+
+    def compute_logits(self, hidden):
+        if not self.vocab_parallel:
+            return self.inner.compute_logits(hidden)
+
+        def run():
+            rows = hidden.contiguous()
+            self.runtime.send(_header(LOGITS, rows.shape[0], rows.shape[1], FLOAT_DTYPES.index(rows.dtype)))
+            dist.broadcast(rows, src=0)
+            logits = self.runtime.comm.gather_cat(self.inner.compute_logits(rows))  # [N, W V']
+            return logits[:, :self.inner.vocab_size]
+
+        return self._guarded(run)
+
+    def allocate_kv_cache(self, num_slots, dtype, device, block_size: int = 16, max_seqs: int = 1):
+        if torch.device(device).type != "meta":  # kv sizing measures the layout on meta: rank 0's alone
+            self._guarded(self.runtime.send, _header(ALLOC, num_slots, FLOAT_DTYPES.index(dtype), block_size,
+                                                     max_seqs))
+        return self.inner.allocate_kv_cache(num_slots, dtype, device, block_size=block_size, max_seqs=max_seqs)
+
+    def reserve_positions(self, n: int) -> None:
+        self._guarded(self.runtime.send, _header(RESERVE, n))
+        self.inner.reserve_positions(n)
+
+    def shutdown(self) -> None:
+        self.runtime.shutdown()
+
+
+def check_supported(config) -> None:
+    """Engine settings parallel serving does not cover yet, refused before any process starts."""
+    pc = ParallelConfig.from_engine(config)
+    if pc.data_parallel_size != 1:
+        raise ValueError(f"data_parallel_size={pc.data_parallel_size} is not supported yet: data-parallel attention "
+                         "(each rank serving its own requests' KV) is not implemented; use tensor_parallel_size "
+                         "(with enable_expert_parallel=True for MoE models)")
+    if config.enable_eplb:
+        raise ValueError("enable_eplb with tensor_parallel_size > 1 is not supported yet: EPLB runs in one process "
+                         "over a simulated layout (eplb_config num_ranks); moving experts between ranks is not "
+                         "implemented")
+    if config.batch_invariant:
+        raise ValueError("batch_invariant with tensor_parallel_size > 1 is not supported: the all-reduce's order "
+                         "of summation is the collective library's")
+    if config.host_cache_gb > 0 or config.cache_dir or os.environ.get("DEEPINFER_CACHE_DIR"):
+        raise ValueError("the prefix cache's host and disk tiers (host_cache_gb, cache_dir, DEEPINFER_CACHE_DIR) "
+                         "are not supported with tensor_parallel_size > 1 yet: each rank's KV shard would have to "
+                         "move with its blocks")
+    if config.speculative_config is not None:
+        raise ValueError("speculative_config with tensor_parallel_size > 1 is not supported yet")
+
+
+def start_parallel(config, model_path, hf_config: dict, ops, backend: str, dtype: torch.dtype, load_format: str,
+                   registry, threads: Optional[int] = None) -> DriverModel:
+    """Rank 0's model for a parallel engine (the module docstring's start-up). Under torchrun, a rank other than 0
+    serves as a worker here and exits the process when rank 0 shuts down (the same script runs on every rank)."""
+    from .expert_parallel import EP_COMMS
+
+    check_supported(config)
+    pc = ParallelConfig.from_engine(config)
+    W = pc.world_size
+    env = torchrun_env()
+    if env is not None and env["world_size"] != W:
+        raise ValueError(f"WORLD_SIZE={env['world_size']} (the launcher's) does not match tensor_parallel_size x "
+                         f"data_parallel_size = {pc.tensor_parallel_size} x {pc.data_parallel_size} = {W}")
+    if config.expert_parallel_comm not in EP_COMMS:
+        raise ValueError(f"expert_parallel_comm={config.expert_parallel_comm!r} is invalid: expected one of {EP_COMMS}")
+    device_type = ops.device.type
+    if device_type == "cuda" and env is None and torch.cuda.device_count() < W:
+        raise ValueError(f"tensor_parallel_size x data_parallel_size = {W} ranks need {W} GPUs on this machine "
+                         f"(one per rank), but {torch.cuda.device_count()} are visible")
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"parallel serving runs on the CPU (gloo) or NVIDIA GPUs (NCCL), not {device_type!r}")
+    rank = 0 if env is None else env["rank"]
+    spec = WorkerSpec(
+        model_path=str(model_path), hf_config=dict(hf_config), dtype=str(dtype).removeprefix("torch."),
+        load_format=load_format, backend=backend, device_type=device_type, parallel=pc,
+        ep_comm=config.expert_parallel_comm,
+        store_host="127.0.0.1" if env is None else env["master_addr"],
+        store_port=_free_port() if env is None else env["master_port"],
+        agent_store=env is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        threads=threads or (int(os.environ["DEEPINFER_NUM_THREADS"]) if os.environ.get("DEEPINFER_NUM_THREADS",
+                                                                                           "").isdigit() else None))
+    if rank != 0:
+        worker_main(spec, rank, env["local_rank"])  # never returns
+    device = rank_device(device_type, 0 if env is None else env["local_rank"], W)
+    if device_type == "cuda" and ops.device != device:
+        raise ValueError(f"rank 0 runs on {device}, but the backend chose {ops.device}")
+    # Rank 0's shard on meta first: a layout that does not divide fails here, before any process starts.
+    comm = Comm(0, W, device)
+    model, keep, plan, vocab_parallel = build_shard(spec, comm, ops, registry)
+    procs = []
+    if env is None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=worker_main, args=(spec, r), daemon=True, name=f"deepinfer-rank{r}")
+                 for r in range(1, W)]
+        for p in procs:
+            p.start()
+    try:
+        store = _rendezvous(spec, 0)
+        runtime = DriverRuntime(comm, procs, store)
+        _wait_started(store, procs, W, pc.timeout_s, "joined")
+        joined = _join(spec, 0, store, device)
+        comm.control = joined.control
+        load_shard(model, spec, device, keep, plan)
+        store.set("status/0", "")
+        _wait_started(store, procs, W, pc.timeout_s, "status")
+        store.set("go", "ok")
+    except BaseException:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join(5)
+        leave_world()
+        raise
+    log.info("parallel serving: %d ranks (%s), tensor_parallel_size=%d, expert parallel %s", W,
+             "NCCL" if device_type == "cuda" else "gloo", pc.tensor_parallel_size,
+             config.expert_parallel_comm if pc.enable_expert_parallel else "off")
+    return DriverModel(model, runtime, vocab_parallel)
+
+
+def _free_port() -> int:
+    from .dist import free_port
+
+    return free_port()
+
+
+def _wait_started(store, procs: list, W: int, timeout_s: float, what: str) -> None:
+    """Wait for every worker's ``what`` key; a worker that died or reported an error is named."""
+    t0 = time.monotonic()
+    while True:
+        reports = {r: store.get(f"status/{r}").decode() for r in range(1, W) if store.check([f"status/{r}"])}
+        errors = {r: m for r, m in reports.items() if m}
+        if errors:
+            raise RuntimeError("parallel start-up failed: " + "; ".join(f"rank {r}: {m}" for r, m in
+                                                                        sorted(errors.items())))
+        dead = [(r, p.exitcode) for r, p in enumerate(procs, start=1) if p.exitcode is not None]
+        if dead:
+            raise RuntimeError("parallel start-up failed: " + "; ".join(
+                f"worker rank {r} exited with code {c} before it was ready" for r, c in dead) + " (its traceback is "
+                "on stderr; a script that starts parallel serving needs the `if __name__ == \"__main__\":` guard, "
+                "since workers are spawned and import the main module)")
+        if all(store.check([f"{what}/{r}"]) for r in range(1, W)):
+            return
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"parallel start-up failed: worker(s) not {what} after "
+                               f"{timeout_s:.0f} s (distributed_timeout_s)")
+        time.sleep(0.02)
