@@ -69,6 +69,22 @@ def test_disk_tier_survives_a_restart_and_damage_is_a_miss(tiny, tmp_path, caplo
     same(out, cold[1:2])
 
 
+def test_two_live_engines_share_a_directory(tiny, tmp_path):
+    """An engine started before another one wrote its runs finds them (from each run's first block, by file
+    name), with cold prefill's outputs; every disk entry holds a run of several blocks."""
+    cold = gen(small(tiny, enable_prefix_caching=False), PROMPTS)
+    reader = small(tiny, cache_dir=str(tmp_path))
+    writer = small(tiny, cache_dir=str(tmp_path))
+    gen(writer, PROMPTS)
+    writer.engine.pool.allocate(writer.engine.pool.num_free)  # everything cached goes to the disk
+    writer.engine.prefix_cache.mover.flush(wait=True)
+    stats = writer.cache_stats()
+    assert stats["runs_saved_to_tiers"] < stats["blocks_saved_to_tiers"]
+    out = gen(reader, PROMPTS[:3])
+    assert [o.num_cached_tokens for o in out] == [36, 36, 36]
+    same(out, cold[:3])
+
+
 def test_another_model_never_reads_the_entries(tiny, tmp_path, tmp_path_factory):
     other = tmp_path_factory.mktemp("other")
     build_tiny_hf_model(other, "qwen3")
