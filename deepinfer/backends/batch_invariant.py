@@ -13,8 +13,8 @@ while the context is active it overrides aten kernels for one dispatch key throu
 removes the overrides on exit (nested contexts share one installation).
 
 - CPU: ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv`` run the GEMM on fixed-shape row tiles of
-  ``ROW_TILE`` rows (the last tile zero-padded), each copied into a fresh buffer so every call of the
-  un-overridden kernel (the ``out=`` overload) has one shape and one alignment; ``UNARY`` elementwise ops
+  ``ROW_TILE`` rows (the last tile zero-padded, all in a fresh buffer), as one call of the un-overridden
+  ``bmm`` (its ``out=`` overload) whose every matrix product has one shape; ``UNARY`` elementwise ops
   run on a contiguous copy padded to whole SIMD vectors, in pieces small enough for one thread, so every
   element goes through the vector function.
 - CUDA (``nvidia/triton_batch_invariant.py``): ``mm``, ``addmm``, ``bmm`` through one Triton matmul with a
@@ -53,32 +53,25 @@ _active: dict = {}  # dispatch key -> [depth, torch.library.Library]
 
 
 # ------------------------------------------------------------------------------------------------ CPU
-def _fresh_rows(a: torch.Tensor, lo: int, n: int, rows: int) -> torch.Tensor:
-    """A new [rows, K] contiguous buffer holding a[lo:lo + n] and zeros after."""
-    t = a.new_zeros(rows, a.shape[1])
-    t[:n] = a[lo:lo + n]
-    return t
-
-
 def _canon(b: torch.Tensor) -> torch.Tensor:
     """b [K, N] as is when it (or its transpose) is contiguous, else a contiguous copy: one layout per call site."""
     return b if b.is_contiguous() or b.t().is_contiguous() else b.contiguous()
 
 
 def cpu_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b [K, N] on ROW_TILE-row tiles: row i's result does not depend on M or on i."""
-    M, N = a.shape[0], b.shape[1]
+    """a [M, K] @ b [K, N] as one bmm over ROW_TILE-row tiles of a (zero-padded, in a fresh buffer) against b
+    (expanded, not copied): every matrix product has one shape, so row i's result depends on neither M nor i."""
+    M, K = a.shape
+    N = b.shape[1]
     dtype = torch.result_type(a, b)
-    out = torch.empty(M, N, dtype=dtype, device=a.device)
     if M == 0:
-        return out
-    b = _canon(b)
-    for lo in range(0, M, ROW_TILE):
-        n = min(ROW_TILE, M - lo)
-        res = torch.empty(ROW_TILE, N, dtype=dtype, device=a.device)
-        torch.ops.aten.mm.out(_fresh_rows(a, lo, n, ROW_TILE), b, out=res)
-        out[lo:lo + n] = res[:n]
-    return out
+        return torch.empty(0, N, dtype=dtype, device=a.device)
+    tiles = -(-M // ROW_TILE)
+    ap = a.new_zeros(tiles * ROW_TILE, K)
+    ap[:M] = a
+    res = torch.empty(tiles, ROW_TILE, N, dtype=dtype, device=a.device)
+    torch.ops.aten.bmm.out(ap.view(tiles, ROW_TILE, K), _canon(b).expand(tiles, K, N), out=res)
+    return res.view(tiles * ROW_TILE, N)[:M]
 
 
 def cpu_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
