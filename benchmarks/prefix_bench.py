@@ -162,12 +162,14 @@ def tiers(args, path, cfg, P: int, vocab: int, rows: list) -> None:
     times["disk"] = [ttft(fresh, last_prefix + gpu_bench.random_ids(rng, vocab, args.suffix), f"disk{P}")]
     fetch["disk"] = [sum(spent)]
     stats = fresh.cache_stats()
+    disk_reads = fresh.engine.prefix_cache.mover.store.stats().disk_hits  # runs read: the warm-up requests miss or hit the device
     cold = statistics.median(times["cold"])
     for tier, ts in times.items():
         med = statistics.median(ts)
         extra = {"fetch_ms": round(statistics.median(fetch[tier]) * 1e3, 2)} if fetch.get(tier) else {}
         if tier == "disk":
             extra["disk_tier_hit_blocks"] = stats["tier_hit_blocks"]
+            extra["disk_entries_read"] = disk_reads
         emit(rows, {"bench": "prefix_ttft", "model": args.model, "prefix": P, "suffix": args.suffix, "tier": tier,
                      "ttft_s": round(med, 5), "speedup": round(cold / med, 2), "repeats": len(ts), **extra})
     del fresh
