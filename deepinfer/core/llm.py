@@ -116,6 +116,10 @@ class LLM:
                              f"quantization_config.quant_method 'fp8'); {self.model_path} is not one, and online "
                              "quantization is not implemented")
         torch_dtype = loader.torch_dtype(config.dtype, hf_config, ops.device)
+        if config.enable_eplb and config.tensor_parallel_size * config.data_parallel_size > 1:
+            raise ValueError("enable_eplb=True is not implemented with parallel workers yet (tensor_parallel_size="
+                             f"{config.tensor_parallel_size}, data_parallel_size={config.data_parallel_size}): EPLB "
+                             "runs in one process over simulated ranks (eplb_config num_ranks / num_nodes)")
         if config.tensor_parallel_size * config.data_parallel_size > 1:  # rank 0 of parallel serving (parallel/)
             from ..parallel.workers import start_parallel
 
