@@ -442,3 +442,54 @@ def test_serve_command_line_checks_its_flags_before_loading(capsys):
     helptext = capsys.readouterr().out
     for flag in ("--max-num-seqs", "--enable-prefix-caching", "--api-key", "--host", "--recipe", "--tool-call-parser"):
         assert flag in helptext
+
+
+# --- reasoning and auto tool calls, read by the demo model's parsers ------------------------------------------
+
+# The demo model never writes these tags by itself: a regex (the constrain stage) makes it write the demo format,
+# so the parsers, streamed and not, run end to end through each protocol.
+FORMAT = r'<think>[a-z]{1,6}</think>\nok<tool_call>\n\{"name": "get_time", "arguments": \{\}\}\n</tool_call>'
+SO = {"structured_outputs": {"regex": FORMAT, "jump_forward": True}}  # the fixed text needs no model step
+
+
+def test_reasoning_and_auto_tool_calls_parsed_in_every_protocol(oai, ant):
+    msgs = [{"role": "user", "content": "time?"}]
+    r = oai.chat.completions.create(model=MODEL, messages=msgs, tools=OAI_TOOLS, max_tokens=150, extra_body=SO,
+                                    **GREEDY)
+    m = r.choices[0].message
+    thought = m.model_extra["reasoning_content"]
+    assert re.fullmatch("[a-z]{1,6}", thought) and m.content == "ok" and r.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls] == [("get_time", {})]
+    parts = {"reasoning": "", "content": "", "args": "", "names": []}
+    for ch in oai.chat.completions.create(model=MODEL, messages=msgs, tools=OAI_TOOLS, max_tokens=150, stream=True,
+                                          extra_body=SO, **GREEDY):
+        d = ch.choices[0].delta if ch.choices else None
+        if d is None:
+            continue
+        parts["reasoning"] += (d.model_extra or {}).get("reasoning_content") or ""
+        parts["content"] += d.content or ""
+        for tc in d.tool_calls or []:
+            parts["names"] += [tc.function.name] if tc.function.name else []
+            parts["args"] += tc.function.arguments or ""
+    assert (parts["reasoning"], parts["content"], parts["names"]) == (thought, "ok", ["get_time"])
+    assert json.loads(parts["args"]) == {}
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in OAI_TOOLS]  # the same prompt as Chat's
+    a = ant.messages.create(model=MODEL, max_tokens=150, messages=msgs, tools=tools, extra_body={**SO, "temperature": 0})
+    assert [b.type for b in a.content] == ["thinking", "text", "tool_use"] and a.stop_reason == "tool_use"
+    assert (a.content[0].thinking, a.content[1].text, a.content[2].name) == (thought, "ok", "get_time")
+    with ant.messages.stream(model=MODEL, max_tokens=150, messages=msgs, tools=tools,
+                             extra_body={**SO, "temperature": 0}) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text", "tool_use"] and final.content[2].input == {}
+    flat = [{"type": "function", **t["function"]} for t in OAI_TOOLS]
+    resp = oai.responses.create(model=MODEL, input="time?", tools=flat, max_output_tokens=150, temperature=0.0,
+                                extra_body=SO)
+    assert [o.type for o in resp.output] == ["reasoning", "message", "function_call"]
+    assert resp.output_text == "ok" and resp.output[2].name == "get_time"
+    with oai.responses.create(model=MODEL, input="time?", tools=flat, max_output_tokens=150, temperature=0.0,
+                              extra_body=SO, stream=True) as s:
+        events = list(s)
+    assert [e.item.type for e in events if e.type == "response.output_item.done"] == [
+        "reasoning", "message", "function_call"]
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == "{}"
