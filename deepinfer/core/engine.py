@@ -6,6 +6,7 @@ finish_reason "error" and a message, and the engine keeps serving the others.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -364,7 +365,8 @@ class Engine:
         """Run stages in order; returns {batch row: message} of the rows a stage traced a fault to (RowError),
         and of rows whose logits are not finite (checked on the device after each stage that writes them)."""
         failed: dict = {}
-        with self.kernel_mode():
+        device = not all(getattr(st, "host", False) for st in stages)  # host stages (detokenize) need no kernels
+        with self.kernel_mode() if device else contextlib.nullcontext():
             for stage in stages:
                 try:
                     stage(state)
