@@ -174,3 +174,69 @@ def test_chat_conversion_errors_name_the_field(body, match):
     with pytest.raises(ConversionError, match=match) as info:
         chat_conversation(body)
     assert info.value.param and info.value.param.startswith("messages")
+
+
+# Generated conversations, written in each protocol, convert to one Conversation.
+WORDS = st.text("abc xyz\n", min_size=1, max_size=8)
+
+
+@st.composite
+def exchanges(draw):
+    """(system or None, tools, rounds): a round is (user text parts, assistant text, [(call id, name, args)])."""
+    names = draw(st.lists(st.sampled_from(["get", "put", "find"]), min_size=1, max_size=2, unique=True))
+    rounds = []
+    for r in range(draw(st.integers(1, 3))):
+        parts = draw(st.lists(WORDS, min_size=1, max_size=2))
+        calls = [(f"c{r}_{k}", draw(st.sampled_from(names)), draw(ARGS)) for k in range(draw(st.integers(0, 2)))]
+        text = draw(WORDS) if not calls else draw(st.sampled_from(["", "let me check"]))
+        rounds.append((parts, text, calls))
+    return draw(st.one_of(st.none(), WORDS)), names, rounds
+
+
+def as_chat(system, names, rounds):
+    msgs = [{"role": "system", "content": system}] if system else []
+    for parts, text, calls in rounds:
+        msgs.append({"role": "user", "content": [{"type": "text", "text": p} for p in parts]})
+        msgs.append({"role": "assistant", "content": text or None, "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}} for i, n, a in calls]})
+        msgs += [{"role": "tool", "tool_call_id": i, "content": f"result {i}"} for i, _, _ in calls]
+    msgs.append({"role": "user", "content": "next"})
+    return {"messages": msgs, "tools": [{"type": "function", "function": {"name": n, "parameters": SCHEMA}}
+                                        for n in names]}
+
+
+def as_responses(system, names, rounds):
+    items = []
+    for parts, text, calls in rounds:
+        items.append({"role": "user", "content": [{"type": "input_text", "text": p} for p in parts]})
+        if text:
+            items.append({"role": "assistant", "content": [{"type": "output_text", "text": text}]})
+        items += [{"type": "function_call", "call_id": i, "name": n, "arguments": json.dumps(a)} for i, n, a in calls]
+        items += [{"type": "function_call_output", "call_id": i, "output": f"result {i}"} for i, _, _ in calls]
+    items.append({"role": "user", "content": "next"})
+    body = {"input": items, "tools": [{"type": "function", "name": n, "parameters": SCHEMA} for n in names]}
+    return {**body, "instructions": system} if system else body
+
+
+def as_anthropic(system, names, rounds):
+    msgs, results = [], []
+    for parts, text, calls in rounds:
+        msgs.append({"role": "user", "content": results + [{"type": "text", "text": p} for p in parts]})
+        blocks = ([{"type": "text", "text": text}] if text else []) + [
+            {"type": "tool_use", "id": i, "name": n, "input": a} for i, n, a in calls]
+        msgs.append({"role": "assistant", "content": blocks})
+        results = [{"type": "tool_result", "tool_use_id": i, "content": f"result {i}"} for i, _, _ in calls]
+    msgs.append({"role": "user", "content": results + [{"type": "text", "text": "next"}]})
+    body = {"messages": msgs, "tools": [{"name": n, "input_schema": SCHEMA} for n in names]}
+    return {**body, "system": system} if system else body
+
+
+@settings(max_examples=40, deadline=None)
+@given(exchanges())
+def test_generated_conversations_convert_alike_from_every_protocol(ex):
+    chat, resp, ant = (chat_conversation(as_chat(*ex)), responses_conversation(as_responses(*ex)),
+                       anthropic_conversation(as_anthropic(*ex)))
+    assert chat == resp == ant
+    system, _, rounds = ex
+    assert len(chat.messages) == (system is not None) + sum(2 + len(c) for _, _, c in rounds) + 1
+    assert [m.name for m in chat.messages if m.role == "tool"] == [n for _, _, c in rounds for _, n, _ in c]
