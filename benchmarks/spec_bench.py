@@ -2,12 +2,13 @@
 against no speculation, on one workload in one run (rounds interleaved so machine noise hits every setting).
 
     python benchmarks/spec_bench.py --threads 1 --out spec_cpu.jsonl                 # the demo model, CPU
-    python benchmarks/spec_bench.py --device cuda --out $OUT/spec.jsonl             # the demo model, GPU
+    python benchmarks/spec_bench.py --device cuda --settings none ngram:4 dspark:4 --out $OUT/spec.jsonl  # GPU
 
 Workload: greedy continuations of code prompts that repeat themselves (a function and the start of its copy
 with one name changed, as an editing assistant sees), ``--batch`` prompts at once, ``--max-tokens`` each.
-Rows: one per (k, round); the table gives the median tokens/s, the ratio to k = 0, the acceptance rate and
-the measured tokens per verified row. Greedy output is checked to equal k = 0's for every k.
+Rows: one per (setting, round); the table gives the median tokens/s, the ratio to the first setting (no
+speculation by default), the acceptance rate and the measured tokens per verified row. Greedy output is
+checked to equal the first setting's for every setting.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ SNIPPETS = [
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ks", type=int, nargs="+", default=[0, 2, 4])
+    ap.add_argument("--settings", nargs="+", default=["none", "ngram:2", "ngram:4"],
+                    help="none, or METHOD:K (ngram, dspark, or a plugin's draft stage); the first is the baseline")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
@@ -44,39 +46,44 @@ def main() -> int:
     prompts = [SNIPPETS[i % len(SNIPPETS)] for i in range(args.batch)]
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llms = {}
-    for k in args.ks:
-        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4} if k else None
-        llms[k] = LLM(device=args.device, threads=args.threads, speculative_config=spec)
-        llms[k].generate(prompts[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    for setting in args.settings:
+        spec = None
+        if setting != "none":
+            method, k = setting.split(":")
+            spec = {"method": method, "num_speculative_tokens": int(k)}
+            if method == "ngram":
+                spec["prompt_lookup_max"] = 4
+        llms[setting] = LLM(device=args.device, threads=args.threads, speculative_config=spec)
+        llms[setting].generate(prompts[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     rows, ref = [], None
     for r in range(args.rounds):
         for k, llm in llms.items():
-            before = llm.spec_stats()
+            before = llm.spec_stats() if k != "none" else {}
             t0 = time.perf_counter()
             outs = llm.generate(prompts, sp, use_tqdm=False)
             dt = time.perf_counter() - t0
             toks = [o.outputs[0].token_ids for o in outs]
-            if k == args.ks[0]:
+            if k == args.settings[0]:
                 ref = toks
             after = llm.spec_stats()
-            row = {"bench": "spec", "device": args.device, "k": k, "round": r, "batch": args.batch,
+            row = {"bench": "spec", "device": args.device, "setting": k, "round": r, "batch": args.batch,
                    "output_tokens": sum(map(len, toks)), "seconds": round(dt, 4),
                    "tokens_per_s": round(sum(map(len, toks)) / dt, 2), "same_as_k0": toks == ref}
-            if k:
+            if k != "none":
                 d = {key: after[key] - before[key] for key in ("verified_rows", "draft_tokens", "accepted_tokens")}
                 row.update(d, acceptance_rate=round(d["accepted_tokens"] / max(1, d["draft_tokens"]), 4),
                            tokens_per_verified_row=round(1 + d["accepted_tokens"] / max(1, d["verified_rows"]), 3))
             rows.append(row)
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
-    base = statistics.median(r["tokens_per_s"] for r in rows if r["k"] == args.ks[0])
-    print(f"{'k':>3} {'tok/s':>9} {'ratio':>6} {'accept':>7} {'tok/verified row':>17} same")
-    for k in args.ks:
-        mine = [r for r in rows if r["k"] == k]
+    base = statistics.median(r["tokens_per_s"] for r in rows if r["setting"] == args.settings[0])
+    print(f"{'setting':>9} {'tok/s':>9} {'ratio':>6} {'accept':>7} {'tok/verified row':>17} same")
+    for k in args.settings:
+        mine = [r for r in rows if r["setting"] == k]
         tps = statistics.median(r["tokens_per_s"] for r in mine)
         acc = statistics.median(r.get("acceptance_rate", 0) for r in mine)
         tpr = statistics.median(r.get("tokens_per_verified_row", 1) for r in mine)
-        print(f"{k:>3} {tps:9.1f} {tps / base:6.2f} {acc:7.3f} {tpr:17.3f} {all(r['same_as_k0'] for r in mine)}")
+        print(f"{k:>9} {tps:9.1f} {tps / base:6.2f} {acc:7.3f} {tpr:17.3f} {all(r['same_as_k0'] for r in mine)}")
     return 0
 
 

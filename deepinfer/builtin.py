@@ -9,6 +9,7 @@ from .core.hookspecs import hookimpl
 @hookimpl
 def deepinfer_register_stages(register):
     from .stages.constrain import GrammarStage
+    from .stages.dspark_draft import DSparkDraft
     from .stages.detokenize import DetokenizeStage
     from .stages.model_call import ForwardStage
     from .stages.prefill import PrefillStage
@@ -19,7 +20,7 @@ def deepinfer_register_stages(register):
     from .stages.verify import VerifyStage
 
     for cls in (TokenizeStage, PrefixCacheStage, SwaReplayStage, PrefillStage, ForwardStage, VerifyStage,
-                GrammarStage, SampleStage, DetokenizeStage):
+                GrammarStage, SampleStage, DetokenizeStage, DSparkDraft):
         register.stage(kind=cls.kind, name=cls.name, factory=cls)
 
 

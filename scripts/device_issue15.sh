@@ -1,21 +1,31 @@
 #!/usr/bin/env bash
-# Issue 15 (speculative decoding) on the GPU machine (the device tool), from the repo root there, one call:
-#   bash scripts/device_issue15.sh all   # the example n-gram plugin installed (--target, no deps), the
-#                                        # speculative GPU tests, then benchmarks/spec_bench.py on the demo model
+# Issue 15 (speculative decoding) on the GPU machine (the device tool), from the repo root there:
+#   bash scripts/device_issue15.sh train   # train the demo model's DSpark drafter (backbone frozen) into
+#                                          # $OUT/dspark (copied into deepinfer/assets/demo/dspark here too),
+#                                          # then the speculative GPU tests and spec_bench (none, ngram, dspark)
+#   bash scripts/device_issue15.sh bench   # the GPU tests and spec_bench only (with the shipped drafter)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD:$PWD/plugins/deepinfer-ngram${PYTHONPATH:+:$PYTHONPATH}
+# The n-gram example plugin registers through its entry point: a dist-info on the path stands for an install.
+mkdir -p /tmp/ngram_ep/deepinfer_ngram-0.1.0.dist-info
+printf 'Metadata-Version: 2.1\nName: deepinfer-ngram\nVersion: 0.1.0\n' > /tmp/ngram_ep/deepinfer_ngram-0.1.0.dist-info/METADATA
+printf '[deepinfer]\nngram = deepinfer_ngram\n' > /tmp/ngram_ep/deepinfer_ngram-0.1.0.dist-info/entry_points.txt
+export PYTHONPATH=$PWD:$PWD/plugins/deepinfer-ngram:/tmp/ngram_ep${PYTHONPATH:+:$PYTHONPATH}
+bench() {
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_speculative.py tests/test_dspark.py 2>&1 | tail -4
+  timeout 200 python3 benchmarks/spec_bench.py --device cuda --rounds 3 --settings none ngram:4 dspark:4 \
+    --out "$OUT/spec_gpu.jsonl" 2>&1 | grep -v Warn | tail -6
+}
 case "${1:-}" in
-all)
-  # The plugin registers through its entry point: give Python one without installing (a dist-info on the path).
-  mkdir -p /tmp/ngram_ep/deepinfer_ngram-0.1.0.dist-info
-  printf 'Metadata-Version: 2.1\nName: deepinfer-ngram\nVersion: 0.1.0\n' > /tmp/ngram_ep/deepinfer_ngram-0.1.0.dist-info/METADATA
-  printf '[deepinfer]\nngram = deepinfer_ngram\n' > /tmp/ngram_ep/deepinfer_ngram-0.1.0.dist-info/entry_points.txt
-  export PYTHONPATH=/tmp/ngram_ep:$PYTHONPATH
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_speculative.py 2>&1 | tail -4
-  timeout 200 python3 benchmarks/spec_bench.py --device cuda --rounds 3 --out "$OUT/spec_gpu.jsonl" 2>&1 \
-    | grep -v Warn | tail -5 ;;
+train)
+  timeout 280 python3 scripts/train_dspark.py --out "$OUT/dspark" --minutes "${DSPARK_MINUTES:-3}" --device cuda \
+    > "$OUT/train_dspark.log" 2>&1
+  echo "train rc=$?"; tail -3 "$OUT/train_dspark.log"
+  rm -rf deepinfer/assets/demo/dspark && cp -r "$OUT/dspark" deepinfer/assets/demo/dspark
+  bench ;;
+bench)
+  bench ;;
 *)
-  echo "usage: bash scripts/device_issue15.sh all" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue15.sh train | bench" >&2; exit 2 ;;
 esac

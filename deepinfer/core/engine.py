@@ -21,7 +21,8 @@ from .kv_cache import BlockPool, blocks_needed
 from .kv_offload import block_mover
 from .prefix_cache import PrefixCache
 from .swa_pool import SwaStatePool, wanted as swa_pool_wanted
-from .speculative import SpecStats, SpeculativeConfig, accept_row, build_drafter, can_speculate, sampling_rows
+from .speculative import (SpecStats, SpeculativeConfig, accept_row, build_drafter, can_speculate, sampling_rows,
+                          wants_hidden)
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
 from .requests import Request, request_output
@@ -59,7 +60,7 @@ class _Launched:
 
 class Engine:
     def __init__(self, config, model, tokenizer, pipeline, ops, num_blocks: int, max_model_len: int,
-                 identity: str = ""):
+                 identity: str = "", model_path=None):
         """identity: what the model's KV depends on besides the tokens (checkpoint, dtype, cache layout); prefix
         caching keys blocks by it, so a slower tier shared between engines never serves another model's KV."""
         self.config, self.model, self.tokenizer, self.pipeline, self.ops = config, model, tokenizer, pipeline, ops
@@ -69,7 +70,7 @@ class Engine:
         self.kernel_mode = kernel_mode(config.batch_invariant, ops)
         dtype = next(model.parameters()).dtype
         use_graphs = (not config.enforce_eager and self.device.type == "cuda"
-                      and getattr(model, "supports_cuda_graphs", False))
+                      and getattr(model, "supports_cuda_graphs", False) and not wants_hidden(pipeline, config))
         # With CUDA graphs one extra block is scratch space for the padded rows of a captured batch.
         self.kv_cache = model.allocate_kv_cache((num_blocks + use_graphs) * config.block_size, dtype, self.device,
                                                 block_size=config.block_size, max_seqs=config.max_num_seqs)
@@ -104,7 +105,7 @@ class Engine:
         context = dict(config=config, model=model, ops=ops, tokenizer=tokenizer, vocab_size=model.vocab_size,
                        device=self.device, generator=self.generator, engine_config=config,
                        decode_graphs=self.decode_graphs, block_tables=self.block_tables,
-                       cache_identity=self.cache_identity)
+                       cache_identity=self.cache_identity, model_path=None if model_path is None else str(model_path))
         self.stages = pipeline.build(context)
         replay = next((st for st in self.stages["admit"] if getattr(st, "kind", "") == "swa_replay"), None)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
@@ -334,6 +335,8 @@ class Engine:
                 state.next_tokens = launched.host_tokens
             if state.batch.drafts is not None:
                 self._accept_drafts(state)
+            if getattr(self.model, "capture_last", 0) and self.drafter is not None:
+                self._keep_draft_context(state, sample_seqs)
             failed = self._run_stages(self.stages["step"][self._n_device_stages:], state)
         except Exception as exc:
             for seq in sample_seqs:
@@ -510,11 +513,21 @@ class Engine:
                 continue
             seq.draft = draft
 
+    def _keep_draft_context(self, state: StepState, sample_seqs: list) -> None:
+        """Each sampling row's target hidden states at the position that produced its last token (the last
+        accepted one for a verified row), for a drafter that conditions on them."""
+        captured, index = getattr(self.model, "captured_hidden", None), state.inputs.sample_index
+        if captured is None:
+            return
+        back = getattr(state, "spec_rollback", {})
+        for r, seq in enumerate(sample_seqs):
+            seq.draft_context = captured[index[r] - back.get(r, 0)]
+
     def _accept_drafts(self, state: StepState) -> None:
         """Per drafting row: how many drafts stand, the token after them, and the rollback of the rest."""
         batch, sampling = state.batch, state.sampling
         tokens = state.next_tokens.tolist()
-        state.spec_extra, state.spec_logprobs = {}, {}
+        state.spec_extra, state.spec_logprobs, state.spec_rollback = {}, {}, {}
         off = 0
         for r, i in enumerate(state.sample_rows):
             drafts = batch.drafts[i]
@@ -524,9 +537,10 @@ class Engine:
             raw = torch.cat([state.draft_logits[off:off + k], state.logits[r:r + 1]])  # [k + 1, V]
             off += k
             gen = sampling.generators[r] if sampling.generators[r] is not None else self.generator
-            emitted = accept_row(sampling_rows(sampling, r, drafts).process(raw), drafts, None,
-                                 seq.params.greedy, gen)
+            q = seq.draft_probs[:k] if seq.draft_probs is not None and len(seq.draft_probs) >= k else None
+            emitted = accept_row(sampling_rows(sampling, r, drafts).process(raw), drafts, q, seq.params.greedy, gen)
             accepted = len(emitted) - 1
+            state.spec_rollback[r] = k - accepted
             p = seq.params
             if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
                 self.sampling_state.recount(seq.state_slot, tokens[r], emitted)  # the step counted its bonus draw

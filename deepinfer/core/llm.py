@@ -149,7 +149,8 @@ class LLM:
         self.kv_plan = self._plan_kv(config, net, ops, torch_dtype, max_len)
         num_blocks, max_len = self.kv_plan.num_blocks, self.kv_plan.max_model_len
         self.engine = Engine(config, net, self.tokenizer, pipeline, ops, num_blocks, max_len,
-                             identity=checkpoint_identity(self.model_path, hf_config, load_format))
+                             identity=checkpoint_identity(self.model_path, hf_config, load_format),
+                             model_path=self.model_path)
         self.generation_defaults = generation_defaults(self.model_path)
         self.config, self.hf_config = config, hf_config
         self._ids = itertools.count()

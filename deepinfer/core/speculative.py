@@ -70,6 +70,8 @@ class SpeculativeConfig:
         for key in ("method", "num_speculative_tokens"):
             if key not in rest:
                 raise ValueError(f"speculative_config lacks {key!r} (it has {sorted(spec)})")
+        if "model" in rest:  # vLLM's key for the draft model's path
+            rest["drafter"] = rest.pop("model")
         dynamic = rest.pop("dynamic", False)
         if not isinstance(dynamic, bool):
             raise ValueError(f"speculative_config dynamic={dynamic!r} is invalid: must be true or false")
@@ -80,6 +82,21 @@ def can_speculate(params) -> bool:
     """Whether a request's sampling lets drafted tokens be verified in one step (see the module docstring)."""
     return not (params.structured_outputs is not None or params.logits_processors or params.bad_words
                 or params.min_tokens or params.allowed_token_ids or params.logit_bias)
+
+
+def wants_hidden(pipeline, config) -> bool:
+    """Whether the configured drafter reads the target's hidden states (the engine then keeps them per
+    sequence and does not capture decode in CUDA graphs)."""
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    if spec is None:
+        return False
+    from .plugins import get_registry
+
+    registry = pipeline.registry or get_registry()
+    try:
+        return bool(getattr(registry.get("stage", spec.method).obj, "wants_hidden", False))
+    except ValueError:
+        return False  # an unknown method: build_drafter says so
 
 
 def build_drafter(registry, spec: SpeculativeConfig, context: dict, model):

@@ -81,6 +81,11 @@ def forward_decode(model, input_ids, meta, cache):
     h_enc = h
     if cache.henc is not None:  # an encoder-SWA pool snapshots these (core/swa_pool.py)
         cache.henc[enc.ring_slot, enc.pos % cache.henc.shape[1]] = h_enc.to(cache.henc.dtype)
+    kept = []
     for layer in model.layers[c.num_encoder_layers:]:
         h = engine_path.layer_engine(model, layer, h, dec, h_enc, cache, ctx, stats)
+        if layer.i >= c.num_layers - getattr(model, "capture_last", 0):
+            kept.append(h)
+    if kept:  # the last capture_last decoder layers' outputs, per row (a DSpark drafter reads them)
+        model.captured_hidden = torch.cat(kept, dim=-1)
     return h

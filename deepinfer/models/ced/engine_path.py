@@ -272,13 +272,18 @@ def forward_engine(model, input_ids, meta, cache):
     if dec.early is not None:  # a restored row's positions before its chunk: the snapshot's encoder outputs
         e = dec.early
         hd[e] = cache.henc[dec.ring_slot[e], dec.pos[e] % cache.henc.shape[1]].to(hd.dtype)
+    kept = []  # the last capture_last decoder layers' outputs (a DSpark drafter reads them)
     for layer in model.layers[c.num_encoder_layers:]:
         hd = layer_engine(model, layer, hd, dec, h_enc, cache, ctx, stats)
+        if layer.i >= c.num_layers - getattr(model, "capture_last", 0):
+            kept.append(hd)
     out = torch.zeros_like(h_enc)
-    if dec.early is None:
-        out[dec.tok] = hd
-    else:
-        out[dec.tok[dec.late]] = hd[dec.late]
+    place = dec.tok if dec.early is None else dec.tok[dec.late]
+    pick = slice(None) if dec.early is None else dec.late
+    out[place] = hd[pick]
+    if kept:
+        model.captured_hidden = h_enc.new_zeros(h_enc.shape[0], len(kept) * h_enc.shape[1])
+        model.captured_hidden[place] = torch.cat(kept, dim=-1)[pick]
     # Prompt scoring (ReplayStart rows): the decoder again over positions < score_end, as exact replay runs it.
     score_ends = [min(b, getattr(s, "score_end", 0)) for b, s in zip(ends, meta.replay_starts)]
     if any(e > a for e, a in zip(score_ends, meta.starts)):

@@ -181,12 +181,15 @@ def encode(model, ids, aux=None, loads=None):
     return h, ctx
 
 
-def decode(model, h_enc, h, pos, cut, seq, ctx=None, aux=None, loads=None):
-    """Decoder over rows: h [R, T, d] (gathered from h_enc [Bs, N, d]), pos [R, T], cut [R], seq [R]."""
+def decode(model, h_enc, h, pos, cut, seq, ctx=None, aux=None, loads=None, collect: Optional[list] = None):
+    """Decoder over rows: h [R, T, d] (gathered from h_enc [Bs, N, d]), pos [R, T], cut [R], seq [R].
+    ``collect``: a list that receives every decoder layer's output (a DSpark drafter trains on the last ones)."""
     c = model.config
     ctx = {} if ctx is None else ctx
     for layer in model.layers[c.num_encoder_layers:]:
         h = _layer(model, layer, h, pos, cut, seq, h_enc, ctx, aux, loads)
+        if collect is not None:
+            collect.append(h)
     return h
 
 

@@ -1,0 +1,181 @@
+"""DSpark, CED's parallel drafter (CED.md), at toy size: one forward gives up to P draft positions.
+
+Inputs: the target's hidden states after its last ``target_layers`` layers at the position whose logits
+produced the anchor token (concatenated and projected: the context), the anchor token's embedding (the
+target's, frozen) at position 0 and learned placeholders at positions 1..P-1. Blocks of non-causal attention
+over the P positions and a SwiGLU MLP; the output goes through a projection to the target's width, the
+target's final norm and the target's LM head (frozen), giving base logits for every position at once.
+
+- Markov head: a low-rank embedding of the previous draft token (the anchor for position 0), added to the
+  next position's base logits as a bias, so P tokens are drawn in sequence at the cost of P small matmuls.
+- Confidence head: per position a logit whose sigmoid c_k predicts that draft k is accepted given the ones
+  before it; S_k = c_1 ... c_k is the prefix survival, tau = 1 + sum S_k the expected tokens per cycle.
+
+The draft distribution q_k = softmax(base_k + markov(prev)) is what a sampled draft is drawn from, and what
+rejection sampling verifies against (core/speculative.py), so the target's distribution is kept exactly.
+
+Left out at toy size (README, "Speculative decoding"): the real drafter's own sliding-window attention over
+earlier positions (here the context vector carries the past) and its MoE (here a dense MLP).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@attrs.frozen
+class DSparkConfig:
+    target_hidden: int
+    vocab_size: int
+    hidden: int = 256
+    num_blocks: int = 2
+    num_heads: int = 4
+    ffn: int = 512
+    positions: int = 5
+    markov_rank: int = 32
+    target_layers: int = 3
+    rms_eps: float = 1e-6
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("target_hidden", "vocab_size", "hidden", "num_blocks", "num_heads", "ffn", "positions",
+                     "markov_rank", "target_layers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"DSparkConfig.{name}={v!r} is invalid: must be an int >= 1")
+        if self.hidden % self.num_heads:
+            raise ValueError(f"DSparkConfig.hidden={self.hidden} is not a multiple of num_heads={self.num_heads}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DSparkConfig":
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = set(d) - known - {"architecture"}
+        if unknown:
+            raise ValueError(f"DSpark config.json: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def to_dict(self) -> dict:
+        return {"architecture": "DSpark", **attrs.asdict(self)}
+
+
+class _Block(nn.Module):
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        self.c = c
+        self.norm1 = nn.Parameter(torch.ones(c.hidden))
+        self.qkv = nn.Linear(c.hidden, 3 * c.hidden, bias=False)
+        self.o = nn.Linear(c.hidden, c.hidden, bias=False)
+        self.norm2 = nn.Parameter(torch.ones(c.hidden))
+        self.w13 = nn.Linear(c.hidden, 2 * c.ffn, bias=False)
+        self.w2 = nn.Linear(c.ffn, c.hidden, bias=False)
+
+    def forward(self, x):  # [B, P, h]
+        c = self.c
+        B, P, h = x.shape
+        q, k, v = self.qkv(F.rms_norm(x, (h,), self.norm1, c.rms_eps)).view(B, P, 3, c.num_heads, -1).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # non-causal
+        x = x + self.o(a.transpose(1, 2).reshape(B, P, h))
+        g, u = self.w13(F.rms_norm(x, (h,), self.norm2, c.rms_eps)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(g) * u)
+
+
+class DSpark(nn.Module):
+    def __init__(self, c: DSparkConfig):
+        super().__init__()
+        self.config = c
+        self.context = nn.Linear(c.target_layers * c.target_hidden, c.hidden, bias=False)
+        self.anchor = nn.Linear(c.target_hidden, c.hidden, bias=False)
+        self.placeholders = nn.Parameter(torch.zeros(c.positions - 1, c.hidden))
+        self.pos = nn.Parameter(torch.zeros(c.positions, c.hidden))
+        self.blocks = nn.ModuleList(_Block(c) for _ in range(c.num_blocks))
+        self.norm = nn.Parameter(torch.ones(c.hidden))
+        self.out = nn.Linear(c.hidden, c.target_hidden, bias=False)
+        self.markov_in = nn.Embedding(c.vocab_size, c.markov_rank)
+        self.markov_out = nn.Linear(c.markov_rank, c.vocab_size, bias=False)
+        self.confidence = nn.Linear(c.hidden, 1)
+
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith(("norm", "norm1", "norm2")):
+                    p.fill_(1.0)
+                elif name.endswith("bias") or name == "markov_out.weight":
+                    p.zero_()  # the Markov bias starts at nothing
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def forward(self, context: torch.Tensor, anchor: torch.Tensor, target) -> tuple:
+        """context [B, target_layers * target_hidden], anchor [B] token ids, target: the CED model (its
+        embedding, final norm and LM head, frozen) -> (base logits [B, P, V] float32, confidence logits [B, P])."""
+        c = self.config
+        B = anchor.shape[0]
+        ctx = self.context(context.to(self.context.weight.dtype))[:, None, :]  # [B, 1, h]
+        first = self.anchor(target.embed(anchor).to(self.anchor.weight.dtype))[:, None, :]
+        rest = self.placeholders[None].expand(B, -1, -1)
+        x = torch.cat([first, rest], dim=1) + ctx + self.pos[None]
+        for blk in self.blocks:
+            x = blk(x)
+        x = F.rms_norm(x, (c.hidden,), self.norm, c.rms_eps)
+        base = target.logits(self.out(x).to(target.embed.weight.dtype))  # [B, P, V] float32 (norm + LM head)
+        return base, self.confidence(x)[..., 0].float()
+
+    def markov(self, prev: torch.Tensor) -> torch.Tensor:
+        """Logit bias [..., V] from the previous token ids [...]."""
+        return self.markov_out(self.markov_in(prev)).float()
+
+    @torch.no_grad()
+    def draft(self, context, anchor: int, k: int, target, greedy: bool, gen: Optional[torch.Generator]) -> tuple:
+        """Up to k draft tokens after ``anchor`` and their distributions q [k, V] (what they were drawn from)."""
+        k = min(k, self.config.positions)
+        dev = self.anchor.weight.device
+        base, conf = self(context[None].to(dev), torch.tensor([anchor], device=dev), target)
+        tokens, qs, prev = [], [], torch.tensor(anchor, device=dev)
+        for j in range(k):
+            q = (base[0, j] + self.markov(prev)).softmax(dim=-1)
+            if greedy:
+                t = int(q.argmax())
+            else:
+                gdev = gen.device if gen is not None else torch.device("cpu")
+                t = int(torch.multinomial(q.to(gdev).double(), 1, generator=gen))
+            tokens.append(t)
+            qs.append(q)
+            prev = torch.tensor(t, device=dev)
+        return tokens, torch.stack(qs) if qs else base.new_zeros(0, base.shape[-1]), torch.sigmoid(conf[0, :k])
+
+
+def load_dspark(path, device, dtype=torch.float32) -> DSpark:
+    """A DSpark drafter from a directory holding config.json and model.safetensors (no pickle)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    for name in ("config.json", "model.safetensors"):
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"DSpark drafter: {path / name} is missing (a drafter directory holds "
+                                    "config.json and model.safetensors)")
+    cfg = DSparkConfig.from_dict(json.loads((path / "config.json").read_text()))
+    net = DSpark(cfg)
+    state = load_file(str(path / "model.safetensors"))
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"DSpark drafter {path}: missing weights {sorted(missing)[:5]}, unexpected "
+                         f"{sorted(unexpected)[:5]}")
+    return net.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def save_dspark(net: DSpark, path, dtype=torch.bfloat16) -> int:
+    """Write config.json and model.safetensors; returns the weights' bytes."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(net.config.to_dict(), indent=2) + "\n")
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in net.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"))
+    return (path / "model.safetensors").stat().st_size

@@ -1,0 +1,66 @@
+"""Draft stage ``dspark``: CED's parallel drafter (models/ced/dspark.py) proposing speculative tokens.
+
+Select it with ``LLM(model, speculative_config={"method": "dspark", "num_speculative_tokens": k})``; the
+drafter's weights come from ``drafter`` (vLLM's ``model`` key is accepted too), else from the target
+checkpoint's ``dspark/`` directory (the bundled demo model ships one). It reads the target's hidden states
+after its last layers at the position that produced each sequence's last token (the engine keeps them per
+sequence after every step: ``seq.draft_context``), and proposes up to min(k, positions) tokens with their
+draft distributions (``seq.draft_probs``), against which sampled drafts are verified.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import attrs
+import torch
+
+from ..core.stage import Stage
+
+
+@attrs.define(eq=False)
+class DSparkDraft(Stage):
+    name = "dspark"
+    kind = "draft"
+    reads = ()
+    writes = ()
+    wants_hidden = True  # the engine keeps the target's last layers' hidden states for it (and runs eagerly)
+
+    model: object  # the target (a CED model)
+    model_path: Optional[str] = None  # the target checkpoint's directory (engine context)
+    generator: Optional[torch.Generator] = None  # engine-wide, for unseeded sampled rows
+    drafter: Optional[str] = None  # the drafter's directory; None: <model_path>/dspark
+    drafter_net: object = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        from ..models.ced.dspark import load_dspark
+
+        if not hasattr(self.model, "capture_last") and not hasattr(self.model, "layers"):
+            raise ValueError(f"the dspark drafter needs a CED target; {type(self.model).__name__} is not one")
+        where = Path(self.drafter) if self.drafter else (Path(self.model_path) / "dspark" if self.model_path else None)
+        if where is None:
+            raise ValueError("speculative_config method='dspark' needs a drafter directory: pass 'drafter' "
+                             "(or 'model') or serve a checkpoint with a dspark/ directory")
+        device = next(self.model.parameters()).device
+        self.drafter_net = net = load_dspark(where, device)
+        c, t = net.config, self.model.config
+        if c.target_hidden != t.hidden_size or c.vocab_size != t.vocab_size:
+            raise ValueError(f"DSpark drafter {where} was trained for hidden size {c.target_hidden} and vocabulary "
+                             f"{c.vocab_size}; the target has {t.hidden_size} and {t.vocab_size}")
+        if c.target_layers > t.num_layers - t.num_encoder_layers:
+            raise ValueError(f"DSpark drafter {where} reads {c.target_layers} target layers; the target's decoder "
+                             f"has {t.num_layers - t.num_encoder_layers}")
+        self.model.capture_last = c.target_layers
+
+    def propose(self, seq, k: int) -> list:
+        context = getattr(seq, "draft_context", None)
+        if context is None:
+            return []
+        gen = seq.generator if getattr(seq, "generator", None) is not None else self.generator
+        tokens, q, _ = self.drafter_net.draft(context, seq.token_ids[-1], k, self.model, seq.params.greedy, gen)
+        seq.draft_probs = q
+        return tokens
+
+    def __call__(self, state) -> None:
+        raise TypeError("the dspark draft stage is called through propose(seq, k) by the engine")

@@ -1,0 +1,124 @@
+"""DSpark (models/ced/dspark.py, stages/dspark_draft.py): the engine keeps the target's hidden states the drafter
+reads (checked against the training path's decoder), greedy output equals plain decoding whatever the drafter
+proposes, sampled drafts are verified against their own distributions, bad setups fail clearly, and the
+drafter shipped beside the demo model is small and was trained."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.models.ced import train as ced_train
+from deepinfer.models.ced.dspark import DSpark, DSparkConfig, load_dspark, save_dspark
+from deepinfer.models.loader import resolve_model_path
+from deepinfer.testing.ced import REPLAY_CONFIG, build_ced_checkpoint
+from deepinfer.testing.compare import NEAR_TIE, assert_same_or_near_tie
+from deepinfer.testing.models import build_tiny_hf_model
+
+DEMO_DRAFTER = Path(resolve_model_path(None)) / "dspark"
+
+
+@pytest.fixture(scope="module")
+def ced(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dspark_ced")
+    cfg = build_ced_checkpoint(d, seed=11, **REPLAY_CONFIG)
+    net = DSpark(DSparkConfig(target_hidden=cfg.hidden_size, vocab_size=cfg.vocab_size, hidden=32, num_blocks=1,
+                              num_heads=2, ffn=64))
+    net.init_weights(1, std=0.2)
+    save_dspark(net, d / "dspark")
+    return str(d), cfg
+
+
+def spec(k=2, **kw):
+    return {"method": "dspark", "num_speculative_tokens": k, **kw}
+
+
+def test_kept_hidden_states_are_the_decoders(ced):
+    """What the drafter reads: the last 3 decoder layers' outputs at the position that produced each last token."""
+    path, cfg = ced
+    llm = LLM(path, num_kv_blocks=64, block_size=4, speculative_config=spec())
+    model = llm.engine.model
+    prompt = [5, 9, 13, 17, 21]  # within the window: no replay cut, so every position is exact
+    out = llm.generate([prompt], SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    seq_tokens = prompt + list(out.outputs[0].token_ids)
+    # The oracle: the training path's batched decoder (no paging, no rings) over the whole sequence.
+    ids = torch.tensor([seq_tokens], device=model.embed.weight.device)
+    h_enc, ctx = ced_train.encode(model, ids)
+    kept: list = []
+    N = ids.shape[1]
+    zero = torch.zeros(1, dtype=torch.long, device=ids.device)
+    ced_train.decode(model, h_enc, h_enc, torch.arange(N, device=ids.device)[None], zero, zero, ctx, collect=kept)
+    want = torch.cat(kept[-3:], dim=-1)[0]  # [N, 3d]
+    seq = llm.engine.requests.get(out.request_id)
+    # The finished sequence's context is the one its last step kept: the position that produced its last token
+    # was N - 2 (its last token was sampled there), unless a verified row accepted further.
+    got = model.captured_hidden
+    assert got is not None and got.shape[-1] == 3 * cfg.hidden_size
+    assert seq is None  # finished and reported
+    ctx_pos = want[N - 2]
+    scale = want.abs().max()
+    assert any((row - ctx_pos).abs().max() <= 1e-4 * scale for row in got), "no kept row matches position N - 2"
+
+
+def test_greedy_dspark_equals_plain_decoding(ced):
+    path, _ = ced
+    ps = [[5, 9, 13, 17, 21, 25, 29, 33], [40, 41, 42, 43, 40, 41, 42]]
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(path, num_kv_blocks=64, block_size=4).generate(ps, sp, use_tqdm=False)]
+    fast = LLM(path, num_kv_blocks=64, block_size=4, speculative_config=spec())
+    got = [o.outputs[0].token_ids for o in fast.generate(ps, sp, use_tqdm=False)]
+    assert got == plain
+    assert fast.spec_stats()["draft_tokens"] > 0
+
+
+def test_sampled_dspark_repeats_with_a_seed_and_checks_its_drafts(ced):
+    path, _ = ced
+    sp = SamplingParams(max_tokens=20, temperature=1.0, seed=9, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLM(path, num_kv_blocks=64, block_size=4, speculative_config=spec())
+        runs.append(llm.generate([[5, 9, 13, 17]], sp, use_tqdm=False)[0].outputs[0].token_ids)
+    assert runs[0] == runs[1] and len(runs[0]) == 20
+    st = llm.spec_stats()
+    assert st["draft_tokens"] > 0 and st["accepted_tokens"] <= st["draft_tokens"]
+
+
+def test_bad_dspark_setups_fail_clearly(ced, tmp_path):
+    path, cfg = ced
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        LLM(path, num_kv_blocks=64, block_size=4, speculative_config=spec(drafter=str(tmp_path / "none")))
+    wrong = DSpark(DSparkConfig(target_hidden=cfg.hidden_size + 8, vocab_size=cfg.vocab_size, hidden=32,
+                                num_blocks=1, num_heads=2, ffn=64))
+    save_dspark(wrong, tmp_path / "wrong")
+    with pytest.raises(ValueError, match="trained for hidden size 56"):
+        LLM(path, num_kv_blocks=64, block_size=4, speculative_config=spec(model=str(tmp_path / "wrong")))
+    llama = tmp_path / "llama"
+    build_tiny_hf_model(llama, "llama")
+    with pytest.raises(ValueError, match="needs a CED target"):
+        LLM(str(llama), num_kv_blocks=64, block_size=4, speculative_config=spec(drafter=str(tmp_path / "wrong")))
+    with pytest.raises(ValueError, match="hidden=30 is not a multiple of num_heads=4"):
+        DSparkConfig(target_hidden=8, vocab_size=8, hidden=30)
+
+
+@pytest.mark.skipif(not (DEMO_DRAFTER / "model.safetensors").is_file(), reason="no drafter shipped beside the demo")
+def test_the_demo_drafter_is_small_trained_and_speeds_acceptance():
+    ev = json.loads((DEMO_DRAFTER / "eval.json").read_text())
+    assert (DEMO_DRAFTER / "model.safetensors").stat().st_size <= 5 * 10**6
+    assert ev["top1_agreement_by_position"][0] > 0.3  # far from a random drafter's ~0
+    net = load_dspark(DEMO_DRAFTER, "cpu")
+    assert net.config.positions == 5
+    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    ps = ["import os\n\n\ndef ", "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self"]
+    plain = LLM().generate(ps, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=2),
+                           use_tqdm=False)
+    fast = LLM(speculative_config={"method": "dspark", "num_speculative_tokens": 4})
+    for a, b in zip(fast.generate(ps, sp, use_tqdm=False), plain):
+        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids, b.outputs[0].logprobs,
+                                NEAR_TIE[dtype])
+    assert fast.spec_stats()["acceptance_rate"] > 0.1  # a random drafter: ~0 (test_greedy_dspark_equals_plain...)
