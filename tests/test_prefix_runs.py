@@ -183,6 +183,19 @@ def test_runs_are_capped_and_a_lookup_crosses_from_run_to_run(tmp_path):
     assert len(rig.serve(a)) == 10
 
 
+def test_evictions_of_one_chain_between_two_flushes_are_joined_into_one_run(tmp_path):
+    rig = Rig(num_blocks=10, host_bytes=1 << 20, directory=str(tmp_path), max_run_blocks=8)
+    a = list(range(100, 121))  # 10 blocks, freed in chain order: evicted oldest (first) block first
+    rig.serve(a)
+    held = [rig.pool.allocate(1) for _ in range(10)]  # one block per allocation, as decode steps evict
+    assert len(rig.mover.pending) == 10
+    rig.mover.flush(wait=True)
+    rig.pool.free([b for (b,) in held])
+    assert (rig.mover.runs_saved, rig.mover.saved) == (2, 10)  # 8 joined (the cap), then 2
+    assert len(list(tmp_path.rglob("*.kvb"))) == 2
+    assert len(rig.serve(a)) == 10  # bytes checked
+
+
 def test_a_restart_finds_runs_by_any_member_and_a_corrupt_run_is_a_miss_for_all(tmp_path, caplog):
     rig = Rig(num_blocks=16, host_bytes=None, directory=str(tmp_path))
     a = list(range(100, 121))
@@ -249,8 +262,12 @@ def test_hits_always_hold_the_bytes_written_and_nothing_stored_is_lost(host, dis
             tokens = stem + tail + [0]
             want = rig.longest_known(tokens)
             assert len(rig.serve(tokens)) == want  # serve checks every hit block's bytes
-            how = data.draw(st.sampled_from(["none", "some", "all", "pending"]))
-            if how == "some":
+            how = data.draw(st.sampled_from(["none", "some", "all", "pending", "drip"]))
+            if how == "drip":  # a block per allocation (decode-like), joined into runs at the flush
+                held = [rig.pool.allocate(1) for _ in range(data.draw(st.integers(1, rig.pool.num_free)))]
+                rig.mover.flush(wait=True)
+                rig.pool.free([b for (b,) in held])
+            elif how == "some":
                 rig.evict(data.draw(st.integers(1, 12)))
             elif how == "all":
                 rig.evict()

@@ -13,7 +13,8 @@ Leaving the device (``save``): when the pool evicts a batch of cached blocks, ``
 runs (a block whose parent block is in the batch continues its parent's run; at most ``max_run_blocks``
 blocks per run), their rows are gathered and copied to pinned host memory without blocking, in stream order
 before any later kernel overwrites the blocks (one gather and one copy per view for the whole batch); the
-runs wait in ``pending`` until the engine, which has waited for its step anyway, stores them (``flush``).
+runs wait in ``pending`` until the engine, which has waited for its step anyway, stores them (``flush``,
+which first joins runs that successive evictions cut from one chain).
 Coming back: ``fetch`` finds the runs covering a list of hashes (a run may start before the first hash or go
 on past what matches; the fetch takes what matches, in order, and stops at the first hash no tier has), and
 ``load`` copies them into freshly allocated blocks: per view one host-to-device copy per run found and one
@@ -91,7 +92,9 @@ class BlockMover:
                                   if tier is not None]
         self.block_bytes = max(1, block_bytes)
         self.max_run_blocks = max(1, min(max_run_blocks, min(caps) // self.block_bytes))
-        self.pending: list = []  # (members, payload, event or None): runs copied off the device, not stored yet
+        # (members, payload, event or None, parent hash of the first member): runs copied off the device, not
+        # stored yet
+        self.pending: list = []
         self._pending_at: dict = {}  # member -> (index in pending, position)
         self.saved = self.loaded = self.runs_saved = 0
 
@@ -128,28 +131,51 @@ class BlockMover:
             members = tuple(h for h, _, _ in run)
             for pos, h in enumerate(members):
                 self._pending_at[h] = (len(self.pending), pos)
-            self.pending.append((members, p, ev))
+            self.pending.append((members, p, ev, run[0][2]))
 
     def flush(self, wait: bool = False) -> None:
-        """Store the copied runs in the tiers: those whose copies have run (all of them with ``wait``)."""
-        keep = []
-        for members, payload, ev in self.pending:
+        """Store the copied runs in the tiers: those whose copies have run (all of them with ``wait``). Runs
+        that several evictions since the last flush made of one chain (a step's allocations each evict a few
+        blocks, oldest first) are joined first, up to the cap."""
+        keep, ready = [], []
+        for entry in self.pending:
+            ev = entry[2]
             if ev is not None and not wait and not ev.query():
-                keep.append((members, payload, ev))
+                keep.append(entry)
                 continue
             if ev is not None:
                 ev.synchronize()
+            ready.append(entry)
+        for members, payload in self._join(ready):
             self.store.put_run(members, payload)
             self.saved += len(members)
             self.runs_saved += 1
         self.pending = keep
-        self._pending_at = {h: (i, pos) for i, (members, _, _) in enumerate(keep) for pos, h in enumerate(members)}
+        self._pending_at = {h: (i, pos) for i, entry in enumerate(keep) for pos, h in enumerate(entry[0])}
+
+    def _join(self, ready: list) -> list:
+        """[(members, payload)]: the pending runs, a run whose first block's parent is the last block of an
+        earlier one appended to it (one host concatenation per view) while the two fit under the cap."""
+        joined: list = []  # [members, [payloads]]
+        by_last: dict = {}  # last member -> index in joined
+        for members, payload, _, parent in ready:
+            j = by_last.pop(parent, None) if parent is not None else None
+            if j is not None and len(joined[j][0]) + len(members) <= self.max_run_blocks \
+                    and not set(members) & set(joined[j][0]):
+                joined[j][0] += members
+                joined[j][1].append(payload)
+            else:
+                j = len(joined)
+                joined.append([list(members), [payload]])
+            by_last[members[-1]] = j
+        return [(tuple(members), parts[0] if len(parts) == 1 else
+                 {name: torch.cat([p[name] for p in parts]) for name in parts[0]}) for members, parts in joined]
 
     def find(self, h: bytes) -> Run | None:
         """The run holding block h (evicted before, possibly by another engine), or None."""
         at = self._pending_at.get(h)
         if at is not None:  # evicted, not stored yet
-            members, payload, ev = self.pending[at[0]]
+            members, payload, ev, _ = self.pending[at[0]]
             if ev is not None:
                 ev.synchronize()
             return Run(members[0], members, at[1], payload)
