@@ -49,15 +49,18 @@ def start_server(*extra, timeout=120.0):
     raise RuntimeError("server did not start:\n" + "".join(proc.log))
 
 
+SERVER: dict = {}  # the module's server process (the last test shuts it down)
+
+
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start_server()
+    proc, url = start_server("--timeout-graceful-shutdown", "2")
+    SERVER["proc"] = proc
     yield url
-    proc.send_signal(signal.SIGTERM)  # graceful: uvicorn drains, the engine stops, then the signal is re-raised
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
     try:
         assert proc.wait(30) in (0, -signal.SIGTERM)
-        time.sleep(0.2)
-        assert "deepinfer serve: stopped" in "".join(proc.log)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -493,3 +496,37 @@ def test_reasoning_and_auto_tool_calls_parsed_in_every_protocol(oai, ant):
     assert [e.item.type for e in events if e.type == "response.output_item.done"] == [
         "reasoning", "message", "function_call"]
     assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == "{}"
+
+
+# --- last: shutting down with a stream in flight ---------------------------------------------------------------
+
+def test_graceful_shutdown_ends_an_in_flight_stream(server):
+    """SIGTERM while a long stream runs: uvicorn stops accepting, gives in-flight requests
+    --timeout-graceful-shutdown (2 s here), cancels the rest (which aborts them in the engine), then the engine
+    thread stops and the process exits with the signal."""
+    proc = SERVER["proc"]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    got = []
+
+    def stream():
+        try:
+            with httpx.stream("POST", server + "/v1/completions", json=body, headers={"x-api-key": KEY},
+                              timeout=60) as r:
+                for line in r.iter_lines():
+                    got.append(line)
+        except httpx.HTTPError as exc:  # the connection closed under the stream
+            got.append(f"closed: {type(exc).__name__}")
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 20
+    while len(got) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) in (0, -signal.SIGTERM)
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - t0 < 15  # 3000 tokens would take a minute
+    assert len(got) >= 3 and "data: [DONE]" not in got  # cut short, not finished
+    time.sleep(0.2)
+    assert "deepinfer serve: stopped" in "".join(proc.log)
