@@ -525,6 +525,20 @@ def test_disk_runs_survive_a_restart_indexed_from_the_file_heads(tmp_path, monke
     assert_same(again.get(key(50)), block(50))
 
 
+def test_a_live_reader_learns_other_processes_runs_at_its_next_scan(tmp_path):
+    now = [0.0]
+    reader = DiskTier(tmp_path, 1 << 30, ID, rescan_s=10, clock=lambda: now[0])
+    DiskTier(tmp_path, 1 << 30, ID).put(key(0), run_payload(0, 10), members=members(0, 10))  # another process
+    assert_block(reader.find(key(0)), 0)  # a run's first block: found by its file name at once
+    DiskTier(tmp_path, 1 << 30, ID).put(key(20), run_payload(20, 10), members=members(20, 10))
+    now[0] = 9.9
+    assert reader.find(key(25)) is None  # mid-run, not indexed, the last scan too recent
+    now[0] = 10.0
+    assert_block(reader.find(key(25)), 25)  # the miss rescanned the directory
+    with pytest.raises(ValueError, match="rescan_s"):
+        DiskTier(tmp_path, 1 << 30, ID, rescan_s=-1)
+
+
 def test_store_puts_in_each_tier_only_the_blocks_it_lacks(tmp_path):
     store = TieredStore(HostTier(1 << 20, pin_memory=False), DiskTier(tmp_path, 1 << 30, ID))
     store.put_run(members(0, 10), run_payload(0, 10))

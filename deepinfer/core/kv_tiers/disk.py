@@ -9,7 +9,8 @@ Runs (payload.py) are files named by their first block's hash. The tier keeps an
 member hash to (run key, position), built at start-up from each file's head (entry_format.read_head: the
 header and the members, not the payload), extended by its own writes and by every run it reads, and
 refreshed by every directory scan (files it has not indexed, by name and inode, are read the same way; gone
-ones are forgotten). ``find(h)`` reads the file the index names, or the file named h itself when h is not
+ones are forgotten): scans come with evictions, and with a find that misses when the last scan is
+``rescan_s`` old. ``find(h)`` reads the file the index names, or the file named h itself when h is not
 indexed (a run another live process wrote since the last scan, found from its first block), checks it
 whole as ``get`` does, and serves it only when its members hold h: an index entry whose file vanished or
 was replaced by another run is a miss, and the index learns the file's real members.
@@ -34,6 +35,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import attrs
@@ -67,7 +69,9 @@ class DiskTier:
     get returns tensors over one buffer read from the file; the caller owns them. Thread-safe."""
 
     def __init__(self, directory: str | os.PathLike | None, capacity_bytes: int, identity: str,
-                 evict_to: float = 0.9):
+                 evict_to: float = 0.9, rescan_s: float = 10.0, clock=time.monotonic):
+        """rescan_s: a find that misses rescans the directory (learning other processes' runs) when the last
+        scan is at least this old; clock: where that age comes from (tests move it by hand)."""
         root = directory if directory is not None else os.environ.get("DEEPINFER_CACHE_DIR")
         if not root:
             raise ValueError("DiskTier needs a directory: pass directory= or set DEEPINFER_CACHE_DIR")
@@ -77,6 +81,10 @@ class DiskTier:
             raise ValueError(f"identity={identity!r} must be a non-empty string")
         if not 0 <= evict_to <= 1:
             raise ValueError(f"evict_to={evict_to!r} must be in [0, 1]")
+        if not (isinstance(rescan_s, (int, float)) and rescan_s >= 0):
+            raise ValueError(f"rescan_s={rescan_s!r} must be a number >= 0")
+        self.rescan_s, self._clock = rescan_s, clock
+        self._scanned_at = clock()
         self.root = Path(root).expanduser()
         self.capacity_bytes, self.identity, self.evict_to = capacity_bytes, identity, evict_to
         self.enabled, self.disabled_reason = True, None
@@ -122,11 +130,7 @@ class DiskTier:
             self._bytes += size
             over = self._bytes > self.capacity_bytes
         if over:
-            try:
-                self._evict()
-            except OSError as e:
-                if e.errno not in _RACES:
-                    self._disable(f"scanning {self.root}: {e}")
+            self._scan()
         return True
 
     def get(self, key: bytes) -> dict | None:
@@ -143,7 +147,12 @@ class DiskTier:
         run = None
         if self.enabled:
             with self._lock:
-                key, pos = self._where.get(member, (member, 0))
+                where = self._where.get(member)
+            if where is None and self._clock() - self._scanned_at >= self.rescan_s:
+                self._scan()  # another process may have written a run holding it since the last scan
+                with self._lock:
+                    where = self._where.get(member)
+            key, pos = where if where is not None else (member, 0)
             got = self._read(key)
             if got is not None:
                 payload, members = got
@@ -253,6 +262,14 @@ class DiskTier:
             if self._where.get(m, (None,))[0] == key:
                 del self._where[m]
 
+    def _scan(self) -> None:
+        """_evict, a failure other than a racing deletion turning the tier off."""
+        try:
+            self._evict()
+        except OSError as e:
+            if e.errno not in _RACES:
+                self._disable(f"scanning {self.root}: {e}")
+
     def _evict(self) -> None:
         """Scan the directory (removing dead writers' temporaries), delete the oldest entries while over
         capacity, down to evict_to of it, then bring the index up to date with the files that are left."""
@@ -272,6 +289,7 @@ class DiskTier:
                 self._entries, self._bytes = len(files) - evicted, total
                 self._evictions += evicted
             self._index(files[evicted:])
+            self._scanned_at = self._clock()
         finally:
             self._evicting.release()
 
