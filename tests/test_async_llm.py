@@ -96,3 +96,20 @@ def test_shutdown_ends_streams_and_refuses_new_requests():
 
     with pytest.raises(EngineDeadError, match="shut down"):
         asyncio.run(after())
+
+
+def test_speculative_decoding_counts_reach_the_stats():
+    eng = AsyncLLM(model=None, threads=1, num_kv_blocks=32, max_model_len=256,
+                   speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+    try:
+        async def run():
+            return [o async for o in eng.generate("def f():", SamplingParams(max_tokens=8, temperature=0.0,
+                                                                              ignore_eos=True))][-1]
+
+        out = asyncio.run(run())
+        assert len(out.outputs[0].token_ids) == 8
+        st = wait_idle(eng)
+        assert st["spec_draft_tokens"] > 0 and 0 <= st["spec_accepted_tokens"] <= st["spec_draft_tokens"]
+        assert st["spec_acceptance_rate"] == st["spec_accepted_tokens"] / st["spec_draft_tokens"]
+    finally:
+        eng.shutdown()

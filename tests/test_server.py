@@ -100,6 +100,7 @@ HI = [{"role": "user", "content": "def f():"}]
 def test_models_health_version_tokenize(server, oai):
     assert [m.id for m in oai.models.list().data] == [MODEL]
     assert httpx.get(server + "/health").json() == {"status": "ok"}
+    assert gauge(server, "spec_decode_acceptance_rate") == 0 and gauge(server, "kv_blocks_total") == 256
     assert httpx.get(server + "/version").json()["version"]
     h = {"Authorization": f"Bearer {KEY}"}
     tok = httpx.post(server + "/tokenize", json={"prompt": "def f():"}, headers=h).json()

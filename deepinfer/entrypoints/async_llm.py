@@ -216,7 +216,16 @@ class AsyncLLM:
                 "kv_usage": 1.0 - pool.num_free / pool.num_blocks,
                 "prefix_cache_queries": summary.get("query_tokens", 0), "prefix_cache_hits": summary.get("hit_tokens", 0),
                 "prefix_cache_hit_rate": summary.get("hit_rate", 0.0), "steps": eng.stats["steps"],
-                "time": time.time()}
+                **_spec(getattr(eng, "spec_stats", None)), "time": time.time()}
+
+
+def _spec(stats) -> dict:
+    """Speculative decoding's totals (core/speculative.py SpecStats); zeros without speculation."""
+    if stats is None:
+        return {"spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_acceptance_rate": 0.0}
+    drafted, accepted = stats.draft_tokens, stats.accepted_tokens
+    return {"spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / drafted if drafted else 0.0}
 
 
 def _put_all(puts) -> None:

@@ -27,7 +27,10 @@ class _EngineCollector:
               ("prefix_cache_hit_rate", "prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / looked up"),
               ("prefix_cache_queries_tokens", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
               ("prefix_cache_hits_tokens", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
-              ("engine_steps", "steps", "Engine steps since start-up"))
+              ("engine_steps", "steps", "Engine steps since start-up"),
+              ("spec_decode_draft_tokens", "spec_draft_tokens", "Draft tokens proposed (speculative decoding)"),
+              ("spec_decode_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted"),
+              ("spec_decode_acceptance_rate", "spec_acceptance_rate", "Accepted / proposed draft tokens"))
 
     def __init__(self, engine, model: str):
         self.engine, self.model = engine, model

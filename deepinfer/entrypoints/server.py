@@ -369,7 +369,9 @@ async def block_stream(first, agen, timer, prep: Prepared, endpoint: str):
     out = first
     while True:
         if out.error:
-            yield "error", _engine_error(out.error), blocks
+            err = _engine_error(out.error)
+            timer.m.error(err.kind)
+            yield "error", err, blocks
             return
         c = out.outputs[0]
         final = bool(c.finish_reason)
@@ -535,7 +537,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, registry=None) -> Fast
             try:
                 async for i, out in _merge(started):
                     if out.error:
-                        yield sse(_openai_error(_engine_error(out.error)))
+                        err = _engine_error(out.error)
+                        srv.metrics.error(err.kind)
+                        yield sse(_openai_error(err))
                         break
                     for c in out.outputs:
                         key = choice_index(i, c)
@@ -632,7 +636,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, registry=None) -> Fast
                                   "finish_reason": None}])
                 while True:
                     if out.error:
-                        yield chunk([], error=_openai_error(_engine_error(out.error))["error"])
+                        err = _engine_error(out.error)
+                        srv.metrics.error(err.kind)
+                        yield chunk([], error=_openai_error(err)["error"])
                         break
                     for c in out.outputs:
                         d = differs.setdefault(c.index, StreamDiffer(prep.plan.parser, prep.reasoning))
@@ -798,6 +804,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, registry=None) -> Fast
     def anthropic_prep(body: dict) -> Prepared:
         if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
             raise ApiError(400, "max_tokens: a required integer field", param="max_tokens", kind="bad_field")
+        if body.get("n") not in (None, 1):
+            raise ApiError(400, "n is not a Messages field (one completion per request)", param="n", kind="bad_field")
         conv = anthropic_conversation(body)
         return srv.prepare_chat(conv, {**body, "stop": body.get("stop_sequences")},
                                 anthropic_tool_choice(body.get("tool_choice")), None, max_tokens_keys=("max_tokens",),
