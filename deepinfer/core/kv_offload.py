@@ -78,6 +78,13 @@ def chain_runs(items: list, max_blocks: int) -> list:
     return runs
 
 
+def _cat(parts: list) -> torch.Tensor:
+    """torch.cat along dim 0, into pinned memory when the parts are pinned (the host tier keeps it as is)."""
+    shape = (sum(len(p) for p in parts), *parts[0].shape[1:])
+    out = torch.empty(shape, dtype=parts[0].dtype, pin_memory=parts[0].is_pinned())
+    return torch.cat(parts, out=out)
+
+
 class BlockMover:
     def __init__(self, views: list, store, device, max_run_bytes: int = MAX_RUN_BYTES,
                  max_run_blocks: int = MAX_RUN_BLOCKS):
@@ -168,8 +175,9 @@ class BlockMover:
                 j = len(joined)
                 joined.append([list(members), [payload]])
             by_last[members[-1]] = j
-        return [(tuple(members), parts[0] if len(parts) == 1 else
-                 {name: torch.cat([p[name] for p in parts]) for name in parts[0]}) for members, parts in joined]
+        return [(tuple(members), parts[0] if len(parts) == 1 else {name: _cat([p[name] for p in parts])
+                                                                   for name in parts[0]})
+                for members, parts in joined]
 
     def find(self, h: bytes) -> Run | None:
         """The run holding block h (evicted before, possibly by another engine), or None."""
