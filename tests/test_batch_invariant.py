@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import subprocess
 import sys
 
@@ -32,7 +31,7 @@ from deepinfer.backends.batch_invariant import UNARY, batch_invariant, cpu_bmm, 
 from deepinfer.backends.reference.invariant_attention import invariant_paged_attention
 from deepinfer.core.inputs import build_inputs
 from deepinfer.testing import oracles, strategies as dst
-from deepinfer.testing.determinism import Output, output_of, run_among
+from deepinfer.testing.determinism import Output, differing, scenario_outputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = (torch.float32, torch.bfloat16)
@@ -205,92 +204,35 @@ def test_invariant_attention_row_alone_and_split_gives_the_same_bits(case, data)
 
 
 # ------------------------------------------------------------------------------------------ the guarantee
-DEMO_VOCAB = 4096
-TARGET_LEN = 200  # > (layers + 1) * window + a block: exact SWA replay can use a prefix hit of the demo model
-
-
-def _llm(recipe, dtype, model=None, **kw):
-    from deepinfer import LLM
-
-    return LLM(model=model, recipe=recipe, dtype=dtype, num_kv_blocks=1024, max_num_seqs=128, **kw)
-
-
-def _target(seed=7, n=TARGET_LEN, vocab=DEMO_VOCAB):
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab) for _ in range(n)]
-
-
-TRAFFIC = dict(max_prompt=40, max_tokens=8)  # the other requests: prompts of 1..40 tokens, 1..8 new tokens
-GREEDY = dict(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
-SEEDED = dict(max_tokens=6, temperature=0.9, top_p=0.95, seed=1234, logprobs=2, ignore_eos=True)
-
-
-def _check_guarantee(recipe, dtype, model=None, vocab=DEMO_VOCAB, others=((1, 127), (9,)), target_len=TARGET_LEN):
-    """The target's outputs in every scenario, greedy (among others[0] random requests) and seeded (others[1]);
-    returns {sampling: {scenario: Output}}."""
-    from deepinfer import SamplingParams
-
-    rng = random.Random(11)
-    target = _target(n=target_len, vocab=vocab)
-    llm = _llm(recipe, dtype, model)
-    chunked = _llm(recipe, dtype, model, max_num_batched_tokens=48)  # the target's prefill in 5 chunks
-    results = {}
-    for (kind, kw), among in zip((("greedy", GREEDY), ("seeded", SEEDED)), others):
-        sp = SamplingParams(**kw)
-        got = {}
-        llm.reset_prefix_cache()
-        got["alone, cold"] = output_of(llm.generate([target], sp, use_tqdm=False)[0])
-        hits = llm.cache_stats().get("hit_tokens", 0)
-        got["alone, prefix hit"] = output_of(llm.generate([target], sp, use_tqdm=False)[0])
-        if recipe == "deterministic":  # the hit must really have happened (else the scenario proves nothing)
-            assert llm.cache_stats()["hit_tokens"] > hits, llm.cache_stats()
-        for n in among:
-            llm.reset_prefix_cache()
-            got[f"among {n}, cold"] = run_among(llm, target, sp, n, None, rng, vocab, **TRAFFIC)
-        got[f"among {among[-1]}, prefix hit"] = run_among(llm, target, sp, among[-1], None, rng, vocab, **TRAFFIC)
-        chunked.reset_prefix_cache()
-        got["chunked prefill, among 3"] = run_among(chunked, target, sp, 3, None, rng, vocab, **TRAFFIC)
-        results[kind] = got
-    return results
-
-
-def _differing(results) -> list:
-    bad = []
-    for kind, got in results.items():
-        base = got["alone, cold"]
-        bad += [f"{kind}: {k}" for k, out in got.items() if not out.same(base)]
-    return bad
-
-
 @pytest.fixture(scope="module")
 def demo_float32():
-    return _check_guarantee("deterministic", "float32")
+    return scenario_outputs("deterministic", "float32", others=((1, 127), (7,)))
 
 
 def test_deterministic_recipe_is_batch_invariant_float32(demo_float32):
-    assert _differing(demo_float32) == [], "the target's output changed with its batch"
+    assert differing(demo_float32) == [], "the target's output changed with its batch"
     assert demo_float32["seeded"]["alone, cold"].token_ids != demo_float32["greedy"]["alone, cold"].token_ids
 
 
 def test_deterministic_recipe_is_batch_invariant_bfloat16():
-    results = _check_guarantee("deterministic", "bfloat16", others=((47,), (4,)))
-    assert _differing(results) == [], "the target's output changed with its batch"
+    results = scenario_outputs("deterministic", "bfloat16", others=((31,), (3,)))
+    assert differing(results) == [], "the target's output changed with its batch"
 
 
 def test_throughput_recipe_fails_the_same_check():
     """Negative: the same scenarios under the throughput recipe do change the target's output."""
-    results = _check_guarantee("throughput", "float32", others=((31,), (3,)))
-    assert _differing(results), "throughput gave identical bits everywhere: the check cannot tell"
+    results = scenario_outputs("throughput", "float32", others=((31,), (3,)))
+    assert differing(results), "throughput gave identical bits everywhere: the check cannot tell"
 
 
 def test_same_bits_after_a_process_restart(demo_float32):
     code = ("import sys; sys.path.insert(0, %r)\n"
             "from deepinfer import LLM, SamplingParams\n"
             "from deepinfer.testing.determinism import output_of\n"
-            "from tests.test_batch_invariant import _target, GREEDY, SEEDED\n"
-            "llm = LLM(recipe='deterministic', dtype='float32', num_kv_blocks=1024, max_num_seqs=128)\n"
+            "from deepinfer.testing.determinism import GREEDY, SEEDED, scenario_llm, target_prompt\n"
+            "llm = scenario_llm('deterministic', 'float32', 'cpu')\n"
             "for kw in (GREEDY, SEEDED):\n"
-            "    print(output_of(llm.generate([_target()], SamplingParams(**kw), use_tqdm=False)[0]).to_json())\n"
+            "    print(output_of(llm.generate([target_prompt()], SamplingParams(**kw), use_tqdm=False)[0]).to_json())\n"
             % ROOT)
     env = {**os.environ, "PYTHONPATH": ROOT, "DEEPINFER_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
@@ -315,6 +257,6 @@ def test_tiny_llama_is_batch_invariant(tmp_path):
 
     build_tiny_hf_model(tmp_path, "llama", vocab_size=300)
     for dtype in ("float32", "bfloat16"):
-        results = _check_guarantee("deterministic", dtype, model=str(tmp_path), vocab=250, others=((40,), (5,)),
+        results = scenario_outputs("deterministic", dtype, model=str(tmp_path), vocab=250, others=((40,), (5,)),
                                    target_len=70)
-        assert _differing(results) == [], dtype
+        assert differing(results) == [], dtype

@@ -159,3 +159,14 @@ def test_kernels_compile_for_hopper():
     report = run_compile_script(_COMPILE_SCRIPT)
     assert len(report) == 2 * (3 + 1 + 2)
     assert report["mm_bf16_4096_False"] == 64 and report["mm_bf16_16384_False"] == 128
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_deterministic_recipe_on_the_nvidia_backend(dtype):
+    """The guarantee on CUDA (the nvidia backend's invariant paths, CUDA graphs and overlap as the recipe sets
+    them): the CED demo's target alone, among 1 and 127 random requests, chunked, with a prefix hit, seeded."""
+    from deepinfer.testing.determinism import differing, scenario_outputs
+
+    results = scenario_outputs("deterministic", dtype, device="cuda", others=((1, 127), (15,)))
+    assert differing(results) == [], "the target's output changed with its batch on the nvidia backend"

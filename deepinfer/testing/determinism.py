@@ -1,5 +1,8 @@
-"""The batch-invariance check, shared by tests/test_batch_invariant.py and the GPU scripts: one target request
-run among random traffic, its output reduced to what must be bitwise equal (tokens and per-step logprobs).
+"""The batch-invariance check, shared by tests/test_batch_invariant.py and the GPU tests and scripts: one target
+request run among random traffic, its output reduced to what must be bitwise equal (tokens and per-step
+logprobs), and ``scenario_outputs``: the target alone (cold, then a prefix hit), among N random requests at a
+random position (cold, and with a hit), and with chunked prefill, greedy and seeded; ``differing`` names the
+scenarios whose output is not the cold run's.
 
 ``Output`` holds the target's token ids and a float tensor of its per-step logprobs (the chosen token's, then
 every entry in rank order, +inf padding; their token ids alongside); two runs agree when ``same`` holds (torch.equal on
@@ -91,3 +94,60 @@ def run_among(llm, target_prompt, target_params: SamplingParams, others: int, po
     prompts.insert(pos, list(target_prompt))
     params.insert(pos, target_params)
     return output_of(llm.generate(prompts, params, use_tqdm=False)[pos])
+
+
+DEMO_VOCAB = 4096
+TARGET_LEN = 200  # > (layers + 1) * window + a block: exact SWA replay can use a prefix hit of the demo model
+TRAFFIC = dict(max_prompt=40, max_tokens=8)  # the other requests: prompts of 1..40 tokens, 1..8 new tokens
+GREEDY = dict(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
+SEEDED = dict(max_tokens=6, temperature=0.9, top_p=0.95, seed=1234, logprobs=2, ignore_eos=True)
+
+
+def target_prompt(seed: int = 7, n: int = TARGET_LEN, vocab: int = DEMO_VOCAB) -> list:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def scenario_llm(recipe: str, dtype: str, device: str = "cpu", model=None, **kw):
+    """The engine the scenarios run on: ``model`` (None: the bundled demo), 128 sequences, 1024 KV blocks."""
+    from .. import LLM
+
+    return LLM(model=model, recipe=recipe, dtype=dtype, device=device, num_kv_blocks=1024, max_num_seqs=128, **kw)
+
+
+def scenario_outputs(recipe: str, dtype: str, model=None, vocab: int = DEMO_VOCAB, others=((1, 127), (9,)),
+                     target_len: int = TARGET_LEN, device: str = "cpu") -> dict:
+    """{"greedy" | "seeded": {scenario: Output}}: the target (``target_prompt``) greedy among others[0] random
+    requests, seeded among others[1]. With the deterministic recipe the prefix-hit scenarios must really hit
+    (asserted: else they would prove nothing)."""
+    rng = random.Random(11)
+    target = target_prompt(n=target_len, vocab=vocab)
+    llm = scenario_llm(recipe, dtype, device, model)
+    chunked = scenario_llm(recipe, dtype, device, model, max_num_batched_tokens=48)  # the target's prefill in chunks
+    results = {}
+    for (kind, kw), among in zip((("greedy", GREEDY), ("seeded", SEEDED)), others):
+        sp = SamplingParams(**kw)
+        got = {}
+        llm.reset_prefix_cache()
+        got["alone, cold"] = output_of(llm.generate([target], sp, use_tqdm=False)[0])
+        hits = llm.cache_stats().get("hit_tokens", 0)
+        got["alone, prefix hit"] = output_of(llm.generate([target], sp, use_tqdm=False)[0])
+        if recipe == "deterministic":
+            assert llm.cache_stats()["hit_tokens"] > hits, f"no prefix hit happened: {llm.cache_stats()}"
+        for n in among:
+            llm.reset_prefix_cache()
+            got[f"among {n}, cold"] = run_among(llm, target, sp, n, None, rng, vocab, **TRAFFIC)
+        got[f"among {among[-1]}, prefix hit"] = run_among(llm, target, sp, among[-1], None, rng, vocab, **TRAFFIC)
+        chunked.reset_prefix_cache()
+        got["chunked prefill, among 3"] = run_among(chunked, target, sp, 3, None, rng, vocab, **TRAFFIC)
+        results[kind] = got
+    return results
+
+
+def differing(results: dict) -> list:
+    """The scenarios of ``scenario_outputs`` whose output is not bitwise the cold run's alone, as "kind: name"."""
+    bad = []
+    for kind, got in results.items():
+        base = got["alone, cold"]
+        bad += [f"{kind}: {k}" for k, out in got.items() if not out.same(base)]
+    return bad
