@@ -238,12 +238,11 @@ class BlockMover:
             idx = index.get((rows, t.device))
             if idx is None:
                 idx = index[rows, t.device] = self._index(blocks, rows, t.device)
-            dst = t.movedim(dim, 0)
             parts = [p[name][s:s + n].flatten(0, 1) for p, s, n in cut]  # [n*rows, ...] each
             if not cuda:
                 at = 0
-                for part in parts:
-                    dst.index_copy_(0, idx[at:at + len(part)], part)
+                for part in parts:  # the rows go back to the view's block dim
+                    t.index_copy_(dim, idx[at:at + len(part)], part.movedim(0, dim))
                     at += len(part)
                 continue
             if len(parts) == 1:
@@ -254,7 +253,7 @@ class BlockMover:
                 for part in parts:
                     data[at:at + len(part)].copy_(part, non_blocking=True)
                     at += len(part)
-            dst.index_copy_(0, idx, data)
+            t.index_copy_(dim, idx, data.movedim(0, dim))
         self.loaded += len(blocks)
 
 
