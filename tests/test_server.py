@@ -329,12 +329,16 @@ def _post(server, path, body, key=KEY, raw=None):
      400, None),
     ("/v1/chat/completions", {"model": MODEL, "messages": HI, "tool_choice": "required"}, 400, "tool_choice"),
     ("/v1/responses", {"model": MODEL, "input": 5}, 400, "input"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**6]}, 400, "prompt"),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": HI, "n": 2}, 400, None),
 ])
 def test_bad_requests_openai_shape(server, path, body, status, param):
     r = _post(server, path, body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"] and (param is None or err["param"] == param)
+    if path == "/v1/messages":
+        assert r.json()["type"] == "error"
 
 
 def test_bad_requests_anthropic_shape_and_auth(server, ant):

@@ -492,15 +492,17 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, registry=None) -> Fast
             raise ApiError(400, f"logprobs={lp!r} is invalid: must be an integer >= 0", param="logprobs",
                            kind="bad_field")
         structured = response_format(body.get("response_format"), compact=settings.json_compact)
+        vocab = engine.engine.model.vocab_size
         preps = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 ids, text = srv.encode_prompt(p), p
-            elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) and p:
+            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                   for t in p):
                 ids, text = list(p), None
             else:
-                raise ApiError(400, f"prompt[{i}] must be a string or a non-empty list of token ids", param="prompt",
-                               kind="bad_field")
+                raise ApiError(400, f"prompt[{i}] must be a string or a non-empty list of token ids in [0, {vocab})",
+                               param="prompt", kind="bad_field")
             srv.check_prompt_len(len(ids), "prompt")
             params = sampling_params(body, len(ids), srv.limits, default_max_tokens=16, logprobs=lp,
                                      structured=structured)
