@@ -163,13 +163,13 @@ def test_a_run_already_held_is_not_written_again_and_a_new_tail_is_its_own_run(t
     rig.serve(a)
     rig.evict()
     files = sorted(tmp_path.rglob("*.kvb"))
-    stamps = [f.stat().st_ino for f in files]
+    inodes = [f.stat().st_ino for f in files]
     assert rig.serve(a) and rig.cache.summary()["tier_hit_blocks"] == 10
     c = a[:8] + list(range(300, 313))  # 4 blocks shared, then 6 new ones (21 tokens: 10 blocks)
     assert len(rig.serve(c)) == 4
     rig.evict()  # a's blocks again (held: stamped, not rewritten) and c's 6 new blocks: one new run
     now = sorted(tmp_path.rglob("*.kvb"))
-    assert len(now) == 2 and [f.stat().st_ino for f in now if f in files] == stamps
+    assert len(now) == 2 and [f.stat().st_ino for f in now if f in files] == inodes
     restarted = Rig(num_blocks=16, host_bytes=None, directory=str(tmp_path))
     assert len(restarted.serve(c)) == 10 and len(restarted.serve(a)) == 10
 
