@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import sys
-import typing
 
 import attrs
 
@@ -109,7 +108,7 @@ def cmd_serve(args) -> int:
     from ..cli import UsageError, _threads
 
     try:
-        import fastapi  # noqa: F401
+        import fastapi  # noqa: F401  (the app is built on it)
         import uvicorn
     except ImportError as exc:  # pragma: no cover - they are dependencies of the package
         raise UsageError(f"deepinfer serve needs fastapi and uvicorn ({exc}); pip install fastapi uvicorn") from None

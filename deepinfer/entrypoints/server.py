@@ -1,5 +1,7 @@
-"""The HTTP server: OpenAI Completions, Chat Completions and Responses, Anthropic Messages, and the utility
-routes, over one AsyncLLM (``deepinfer serve``; ``build_app`` for use from Python).
+"""The HTTP server over one AsyncLLM (``deepinfer serve``; ``build_app`` for use from Python): the plumbing every
+route shares (errors in each protocol's shape, the API key, body limits, the model check, turning a request
+into a started generation) and the utility routes. The protocols' routes are in openai_routes.py (Completions,
+Chat Completions, Responses) and anthropic_routes.py (Messages); streaming.py turns outputs into stream events.
 
 Every request is converted into a Conversation (conversation.py) or a plain prompt, rendered by the chat
 template, tokenized here (so its length is checked before it reaches the engine) and run by AsyncLLM. Errors
@@ -18,21 +20,18 @@ import json
 import logging
 import secrets
 import time
-import uuid
 from typing import Optional
 
 import attrs
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from .. import __version__
 from .async_llm import AsyncLLM
-from .conversation import Conversation, ConversionError, new_call_id, render
+from .conversation import Conversation, ConversionError, render
 from .metrics import RequestTimer, ServerMetrics
-from .parsers import StreamDiffer, _partial_tag_len, choose_parser, parse_output
-from .protocols import (Limits, ToolPlan, anthropic_conversation, anthropic_tool_choice, chat_conversation,
-                        openai_tool_choice, param_of, response_format, responses_conversation, sampling_params,
-                        tool_plan)
+from .parsers import choose_parser
+from .protocols import Limits, ToolPlan, chat_conversation, param_of, sampling_params, tool_plan
 
 log = logging.getLogger(__name__)
 
@@ -62,82 +61,17 @@ class ServerSettings:
     json_compact: bool = False  # response_format JSON without free whitespace (--disable-any-whitespace)
 
 
-def _openai_error(e: ApiError) -> dict:
+def openai_error(e: ApiError) -> dict:
     return {"error": {"message": e.message, "type": OPENAI_TYPES.get(e.status, "invalid_request_error"),
                       "param": e.param, "code": e.code or e.status}}
 
 
-def _anthropic_error(e: ApiError) -> dict:
+def anthropic_error(e: ApiError) -> dict:
     return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(e.status, "api_error"), "message": e.message}}
 
 
 def _is_anthropic(path: str) -> bool:
     return path.startswith("/v1/messages")
-
-
-def sse(data, event: Optional[str] = None) -> str:
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return (f"event: {event}\n" if event else "") + f"data: {text}\n\n"
-
-
-def _finish(c) -> str:
-    return {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}.get(c.finish_reason or "", "stop")
-
-
-def _token_str(tokenizer, tid: int, lp) -> str:
-    s = lp.decoded_token if lp is not None and lp.decoded_token is not None else None
-    return s if s is not None else tokenizer.decode([tid], skip_special_tokens=False)
-
-
-def _bytes(s: str) -> list:
-    return list(s.encode("utf-8"))
-
-
-def chat_logprobs(tokenizer, token_ids, entries, top: int) -> Optional[dict]:
-    if entries is None:
-        return None
-    content = []
-    for tid, d in zip(token_ids, entries):
-        lp = d.get(tid)
-        tok = _token_str(tokenizer, tid, lp)
-        tops = sorted(d.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))[:top]
-        content.append({"token": tok, "logprob": lp.logprob if lp else None, "bytes": _bytes(tok),
-                        "top_logprobs": [{"token": _token_str(tokenizer, t, v), "logprob": v.logprob,
-                                          "bytes": _bytes(_token_str(tokenizer, t, v))} for t, v in tops]})
-    return {"content": content}
-
-
-def completion_logprobs(tokenizer, token_ids, entries, top: int, offset0: int = 0) -> Optional[dict]:
-    if entries is None:
-        return None
-    tokens, lps, tops, offsets, off = [], [], [], [], offset0
-    for tid, d in zip(token_ids, entries):
-        lp = d.get(tid)
-        tok = _token_str(tokenizer, tid, lp)
-        tokens.append(tok)
-        lps.append(lp.logprob if lp else None)
-        best = sorted(d.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0))[:top]
-        tops.append({_token_str(tokenizer, t, v): v.logprob for t, v in best})
-        offsets.append(off)
-        off += len(tok)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _usage_openai(out_list) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in out_list)
-    gen = sum(len(c.token_ids) for o in out_list for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in out_list)
-    return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _stop_hold(text: str, stops) -> str:
-    """Text safe to send while streaming: a tail that may be the start of a stop string is held back."""
-    if not stops:
-        return text
-    k = _partial_tag_len(text, stops)
-    return text[:len(text) - k] if k else text
-
 
 @attrs.define
 class Prepared:
@@ -146,57 +80,6 @@ class Prepared:
     params: object
     plan: ToolPlan
     reasoning: object
-
-
-class Blocks:
-    """Parse events of one choice -> output blocks in order (reasoning, text, tool calls), each opened, grown
-    and closed: what Responses calls output items and Anthropic content blocks."""
-
-    def __init__(self):
-        self.index = -1
-        self.open: Optional[str] = None  # kind of the open block
-        self.call_block: dict = {}  # tool call index -> block index
-        self.blocks: list = []  # [kind, meta, text]
-
-    def feed(self, events) -> list:
-        out = []
-        for ev in events:
-            kind = ev[0]
-            if kind in ("reasoning", "content"):
-                want = "reasoning" if kind == "reasoning" else "text"
-                if self.open != want:
-                    out += self._close()
-                    out += self._open(want, {})
-                self.blocks[self.index][2] += ev[1]
-                out.append(("delta", self.index, want, ev[1]))
-            elif kind == "tool_start":
-                out += self._close()
-                out += self._open("tool", {"name": ev[2], "id": new_call_id(), "call": ev[1]})
-                self.call_block[ev[1]] = self.index
-            elif kind == "tool_args":
-                b = self.call_block[ev[1]]
-                self.blocks[b][2] += ev[2]
-                out.append(("delta", b, "tool", ev[2]))
-            elif kind == "tool_end":
-                if self.open == "tool" and self.call_block.get(ev[1]) == self.index:
-                    out += self._close()
-        return out
-
-    def finish(self) -> list:
-        return self._close()
-
-    def _open(self, kind, meta) -> list:
-        self.index += 1
-        self.open = kind
-        self.blocks.append([kind, meta, ""])
-        return [("open", self.index, kind, meta)]
-
-    def _close(self) -> list:
-        if self.open is None:
-            return []
-        kind, self.open = self.open, None
-        return [("close", self.index, kind)]
-
 
 class Server:
     def __init__(self, engine: AsyncLLM, settings: ServerSettings, registry=None):
@@ -218,7 +101,7 @@ class Server:
 
     def error_response(self, path: str, e: ApiError) -> JSONResponse:
         self.metrics.error(e.kind)
-        body = _anthropic_error(e) if _is_anthropic(path) else _openai_error(e)
+        body = anthropic_error(e) if _is_anthropic(path) else openai_error(e)
         return JSONResponse(body, status_code=e.status)
 
     def check_auth(self, request: Request) -> None:
@@ -296,15 +179,15 @@ class Server:
         agen = self.engine.generate({"prompt_token_ids": prep.prompt_ids, "prompt": prep.prompt_text}, prep.params,
                                     stream=stream)
         timer = RequestTimer(self.metrics)
-        first = await _race_disconnect(request, agen.__anext__())
+        first = await race_disconnect(request, agen.__anext__())
         timer.observe(first)
         if first.error and not any(c.token_ids for c in first.outputs):
             await agen.aclose()
-            raise _engine_error(first.error)
+            raise engine_error(first.error)
         return first, agen, timer
 
 
-def _engine_error(message: str) -> ApiError:
+def engine_error(message: str) -> ApiError:
     """An engine failure as an HTTP error: a ValueError at admission is the request's fault (400)."""
     bad = message.startswith(("ValueError", "PluginError", "KeyError", "TypeError", "SchemaError")) \
         or "structured outputs: " in message  # a grammar that fails to compile (the constrain stage says so)
@@ -316,7 +199,7 @@ class _Disconnected(Exception):
     pass
 
 
-async def _race_disconnect(request: Request, awaitable):
+async def race_disconnect(request: Request, awaitable):
     """Await ``awaitable`` unless the client disconnects first (then cancel it, which aborts its request)."""
     task = asyncio.ensure_future(awaitable)
 
@@ -344,7 +227,7 @@ async def _race_disconnect(request: Request, awaitable):
     raise _Disconnected()
 
 
-async def _drain(agen, first, timer, request=None):
+async def drain(agen, first, timer, request=None):
     """The final output of a non-streaming request."""
     out = first
     if out.finished:
@@ -357,36 +240,7 @@ async def _drain(agen, first, timer, request=None):
             last = o
         return last
 
-    return await (_race_disconnect(request, rest()) if request is not None else rest())
-
-
-async def block_stream(first, agen, timer, prep: Prepared, endpoint: str):
-    """One choice's outputs as block events: ("blocks", events, blocks), then ("done", out, blocks) or
-    ("error", ApiError). Shared by the protocols that stream output items / content blocks."""
-    blocks = Blocks()
-    d = StreamDiffer(prep.plan.parser, prep.reasoning)
-    stops = prep.params.stop
-    out = first
-    while True:
-        if out.error:
-            err = _engine_error(out.error)
-            timer.m.error(err.kind)
-            yield "error", err, blocks
-            return
-        c = out.outputs[0]
-        final = bool(c.finish_reason)
-        evs = blocks.feed(d.update(c.text if final else _stop_hold(c.text, stops), final=final))
-        if final:
-            evs += blocks.finish()
-        if evs:
-            yield "blocks", evs, blocks
-        if out.finished:
-            timer.finish(out, endpoint)
-            yield "done", out, blocks
-            return
-        out = await agen.__anext__()
-        timer.observe(out)
-
+    return await (race_disconnect(request, rest()) if request is not None else rest())
 
 def build_app(engine: AsyncLLM, settings: ServerSettings, registry=None) -> FastAPI:
     srv = Server(engine, settings, registry)
@@ -469,464 +323,10 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, registry=None) -> Fast
             raise ApiError(400, f"tokens must be a list of token ids in [0, {vocab})", param="tokens",
                            kind="bad_field")
         return {"prompt": srv.tokenizer.decode(toks, skip_special_tokens=False)}
+    from . import anthropic_routes, openai_routes
 
-    # --- /v1/completions -----------------------------------------------------------------------------------
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await srv.read_json(request)
-        srv.check_model(body)
-        for name in ("echo", "suffix"):
-            if body.get(name):
-                raise ApiError(400, f"{name} is not supported by this server", param=name, kind="bad_field")
-        if body.get("best_of") not in (None, body.get("n", 1)):
-            raise ApiError(400, "best_of other than n is not supported", param="best_of", kind="bad_field")
-        prompts = body.get("prompt")
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, list) or not prompts:
-            raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of those",
-                           param="prompt", kind="bad_field")
-        lp = body.get("logprobs")
-        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or lp < 0):
-            raise ApiError(400, f"logprobs={lp!r} is invalid: must be an integer >= 0", param="logprobs",
-                           kind="bad_field")
-        structured = response_format(body.get("response_format"), compact=settings.json_compact)
-        vocab = engine.engine.model.vocab_size
-        preps = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                ids, text = srv.encode_prompt(p), p
-            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                                   for t in p):
-                ids, text = list(p), None
-            else:
-                raise ApiError(400, f"prompt[{i}] must be a string or a non-empty list of token ids in [0, {vocab})",
-                               param="prompt", kind="bad_field")
-            srv.check_prompt_len(len(ids), "prompt")
-            params = sampling_params(body, len(ids), srv.limits, default_max_tokens=16, logprobs=lp,
-                                     structured=structured)
-            preps.append(Prepared(ids, text, params, ToolPlan(), None))
-        stream = body.get("stream") is True
-        include_usage = stream and isinstance(body.get("stream_options"), dict) and \
-            body["stream_options"].get("include_usage") is True
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        started = [await srv.run(request, p, stream) for p in preps]
-        n = preps[0].params.n
-
-        def choice_index(i, c):
-            return i * n + c.index
-
-        if not stream:
-            finals = [await _drain(agen, first, timer, request) for first, agen, timer in started]
-            choices = []
-            for i, out in enumerate(finals):
-                if out.error:
-                    raise _engine_error(out.error)
-                started[i][2].finish(out, "completions")
-                for c in out.outputs:
-                    choices.append({"index": choice_index(i, c), "text": c.text, "finish_reason": _finish(c),
-                                    "stop_reason": c.stop_reason if c.stop_reason is not None else None,
-                                    "logprobs": completion_logprobs(srv.tokenizer, c.token_ids, c.logprobs, lp or 0)})
-            return {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
-                    "choices": sorted(choices, key=lambda x: x["index"]), "usage": _usage_openai(finals)}
-
-        stops = preps[0].params.stop
-
-        async def events():
-            sent: dict = {}
-            finals: dict = {}
-            try:
-                async for i, out in _merge(started):
-                    if out.error:
-                        err = _engine_error(out.error)
-                        srv.metrics.error(err.kind)
-                        yield sse(_openai_error(err))
-                        break
-                    for c in out.outputs:
-                        key = choice_index(i, c)
-                        text, ntok = sent.get(key, ("", 0))
-                        full = c.text if c.finish_reason else _stop_hold(c.text, stops)
-                        delta = full[len(text):] if full.startswith(text) else ""
-                        new_tok = c.token_ids[ntok:]
-                        if not delta and not c.finish_reason and not new_tok:
-                            continue
-                        lps = completion_logprobs(srv.tokenizer, new_tok, (c.logprobs or [])[ntok:] if c.logprobs
-                                                  else None, lp or 0, len(text))
-                        sent[key] = (text + delta, len(c.token_ids))
-                        yield sse({"id": rid, "object": "text_completion", "created": created,
-                                   "model": settings.model_name,
-                                   "choices": [{"index": key, "text": delta, "logprobs": lps,
-                                                "finish_reason": _finish(c) if c.finish_reason else None}]})
-                    if out.finished:
-                        finals[i] = out
-                        started[i][2].finish(out, "completions")
-                if include_usage and len(finals) == len(started):
-                    yield sse({"id": rid, "object": "text_completion", "created": created,
-                               "model": settings.model_name, "choices": [],
-                               "usage": _usage_openai(list(finals.values()))})
-                yield sse("[DONE]")
-            finally:
-                for _, agen, _t in started:
-                    await agen.aclose()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    # --- /v1/chat/completions ------------------------------------------------------------------------------
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await srv.read_json(request)
-        srv.check_model(body)
-        conv = chat_conversation(body)
-        lp = body.get("logprobs")
-        top = body.get("top_logprobs")
-        if lp is not None and not isinstance(lp, bool):
-            raise ApiError(400, f"logprobs={lp!r} is invalid: must be a boolean", param="logprobs", kind="bad_field")
-        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or top < 0):
-            raise ApiError(400, f"top_logprobs={top!r} is invalid: must be an integer >= 0", param="top_logprobs",
-                           kind="bad_field")
-        if top and not lp:
-            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs", kind="bad_field")
-        structured = response_format(body.get("response_format"), compact=settings.json_compact)
-        prep = srv.prepare_chat(conv, body, openai_tool_choice(body.get("tool_choice")), structured,
-                                max_tokens_keys=("max_completion_tokens", "max_tokens"),
-                                logprobs=(top or 0) if lp else None)
-        stream = body.get("stream") is True
-        include_usage = stream and isinstance(body.get("stream_options"), dict) and \
-            body["stream_options"].get("include_usage") is True
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        first, agen, timer = await srv.run(request, prep, stream)
-        top = top or 0
-
-        if not stream:
-            out = await _drain(agen, first, timer, request)
-            if out.error:
-                raise _engine_error(out.error)
-            timer.finish(out, "chat")
-            choices = []
-            for c in out.outputs:
-                parsed = parse_output(c.text, prep.plan.parser, prep.reasoning, final=True)
-                calls = [k for k in parsed.calls if k.name is not None and (k.complete or prep.plan.mode == "auto")]
-                msg = {"role": "assistant", "content": parsed.content if (parsed.content or not calls) else None}
-                if parsed.reasoning:
-                    msg["reasoning_content"] = parsed.reasoning
-                if calls:
-                    msg["tool_calls"] = [{"id": new_call_id(), "type": "function",
-                                          "function": {"name": k.name, "arguments": k.arguments}} for k in calls]
-                finish = "tool_calls" if calls and c.finish_reason == "stop" else _finish(c)
-                choices.append({"index": c.index, "message": msg, "finish_reason": finish,
-                                "stop_reason": c.stop_reason,
-                                "logprobs": chat_logprobs(srv.tokenizer, c.token_ids, c.logprobs, top) if lp else None})
-            return {"id": rid, "object": "chat.completion", "created": created, "model": settings.model_name,
-                    "choices": choices, "usage": _usage_openai([out])}
-
-        stops = prep.params.stop
-
-        def chunk(choices, **extra):
-            return sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                        "model": settings.model_name, "choices": choices, **extra})
-
-        async def events():
-            differs = {}
-            sent: dict = {}
-            ids: dict = {}
-            out = first
-            try:
-                for c in out.outputs:
-                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None}])
-                while True:
-                    if out.error:
-                        err = _engine_error(out.error)
-                        srv.metrics.error(err.kind)
-                        yield chunk([], error=_openai_error(err)["error"])
-                        break
-                    for c in out.outputs:
-                        d = differs.setdefault(c.index, StreamDiffer(prep.plan.parser, prep.reasoning))
-                        text = c.text if c.finish_reason else _stop_hold(c.text, stops)
-                        evs = d.update(text, final=bool(c.finish_reason))
-                        ntok = sent.get(c.index, 0)
-                        new_tok = c.token_ids[ntok:]
-                        sent[c.index] = len(c.token_ids)
-                        lps = chat_logprobs(srv.tokenizer, new_tok, (c.logprobs or [])[ntok:], top) \
-                            if lp and c.logprobs else None
-                        delta: dict = {}
-                        for ev in evs:
-                            if ev[0] == "content":
-                                delta["content"] = delta.get("content", "") + ev[1]
-                            elif ev[0] == "reasoning":
-                                delta["reasoning_content"] = delta.get("reasoning_content", "") + ev[1]
-                            elif ev[0] == "tool_start":
-                                ids[(c.index, ev[1])] = new_call_id()
-                                delta.setdefault("tool_calls", []).append(
-                                    {"index": ev[1], "id": ids[(c.index, ev[1])], "type": "function",
-                                     "function": {"name": ev[2], "arguments": ""}})
-                            elif ev[0] == "tool_args":
-                                delta.setdefault("tool_calls", []).append(
-                                    {"index": ev[1], "function": {"arguments": ev[2]}})
-                        if delta or lps:
-                            yield chunk([{"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": None}])
-                        if c.finish_reason:
-                            finish = "tool_calls" if d.started and c.finish_reason == "stop" else _finish(c)
-                            yield chunk([{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish,
-                                          "stop_reason": c.stop_reason}])
-                    if out.finished:
-                        timer.finish(out, "chat")
-                        if include_usage:
-                            yield chunk([], usage=_usage_openai([out]))
-                        break
-                    out = await agen.__anext__()
-                    timer.observe(out)
-                yield sse("[DONE]")
-            finally:
-                await agen.aclose()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    # --- /v1/responses -------------------------------------------------------------------------------------
-
-    @app.post("/v1/responses")
-    async def responses(request: Request):
-        body = await srv.read_json(request)
-        srv.check_model(body)
-        if body.get("previous_response_id"):
-            raise ApiError(400, "previous_response_id is not supported: this server stores no responses; send the "
-                                "whole conversation in input", param="previous_response_id", kind="bad_field")
-        conv = responses_conversation(body)
-        text_cfg = body.get("text") if isinstance(body.get("text"), dict) else {}
-        structured = response_format(text_cfg.get("format"), "text.format", compact=settings.json_compact)
-        if body.get("n") not in (None, 1):
-            raise ApiError(400, "n is not a Responses field", param="n", kind="bad_field")
-        prep = srv.prepare_chat(conv, body, openai_tool_choice(body.get("tool_choice")), structured,
-                                max_tokens_keys=("max_output_tokens",))
-        stream = body.get("stream") is True
-        rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
-        first, agen, timer = await srv.run(request, prep, stream)
-
-        def response_obj(status, output, out=None):
-            usage = None
-            if out is not None:
-                u = _usage_openai([out])
-                usage = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
-                         "total_tokens": u["total_tokens"],
-                         "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
-                         "output_tokens_details": {"reasoning_tokens": 0}}
-            c = out.outputs[0] if out is not None else None
-            incomplete = {"reason": "max_output_tokens"} if c is not None and c.finish_reason == "length" else None
-            return {"id": rid, "object": "response", "created_at": created, "model": settings.model_name,
-                    "status": "incomplete" if incomplete else status, "incomplete_details": incomplete,
-                    "output": output, "usage": usage, "error": None, "instructions": body.get("instructions"),
-                    "metadata": body.get("metadata") or {}, "parallel_tool_calls": True,
-                    "temperature": prep.params.temperature, "top_p": prep.params.top_p,
-                    "max_output_tokens": body.get("max_output_tokens"),
-                    "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-                    "text": {"format": text_cfg.get("format") or {"type": "text"}}}
-
-        def item_of(kind, meta, text, idx, done=True):
-            status = "completed" if done else "in_progress"
-            if kind == "reasoning":
-                return {"type": "reasoning", "id": f"rs_{rid}_{idx}", "summary": [],
-                        "content": [{"type": "reasoning_text", "text": text}], "status": status}
-            if kind == "text":
-                return {"type": "message", "id": f"msg_{rid}_{idx}", "role": "assistant", "status": status,
-                        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-                        if done else []}
-            return {"type": "function_call", "id": f"fc_{rid}_{idx}", "call_id": meta["id"], "name": meta["name"],
-                    "arguments": text, "status": status}
-
-        if not stream:
-            out = await _drain(agen, first, timer, request)
-            if out.error:
-                raise _engine_error(out.error)
-            timer.finish(out, "responses")
-            c = out.outputs[0]
-            blocks = Blocks()
-            d = StreamDiffer(prep.plan.parser, prep.reasoning)
-            blocks.feed(d.update(c.text, final=True))
-            blocks.finish()
-            return response_obj("completed", [item_of(k, m, t, i) for i, (k, m, t) in enumerate(blocks.blocks)], out)
-
-        async def events():
-            seq = 0
-
-            def ev(kind, **data):
-                nonlocal seq
-                seq += 1
-                return sse({"type": kind, "sequence_number": seq - 1, **data}, event=kind)
-
-            try:
-                yield ev("response.created", response=response_obj("in_progress", []))
-                yield ev("response.in_progress", response=response_obj("in_progress", []))
-                async for what, x, blocks in block_stream(first, agen, timer, prep, "responses"):
-                    if what == "error":
-                        yield ev("error", code=str(x.status), message=x.message, param=x.param)
-                    elif what == "done":
-                        items = [item_of(k, m, t, i) for i, (k, m, t) in enumerate(blocks.blocks)]
-                        resp = response_obj("completed", items, x)
-                        yield ev("response.incomplete" if resp["status"] == "incomplete" else "response.completed",
-                                 response=resp)
-                    for e in x if what == "blocks" else ():
-                        i = e[1]
-                        kind, meta, text = blocks.blocks[i]
-                        item_id = item_of(kind, meta, "", i)["id"]
-                        if e[0] == "open":
-                            yield ev("response.output_item.added", output_index=i,
-                                     item=item_of(kind, meta, "", i, done=False))
-                            if kind == "text":
-                                yield ev("response.content_part.added", item_id=item_id, output_index=i,
-                                         content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-                        elif e[0] == "delta":
-                            name = {"text": "response.output_text.delta", "reasoning": "response.reasoning_text.delta",
-                                    "tool": "response.function_call_arguments.delta"}[kind]
-                            extra = {"content_index": 0, "logprobs": []} if kind == "text" else \
-                                {"content_index": 0} if kind == "reasoning" else {}
-                            yield ev(name, item_id=item_id, output_index=i, delta=e[3], **extra)
-                        else:
-                            if kind == "text":
-                                yield ev("response.output_text.done", item_id=item_id, output_index=i, content_index=0,
-                                         text=text, logprobs=[])
-                                yield ev("response.content_part.done", item_id=item_id, output_index=i,
-                                         content_index=0, part={"type": "output_text", "text": text,
-                                                                "annotations": []})
-                            elif kind == "reasoning":
-                                yield ev("response.reasoning_text.done", item_id=item_id, output_index=i,
-                                         content_index=0, text=text)
-                            else:
-                                yield ev("response.function_call_arguments.done", item_id=item_id, output_index=i,
-                                         arguments=text, name=meta["name"])
-                            yield ev("response.output_item.done", output_index=i, item=item_of(kind, meta, text, i))
-            finally:
-                await agen.aclose()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    # --- /v1/messages (Anthropic) --------------------------------------------------------------------------
-
-    def anthropic_prep(body: dict) -> Prepared:
-        if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
-            raise ApiError(400, "max_tokens: a required integer field", param="max_tokens", kind="bad_field")
-        if body.get("n") not in (None, 1):
-            raise ApiError(400, "n is not a Messages field (one completion per request)", param="n", kind="bad_field")
-        conv = anthropic_conversation(body)
-        return srv.prepare_chat(conv, {**body, "stop": body.get("stop_sequences")},
-                                anthropic_tool_choice(body.get("tool_choice")), None, max_tokens_keys=("max_tokens",),
-                                max_temperature=1.0)
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request):
-        body = await srv.read_json(request)
-        srv.check_model(body)
-        conv = anthropic_conversation(body)
-        text = render(srv.tokenizer, conv, settings.chat_template)
-        return {"input_tokens": len(srv.encode_prompt(text, add_special_tokens=False))}
-
-    @app.post("/v1/messages")
-    async def messages(request: Request):
-        body = await srv.read_json(request)
-        srv.check_model(body)
-        prep = anthropic_prep(body)
-        stream = body.get("stream") is True
-        mid = f"msg_{uuid.uuid4().hex[:24]}"
-        first, agen, timer = await srv.run(request, prep, stream)
-
-        def stop_reason(c, has_calls):
-            if has_calls and c.finish_reason == "stop":
-                return "tool_use", None
-            if c.finish_reason == "length":
-                return "max_tokens", None
-            if isinstance(c.stop_reason, str):
-                return "stop_sequence", c.stop_reason
-            return "end_turn", None
-
-        def usage(out, final=True):
-            return {"input_tokens": len(out.prompt_token_ids),
-                    "output_tokens": sum(len(c.token_ids) for c in out.outputs) if final else 0,
-                    "cache_read_input_tokens": out.num_cached_tokens, "cache_creation_input_tokens": 0}
-
-        def block_of(kind, meta, text):
-            if kind == "reasoning":
-                return {"type": "thinking", "thinking": text, "signature": ""}
-            if kind == "text":
-                return {"type": "text", "text": text}
-            try:
-                args = json.loads(text) if text else {}
-            except json.JSONDecodeError:
-                args = {}
-            return {"type": "tool_use", "id": "toolu_" + meta["id"].removeprefix("call_"), "name": meta["name"],
-                    "input": args}
-
-        if not stream:
-            out = await _drain(agen, first, timer, request)
-            if out.error:
-                raise _engine_error(out.error)
-            timer.finish(out, "messages")
-            c = out.outputs[0]
-            blocks = Blocks()
-            blocks.feed(StreamDiffer(prep.plan.parser, prep.reasoning).update(c.text, final=True))
-            content = [block_of(k, m, t) for k, m, t in blocks.blocks]
-            reason, seq = stop_reason(c, any(b["type"] == "tool_use" for b in content))
-            return {"id": mid, "type": "message", "role": "assistant", "model": settings.model_name,
-                    "content": content, "stop_reason": reason, "stop_sequence": seq, "usage": usage(out)}
-
-        async def events():
-            try:
-                yield sse({"type": "message_start", "message": {
-                    "id": mid, "type": "message", "role": "assistant", "model": settings.model_name, "content": [],
-                    "stop_reason": None, "stop_sequence": None, "usage": usage(first, final=False)}}, "message_start")
-                async for what, x, blocks in block_stream(first, agen, timer, prep, "messages"):
-                    if what == "error":
-                        yield sse(_anthropic_error(x), "error")
-                    elif what == "done":
-                        c = x.outputs[0]
-                        reason, seq = stop_reason(c, any(b[0] == "tool" for b in blocks.blocks))
-                        yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                   "usage": {"output_tokens": len(c.token_ids)}}, "message_delta")
-                        yield sse({"type": "message_stop"}, "message_stop")
-                    for e in x if what == "blocks" else ():
-                        i = e[1]
-                        kind, meta, _ = blocks.blocks[i]
-                        if e[0] == "open":
-                            start = block_of(kind, meta, "")
-                            yield sse({"type": "content_block_start", "index": i, "content_block": start},
-                                      "content_block_start")
-                        elif e[0] == "delta":
-                            delta = {"text": {"type": "text_delta", "text": e[3]},
-                                     "reasoning": {"type": "thinking_delta", "thinking": e[3]},
-                                     "tool": {"type": "input_json_delta", "partial_json": e[3]}}[kind]
-                            yield sse({"type": "content_block_delta", "index": i, "delta": delta},
-                                      "content_block_delta")
-                        else:
-                            yield sse({"type": "content_block_stop", "index": i}, "content_block_stop")
-            finally:
-                await agen.aclose()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
+    openai_routes.add_routes(app, srv)
+    anthropic_routes.add_routes(app, srv)
     return app
 
 
-async def _merge(started):
-    """(prompt index, output) from several requests' iterators as they arrive, until each has finished."""
-    q: asyncio.Queue = asyncio.Queue()
-    for i, (first, _, _) in enumerate(started):
-        q.put_nowait((i, first))
-
-    async def pump(i, agen, timer, first):
-        if first.finished:
-            return
-        async for o in agen:
-            timer.observe(o)
-            await q.put((i, o))
-
-    tasks = [asyncio.ensure_future(pump(i, agen, timer, first)) for i, (first, agen, timer) in enumerate(started)]
-    finished = 0
-    try:
-        while finished < len(started):
-            i, out = await q.get()
-            finished += bool(out.finished)
-            yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
