@@ -122,3 +122,59 @@ def test_the_demo_drafter_is_small_trained_and_speeds_acceptance():
         assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids, b.outputs[0].logprobs,
                                 NEAR_TIE[dtype])
     assert fast.spec_stats()["acceptance_rate"] > 0.1  # a random drafter: ~0 (test_greedy_dspark_equals_plain...)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dynamic draft lengths (CED.md's scheduler): the greedy admission against a brute-force optimum.
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as hst  # noqa: E402
+
+from deepinfer.core.speculative import StepTime, choose_lengths  # noqa: E402
+
+
+def _survivals():
+    row = hst.lists(hst.floats(0.0, 1.0), min_size=0, max_size=3).map(lambda cs: [
+        float(torch.tensor(cs).cumprod(0)[i]) for i in range(len(cs))])
+    return hst.lists(row, min_size=1, max_size=3)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_survivals(), hst.floats(0.1, 10.0), hst.floats(0.001, 2.0))
+def test_chosen_lengths_are_optimal(survival, a, b):
+    import itertools
+
+    T = lambda n: a + b * n  # noqa: E731
+
+    def value(ks):
+        return sum(1 + sum(s[:k]) for s, k in zip(survival, ks)) / T(sum(1 + k for k in ks))
+
+    best = max(value(ks) for ks in itertools.product(*[range(len(s) + 1) for s in survival]))
+    got = choose_lengths(survival, T)
+    assert all(0 <= k <= len(s) for k, s in zip(got, survival))
+    assert value(got) >= best * (1 - 1e-9)
+
+
+def test_step_time_fits_the_recorded_steps():
+    st = StepTime(prior_s=0.5)
+    assert st(10) == pytest.approx(0.5 + 0.5 / 64 * 10)  # the prior before enough steps
+    for n in range(1, 40, 3):
+        st.record(n, 0.02 + 0.001 * n)
+    assert st.coefficients() == pytest.approx((0.02, 0.001), rel=1e-6)
+
+
+def test_dynamic_dspark_keeps_greedy_output_and_optional_drafters(ced, tmp_path):
+    path, _ = ced
+    ps = [[5, 9, 13, 17, 21, 25, 29, 33], [40, 41, 42, 43, 40, 41, 42]]
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(path, num_kv_blocks=64, block_size=4).generate(ps, sp, use_tqdm=False)]
+    fast = LLM(path, num_kv_blocks=64, block_size=4, speculative_config=spec(dynamic=True))
+    assert [o.outputs[0].token_ids for o in fast.generate(ps, sp, use_tqdm=False)] == plain
+    assert len(fast.engine.step_time.samples) > 0
+    with pytest.raises(ValueError, match="dynamic=True needs a drafter that reports confidences"):
+        LLM(path, num_kv_blocks=64, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                                       "dynamic": True})
+    llama = tmp_path / "llama"
+    build_tiny_hf_model(llama, "llama")
+    llm = LLM(str(llama), num_kv_blocks=64, block_size=4, speculative_config=spec(optional=True))
+    assert llm.spec_stats() == {"enabled": False}  # no drafter for this model: plain decoding

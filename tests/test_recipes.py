@@ -151,8 +151,10 @@ stages = ["tokenize", "prefix_cache", "swa_replay", "prefill", "forward", "verif
     (GOOD + 'backend = "tpu"', r"backend = \"tpu\" is invalid: registered backends: .*reference"),
     (GOOD + '[model]\npool_impl = "sparse"', r"\[model\] pool_impl = \"sparse\" is invalid: expected one of "
                                               r"\"gather\", \"mask\""),
-    (GOOD + '[speculative]\nmethod = "ngram"', r"\[speculative\] method = \"ngram\" is not supported: speculative "
-                                               r"decoding .* not implemented yet"),
+    (GOOD + '[speculative]\nmethod = "ngram"', r"\[speculative\] is invalid: speculative_config lacks "
+                                               r"'num_speculative_tokens'"),
+    (GOOD + '[speculative]\nmethod = "ngram"\nnum_speculative_tokens = 99', r"\[speculative\] is invalid: "
+                                                                          r"speculative_config num_speculative_tokens=99"),
     ('description = "no stages"', r"stages is missing or empty"),
     (GOOD + '[engine]\nenable_prefix_caching = true\n[cache]\nenable_prefix_caching = false',
      r"enable_prefix_caching is set in both \[engine\] and \[cache\]"),
@@ -171,6 +173,13 @@ def test_missing_recipe_file_and_unknown_name(tmp_path):
     with pytest.raises(RecipeError, match="unknown recipe 'fastest'; registered: default, deterministic, latency, "
                                           "reference, throughput; or give a path to a .toml recipe file"):
         Pipeline.from_recipe("fastest")
+
+
+def test_speculative_table_sets_speculative_config(tmp_path):
+    f = write(tmp_path, GOOD + '[speculative]\nmethod = "ngram"\nnum_speculative_tokens = 3\nprompt_lookup_max = 2')
+    assert Pipeline.from_recipe(str(f)).config["speculative_config"] == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    assert Pipeline.from_recipe("throughput").config["speculative_config"]["method"] == "dspark"
 
 
 def test_every_engine_field_but_speculative_is_a_recipe_engine_key(tmp_path):

@@ -21,8 +21,8 @@ from .kv_cache import BlockPool, blocks_needed
 from .kv_offload import block_mover
 from .prefix_cache import PrefixCache
 from .swa_pool import SwaStatePool, wanted as swa_pool_wanted
-from .speculative import (SpecStats, SpeculativeConfig, accept_row, build_drafter, can_speculate, sampling_rows,
-                          wants_hidden)
+from .speculative import (SpecStats, SpeculativeConfig, StepTime, accept_row, build_drafter, can_speculate,
+                          choose_lengths, sampling_rows, wants_hidden)
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
 from .requests import Request, request_output
@@ -70,7 +70,8 @@ class Engine:
         self.kernel_mode = kernel_mode(config.batch_invariant, ops)
         dtype = next(model.parameters()).dtype
         use_graphs = (not config.enforce_eager and self.device.type == "cuda"
-                      and getattr(model, "supports_cuda_graphs", False) and not wants_hidden(pipeline, config))
+                      and getattr(model, "supports_cuda_graphs", False)
+                      and not wants_hidden(pipeline, config, model, model_path))
         # With CUDA graphs one extra block is scratch space for the padded rows of a captured batch.
         self.kv_cache = model.allocate_kv_cache((num_blocks + use_graphs) * config.block_size, dtype, self.device,
                                                 block_size=config.block_size, max_seqs=config.max_num_seqs)
@@ -136,10 +137,16 @@ class Engine:
         self._jumpers = [st for st in step_stages if hasattr(st, "jump_forward")]
         # Speculative decoding (core/speculative.py): the drafter, and no overlap (drafting reads the last token).
         self.spec = SpeculativeConfig.parse(config.speculative_config)
-        self.drafter, self.spec_stats = None, SpecStats()
+        self.drafter, self.spec_stats, self.step_time = None, SpecStats(), StepTime()
         if self.spec is not None:
-            self.drafter = build_drafter(pipeline.registry, self.spec, context, model)
-            self.overlap = False
+            try:
+                self.drafter = build_drafter(pipeline.registry, self.spec, context, model)
+                self.overlap = False
+            except (ValueError, FileNotFoundError) as exc:
+                if not self.spec.optional:
+                    raise
+                log.info("speculative decoding off (optional %r drafter unavailable: %s)", self.spec.method, exc)
+                self.spec = None
 
     # Admission.
     def add_request(self, request_id: str, prompt, params: SamplingParams, stream: bool = False,
@@ -229,6 +236,7 @@ class Engine:
         if prev is not None and any(s.pending and s.params.needs_output_tokens for s in prev.sample_seqs):
             self._collect_step(prev, touched)  # bad words / logits processors read the output tokens on the host
             prev = None
+        t0 = time.perf_counter()
         launched = self._launch(touched, prev)  # may collect prev itself, once the forward is queued
         if prev is not None and not prev.collected:
             self._collect_step(prev, touched)
@@ -237,6 +245,8 @@ class Engine:
                 self._inflight = launched
             else:
                 self._collect_step(launched, touched)
+                if self.spec is not None and self.spec.dynamic:  # the step-time curve dynamic drafts use
+                    self.step_time.record(launched.state.batch.total_tokens, time.perf_counter() - t0)
         return self._collect(touched)
 
     @torch.no_grad()
@@ -512,6 +522,12 @@ class Engine:
                                 self.spec.method, vocab - 1, draft[:8])
                 continue
             seq.draft = draft
+        if self.spec.dynamic:  # per request, the drafts worth verifying this step (core/speculative.py)
+            rows = [s for s in self.scheduler.running if s.draft]
+            survival = [list(getattr(s, "draft_survival", None) or [])[:len(s.draft)] for s in rows]
+            others = sum(1 for s in self.scheduler.running if not s.draft)
+            for s, k in zip(rows, choose_lengths(survival, lambda n: self.step_time(n + others))):
+                del s.draft[k:]
 
     def _keep_draft_context(self, state: StepState, sample_seqs: list) -> None:
         """Each sampling row's target hidden states at the position that produced its last token (the last

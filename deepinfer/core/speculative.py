@@ -57,6 +57,7 @@ class SpeculativeConfig:
     method: str = attrs.field(validator=_method)
     num_speculative_tokens: int = attrs.field(validator=_k)
     dynamic: bool = False
+    optional: bool = False  # a drafter that cannot be built (no drafter for this model) means no speculation
     options: dict = attrs.field(factory=dict)  # everything else: the drafter's own arguments
 
     @classmethod
@@ -72,10 +73,12 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config lacks {key!r} (it has {sorted(spec)})")
         if "model" in rest:  # vLLM's key for the draft model's path
             rest["drafter"] = rest.pop("model")
-        dynamic = rest.pop("dynamic", False)
-        if not isinstance(dynamic, bool):
-            raise ValueError(f"speculative_config dynamic={dynamic!r} is invalid: must be true or false")
-        return cls(rest.pop("method"), rest.pop("num_speculative_tokens"), dynamic, rest)
+        flags = {}
+        for key in ("dynamic", "optional"):
+            flags[key] = rest.pop(key, False)
+            if not isinstance(flags[key], bool):
+                raise ValueError(f"speculative_config {key}={flags[key]!r} is invalid: must be true or false")
+        return cls(rest.pop("method"), rest.pop("num_speculative_tokens"), options=rest, **flags)
 
 
 def can_speculate(params) -> bool:
@@ -84,9 +87,9 @@ def can_speculate(params) -> bool:
                 or params.min_tokens or params.allowed_token_ids or params.logit_bias)
 
 
-def wants_hidden(pipeline, config) -> bool:
+def wants_hidden(pipeline, config, model=None, model_path=None) -> bool:
     """Whether the configured drafter reads the target's hidden states (the engine then keeps them per
-    sequence and does not capture decode in CUDA graphs)."""
+    sequence and does not capture decode in CUDA graphs); an optional one only if it can be built here."""
     spec = SpeculativeConfig.parse(config.speculative_config)
     if spec is None:
         return False
@@ -94,9 +97,16 @@ def wants_hidden(pipeline, config) -> bool:
 
     registry = pipeline.registry or get_registry()
     try:
-        return bool(getattr(registry.get("stage", spec.method).obj, "wants_hidden", False))
+        factory = registry.get("stage", spec.method).obj
     except ValueError:
         return False  # an unknown method: build_drafter says so
+    if not getattr(factory, "wants_hidden", False):
+        return False
+    locate = getattr(factory, "locate", None)
+    if spec.optional and locate is not None:
+        opts = spec.options
+        return locate(model, model_path, opts.get("drafter")) is not None
+    return True
 
 
 def build_drafter(registry, spec: SpeculativeConfig, context: dict, model):
@@ -114,11 +124,69 @@ def build_drafter(registry, spec: SpeculativeConfig, context: dict, model):
     if limit is not None and spec.num_speculative_tokens > limit:
         raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} exceeds what "
                          f"{type(model).__name__} can roll back ({limit}: its SWA rings' speculative allowance)")
+    if spec.dynamic and not getattr(entry.obj, "reports_confidence", False):
+        raise ValueError(f"speculative_config dynamic=True needs a drafter that reports confidences (dspark); "
+                         f"{spec.method!r} does not: use dynamic=False (fixed k)")
     stage = instantiate(StageSpec(spec.method, "draft", entry.obj, entry.plugin, dict(spec.options)),
                         {**context, "num_speculative_tokens": spec.num_speculative_tokens})
     if not callable(getattr(stage, "propose", None)):
         raise ValueError(f"draft stage {spec.method!r} has no propose(seq, k) method")
     return stage
+
+
+def choose_lengths(survival: list, step_time) -> list:
+    """Per request, how many of its drafts to verify (CED.md's DSpark scheduler).
+
+    survival[r] = [S_1, S_2, ...]: the predicted probability that drafts 1..i of request r all stand (never
+    rising with i); step_time(n): seconds of a step over n batched tokens. Maximises
+    sum_r (1 + sum_{i <= k_r} S_{r,i}) / step_time(sum_r (1 + k_r)): every request verifies its last token
+    (the bonus, the 1 +) whatever it drafts; drafts are admitted one (request, position) slot at a time in
+    order of S, the next position of a request only after the previous, while the ratio rises."""
+    k = [0] * len(survival)
+    value, tokens = float(len(survival)), len(survival)
+    best = value / step_time(tokens)
+    heads = sorted(((s[0], r) for r, s in enumerate(survival) if s), reverse=True)
+    import heapq
+
+    heap = [(-s, r) for s, r in heads]
+    heapq.heapify(heap)
+    while heap:
+        neg, r = heapq.heappop(heap)
+        ratio = (value - neg) / step_time(tokens + 1)
+        if ratio <= best:
+            break
+        value, tokens, best = value - neg, tokens + 1, ratio
+        k[r] += 1
+        if k[r] < len(survival[r]):
+            heapq.heappush(heap, (-survival[r][k[r]], r))
+    return k
+
+
+class StepTime:
+    """T(n): seconds of an engine step over n batched tokens, a + b n fitted (least squares) to the recent
+    steps the engine reports; before enough of them, a prior (one step costs about as much as 64 tokens)."""
+
+    def __init__(self, prior_s: float = 0.01, window: int = 256):
+        self.prior, self.window, self.samples = prior_s, window, []
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self.samples.append((tokens, seconds))
+        del self.samples[:-self.window]
+
+    def coefficients(self) -> tuple:
+        n = len(self.samples)
+        xs = [x for x, _ in self.samples]
+        if n < 8 or max(xs) == min(xs):
+            mean = sum(t for _, t in self.samples) / n if n else self.prior
+            return mean, mean / 64
+        mx, my = sum(xs) / n, sum(t for _, t in self.samples) / n
+        b = sum((x - mx) * (t - my) for x, t in self.samples) / sum((x - mx) ** 2 for x in xs)
+        b = max(b, 1e-9)  # more tokens never cost less
+        return max(my - b * mx, 1e-9), b
+
+    def __call__(self, tokens: int) -> float:
+        a, b = self.coefficients()
+        return a + b * tokens
 
 
 @attrs.frozen

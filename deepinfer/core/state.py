@@ -52,6 +52,7 @@ class Sequence:
     draft: list = attrs.field(factory=list)  # speculative tokens proposed for its next step (core/speculative.py)
     draft_probs: Any = None  # [len(draft), V] the distributions the drafts were drawn from (None: point masses)
     draft_context: Any = None  # the target's hidden states a drafter conditions on (stages/dspark_draft.py)
+    draft_survival: Any = None  # [len(draft)] predicted probability that drafts 1..i all stand (dynamic lengths)
     wait_for: Optional["Sequence"] = None  # a sibling (n > 1) waits for this one to compute the shared prompt
     state_slot: int = -1  # per-sequence state (SWA rings, compressor tails) while it holds KV; scheduler-owned
     # Tokens sampled by launched steps but not yet collected (engine-owned): each a negative reference into the

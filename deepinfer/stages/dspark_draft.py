@@ -26,6 +26,7 @@ class DSparkDraft(Stage):
     reads = ()
     writes = ()
     wants_hidden = True  # the engine keeps the target's last layers' hidden states for it (and runs eagerly)
+    reports_confidence = True  # seq.draft_survival: speculative_config dynamic=True can use it
 
     model: object  # the target (a CED model)
     model_path: Optional[str] = None  # the target checkpoint's directory (engine context)
@@ -58,9 +59,19 @@ class DSparkDraft(Stage):
         if context is None:
             return []
         gen = seq.generator if getattr(seq, "generator", None) is not None else self.generator
-        tokens, q, _ = self.drafter_net.draft(context, seq.token_ids[-1], k, self.model, seq.params.greedy, gen)
+        tokens, q, conf = self.drafter_net.draft(context, seq.token_ids[-1], k, self.model, seq.params.greedy, gen)
         seq.draft_probs = q
+        seq.draft_survival = torch.cumprod(conf.float(), 0).tolist()  # S_i = c_1 ... c_i
         return tokens
+
+    @staticmethod
+    def locate(model, model_path, drafter) -> Optional[Path]:
+        """The drafter directory this stage would load, or None when there is none (not a CED target, or no
+        drafter beside it)."""
+        if not hasattr(model, "layers") or not hasattr(getattr(model, "config", None), "num_encoder_layers"):
+            return None
+        where = Path(drafter) if drafter else (Path(model_path) / "dspark" if model_path else None)
+        return where if where is not None and (where / "config.json").is_file() else None
 
     def __call__(self, state) -> None:
         raise TypeError("the dspark draft stage is called through propose(seq, k) by the engine")
