@@ -365,6 +365,34 @@ def test_bad_requests_anthropic_shape_and_auth(server, ant):
     assert m[f'deepinfer_request_errors_total{{kind="unknown_model",model_name="{MODEL}"}}'] >= 1
 
 
+def test_bad_requests_amid_good_ones_fail_alone(server):
+    """Bad requests sent at the same time as good ones get their 4xx; every good one completes in full."""
+    bad_bodies = [
+        ("/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 4,
+                                  "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}}),
+        ("/v1/completions", {"model": MODEL, "prompt": "x " * 5000}),
+        ("/v1/messages", {"model": "nope", "max_tokens": 4, "messages": HI}),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": 5}),
+    ]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server, timeout=120, headers={"x-api-key": KEY}) as c:
+            good = [c.post("/v1/completions", json={"model": MODEL, "prompt": f"v{i} =", "max_tokens": 3 + i % 3,
+                                                    "ignore_eos": True, "stream": i % 2 == 0})
+                    for i in range(12)]
+            bad = [c.post(path, json=body) for path, body in bad_bodies * 2]
+            return await asyncio.gather(*good), await asyncio.gather(*bad)
+
+    good, bad = asyncio.run(main())
+    assert all(r.status_code in (400, 404) for r in bad)
+    for i, r in enumerate(good):
+        assert r.status_code == 200
+        if i % 2:
+            assert r.json()["usage"]["completion_tokens"] == 3 + i % 3
+        else:
+            assert r.text.rstrip().endswith("data: [DONE]") and '"finish_reason": "length"' in r.text
+
+
 # --- load: 200 streams, a fifth of the clients leave early ----------------------------------------------------
 
 def test_200_streams_with_disconnects_complete_and_free_every_block(server):
