@@ -15,8 +15,12 @@ def __getattr__(name):
         from .core.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":  # the asynchronous front end (deepinfer serve's engine), same lazy import
+        from .entrypoints.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "Pipeline", "PipelineError",
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "Pipeline", "PipelineError",
            "Stage", "RowError", "hookimpl", "hookspec", "__version__"]

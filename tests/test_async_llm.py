@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from deepinfer import SamplingParams
-from deepinfer.entrypoints import AsyncLLM, EngineDeadError
+from deepinfer import AsyncLLM, SamplingParams
+from deepinfer.entrypoints import EngineDeadError
 
 
 GREEDY6 = SamplingParams(max_tokens=6, temperature=0.0)
