@@ -69,7 +69,6 @@ def usage_openai(out_list) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-
 def add_routes(app, srv) -> None:
     settings, engine = srv.settings, srv.engine
 
@@ -114,7 +113,7 @@ def add_routes(app, srv) -> None:
         include_usage = stream and isinstance(body.get("stream_options"), dict) and \
             body["stream_options"].get("include_usage") is True
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        started = [await srv.run(request, p, stream) for p in preps]
+        started = await srv.run_all(request, preps, stream)  # all submitted at once: the engine batches them
         n = preps[0].params.n
 
         def choice_index(i, c):

@@ -186,6 +186,18 @@ class Server:
             raise engine_error(first.error)
         return first, agen, timer
 
+    async def run_all(self, request: Request, preps: list, stream: bool) -> list:
+        """``run`` for several prompts at once (they are batched together); if one fails before its first
+        token, the others are aborted and its error is raised."""
+        results = await asyncio.gather(*(self.run(request, p, stream) for p in preps), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            for r in results:
+                if not isinstance(r, BaseException):
+                    await r[1].aclose()  # aborts it
+            raise failed
+        return results
+
 
 def engine_error(message: str) -> ApiError:
     """An engine failure as an HTTP error: a ValueError at admission is the request's fault (400)."""
