@@ -56,8 +56,8 @@ def add_routes(app, srv) -> None:
                 return "stop_sequence", c.stop_reason
             return "end_turn", None
 
-        def usage(out, final=True):
-            return {"input_tokens": len(out.prompt_token_ids),
+        def usage(out, final=True):  # as Anthropic counts: input_tokens leaves out the tokens read from the cache
+            return {"input_tokens": len(out.prompt_token_ids) - out.num_cached_tokens,
                     "output_tokens": sum(len(c.token_ids) for c in out.outputs) if final else 0,
                     "cache_read_input_tokens": out.num_cached_tokens, "cache_creation_input_tokens": 0}
 
