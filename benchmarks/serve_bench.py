@@ -108,7 +108,7 @@ def serve_only(args) -> None:
     from deepinfer.entrypoints.server import ServerSettings, build_app
 
     llm = build(args, args.model_dir)
-    engine = AsyncLLM(llm=llm)
+    engine = AsyncLLM(llm=llm, stream_interval=args.stream_interval)
     app = build_app(engine, ServerSettings(model_name=args.model))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
     from deepinfer.entrypoints.cli_serve import _announce
@@ -193,6 +193,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="alternating offline/server pairs at rate inf")
     ap.add_argument("--kv-gb", type=float, default=None, help="KV pool size of each engine (GB)")
+    ap.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval (default 1)")
     ap.add_argument("--gpu-hour-cost", type=float, default=None)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None)
@@ -236,7 +237,7 @@ def main() -> int:
             row = bench_serve(url, args.model, request_rate=rate, label="server", warmups=0,
                               max_concurrency=args.concurrency if math.isinf(rate) else None, **common)
             cpu = proc_cpu_s(proc.pid) - cpu0  # the server process only: the client's CPU is not the API's cost
-            return {**row, "cpu_s": cpu, "cpu_ms_per_output_token": 1000 * cpu / max(row["output_tokens"], 1),
+            return {**row, "stream_interval": args.stream_interval, "cpu_s": cpu, "cpu_ms_per_output_token": 1000 * cpu / max(row["output_tokens"], 1),
                     "phase": "server", "repeat": repeat, "shape": args.model, "concurrency": args.concurrency,
                     "recipe": args.recipe, "server_max_num_seqs": args.concurrency}
 

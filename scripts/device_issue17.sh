@@ -4,6 +4,8 @@
 #                                             # offline engine on one workload at concurrency 64 (3 alternating
 #                                             # pairs; the API's overhead in output tok/s should be under 5%)
 #   bash scripts/device_issue17.sh rates      # the server's TTFT / ITL / E2E percentiles at 8, 16 and 32 req/s
+#   bash scripts/device_issue17.sh interval   # overhead again with --stream-interval 4 (a chunk per 4 tokens: what
+#                                             # the event loop's per-chunk work costs the engine thread)
 # Needs the server's dependencies (pip install -e . brings fastapi, uvicorn, prometheus_client; httpx comes with
 # huggingface_hub). Rows go to $OUT/serve_h200.jsonl, logs beside them; the table is printed at the end.
 set -uo pipefail
@@ -24,6 +26,10 @@ rates)
   timeout 560 python3 benchmarks/serve_bench.py "${COMMON[@]}" --num-prompts 256 --repeats 1 --rates 8 16 32 \
     > "$OUT/serve_rates.log" 2>&1
   echo "rc=$?"; tail -12 "$OUT/serve_rates.log" ;;
+interval)
+  timeout 560 python3 benchmarks/serve_bench.py "${COMMON[@]}" --num-prompts 256 --repeats 3 --rates \
+    --stream-interval 4 > "$OUT/serve_interval.log" 2>&1
+  echo "rc=$?"; tail -12 "$OUT/serve_interval.log" ;;
 *)
-  echo "usage: bash scripts/device_issue17.sh overhead|rates" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue17.sh overhead|rates|interval" >&2; exit 2 ;;
 esac

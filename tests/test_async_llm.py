@@ -113,3 +113,19 @@ def test_speculative_decoding_counts_reach_the_stats():
         assert st["spec_acceptance_rate"] == st["spec_accepted_tokens"] / st["spec_draft_tokens"]
     finally:
         eng.shutdown()
+
+
+def test_stream_interval_groups_tokens(engine):
+    async def counts():
+        return [len(o.outputs[0].token_ids) async for o in engine.generate(
+            "def f():", SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0))]
+
+    engine.stream_interval = 4  # read by the engine thread at each delivery
+    try:
+        got = asyncio.run(counts())
+    finally:
+        engine.stream_interval = 1
+    assert got == [1, 5, 9, 10]  # the first token at once, then every 4, the end at once
+    assert asyncio.run(counts()) == list(range(1, 11))
+    with pytest.raises(ValueError, match="stream_interval=0"):
+        AsyncLLM(llm=engine.llm, stream_interval=0)

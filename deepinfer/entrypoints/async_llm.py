@@ -36,13 +36,20 @@ class AsyncLLM:
     """An asynchronous front end over one LLM. ``AsyncLLM(model=...)`` takes LLM's arguments;
     ``AsyncLLM(llm=existing)`` wraps an LLM already built. Use ``async with`` or call ``shutdown()``."""
 
-    def __init__(self, llm=None, **llm_kwargs):
+    def __init__(self, llm=None, stream_interval: int = 1, **llm_kwargs):
+        """stream_interval: a streamed request hears of its progress every this many new tokens (its first token
+        and its end always at once); larger values cost the event loop less per token (SGLang's
+        --stream-interval)."""
+        if not isinstance(stream_interval, int) or isinstance(stream_interval, bool) or stream_interval < 1:
+            raise ValueError(f"AsyncLLM stream_interval={stream_interval!r} is invalid: must be an int >= 1")
         if llm is None:
             from ..core.llm import LLM
 
             llm = LLM(**llm_kwargs)
         elif llm_kwargs:
             raise TypeError("AsyncLLM: pass llm=... or LLM's arguments, not both")
+        self.stream_interval = stream_interval
+        self._sent: dict = {}  # request id -> tokens it has been told of (stream_interval > 1 only)
         self.llm, self.engine, self.tokenizer = llm, llm.engine, llm.tokenizer
         self.max_model_len = self.engine.max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -124,12 +131,20 @@ class AsyncLLM:
     def _deliver_all(self, items) -> None:
         """Hand outputs to their requests' queues: one wake-up of each caller's event loop per step."""
         by_loop: dict = {}
+        k = self.stream_interval
         for rid, item in items:
             entry = self._queues.get(rid)
             if entry is None:
                 continue
             if isinstance(item, BaseException) or item.finished:
                 self._queues.pop(rid, None)
+                self._sent.pop(rid, None)
+            elif k > 1:
+                n = sum(len(c.token_ids) for c in item.outputs)
+                told = self._sent.get(rid, 0)
+                if told and n - told < k:
+                    continue  # not enough new tokens yet; the next step's output carries these too
+                self._sent[rid] = n
             by_loop.setdefault(entry[0], []).append((entry[1], item))
         for loop, puts in by_loop.items():
             try:
