@@ -134,6 +134,20 @@ def test_tiled_gemms_match_a_float64_matmul(B, M, K, N, dtype, seed):
         assert got.shape == (M, N) and err(got, exact[0]) <= tol
 
 
+def test_weight_copies_are_reused_and_follow_in_place_updates():
+    """F.linear passes weight.t(); the tiled GEMM keeps one contiguous copy per parameter view, dropped when the
+    parameter changes in place (its version), so an update is never served stale."""
+    w = torch.nn.Parameter(torch.randn(24, 40), requires_grad=False)
+    x = torch.randn(5, 40)
+    with batch_invariant("cpu"):
+        a, b = F.linear(x, w), F.linear(x, w)
+        with torch.no_grad():
+            w.mul_(2)
+        c = F.linear(x, w)
+        plain = F.linear(x, w.detach().clone())  # not a parameter: copied per call
+    assert torch.equal(a, b) and torch.equal(c, 2 * a) and torch.equal(c, plain)
+
+
 def test_context_installs_and_removes_the_overrides():
     x = torch.randn(3, 20)
     assert not is_active("cpu")
