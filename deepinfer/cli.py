@@ -9,6 +9,7 @@ Ctrl-C. Heavy imports (torch, the loader) happen inside the subcommands so
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -38,7 +39,7 @@ RECIPE_HELP = "a built-in recipe (default, reference, throughput, latency, deter
 
 
 def _model_args(p: argparse.ArgumentParser, recipe: str = "default",
-                max_model_len: str = "the checkpoint's") -> None:
+                max_model_len: str = "the checkpoint's", parallel: bool = True) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint directory or Hugging Face id (default: the bundled demo model)")
     p.add_argument("--recipe", default=recipe, metavar="NAME|FILE",
@@ -49,6 +50,22 @@ def _model_args(p: argparse.ArgumentParser, recipe: str = "default",
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for torch (default: DEEPINFER_NUM_THREADS if set, else torch's own choice, "
                         "one per core); on a busy machine 1 or 2 is often much faster")
+    if not parallel:  # serve adds a flag for every EngineConfig field, these among them
+        return
+    g = p.add_argument_group("parallel serving (README 'Parallel serving'; under torchrun every rank runs the command)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="T",
+                   help="ranks (devices) the model is sharded over (default 1)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="D", help="default 1 (only 1 yet)")
+    g.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="shard MoE experts over the ranks (needed for MoE models with -tp > 1)")
+    g.add_argument("--expert-parallel-comm", choices=("alltoall", "allreduce"), default=None,
+                   help="expert dispatch/combine (default alltoall)")
+
+
+def parallel_kwargs(args) -> dict:
+    """The parallel-serving flags that were given, as LLM keywords."""
+    names = ("tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "expert_parallel_comm")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def _threads(args) -> Optional[int]:
@@ -144,7 +161,7 @@ def _load_llm(args, **extra):
 
     try:
         return LLM(model=args.model, recipe=args.recipe, dtype=args.dtype, max_model_len=args.max_model_len,
-                   threads=_threads(args), **extra)
+                   threads=_threads(args), **parallel_kwargs(args), **extra)
     except CheckpointError as exc:
         _demo_hint(args, exc)
 
@@ -547,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .entrypoints.bench_client import add_bench_serve_parser
     from .entrypoints.cli_serve import add_serve_parser
 
-    add_serve_parser(sub, _model_args)
+    add_serve_parser(sub, functools.partial(_model_args, parallel=False))
     add_bench_serve_parser(sub)
 
     p = sub.add_parser("check", help="numerical checks of fast paths against their oracles")

@@ -40,6 +40,7 @@ from .dist import Comm, DistributedError, ParallelConfig, init_world, leave_worl
 log = logging.getLogger(__name__)
 
 HEADER = 80  # int64 words of a step message's header
+STARTUP_TIMEOUT_S = 600.0  # start-up (imports, loading) may take longer than a collective may wait
 FORWARD, LOGITS, ALLOC, RESERVE, STOP = 1, 2, 3, 4, 5
 # The attention metadata fields a forward needs (layout.AttnMetadata), then the token ids.
 META_TENSORS = ("positions", "slot_mapping", "seq_lens", "q_index", "q_valid", "kv_slots", "q_pos", "block_table",
@@ -185,7 +186,8 @@ def _rendezvous(spec: WorkerSpec, rank: int):
     """The TCPStore every rank meets at (rank 0 hosts it unless torchrun's agent does)."""
     is_master = rank == 0 and not spec.agent_store
     return dist.TCPStore(spec.store_host, spec.store_port, spec.parallel.world_size, is_master=is_master,
-                         timeout=timedelta(seconds=spec.parallel.timeout_s), wait_for_workers=False)
+                         timeout=timedelta(seconds=max(spec.parallel.timeout_s, STARTUP_TIMEOUT_S)),
+                         wait_for_workers=False)
 
 
 def _join(spec: WorkerSpec, rank: int, store, device) -> Comm:
@@ -316,13 +318,12 @@ class DriverRuntime:
                 self.send(_header(STOP))
             except Exception:
                 graceful = False
-        for p in self.procs:
-            p.join(5 if graceful else 0.5)
-            if p.exitcode is None:
-                p.terminate()
+        for p in self.procs:  # a broken group's workers have nothing to finish: killed at once
+            if graceful:
                 p.join(5)
             if p.exitcode is None:
-                p.kill()
+                p.kill()  # SIGKILL: also ends a stopped process, which a SIGTERM would not
+                p.join(5)
         leave_world()
 
 
@@ -460,12 +461,13 @@ def start_parallel(config, model_path, hf_config: dict, ops, backend: str, dtype
     try:
         store = _rendezvous(spec, 0)
         runtime = DriverRuntime(comm, procs, store)
-        _wait_started(store, procs, W, pc.timeout_s, "joined")
+        wait_s = max(pc.timeout_s, STARTUP_TIMEOUT_S)
+        _wait_started(store, procs, W, wait_s, "joined")
         joined = _join(spec, 0, store, device)
         comm.control = joined.control
         load_shard(model, spec, device, keep, plan)
         store.set("status/0", "")
-        _wait_started(store, procs, W, pc.timeout_s, "status")
+        _wait_started(store, procs, W, wait_s, "status")
         store.set("go", "ok")
     except BaseException:
         for p in procs:
@@ -504,6 +506,5 @@ def _wait_started(store, procs: list, W: int, timeout_s: float, what: str) -> No
         if all(store.check([f"{what}/{r}"]) for r in range(1, W)):
             return
         if time.monotonic() - t0 > timeout_s:
-            raise RuntimeError(f"parallel start-up failed: worker(s) not {what} after "
-                               f"{timeout_s:.0f} s (distributed_timeout_s)")
+            raise RuntimeError(f"parallel start-up failed: worker(s) not {what} after {timeout_s:.0f} s")
         time.sleep(0.02)
