@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--arrivals", type=int, default=24, help="most requests added between two steps")
     ap.add_argument("--target-len", type=int, default=100)
     ap.add_argument("--target-tokens", type=int, default=32)
-    ap.add_argument("--max-prompt", type=int, default=400 if cuda else 60)
+    ap.add_argument("--max-prompt", type=int, default=256 if cuda else 60)
     ap.add_argument("--max-tokens", type=int, default=48 if cuda else 12)
     ap.add_argument("--max-num-seqs", type=int, default=256 if cuda else 64)
     ap.add_argument("--device", default="cuda" if cuda else "cpu")
