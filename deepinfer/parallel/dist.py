@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from typing import Optional
 
 import attrs
@@ -96,22 +97,35 @@ class Comm:
     world_size: int
     device: torch.device
     control: object = None  # the gloo control group (workers.py's step messages)
+    # Time in collectives (wall seconds: on the CPU they are synchronous; on GPUs only the launch) and calls.
+    stats: dict = attrs.field(factory=lambda: {"calls": 0, "seconds": 0.0})
+
+    def _timed(self, fn, *args, **kw):
+        t0 = time.perf_counter()
+        fn(*args, **kw)
+        self.stats["calls"] += 1
+        self.stats["seconds"] += time.perf_counter() - t0
+
+    def broadcast(self, t: torch.Tensor, control: bool = False) -> torch.Tensor:
+        """``t`` from rank 0, on the compute group (``control``: the control group)."""
+        self._timed(dist.broadcast, t, src=0, group=self.control if control else None)
+        return t
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
+        self._timed(dist.all_reduce, t)
         return t
 
     def gather_cat(self, t: torch.Tensor, dim: int = -1) -> Optional[torch.Tensor]:
         """Every rank's ``t`` (same shape) concatenated along ``dim`` on rank 0 (None elsewhere)."""
         parts = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(t.contiguous(), parts, dst=0)
+        self._timed(dist.gather, t.contiguous(), parts, dst=0)
         return torch.cat(parts, dim=dim) if self.rank == 0 else None
 
     def all_to_all(self, inp: torch.Tensor, send: list, recv: list) -> torch.Tensor:
         """Rows of ``inp`` (grouped by destination rank, ``send[r]`` rows for rank r) -> the rows every rank sent
         here (``recv[r]`` from rank r, in rank order)."""
         out = inp.new_empty((sum(recv), *inp.shape[1:]))
-        dist.all_to_all_single(out, inp.contiguous(), recv, send)
+        self._timed(dist.all_to_all_single, out, inp.contiguous(), recv, send)
         return out
 
     def all_gather_rows(self, t: torch.Tensor, counts: list) -> torch.Tensor:
@@ -120,7 +134,7 @@ class Comm:
         pad = t.new_zeros((most, *t.shape[1:]))
         pad[:t.shape[0]] = t
         parts = [torch.empty_like(pad) for _ in range(self.world_size)]
-        dist.all_gather(parts, pad)
+        self._timed(dist.all_gather, parts, pad)
         return torch.cat([p[:n] for p, n in zip(parts, counts)])
 
 

@@ -240,20 +240,20 @@ def _serve(model, comm: Comm, ops, vocab_parallel: bool) -> None:
     with torch.no_grad():
         while True:
             h = torch.empty(HEADER, dtype=torch.long)
-            dist.broadcast(h, src=0, group=comm.control)
+            comm.broadcast(h, control=True)
             words = h.tolist()
             op = words[0]
             if op == STOP:
                 return
             if op == FORWARD:
                 payload = torch.empty(payload_size(words), dtype=torch.long, device=comm.device)
-                dist.broadcast(payload, src=0)
+                comm.broadcast(payload)
                 ids, meta = unpack_forward(words, payload)
                 model(ids, meta, kv)
             elif op == LOGITS:
                 n, d, code = words[1:4]
                 rows = torch.empty(n, d, dtype=FLOAT_DTYPES[code], device=comm.device)
-                dist.broadcast(rows, src=0)
+                comm.broadcast(rows)
                 comm.gather_cat(model.compute_logits(rows))
             elif op == ALLOC:
                 num_slots, code, block_size, max_seqs = words[1:5]
@@ -304,7 +304,7 @@ class DriverRuntime:
         self._stop(graceful=False)
 
     def send(self, header: torch.Tensor) -> None:
-        dist.broadcast(header, src=0, group=self.comm.control)
+        self.comm.broadcast(header, control=True)
 
     def shutdown(self) -> None:
         if self.closed:
@@ -356,7 +356,7 @@ class DriverModel(nn.Module):
         def run():
             header, payload = pack_forward(input_ids, meta)
             self.runtime.send(header)
-            dist.broadcast(payload.to(self.runtime.comm.device), src=0)
+            self.runtime.comm.broadcast(payload.to(self.runtime.comm.device))
             return self.inner(input_ids, meta, kv_cache)
 
         return self._guarded(run)
@@ -368,7 +368,7 @@ class DriverModel(nn.Module):
         def run():
             rows = hidden.contiguous()
             self.runtime.send(_header(LOGITS, rows.shape[0], rows.shape[1], FLOAT_DTYPES.index(rows.dtype)))
-            dist.broadcast(rows, src=0)
+            self.runtime.comm.broadcast(rows)
             logits = self.runtime.comm.gather_cat(self.inner.compute_logits(rows))  # [N, W V']
             return logits[:, :self.inner.vocab_size]
 
@@ -431,6 +431,9 @@ def start_parallel(config, model_path, hf_config: dict, ops, backend: str, dtype
                          f"(one per rank), but {torch.cuda.device_count()} are visible")
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"parallel serving runs on the CPU (gloo) or NVIDIA GPUs (NCCL), not {device_type!r}")
+    if env is None and dist.is_initialized():
+        raise ValueError("one parallel engine per process: torch.distributed's process group is in use (another LLM "
+                         "with tensor_parallel_size > 1 in this process? call its shutdown() first)")
     rank = 0 if env is None else env["rank"]
     spec = WorkerSpec(
         model_path=str(model_path), hf_config=dict(hf_config), dtype=str(dtype).removeprefix("torch."),
