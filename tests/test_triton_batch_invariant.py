@@ -170,3 +170,26 @@ def test_deterministic_recipe_on_the_nvidia_backend(dtype):
 
     results = scenario_outputs("deterministic", dtype, device="cuda", others=((1, 127), (15,)))
     assert differing(results) == [], "the target's output changed with its batch on the nvidia backend"
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU test above runs the compiled kernels")
+def test_nvidia_backend_invariant_paths_under_the_interpreter(tmp_path):
+    """The nvidia backend's batch-invariant routing, on the CPU under Triton's interpreter (CPU matmuls from
+    batch_invariant("cpu")): every attention call, decode rows included, goes to the paged prefill kernel, and a
+    target gives the same bits alone and beside other requests."""
+    pytest.importorskip("transformers")
+    import random
+
+    from deepinfer import SamplingParams
+    from deepinfer.testing.determinism import output_of, run_among, scenario_llm, target_prompt
+    from deepinfer.testing.models import build_tiny_hf_model
+
+    build_tiny_hf_model(tmp_path, "llama", vocab_size=300)
+    llm = scenario_llm("deterministic", "float32", "cpu", model=str(tmp_path), backend="nvidia")
+    target = target_prompt(n=20, vocab=250)
+    sp = SamplingParams(max_tokens=2, temperature=0.0, logprobs=1, ignore_eos=True)
+    alone = output_of(llm.generate([target], sp, use_tqdm=False)[0])
+    among = run_among(llm, target, sp, 2, 1, random.Random(0), 250, max_prompt=8, max_tokens=2)
+    calls = llm.engine.ops.kernel_calls
+    assert alone.same(among)
+    assert calls["paged_attention:invariant"] == calls["paged_prefill"] > 0 and calls["paged_attention"] == 0
