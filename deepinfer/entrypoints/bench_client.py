@@ -80,8 +80,9 @@ async def _one(client, url: str, body: dict, line: Timeline, start: float, heade
                     if data.get("usage"):
                         usage = data["usage"]
                     for ch in data.get("choices") or ():
-                        text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
-                        if text:
+                        # A token event, even when its text is empty (an incomplete UTF-8 sequence held back, a
+                        # token that decodes to nothing): counting only non-empty text drops whole requests.
+                        if ch.get("finish_reason") is None or ch.get("text") or (ch.get("delta") or {}).get("content"):
                             chunks.append(time.perf_counter() - start)
     except Exception as exc:  # a refused connection, a reset: this request failed, the run goes on
         line.error = f"{type(exc).__name__}: {exc}"
