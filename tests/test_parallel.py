@@ -164,6 +164,56 @@ def test_stopped_worker_times_out(checkpoints):
     assert proc.exitcode is not None
 
 
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+@pytest.mark.parametrize("name", ["llama", "qwen3-moe"])
+def test_nccl_matches_one_gpu(checkpoints, name):
+    """The same on 2 GPUs over NCCL (float32): the one-GPU engine's greedy tokens and logprobs."""
+    kw = dict(ENGINE, device="cuda", dtype="float32", enforce_eager=True)
+    ref = run(LLM(checkpoints[name], **kw))
+    llm = LLM(checkpoints[name], tensor_parallel_size=2, enable_expert_parallel=name != "llama",
+              distributed_timeout_s=60, **kw)
+    try:
+        out = run(llm)
+    finally:
+        llm.shutdown()
+    assert_same(ref, out)
+
+
+TORCHRUN_SCRIPT = """
+import sys
+from deepinfer import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, num_kv_blocks=64, threads=1)  # ranks != 0 serve here, then exit
+    out = llm.generate([[1, 5, 9, 17, 33, 2, 7]], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    print("TOKENS", out[0].outputs[0].token_ids, flush=True)
+    llm.shutdown()
+"""
+
+
+@pytest.mark.multiprocess
+def test_torchrun_launch(checkpoints, tmp_path):
+    """The same script on every rank under torchrun (README 'Parallel serving'): rank 0 generates what one process
+    does, the other rank serves inside LLM() and exits 0 when rank 0 shuts down."""
+    import subprocess
+    import sys
+
+    from deepinfer.parallel.dist import free_port
+
+    script = tmp_path / "serve.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    ref = LLM(checkpoints["llama"], num_kv_blocks=64, threads=1).generate(
+        [[1, 5, 9, 17, 33, 2, 7]], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)[0]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", str(script), checkpoints["llama"]],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"TOKENS {ref.outputs[0].token_ids}" in proc.stdout
+
+
 # ------------------------------------------------------------------------------------------ refused layouts
 # None of these starts a process: the layout is checked on rank 0's meta-device shard first.
 

@@ -447,7 +447,7 @@ def start_parallel(config, model_path, hf_config: dict, ops, backend: str, dtype
     if rank != 0:
         worker_main(spec, rank, env["local_rank"])  # never returns
     device = rank_device(device_type, 0 if env is None else env["local_rank"], W)
-    if device_type == "cuda" and ops.device != device:
+    if device_type == "cuda" and ops.device.index not in (None, device.index):
         raise ValueError(f"rank 0 runs on {device}, but the backend chose {ops.device}")
     # Rank 0's shard on meta first: a layout that does not divide fails here, before any process starts.
     comm = Comm(0, W, device)
