@@ -14,10 +14,10 @@ removes the overrides on exit (nested contexts share one installation).
 
 - CPU: ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv`` run the GEMM on fixed-shape row tiles of
   ``ROW_TILE`` rows (the last tile zero-padded, all in a fresh buffer), as one call of the un-overridden
-  ``bmm`` (its ``out=`` overload) whose every matrix product has one shape, against a contiguous right operand
-  (a weight's transpose is copied once and kept: CPU weights held twice while they are used this way); ``UNARY`` elementwise ops
-  run on a contiguous copy padded to whole SIMD vectors, in pieces small enough for one thread, so every
-  element goes through the vector function.
+  ``bmm`` (its ``out=`` overload) whose every matrix product has one shape, against a contiguous right
+  operand (a weight's transpose is copied once and kept: CPU weights are held twice in this mode). The
+  ``UNARY`` elementwise ops and ``pow(Scalar, Tensor)`` run on a contiguous copy padded to whole SIMD vectors,
+  in pieces small enough for one thread, so every element goes through the vector function.
 - CUDA (``nvidia/triton_batch_invariant.py``): ``mm``, ``addmm``, ``bmm`` through one Triton matmul with a
   fixed tile config for every M and no split-K; ``mean.dim``, ``sum.dim_IntList``, ``_softmax`` and
   ``_log_softmax`` one program per row, the row walked in fixed chunks from its start.
