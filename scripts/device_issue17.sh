@@ -19,7 +19,7 @@ case "${1:-}" in
 overhead)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   git log --oneline -1
-  timeout 560 python3 benchmarks/serve_bench.py "${COMMON[@]}" --num-prompts 256 --repeats 3 --rates \
+  timeout 560 python3 benchmarks/serve_bench.py "${COMMON[@]}" --num-prompts 256 --repeats 3 --full-warmup --rates \
     > "$OUT/serve_overhead.log" 2>&1
   echo "rc=$?"; tail -12 "$OUT/serve_overhead.log" ;;
 rates)
@@ -27,7 +27,7 @@ rates)
     > "$OUT/serve_rates.log" 2>&1
   echo "rc=$?"; tail -12 "$OUT/serve_rates.log" ;;
 interval)
-  timeout 560 python3 benchmarks/serve_bench.py "${COMMON[@]}" --num-prompts 256 --repeats 3 --rates \
+  timeout 560 python3 benchmarks/serve_bench.py "${COMMON[@]}" --num-prompts 256 --repeats 3 --full-warmup --rates \
     --stream-interval 4 > "$OUT/serve_interval.log" 2>&1
   echo "rc=$?"; tail -12 "$OUT/serve_interval.log" ;;
 *)
