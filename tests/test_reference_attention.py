@@ -93,7 +93,7 @@ def test_plan_runs_of_block_ids():
     bs = 2
     lens = [3, 4, 2]
     seqs = [SimpleNamespace(input_ids=lambda s, n: [0] * n, block_table=t, state_slot=0, replay_start=0,
-                            prefix_replay_start=0, num_cached_tokens=0)
+                            prefix_replay_start=0, num_cached_tokens=0, swa_restore=None)
             for t in tables]
     batch = SimpleNamespace(seqs=seqs, start=[n - 1 for n in lens], num_tokens=[1, 1, 1], future=None)
     _, meta, _ = build_inputs(batch, [0, 1, 2], bs, "cpu", num_decodes=3)
