@@ -24,6 +24,7 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.parallel.dist import rank_device, torchrun_env
@@ -31,7 +32,7 @@ from deepinfer.testing.models import build_tiny_hf_model
 
 # Every tiny checkpoint with 4 KV heads, so 4 ranks divide them.
 MODELS = {"llama": {"num_key_value_heads": 4}, "mixtral": {"num_key_value_heads": 4},
-          "qwen3-moe": {"num_key_value_heads": 4}, "deepseek_v3": {}}
+          "qwen3-moe": {"num_key_value_heads": 4}, "qwen2-moe": {}, "deepseek_v3": {}}
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=4)
 ENGINE = dict(num_kv_blocks=64, threads=1, max_num_batched_tokens=24)
 
@@ -93,7 +94,8 @@ def test_tolerance_catches_a_small_change():
 
 
 CASES = [("llama", 2, "alltoall"), ("llama", 4, "alltoall"), ("mixtral", 2, "alltoall"),
-         ("qwen3-moe", 4, "alltoall"), ("deepseek_v3", 2, "allreduce"), ("deepseek_v3", 4, "alltoall")]
+         ("qwen3-moe", 4, "alltoall"), ("qwen2-moe", 2, "allreduce"), ("deepseek_v3", 2, "allreduce"),
+         ("deepseek_v3", 4, "alltoall")]
 
 
 @pytest.mark.multiprocess
@@ -111,7 +113,7 @@ def test_parallel_matches_single_process(checkpoints, reference, name, world, co
             assert all(b.w13.shape[0] == b.num_experts // world and b.first == 0 for b in blocks)
         if name != "deepseek_v3":  # the Llama family: attention and vocabulary sharded
             c = shard.config
-            assert c.num_kv_heads * world == MODELS[name]["num_key_value_heads"]
+            assert c.num_kv_heads * world == MODELS[name].get("num_key_value_heads", 2)
             assert llm.engine.kv_cache[0].shape[2] == c.num_kv_heads  # each rank caches its own KV heads
             assert shard.model.embed_tokens.num_embeddings == -(-shard.vocab_size // world)
     finally:
@@ -212,6 +214,70 @@ def test_torchrun_launch(checkpoints, tmp_path):
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"TOKENS {ref.outputs[0].token_ids}" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------------ in one process
+
+
+@given(st.data())
+@settings(max_examples=30, deadline=None)
+def test_step_message_round_trip(data):
+    """What a worker rebuilds from the header and payload is what rank 0 sent, field by field."""
+    from deepinfer.layout import AttnMetadata
+    from deepinfer.parallel.workers import META_TENSORS, pack_forward, payload_size, unpack_forward
+
+    T, B, Q, K = (data.draw(st.integers(1, 9)) for _ in range(4))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+
+    def ints(*shape, dtype=torch.long):
+        return torch.randint(-5, 1000, shape, generator=g).to(dtype)
+
+    fields = dict(positions=ints(T), slot_mapping=ints(T), seq_lens=ints(B), q_index=ints(B, Q),
+                  q_valid=ints(B, Q, dtype=torch.bool), kv_slots=ints(B, K), q_pos=ints(B, Q))
+    for name in ("block_table", "cu_q", "state_rows"):
+        if data.draw(st.booleans()):
+            fields[name] = ints(B, 2) if name == "block_table" else ints(B + 1, dtype=torch.int32)
+    meta = AttnMetadata(**fields, block_size=data.draw(st.integers(1, 64)), max_q=Q, num_decodes=data.draw(
+        st.integers(0, B)))
+    ids = ints(T)
+    header, payload = pack_forward(ids, meta)
+    words = header.tolist()
+    assert payload.numel() == payload_size(words)
+    ids2, meta2 = unpack_forward(words, payload)
+    assert torch.equal(ids2, ids)
+    for name in META_TENSORS:
+        a, b = getattr(meta, name), getattr(meta2, name)
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), name
+    assert (meta2.block_size, meta2.max_q, meta2.num_decodes) == (meta.block_size, meta.max_q, meta.num_decodes)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_rank_reads_its_slices(tmp_path, world):
+    """The checkpoint plan of a tensor-parallel Llama: rank r's tensors are rows/columns r of the full ones (the
+    vocabulary zero-padded), stacked over the ranks they give the whole tensor back; norms whole."""
+    from safetensors.torch import load_file
+
+    from deepinfer.parallel.tp_layers import iter_shard, llama_plan
+
+    path = tiny(tmp_path, "llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=6, head_dim=8,
+                intermediate_size=96)
+    full = load_file(f"{path}/model.safetensors")
+    V = full["model.embed_tokens.weight"].shape[0]
+    Vl = -(-V // world)
+    shards = [dict(iter_shard(path, lambda n: True, llama_plan(
+        {"T": world, "r": r, "heads": 6, "kv_heads": 6, "head_dim": 8, "inter": 96, "vocab": V,
+         "vocab_local": Vl}))) for r in range(world)]
+    for name, t in full.items():
+        parts = [s[name] for s in shards]
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")):
+            assert torch.equal(torch.cat(parts, 0), t) and parts[0].shape[0] == t.shape[0] // world, name
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.equal(torch.cat(parts, 1), t) and parts[0].shape[1] == t.shape[1] // world, name
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            assert all(p.shape[0] == Vl for p in parts)
+            assert torch.equal(torch.cat(parts, 0)[:V], t) and not torch.cat(parts, 0)[V:].any(), name
+        else:
+            assert all(torch.equal(p, t) for p in parts), name
 
 
 # ------------------------------------------------------------------------------------------ refused layouts
