@@ -121,6 +121,25 @@ def test_parallel_matches_single_process(checkpoints, reference, name, world, co
     assert_same(reference(name), out)
 
 
+DP_CASES = [("deepseek_v3", 4), ("qwen3-moe", 2)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name,world", DP_CASES, ids=[f"{n}-dp{w}" for n, w in DP_CASES])
+def test_data_parallel_attention_matches_single_process(checkpoints, reference, name, world):
+    """data_parallel_size=D: each rank attends over its own sequences (state slot mod D; with 3 requests on 4
+    ranks one rank has none and still joins the experts' all-to-all) and holds only their KV; experts sharded."""
+    llm = LLM(checkpoints[name], data_parallel_size=world, enable_expert_parallel=True, enable_prefix_caching=False,
+              distributed_timeout_s=60, **ENGINE)
+    try:
+        out = run(llm)
+        blocks = llm.engine.model.inner.moe_blocks()
+        assert all(b.tokens_local and b.w13.shape[0] == b.num_experts // world for b in blocks)
+    finally:
+        llm.shutdown()
+    assert_same(reference(name), out)
+
+
 @pytest.mark.multiprocess
 def test_killed_worker_fails_requests_and_engine_shuts_down(checkpoints):
     llm = LLM(checkpoints["llama"], tensor_parallel_size=2, distributed_timeout_s=30, **ENGINE)
@@ -287,7 +306,12 @@ def test_each_rank_reads_its_slices(tmp_path, world):
 @pytest.mark.parametrize("name,kw,match", [
     ("llama-kv2", dict(tensor_parallel_size=4),
      r"tensor_parallel_size=4 does not divide LlamaForCausalLM's num_key_value_heads=2"),
-    ("llama", dict(tensor_parallel_size=2, data_parallel_size=2), r"data_parallel_size=2 is not supported yet"),
+    ("llama", dict(tensor_parallel_size=2, data_parallel_size=2),
+     r"data_parallel_size=2 with tensor_parallel_size=2 is not supported yet"),
+    ("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True),
+     r"data_parallel_size=2 with prefix caching is not supported yet"),
+    ("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True, enable_prefix_caching=False,
+                         expert_parallel_comm="allreduce"), r"data-parallel attention needs 'alltoall'"),
     ("mixtral", dict(tensor_parallel_size=2), r"needs enable_expert_parallel=True"),
     ("deepseek_v3", dict(tensor_parallel_size=3, enable_expert_parallel=True),
      r"8 experts do not divide over 3 ranks"),

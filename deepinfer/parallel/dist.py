@@ -128,6 +128,14 @@ class Comm:
         self._timed(dist.all_to_all_single, out, inp.contiguous(), recv, send)
         return out
 
+    def gather_rows(self, t: torch.Tensor, counts: list) -> Optional[torch.Tensor]:
+        """Each rank's ``t`` ([counts[rank], ...]) stacked in rank order on rank 0 (None elsewhere)."""
+        pad = t.new_zeros((max(counts), *t.shape[1:]))
+        pad[:t.shape[0]] = t
+        parts = [torch.empty_like(pad) for _ in range(self.world_size)] if self.rank == 0 else None
+        self._timed(dist.gather, pad, parts, dst=0)
+        return torch.cat([p[:n] for p, n in zip(parts, counts)]) if self.rank == 0 else None
+
     def all_gather_rows(self, t: torch.Tensor, counts: list) -> torch.Tensor:
         """Each rank's ``t`` ([counts[rank], ...]) stacked in rank order on every rank (padded on the wire)."""
         most = max(counts)

@@ -39,6 +39,7 @@ class ExpertParallelMoE(MoEBlock):
     first: int
     num_local: int
     ep_comm: str
+    tokens_local: bool  # data-parallel attention: x is this rank's own tokens, not the whole batch
 
     def _slots(self) -> dict:
         """The checkpoint names of this rank's experts (their global numbers) and of the replicated tensors."""
@@ -96,8 +97,11 @@ class ExpertParallelMoE(MoEBlock):
     def _alltoall(self, x, weights, ids):
         comm, R = self.comm, self.comm.world_size
         T, k = ids.shape
-        bounds = [T * r // R for r in range(R + 1)]  # rank r's tokens: [bounds[r], bounds[r + 1])
-        lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
+        if self.tokens_local:  # data-parallel attention: this rank's own tokens
+            lo, hi = 0, T
+        else:  # the same tokens on every rank: each takes its share, [bounds[r], bounds[r + 1])
+            bounds = [T * r // R for r in range(R + 1)]
+            lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
         flat = ids[lo:hi].reshape(-1)  # [n k] my tokens' choices
         dest = flat // self.num_local  # [n k] the rank holding each chosen expert
         order = torch.argsort(dest, stable=True)
@@ -114,10 +118,12 @@ class ExpertParallelMoE(MoEBlock):
         back = comm.all_to_all(ys, counts, send)  # [n k, d] in my sorted pair order
         mine = torch.zeros(hi - lo, x.shape[1], dtype=torch.float32, device=x.device)
         mine.index_add_(0, tok - lo, back.float())
+        if self.tokens_local:
+            return mine.to(x.dtype)
         return comm.all_gather_rows(mine, [bounds[r + 1] - bounds[r] for r in range(R)]).to(x.dtype)
 
 
-def shard_experts(model, comm, ep_comm: str = "alltoall") -> tuple:
+def shard_experts(model, comm, ep_comm: str = "alltoall", tokens_local: bool = False) -> tuple:
     """Turn every MoEBlock of a model on the meta device into an ExpertParallelMoE holding this rank's experts.
     Returns (block checkpoint prefixes, the expert ranges) for the checkpoint plan (``expert_plan``)."""
     if ep_comm not in EP_COMMS:
@@ -132,7 +138,7 @@ def shard_experts(model, comm, ep_comm: str = "alltoall") -> tuple:
                              f"(tensor_parallel_size x data_parallel_size); choose a world size that divides {E}")
         n = E // R
         b.__class__ = ExpertParallelMoE
-        b.comm, b.first, b.num_local, b.ep_comm = comm, r * n, n, ep_comm
+        b.comm, b.first, b.num_local, b.ep_comm, b.tokens_local = comm, r * n, n, ep_comm, tokens_local
         b.w13 = nn.Parameter(torch.empty(n, *b.w13.shape[1:], device="meta", dtype=b.w13.dtype), requires_grad=False)
         b.w2 = nn.Parameter(torch.empty(n, *b.w2.shape[1:], device="meta", dtype=b.w2.dtype), requires_grad=False)
         prefixes.append(b.checkpoint_prefix)

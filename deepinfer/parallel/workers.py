@@ -6,7 +6,9 @@ logits) first sends the workers a step message over the control group (a fixed-s
 int64 payload of the step's token ids and attention metadata on the compute group), then runs rank 0's own
 shard. Every worker runs the same call on its shard, so their collectives pair up. Logits are gathered on rank
 0 (vocabulary-parallel LM head) or computed there alone (a replicated head). The scheduler, sampler and
-stages never see a rank: no stage changes, one place that knows about workers.
+stages never see a rank: no stage changes, one place that knows about workers. With data-parallel attention
+(``data_parallel_size`` > 1) every rank takes the batch rows it owns from the same message (``dp_rows``: a
+sequence's rank is its state slot mod D), and rank 0 gathers the hidden states back (``dp_forward``).
 
 Start-up (``start_parallel``): rank 0 builds its shard on the meta device first (a layout that does not divide
 fails there, before any process starts), spawns W-1 workers (torch.multiprocessing, spawn) or, under torchrun,
@@ -92,10 +94,13 @@ def build_shard(spec: WorkerSpec, comm: Comm, ops, registry):
                          "needs enable_expert_parallel=True (experts sharded over the ranks; tensor-parallel "
                          "experts are not implemented)")
     keep_e, plan_e, moe_prefixes = (lambda n: True), (lambda n: None), ()
+    dp = pc.data_parallel_size > 1
     if moe:
-        blocks, _ = shard_experts(model, comm, spec.ep_comm)
+        blocks, _ = shard_experts(model, comm, spec.ep_comm, tokens_local=dp)
         keep_e, plan_e, moe_prefixes = expert_plan(blocks)
-    if isinstance(model, LlamaForCausalLM):
+    if dp:  # data-parallel attention: everything but the experts replicated, each rank on its own rows
+        plan_t, vocab_parallel = (lambda n: None), False
+    elif isinstance(model, LlamaForCausalLM):
         plan_t = llama_plan(shard_llama(model, comm, W, comm.rank), moe_prefixes)
         vocab_parallel = True
     elif moe:  # DeepSeek: MLA, dense MLPs, embedding and head replicated
@@ -179,6 +184,47 @@ def payload_size(header: list) -> int:
     return n
 
 
+def dp_rows(meta, rank: int, D: int) -> tuple:
+    """Data-parallel attention: (token ids' rows, AttnMetadata) of the batch rows this rank owns (each sequence
+    stays on rank ``state slot mod D`` for its life, so its KV is only ever written there), and every rank's token
+    rows (so rank 0 can put the hidden states back in batch order). Rows keep their order."""
+    from ..layout import AttnMetadata
+
+    owner = (meta.state_rows % D).tolist()  # [B]
+    cu = meta.cu_q.tolist()  # [B + 1]
+    toks = [[t for b, o in enumerate(owner) if o == r for t in range(cu[b], cu[b + 1])] for r in range(D)]
+    rows = [b for b, o in enumerate(owner) if o == rank]
+    dev = meta.positions.device
+    tok = torch.tensor(toks[rank], dtype=torch.long, device=dev)
+    r_t = torch.tensor(rows, dtype=torch.long, device=dev)
+    counts = torch.tensor([cu[b + 1] - cu[b] for b in rows], dtype=torch.long, device=dev)
+    new_cu = torch.zeros(len(rows) + 1, dtype=torch.long, device=dev)
+    new_cu[1:] = counts.cumsum(0)
+    q_valid = meta.q_valid[r_t]
+    q_index = (meta.q_index[r_t] - meta.cu_q[r_t].long()[:, None] + new_cu[:-1, None]).masked_fill(~q_valid, 0)
+    pick = (lambda t: None if t is None else t[r_t])
+    sub = AttnMetadata(positions=meta.positions[tok], slot_mapping=meta.slot_mapping[tok], seq_lens=meta.seq_lens[r_t],
+                       q_index=q_index, q_valid=q_valid, kv_slots=meta.kv_slots[r_t], q_pos=meta.q_pos[r_t],
+                       block_table=pick(meta.block_table), block_size=meta.block_size, cu_q=new_cu.to(torch.int32),
+                       max_q=meta.max_q, num_decodes=sum(1 for b in rows if b < meta.num_decodes),
+                       state_rows=pick(meta.state_rows), replay_rows=pick(meta.replay_rows),
+                       swa_cut_rows=pick(meta.swa_cut_rows))
+    return tok, sub, toks
+
+
+def dp_forward(model, comm: Comm, ids, meta, kv, D: int):
+    """Every rank's forward over its own rows; rank 0 gets every token's hidden state back in batch order."""
+    tok, sub, toks = dp_rows(meta, comm.rank, D)
+    h = model(ids[tok], sub, kv)  # [T_r, d]
+    parts = comm.gather_rows(h, [len(t) for t in toks])
+    if comm.rank != 0:
+        return None
+    out = h.new_empty(ids.shape[0], h.shape[1])
+    order = torch.tensor([t for r in toks for t in r], dtype=torch.long, device=h.device)
+    out[order] = parts
+    return out
+
+
 # ------------------------------------------------------------------------------------------ the worker
 
 
@@ -226,7 +272,7 @@ def worker_main(spec: WorkerSpec, rank: int, local_rank: Optional[int] = None) -
     if store.get("go") != b"ok":
         os._exit(0)
     try:
-        _serve(model, comm, ops, vocab_parallel)
+        _serve(model, comm, ops, vocab_parallel, spec.parallel.data_parallel_size)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
@@ -235,7 +281,7 @@ def worker_main(spec: WorkerSpec, rank: int, local_rank: Optional[int] = None) -
     os._exit(0)
 
 
-def _serve(model, comm: Comm, ops, vocab_parallel: bool) -> None:
+def _serve(model, comm: Comm, ops, vocab_parallel: bool, dp: int = 1) -> None:
     kv = None
     with torch.no_grad():
         while True:
@@ -249,7 +295,10 @@ def _serve(model, comm: Comm, ops, vocab_parallel: bool) -> None:
                 payload = torch.empty(payload_size(words), dtype=torch.long, device=comm.device)
                 comm.broadcast(payload)
                 ids, meta = unpack_forward(words, payload)
-                model(ids, meta, kv)
+                if dp > 1:
+                    dp_forward(model, comm, ids, meta, kv, dp)
+                else:
+                    model(ids, meta, kv)
             elif op == LOGITS:
                 n, d, code = words[1:4]
                 rows = torch.empty(n, d, dtype=FLOAT_DTYPES[code], device=comm.device)
@@ -330,10 +379,10 @@ class DriverRuntime:
 class DriverModel(nn.Module):
     """Rank 0's model: the local shard, behind calls that first tell the workers to make the same call."""
 
-    def __init__(self, inner: nn.Module, runtime: DriverRuntime, vocab_parallel: bool):
+    def __init__(self, inner: nn.Module, runtime: DriverRuntime, vocab_parallel: bool, data_parallel: int = 1):
         super().__init__()
         self.inner = inner
-        self.runtime, self.vocab_parallel = runtime, vocab_parallel
+        self.runtime, self.vocab_parallel, self.data_parallel = runtime, vocab_parallel, data_parallel
         self.supports_cuda_graphs = False
 
     def __getattr__(self, name):
@@ -357,6 +406,8 @@ class DriverModel(nn.Module):
             header, payload = pack_forward(input_ids, meta)
             self.runtime.send(header)
             self.runtime.comm.broadcast(payload.to(self.runtime.comm.device))
+            if self.data_parallel > 1:
+                return dp_forward(self.inner, self.runtime.comm, input_ids, meta, kv_cache, self.data_parallel)
             return self.inner(input_ids, meta, kv_cache)
 
         return self._guarded(run)
@@ -391,10 +442,18 @@ class DriverModel(nn.Module):
 def check_supported(config) -> None:
     """Engine settings parallel serving does not cover yet, refused before any process starts."""
     pc = ParallelConfig.from_engine(config)
-    if pc.data_parallel_size != 1:
-        raise ValueError(f"data_parallel_size={pc.data_parallel_size} is not supported yet: data-parallel attention "
-                         "(each rank serving its own requests' KV) is not implemented; use tensor_parallel_size "
-                         "(with enable_expert_parallel=True for MoE models)")
+    if pc.data_parallel_size > 1 and pc.tensor_parallel_size > 1:
+        raise ValueError(f"data_parallel_size={pc.data_parallel_size} with tensor_parallel_size="
+                         f"{pc.tensor_parallel_size} is not supported yet: data-parallel attention runs with "
+                         "tensor_parallel_size=1 (attention and dense layers replicated, experts expert-parallel)")
+    if pc.data_parallel_size > 1 and config.enable_prefix_caching:
+        raise ValueError(f"data_parallel_size={pc.data_parallel_size} with prefix caching is not supported yet: a "
+                         "sequence's KV lives on one rank (state slot mod data_parallel_size), and a cached block "
+                         "may be hit from another; pass enable_prefix_caching=False")
+    if pc.data_parallel_size > 1 and config.expert_parallel_comm != "alltoall":
+        raise ValueError(f"expert_parallel_comm={config.expert_parallel_comm!r} with data_parallel_size="
+                         f"{pc.data_parallel_size}: data-parallel attention needs 'alltoall' (each rank holds "
+                         "different tokens)")
     if config.enable_eplb:
         raise ValueError("enable_eplb with tensor_parallel_size > 1 is not supported yet: EPLB runs in one process "
                          "over a simulated layout (eplb_config num_ranks); moving experts between ranks is not "
@@ -482,7 +541,7 @@ def start_parallel(config, model_path, hf_config: dict, ops, backend: str, dtype
     log.info("parallel serving: %d ranks (%s), tensor_parallel_size=%d, expert parallel %s", W,
              "NCCL" if device_type == "cuda" else "gloo", pc.tensor_parallel_size,
              config.expert_parallel_comm if pc.enable_expert_parallel else "off")
-    return DriverModel(model, runtime, vocab_parallel)
+    return DriverModel(model, runtime, vocab_parallel, pc.data_parallel_size)
 
 
 def _free_port() -> int:
