@@ -141,6 +141,25 @@ def test_data_parallel_attention_matches_single_process(checkpoints, reference, 
 
 
 @pytest.mark.multiprocess
+def test_data_parallel_attention_under_preemption(checkpoints):
+    """A pool too small for the batch: preempted sequences come back in other state slots, so on other ranks, and
+    recompute their KV there; the tokens stay the single-process engine's."""
+    prompts = [[i * 7 % 500 + j for j in range(20)] for i in range(6)]
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    kw = dict(num_kv_blocks=8, block_size=8, threads=1, enable_prefix_caching=False, max_num_seqs=6)
+    ref = LLM(checkpoints["deepseek_v3"], **kw)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, sp, use_tqdm=False)]
+    assert ref.engine.scheduler.num_preemptions > 0
+    llm = LLM(checkpoints["deepseek_v3"], data_parallel_size=2, enable_expert_parallel=True, **kw)
+    try:
+        got = llm.generate(prompts, sp, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == want
+
+
+@pytest.mark.multiprocess
 def test_killed_worker_fails_requests_and_engine_shuts_down(checkpoints):
     llm = LLM(checkpoints["llama"], tensor_parallel_size=2, distributed_timeout_s=30, **ENGINE)
     pid = llm.engine.model.runtime.procs[0].pid
