@@ -2,6 +2,7 @@
 
     python benchmarks/parallel_bench.py                          # dense Llama (TP) and Qwen3-MoE (EP), 1/2/4 ranks
     python benchmarks/parallel_bench.py --archs llama --worlds 1 2 --repeats 5 --out rows.jsonl
+    python benchmarks/parallel_bench.py --archs qwen3-moe --dp       # data-parallel attention + EP experts
 
 For each ``--archs`` model (a random-weight checkpoint built with transformers, float32, reference backend:
 Llama d=256, 8 heads / 4 KV heads, 4 layers, F=1024, tensor-parallel; Qwen3-MoE the same attention with 16
@@ -59,15 +60,18 @@ def bench_arch(arch: str, args, root: Path) -> list:
     g = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, 500, (args.input_len,), generator=g).tolist() for _ in range(args.prompts)]
     sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    base = LLM(str(path), threads=args.threads, num_kv_blocks=256, max_num_seqs=args.prompts)
+    # Data-parallel attention needs prefix caching off; the baseline then runs without it too.
+    cache = {"enable_prefix_caching": False} if args.dp else {}
+    base = LLM(str(path), threads=args.threads, num_kv_blocks=256, max_num_seqs=args.prompts, **cache)
     one_round(base, prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     n_out = args.prompts * args.output_len
     rows = []
     # One parallel engine per process (one process group): each world size in turn, its rounds alternating
     # with the one-process engine's.
     for w in [w for w in args.worlds if w > 1]:
-        llm = LLM(str(path), threads=args.threads, num_kv_blocks=256, max_num_seqs=args.prompts,
-                  tensor_parallel_size=w, enable_expert_parallel=arch != "llama")
+        layout = dict(data_parallel_size=w) if args.dp else dict(tensor_parallel_size=w)
+        llm = LLM(str(path), threads=args.threads, num_kv_blocks=256, max_num_seqs=args.prompts, **cache, **layout,
+                  enable_expert_parallel=arch != "llama")
         one_round(llm, prompts[:2], SamplingParams(max_tokens=4, temperature=0.0))
         walls, base_walls, comms = [], [], []
         for _ in range(args.repeats):
@@ -78,13 +82,14 @@ def bench_arch(arch: str, args, root: Path) -> list:
         common = dict(bench="parallel", arch=arch, shape=SHAPES[arch], backend=llm.backend_name,
                       device=str(llm.engine.device), dtype="float32", threads_per_rank=args.threads,
                       num_prompts=args.prompts, input_len=args.input_len, output_len=args.output_len,
-                      repeats=args.repeats, **machine_info())
+                      repeats=args.repeats, enable_prefix_caching=not args.dp, **machine_info())
         if not rows:
             rows.append({**common, "world_size": 1, "tensor_parallel_size": 1, "expert_parallel": False,
                          "expert_parallel_comm": None, "transport": None,
                          "tokens_per_s": n_out / statistics.median(base_walls), "ratio_vs_1": 1.0,
                          "wall_s": base_walls, "comm_s": 0.0, "comm_share": 0.0, "greedy_equal_to_1": True})
-        rows.append({**common, "world_size": w, "tensor_parallel_size": w, "expert_parallel": arch != "llama",
+        rows.append({**common, "world_size": w, "tensor_parallel_size": 1 if args.dp else w,
+                     "data_parallel_size": w if args.dp else 1, "expert_parallel": arch != "llama",
                      "expert_parallel_comm": llm.config.expert_parallel_comm if arch != "llama" else None,
                      "transport": "gloo", "tokens_per_s": n_out / statistics.median(walls),
                      "ratio_vs_1": statistics.median(b / t for b, t in zip(base_walls, walls)),
@@ -95,10 +100,11 @@ def bench_arch(arch: str, args, root: Path) -> list:
 
 
 def table(rows: list) -> str:
-    head = f"{'arch':<10} {'ranks':>5} {'tok/s':>8} {'vs 1':>6} {'comm s':>7} {'comm %':>7} {'same tokens':>11}"
+    head = f"{'arch':<10} {'layout':>6} {'ranks':>5} {'tok/s':>8} {'vs 1':>6} {'comm s':>7} {'comm %':>7} {'same tokens':>11}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['arch']:<10} {r['world_size']:>5} {r['tokens_per_s']:>8.1f} {r['ratio_vs_1']:>6.2f} "
+        kind = "dp" if r.get("data_parallel_size", 1) > 1 else "tp/ep" if r["world_size"] > 1 else "-"
+        lines.append(f"{r['arch']:<10} {kind:>6} {r['world_size']:>5} {r['tokens_per_s']:>8.1f} {r['ratio_vs_1']:>6.2f} "
                      f"{r['comm_s']:>7.3f} {100 * r['comm_share']:>6.1f}% {str(r['greedy_equal_to_1']):>11}")
     return "\n".join(lines)
 
@@ -113,6 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dp", action="store_true", help="data-parallel attention (data_parallel_size) instead of "
+                                                     "tensor parallelism; prefix caching off in both engines")
     p.add_argument("--out", default=None, metavar="FILE", help="JSONL file to append the rows to")
     args = p.parse_args(argv)
     if 1 not in args.worlds:
