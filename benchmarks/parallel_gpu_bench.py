@@ -5,8 +5,9 @@
         --batches 4 --prefill 64 --decode-steps 4                                      # a CPU smoke run (gloo)
 
 Random weights (``load_format="dummy"``; config and tokenizer only, gpu_bench.py's shapes). Two engines in one
-process: one GPU (``tensor_parallel_size=1``) and ``--world`` GPUs (attention tensor-parallel, experts
-expert-parallel by all-to-all: ``enable_expert_parallel=True``), both eager (the parallel engine does not
+process: one GPU (``tensor_parallel_size=1``) and ``--world`` GPUs (``--layout ep``: attention tensor-parallel;
+``--layout dp``: attention data-parallel, prefix caching off in both engines; experts expert-parallel by
+all-to-all in both: ``enable_expert_parallel=True``), both eager (the parallel engine does not
 capture CUDA graphs yet, so neither does the baseline) with the same KV budget per GPU. Measured in rounds that
 alternate the two engines (``--repeats``): decode at each ``--batches`` (gpu_bench.measure_decode: B prompts of
 ``--input-len`` tokens, steady decode tokens/s over ``--decode-steps`` steps) and one ``--prefill``-token prompt
@@ -40,7 +41,13 @@ from deepinfer.bench import append_jsonl, machine_info  # noqa: E402
 
 
 def engine(path, args, world: int, **kw):
-    par = dict(tensor_parallel_size=world, enable_expert_parallel=True) if world > 1 else {}
+    par = {}
+    if world > 1:
+        par = dict(data_parallel_size=world, enable_prefix_caching=False) if args.layout == "dp" else dict(
+            tensor_parallel_size=world)
+        par["enable_expert_parallel"] = True
+    elif args.layout == "dp":
+        kw.setdefault("enable_prefix_caching", False)  # as the data-parallel engine must
     return LLM(str(path), load_format="dummy", dtype=args.dtype, device=args.device, enforce_eager=True,
                kv_cache_memory_gb=args.kv_gb, max_num_seqs=max(args.batches), threads=args.threads,
                max_num_batched_tokens=max(args.prefill, args.input_len * max(args.batches)),
@@ -60,6 +67,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(gpu_bench.SHAPES))
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--layout", choices=("ep", "dp"), default="ep",
+                   help="ep: attention tensor-parallel; dp: attention data-parallel (each GPU its own sequences); "
+                        "experts expert-parallel in both")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256])
@@ -93,7 +103,7 @@ def main(argv=None) -> int:
                     res[(w, (kind, n))].append(f)
         comm = many.engine.model.runtime.comm.stats
         many.shutdown()
-        common = dict(bench="parallel_gpu", shape=args.shape, dtype=args.dtype, device=args.device,
+        common = dict(bench="parallel_gpu", shape=args.shape, layout=args.layout, dtype=args.dtype, device=args.device,
                       input_len=args.input_len, decode_steps=args.decode_steps, repeats=args.repeats,
                       enforce_eager=True, kv_cache_memory_gb=args.kv_gb, **machine_info())
         for kind, n in work:

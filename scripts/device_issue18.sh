@@ -3,6 +3,7 @@
 #   bash scripts/device_issue18.sh          # NCCL parity tests, then the Qwen3-30B-A3B expert-parallel bench
 #   bash scripts/device_issue18.sh tests    # only the parity tests (tiny models, float32, 1 GPU vs 2)
 #   bash scripts/device_issue18.sh bench    # only the bench
+#   bash scripts/device_issue18.sh dp       # the bench with data-parallel attention instead
 # The bench (benchmarks/parallel_gpu_bench.py): Qwen3-30B-A3B shape (dummy bf16 weights), expert parallelism over
 # 2 GPUs (attention tensor-parallel, experts by all-to-all over NCCL) against 1 GPU, both eager: decode at batch
 # 64 and 256, prefill of one 16K prompt; then balancedness with a skewed router before/after one EPLB rebalance
@@ -18,9 +19,14 @@ tests() {
 bench() {
   timeout 500 python3 benchmarks/parallel_gpu_bench.py --out "$OUT/parallel_gpu.jsonl" 2>&1 | grep -v Warn | tail -12
 }
+bench_dp() {  # the same with data-parallel attention (each GPU its own sequences)
+  timeout 500 python3 benchmarks/parallel_gpu_bench.py --layout dp --out "$OUT/parallel_gpu.jsonl" 2>&1 \
+    | grep -v Warn | tail -12
+}
 case "${1:-all}" in
 tests) tests ;;
 bench) bench ;;
-all) tests; bench ;;
-*) echo "usage: bash scripts/device_issue18.sh [all|tests|bench]" >&2; exit 2 ;;
+dp) bench_dp ;;
+all) tests; bench; bench_dp ;;
+*) echo "usage: bash scripts/device_issue18.sh [all|tests|bench|dp]" >&2; exit 2 ;;
 esac

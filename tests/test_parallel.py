@@ -119,6 +119,8 @@ def test_parallel_matches_single_process(checkpoints, reference, name, world, co
     finally:
         llm.shutdown()
     assert_same(reference(name), out)
+    after = llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert after.outputs[0].finish_reason == "error" and "was shut down (LLM.shutdown())" in after.error
 
 
 DP_CASES = [("deepseek_v3", 4), ("qwen3-moe", 2)]

@@ -332,6 +332,8 @@ class DriverRuntime:
     def check(self) -> None:
         if self.failed is not None:
             raise DistributedError(self.failed)
+        if self.closed:
+            raise DistributedError("the parallel engine was shut down (LLM.shutdown()); start a new LLM to serve again")
         dead = self.dead()
         if dead:
             self.fail(None)
