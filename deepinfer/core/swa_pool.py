@@ -12,8 +12,9 @@ tokens' encoder outputs (some of which lie before P). It is keyed by the hash of
 so it is found exactly when the paged prefix is, and it carries the TTL (``swa_cache_ttl_s``): an expired
 snapshot is a miss and the hit falls back to bounded replay.
 
-When snapshots are taken: after a step, for each sequence, at the last block boundary P the step crossed,
-if the rings still hold [P - n_win, P) (the step ended at most the rings' speculative allowance past P).
+When snapshots are taken: after a step, for each sequence, at its last block boundary P (once per P), if the
+rings still hold [P - n_win, P) (the step ended at most the rings' speculative allowance past P) and the
+block's hash is known.
 Decode crosses every boundary one token at a time; a prefill chunk that would end far past its prompt's
 last boundary is cut there by the scheduler (``align``), so the prompt's own state is kept too. A sequence
 whose window state came from bounded replay is snapshotted only (layers + 1) windows past its cut, where
@@ -87,10 +88,12 @@ class SwaStatePool:
         return cut + (self.layers + 1) * self.window if cut else 0
 
     def after_step(self, seq, n: int) -> None:
-        """Snapshot seq's state at the last block boundary its step of n tokens crossed, if still held."""
+        """Snapshot seq's state at its last block boundary, if the rings still hold it and the block's hash is
+        known (under overlap scheduling the block's last token is known a step or two after its position is
+        computed: the snapshot is then taken that much later, within the rings' allowance)."""
         b = seq.num_computed_tokens
         P = b // self.block_size * self.block_size
-        if P <= b - n or b - P > self.slack or P < self.window or P < self._floor(seq) \
+        if P == 0 or b - P > self.slack or P < self.window or P < self._floor(seq) \
                 or len(seq.block_hashes) < P // self.block_size:
             return
         key = self._key(seq, P)
