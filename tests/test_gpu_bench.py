@@ -53,7 +53,7 @@ def _rows(rows, **match):
 
 def test_tiny_run_writes_every_phase(tiny_run):
     rows, _, seconds = tiny_run
-    assert seconds < 25, f"the tiny run took {seconds:.1f} s"
+    assert seconds < 120, f"the tiny run took {seconds:.1f} s"  # a hang guard, not a speed test (shared CPUs)
     assert not [r for r in rows if r.get("error") or r.get("skipped")], [r for r in rows if r.get("error")]
     copy, mm = _rows(rows, measurement="copy_bandwidth"), _rows(rows, measurement="matmul")
     assert len(copy) == 1 and copy[0]["gb_s"] > 0 and len(mm) == 1 and mm[0]["tflop_s"] > 0

@@ -56,7 +56,7 @@ def build_inputs(batch, rows: list, block_size: int, device, num_decodes: int = 
                         block_tables=[s.block_table for s in seqs], state_slots=[s.state_slot for s in seqs],
                         replay_starts=[s.replay_start for s in seqs], num_decodes=num_decodes,
                         swa_cuts=[s.prefix_replay_start for s in seqs],
-                        enc_restored=[s.swa_restore is not None for s in seqs],
+                        enc_restored=[getattr(s, "swa_restore", None) is not None for s in seqs],
                         write_floors=[s.num_cached_tokens for s in seqs], state_rows=dev([s.state_slot for s in seqs]),
                         replay_rows=dev([window_cuts(s)[0] for s in seqs]),
                         swa_cut_rows=dev([window_cuts(s)[1] for s in seqs]))
@@ -101,7 +101,7 @@ def device_inputs(batch, rows: list, block_size: int, tables, num_decodes: int =
                         block_tables=[s.block_table for s in seqs], state_slots=[s.state_slot for s in seqs],
                         replay_starts=[s.replay_start for s in seqs], num_decodes=num_decodes,
                         swa_cuts=[s.prefix_replay_start for s in seqs],
-                        enc_restored=[s.swa_restore is not None for s in seqs],
+                        enc_restored=[getattr(s, "swa_restore", None) is not None for s in seqs],
                         write_floors=[s.num_cached_tokens for s in seqs], state_rows=slots_t,
                         replay_rows=tables.cuts[0, slots_t], swa_cut_rows=tables.cuts[1, slots_t])
     ids_t = to_device(ids, torch.long, device)
