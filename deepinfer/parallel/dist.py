@@ -106,9 +106,20 @@ class Comm:
         self.stats["calls"] += 1
         self.stats["seconds"] += time.perf_counter() - t0
 
+    send_timeout_s: float = 300.0  # rank 0's sends on the control group (whose own timeout is IDLE_TIMEOUT_S)
+
     def broadcast(self, t: torch.Tensor, control: bool = False) -> torch.Tensor:
-        """``t`` from rank 0, on the compute group (``control``: the control group)."""
-        self._timed(dist.broadcast, t, src=0, group=self.control if control else None)
+        """``t`` from rank 0, on the compute group (``control``: the control group). Rank 0's control sends wait at
+        most ``send_timeout_s`` (gloo completes a send only once the peer takes it: a stopped peer would hold it
+        for the control group's idle timeout); the workers' receives wait as long as the engine idles."""
+        if control and self.rank == 0:
+            def send():
+                work = dist.broadcast(t, src=0, group=self.control, async_op=True)
+                work.wait(timeout=datetime.timedelta(seconds=self.send_timeout_s))
+
+            self._timed(send)
+        else:
+            self._timed(dist.broadcast, t, src=0, group=self.control if control else None)
         return t
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:

@@ -528,7 +528,7 @@ def start_parallel(config, model_path, hf_config: dict, ops, backend: str, dtype
         wait_s = max(pc.timeout_s, STARTUP_TIMEOUT_S)
         _wait_started(store, procs, W, wait_s, "joined")
         joined = _join(spec, 0, store, device)
-        comm.control = joined.control
+        comm.control, comm.send_timeout_s = joined.control, pc.timeout_s
         load_shard(model, spec, device, keep, plan)
         store.set("status/0", "")
         _wait_started(store, procs, W, wait_s, "status")
