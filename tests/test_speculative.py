@@ -184,3 +184,24 @@ def test_greedy_speculation_on_the_gpu(which, llama, ced):
         assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids, b.outputs[0].logprobs,
                                 NEAR_TIE["bfloat16"], what=f"{which} prompt {i} on the GPU")
     assert fast.spec_stats()["accepted_tokens"] > 0
+
+
+def test_structured_outputs_speculate_with_a_mask_per_drafted_position():
+    """A constrained request drafts too: each drafted position is masked by the grammar after the drafts before
+    it, so greedy output is plain constrained decoding's and always matches the pattern."""
+    pytest.importorskip("xgrammar")
+    import re
+
+    from deepinfer import StructuredOutputsParams
+
+    rx = r"(ab|cd){3,12}e"
+    sp = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(regex=rx))
+    ps = ["x = ", "def f():", "abab"]
+    plain = LLM(max_model_len=256, threads=1).generate(ps, sp, use_tqdm=False)
+    fast = LLM(max_model_len=256, threads=1, speculative_config={**NGRAM, "num_speculative_tokens": 3})
+    got = fast.generate(ps, sp, use_tqdm=False)
+    for a, b in zip(got, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert re.fullmatch(rx, a.outputs[0].text), a.outputs[0].text
+    st = fast.spec_stats()
+    assert st["draft_tokens"] > 0 and st["accepted_tokens"] > 0, st

@@ -21,8 +21,9 @@ Rejected drafts are rolled back: the sequence's computed length drops to its acc
 KV stays valid; the rest is overwritten by later steps), CED's SWA rings keep the window within their
 speculative allowance (so k is capped by it), blocks past the accepted tokens are never committed to the
 prefix cache (only known tokens are hashed). Requests whose sampling needs per-step host state the drafts
-would bypass (structured outputs, logits processors, bad words, min_tokens, allowed_token_ids, logit bias)
-decode one token at a time. Penalty counts are corrected to the emitted tokens; logprobs are computed at
+would bypass (jump-forward, logits processors, bad words, min_tokens, allowed_token_ids, logit bias) decode
+one token at a time; structured outputs speculate, each drafted position masked by the grammar after the
+drafts before it (stages/constrain.py). Penalty counts are corrected to the emitted tokens; logprobs are computed at
 each emitted token's own position. Overlap scheduling is off while speculating (drafting reads the last token).
 
 ``stats`` keeps honest accounting: drafts proposed, draft tokens, accepted tokens, per draft position, and
@@ -83,8 +84,8 @@ class SpeculativeConfig:
 
 def can_speculate(params) -> bool:
     """Whether a request's sampling lets drafted tokens be verified in one step (see the module docstring)."""
-    return not (params.structured_outputs is not None or params.logits_processors or params.bad_words
-                or params.min_tokens or params.allowed_token_ids or params.logit_bias)
+    return not (params.jump_forward or params.logits_processors or params.bad_words or params.min_tokens
+                or params.allowed_token_ids or params.logit_bias)
 
 
 def wants_hidden(pipeline, config, model=None, model_path=None) -> bool:

@@ -61,8 +61,8 @@ class GrammarFailure(Exception):
 class GrammarStage(Stage):
     name = "grammar"
     kind = "constrain"
-    reads = ("logits", "batch")
-    writes = ("logits",)
+    reads = ("logits", "batch", "draft_logits")
+    writes = ("logits", "draft_logits")  # masked in place (draft_logits: a speculating row's drafted positions)
     reads_known_tokens = True  # the engine collects the step in flight before this stage (see above)
 
     tokenizer: object
@@ -139,6 +139,22 @@ class GrammarStage(Stage):
             g = req.seqs[seq.seq_id] = SeqGrammar(self.compiler, req.compiled)
         return g
 
+    def _verify_masks(self, g: SeqGrammar, drafts: list) -> torch.Tensor:
+        """A speculating row's masks [k + 1, words]: after its tokens, then after each draft in turn. Past a draft
+        the grammar does not admit, positions are never reached (that draft's own mask rejects it): they repeat
+        its mask. The matcher is left as it was (the engine folds the accepted drafts; the next step catches up)."""
+        masks = self.compiler.allocate_bitmask(len(drafts) + 1)
+        taken = 0
+        for j in range(len(drafts) + 1):
+            g.fill(masks, j)
+            if j == len(drafts) or g.terminated or not g.matcher.accept_token(int(drafts[j])):
+                masks[j + 1:] = masks[j]
+                break
+            taken += 1
+        if taken:
+            g.matcher.rollback(taken)
+        return masks
+
     def _rows(self, n: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = self.compiler.allocate_bitmask(max(n, 8))
@@ -162,6 +178,21 @@ class GrammarStage(Stage):
                 failed[i] = str(exc) if isinstance(exc, GrammarFailure) else f"structured outputs: {exc}"
                 continue
             work.append((r, g))
+        drafts = batch.drafts or [None] * len(batch.seqs)
+        spec = [(r, g, drafts[rows[r]]) for r, g in work if drafts[rows[r]]]
+        if spec:  # speculating rows: every drafted position gets its own mask (core/speculative.py)
+            offsets, off = {}, 0
+            for r, i in enumerate(rows):
+                offsets[r] = off
+                off += len(drafts[i] or ())
+            device = state.logits.device
+            for r, g, d in spec:
+                masks = self._verify_masks(g, d)
+                at = torch.arange(offsets[r], offsets[r] + len(d), device=device)
+                self.ops.apply_token_bitmask(state.draft_logits, to_device(masks[:-1], torch.int32, device), at)
+                self.ops.apply_token_bitmask(state.logits, to_device(masks[-1:], torch.int32, device),
+                                             torch.tensor([r], device=device))
+            work = [(r, g) for r, g in work if not drafts[rows[r]]]
         if work:
             bitmask = self._rows(len(work))
             live = [(k, g) for k, (_, g) in enumerate(work) if not g.terminated]
