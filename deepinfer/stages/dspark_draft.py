@@ -19,6 +19,17 @@ import torch
 from ..core.stage import Stage
 
 
+def _is_ced(model) -> bool:
+    return hasattr(getattr(model, "config", None), "num_encoder_layers")
+
+
+def _directory(model_path, drafter) -> Optional[Path]:
+    """The drafter directory asked for, else the target checkpoint's dspark/ (None: neither is known)."""
+    if drafter:
+        return Path(drafter)
+    return Path(model_path) / "dspark" if model_path else None
+
+
 @attrs.define(eq=False)
 class DSparkDraft(Stage):
     name = "dspark"
@@ -37,9 +48,9 @@ class DSparkDraft(Stage):
     def __attrs_post_init__(self) -> None:
         from ..models.ced.dspark import load_dspark
 
-        if not hasattr(self.model, "capture_last") and not hasattr(self.model, "layers"):
+        if not _is_ced(self.model):
             raise ValueError(f"the dspark drafter needs a CED target; {type(self.model).__name__} is not one")
-        where = Path(self.drafter) if self.drafter else (Path(self.model_path) / "dspark" if self.model_path else None)
+        where = _directory(self.model_path, self.drafter)
         if where is None:
             raise ValueError("speculative_config method='dspark' needs a drafter directory: pass 'drafter' "
                              "(or 'model') or serve a checkpoint with a dspark/ directory")
@@ -68,9 +79,7 @@ class DSparkDraft(Stage):
     def locate(model, model_path, drafter) -> Optional[Path]:
         """The drafter directory this stage would load, or None when there is none (not a CED target, or no
         drafter beside it)."""
-        if not hasattr(model, "layers") or not hasattr(getattr(model, "config", None), "num_encoder_layers"):
-            return None
-        where = Path(drafter) if drafter else (Path(model_path) / "dspark" if model_path else None)
+        where = _directory(model_path, drafter) if _is_ced(model) else None
         return where if where is not None and (where / "config.json").is_file() else None
 
     def __call__(self, state) -> None:
