@@ -78,14 +78,15 @@ class SwaStatePool:
         b = a + n
         P = b // self.block_size * self.block_size
         if seq.cache_root is None or b != seq.num_prompt_tokens or not a < P or b - P <= self.slack \
-                or P < self.window or P < self._floor(seq):
+                or not self._worth_keeping(seq, P):
             return n
         return P - a
 
-    def _floor(self, seq) -> int:
-        """First position whose window state does not depend on a bounded replay's cut."""
+    def _worth_keeping(self, seq, P: int) -> bool:
+        """A boundary whose state a snapshot may hold: a full window behind it, and past where a bounded
+        replay's cut still shapes the state ((layers + 1) windows from the cut)."""
         cut = seq.prefix_replay_start
-        return cut + (self.layers + 1) * self.window if cut else 0
+        return P >= self.window and P >= (cut + (self.layers + 1) * self.window if cut else 0)
 
     def after_step(self, seq, n: int) -> None:
         """Snapshot seq's state at its last block boundary, if the rings still hold it and the block's hash is
@@ -93,7 +94,7 @@ class SwaStatePool:
         computed: the snapshot is then taken that much later, within the rings' allowance)."""
         b = seq.num_computed_tokens
         P = b // self.block_size * self.block_size
-        if P == 0 or b - P > self.slack or P < self.window or P < self._floor(seq) \
+        if P == 0 or b - P > self.slack or not self._worth_keeping(seq, P) \
                 or len(seq.block_hashes) < P // self.block_size:
             return
         key = self._key(seq, P)
