@@ -32,6 +32,7 @@ emitted tokens per verified row (1 + accepted), from which tau is reported as me
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from typing import Optional
 
@@ -146,10 +147,7 @@ def choose_lengths(survival: list, step_time) -> list:
     k = [0] * len(survival)
     value, tokens = float(len(survival)), len(survival)
     best = value / step_time(tokens)
-    heads = sorted(((s[0], r) for r, s in enumerate(survival) if s), reverse=True)
-    import heapq
-
-    heap = [(-s, r) for s, r in heads]
+    heap = [(-s[0], r) for r, s in enumerate(survival) if s]  # each request's next slot, best first
     heapq.heapify(heap)
     while heap:
         neg, r = heapq.heappop(heap)
