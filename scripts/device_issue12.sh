@@ -64,6 +64,13 @@ final)
     --commit "${1:-?}" 2>&1 | tail -22
   timeout 110 python3 benchmarks/prefix_bench.py --model llama-3.1-8b --prefixes 8192 32768 --repeats 2 --turns 20 \
     --kv-gb 40 --out "$OUT/prefix_bench.jsonl" 2>&1 | grep -v Warning | tail -12 ;;
+suite)
+  # Every GPU test file at once under xdist (a file per worker), without TileLang (its tests skip); kv_sizing alone
+  # after, since it measures the device's free memory. Carry .whl312 (xgrammar) so the grammar tests run.
+  files=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import gpu_tests; print(' '.join(f for f in gpu_tests.gpu_test_files() if 'kv_sizing' not in f))")
+  timeout -s INT 420 python3 -m pytest -n 8 --dist loadfile -p no:cacheprovider -q -rfE --durations=15 \
+    --junitxml="$OUT/gpu_tests_all.xml" $files 2>&1 | tee "$OUT/gpu_tests.log" | tail -45
+  timeout -s INT 90 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_kv_sizing.py 2>&1 | tail -5 ;;
 prefix)
   # The prefix-cache bench on the Llama-8B shape (with the first TileLang part copied, carry .whl_tl/a).
   bash scripts/device_tilelang.sh stage1 > /dev/null
@@ -85,5 +92,5 @@ mla)
     2>&1 | tail -15
   PYTHONPATH=/tmp/tlsite:$PWD timeout 120 python3 scripts/mla_kernel_calls.py ;;
 *)
-  echo "usage: bash scripts/device_issue12.sh tests K | smoke | ced-bench COMMIT | final COMMIT | final2 | mla" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue12.sh tests K | suite | smoke | ced-bench COMMIT | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

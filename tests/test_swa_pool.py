@@ -58,12 +58,15 @@ def test_a_prompt_snapshot_restores_instead_of_replaying(ced):
     assert llm.cache_stats()["swa_snapshots"] >= 1
     prompt = base[:40] + [7, 8, 9, 10, 11]
     model.reset_counters()
-    hit = llm.generate([prompt], SP, use_tqdm=False)[0]
-    stats = llm.cache_stats()
-    assert hit.num_cached_tokens == 40 and stats["swa_restores"] == 1
+    # One token: the prefill alone (the device decode path keeps no per-layer counters on the GPU).
+    first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0]
+    assert first.num_cached_tokens == 40 and llm.cache_stats()["swa_restores"] == 1
     enc = model.counters["layer_tokens"][: cfg.num_encoder_layers]
-    # No replay: the encoder computes only the suffix (5 prompt tokens) and the 5 decode steps after it.
-    assert enc == [len(prompt) - 40 + SP.max_tokens - 1] * cfg.num_encoder_layers
+    # No replay: the encoder computes only the suffix (5 prompt tokens).
+    assert enc == [len(prompt) - 40] * cfg.num_encoder_layers
+    prompt = base[:40] + [12, 13, 14, 15, 16]  # another suffix: the first one's block 40-44 is cached now
+    hit = llm.generate([prompt], SP, use_tqdm=False)[0]
+    assert hit.num_cached_tokens == 40 and llm.cache_stats()["swa_restores"] == 2
     cold = LLM(path, num_kv_blocks=64, block_size=4, enable_prefix_caching=False).generate([prompt], SP,
                                                                                            use_tqdm=False)[0]
     close_to(hit, cold)
@@ -81,7 +84,8 @@ def test_restored_state_is_the_snapshot(ced):
     seq = type("S", (), {"swa_restore": (40, snap), "state_slot": 1})()
     pool.restore(seq)
     again = model.swa_snapshot(cache, 1, 40)
-    assert again.keys() == snap.keys() and all(torch.equal(again[k], snap[k]) for k in snap)
+    # The snapshot lives in the host tier; the rings it was restored into may be on the GPU.
+    assert again.keys() == snap.keys() and all(torch.equal(again[k].cpu(), snap[k].cpu()) for k in snap)
     assert set(snap) >= {"ring0.codes", "ring2.codes", "encoder_out"} and snap["encoder_out"].shape == (6, 48)
 
 
