@@ -12,6 +12,10 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The device has no index: carry the wheels in .whl_srv/ (cp312; pip download fastapi uvicorn prometheus_client httpx).
+if ls .whl_srv/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/srvsite .whl_srv/*.whl && export PYTHONPATH=/tmp/srvsite:$PYTHONPATH
+fi
 python3 -c "import fastapi, uvicorn, prometheus_client, httpx" 2>/dev/null || python3 -m pip install -q fastapi uvicorn prometheus_client httpx
 COMMON=(--model llama-3.1-8b --device cuda --dtype bfloat16 --kv-gb 24 --concurrency 64
         --input-len-range 256 1024 --output-len-range 128 256 --gpu-hour-cost 3.5 --out "$OUT/serve_h200.jsonl")

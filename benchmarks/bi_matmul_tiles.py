@@ -1,0 +1,97 @@
+"""Tile configs of the batch-invariant Triton matmul (backends/nvidia/triton_batch_invariant.py) against cuBLAS
+on a model's projection shapes, at the batch sizes a decode and a prefill step run. The config may depend on the
+weight's shape (N, K) and never on M, so this picks, per shape, the config whose time summed over the Ms is
+lowest. Also reports whether configs of one BLOCK_K give bitwise-equal rows (information, not relied on).
+
+    python benchmarks/bi_matmul_tiles.py --out rows.jsonl     # CUDA only
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+SHAPES = {"llama-3.1-8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+                           "down": (14336, 4096), "lm_head": (4096, 128256)}}
+
+
+def bench(fn, reps=50):
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    g.replay()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / reps * 1e3  # us
+
+
+def main():
+    from deepinfer.backends.nvidia import triton_batch_invariant as bi
+    import triton
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 16, 64, 256, 2048])
+    ap.add_argument("--out", default="bi_matmul_tiles.jsonl")
+    args = ap.parse_args()
+    dt = torch.bfloat16
+    cfgs = [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+            for bn, bk, w, st in itertools.product([16, 32, 64, 128], [64, 128], [4], [3, 4, 5])]
+    rows = []
+    with open(args.out, "w") as f:
+        for name, (K, N) in SHAPES[args.shape].items():
+            w = torch.randn(N, K, device="cuda", dtype=dt) / K ** 0.5
+            b = w.t()
+            best = {}
+            for M in args.ms:
+                a = torch.randn(M, K, device="cuda", dtype=dt)
+                out = torch.empty(1, M, N, device="cuda", dtype=dt)
+                t_cublas = bench(lambda: a @ b)
+                ref = None
+                for ci, cfg in enumerate(cfgs):
+                    def run(cfg=cfg):
+                        grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), 1)
+                        bi._mm_kernel[grid](a[None], b[None], out, out, M, N, K, *a[None].stride(),
+                                            *b[None].stride(), *out.stride(), *out.stride(), 1.0, 1.0,
+                                            HAS_BIAS=False, SCALED=False, BLOCK_M=64, BLOCK_N=cfg["BLOCK_N"],
+                                            BLOCK_K=cfg["BLOCK_K"], PRECISION="tf32", K_I=0,
+                                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                    try:
+                        t = bench(run)
+                    except Exception as exc:  # out of shared memory for a deep pipeline, say
+                        print(name, M, cfg, "failed", type(exc).__name__)
+                        continue
+                    run()
+                    same = None
+                    if cfg["BLOCK_K"] == 64:
+                        if ref is None:
+                            ref = out.clone()
+                        same = bool(torch.equal(out, ref))
+                    row = dict(shape=args.shape, proj=name, K=K, N=N, M=M, cfg=ci, **cfg, us=t, cublas_us=t_cublas,
+                               ratio=t_cublas / t, bitwise_equal_bk64=same)
+                    rows.append(row)
+                    f.write(json.dumps(row) + "\n")
+                    best.setdefault(ci, 0.0)
+                    best[ci] += t
+            ci = min(best, key=best.get)
+            cur = bi.mm_config(dt, N)
+            print(f"{name:8s} K={K:6d} N={N:6d} best {cfgs[ci]}")
+            for M in args.ms:
+                r = {x["cfg"]: x for x in rows if x["proj"] == name and x["M"] == M}
+                cur_i = next((i for i, c in enumerate(cfgs) if c == cur), None)
+                cur_t = r[cur_i]["us"] if cur_i in r else float("nan")
+                print(f"   M={M:5d} cublas {r[ci]['cublas_us']:8.1f} us  best {r[ci]['us']:8.1f}  current "
+                      f"{cur_t:8.1f}  bitwise-equal(BK64) {all(x['bitwise_equal_bk64'] for x in r.values() if x['bitwise_equal_bk64'] is not None)}")
+
+
+if __name__ == "__main__":
+    main()
