@@ -129,6 +129,22 @@ def test_cuda_overrides_make_a_llama_linear_batch_invariant():
         "cuBLAS was invariant for both projections: the control proves nothing"
 
 
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tile_bands_give_the_same_bits(dtype):
+    """The 16-bit matmul's tile width and pipeline depth follow M (a decode band up to DECODE_ROWS rows, wide
+    tiles above); the reduction does not, so rows computed in either band are the same bits. Shapes: each
+    DECODE_TILES width class at Llama-3.1-8B sizes, an LM head, and odd sizes that mask every tile edge."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for k, n in ((4096, 4096), (14336, 4096), (4096, 6144), (4096, 28672), (4096, 128256), (1000, 999), (72, 40)):
+        x = torch.randn(3 * tbi.DECODE_ROWS, k, device="cuda", generator=g).to(dtype)
+        w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(dtype)
+        wide = tbi.matmul(x, w.t())
+        for m in (1, 5, tbi.DECODE_ROWS):
+            assert torch.equal(tbi.matmul(x[:m], w.t()), wide[:m]), (k, n, m)
+
+
 _COMPILE_SCRIPT = r'''
 import json
 from deepinfer.backends.nvidia import triton_batch_invariant as tbi
@@ -140,14 +156,14 @@ mm_ints = "M N K s_ab s_am s_ak s_bb s_bk s_bn s_cb s_cm s_cn s_xb s_xm s_xn"
 for dt, name in (("bf16", "bfloat16"), ("fp32", "float32")):
     import torch
     p = "*" + dt
-    for (N, bias) in ((4096, False), (16384, False), (4096, True)):
-        cfg = tbi.mm_config(getattr(torch, name), N)
+    for (N, M, bias) in ((4096, 1, False), (16384, 1, False), (4096, 4096, True)):
+        cfg = tbi.mm_config(getattr(torch, name), N, M)
         k = compile_sm90(tbi._mm_kernel, dict(a_ptr=p, b_ptr=p, c_ptr=p, bias_ptr=p, alpha="fp32", beta="fp32",
                                               **{n: "i32" for n in mm_ints.split()}),
                          dict(HAS_BIAS=bias, SCALED=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                               BLOCK_K=cfg["BLOCK_K"], PRECISION="ieee" if dt == "fp32" else "tf32", K_I=0),
                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        report[f"mm_{dt}_{N}_{bias}"] = cfg["BLOCK_N"]
+        report[f"mm_{dt}_{N}_{M}_{bias}"] = cfg["BLOCK_N"]
     k = compile_sm90(tbi._row_sum_kernel, dict(x_ptr=p, out_ptr=p, N="i32", s_x="i32", scale="fp32"),
                      dict(BLOCK=tbi.ROW_BLOCK, N_I=0), num_warps=4)
     report[f"sum_{dt}"] = 0
@@ -165,7 +181,8 @@ def test_kernels_compile_for_hopper():
 
     report = run_compile_script(_COMPILE_SCRIPT)
     assert len(report) == 2 * (3 + 1 + 2)
-    assert report["mm_bf16_4096_False"] == 64 and report["mm_bf16_16384_False"] == 128
+    assert report["mm_bf16_4096_1_False"] == 32 and report["mm_bf16_16384_1_False"] == 128
+    assert report["mm_bf16_4096_4096_True"] == 128
 
 
 @gpu

@@ -1,10 +1,14 @@
 """Batch-invariant CUDA kernels in Triton: the aten overrides ``batch_invariant("cuda")`` installs.
 
 - ``matmul``: C = alpha * A @ B (+ beta * bias), batched or not, one program per (BLOCK_M x BLOCK_N) output
-  tile walking the whole K in BLOCK_K steps from 0 (no split-K, no stream-K). The tile config depends on the
-  dtype and N only (N is a weight's width, the same in every call of a layer), never on M, so every row of A
-  meets the same sequence of tl.dot calls whatever M is (cuBLAS picks its kernel, split-K included, from M).
-  Float32 uses the "ieee" dot (no TF32).
+  tile walking the whole K in BLOCK_K steps from 0 (no split-K, no stream-K). What fixes a row's reduction,
+  BLOCK_M, BLOCK_K and the k order into one float32 accumulator, depends on the dtype only, never on M, so
+  every row of A meets the same sequence of tensor-core steps whatever M is (cuBLAS picks its kernel, split-K
+  included, from M). For 16-bit dtypes the output tile's width and the pipeline depth follow M in two bands
+  (a decode step's few rows: narrow tiles that spread a weight over the SMs; more rows: wide tiles): they do
+  not enter a row's reduction, and the GPU test test_tile_bands_give_the_same_bits holds the device to that
+  (on the H200 every width and depth gave the same bits: benchmarks/bi_matmul_tiles.py). Float32 uses the
+  "ieee" dot (no TF32) and one config.
 - ``row_sum`` / ``row_mean`` (aten sum.dim_IntList, mean.dim) and ``softmax`` / ``log_softmax``: one program
   per row, the row walked in BLOCK-wide chunks from its start, per-lane float32 accumulation, then one
   tree reduction of the BLOCK lanes: the order depends on the row's length only (torch's reductions split a
@@ -27,12 +31,15 @@ from .triton_norm import cast_rne, to_f32  # noqa: F401  (cast_rne: the stores' 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The tile config: from the dtype and N (a weight's shape, the same in every call of a layer), never from M.
-# BLOCK_N 64 below N = 8192 so that a decode step's narrower projections still spread over the SMs.
+# The reduction's tiling (BLOCK_M, BLOCK_K) per dtype, never from M.
 MM_CONFIG = {torch.float32: dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3),
-             torch.bfloat16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
-             torch.float16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)}
-WIDE_N = 8192
+             torch.bfloat16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+             torch.float16: dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)}
+DECODE_ROWS = 64  # up to this many rows a step reads each weight once and is bound by its bytes
+# 16-bit tiles for the decode band, by N (H200, Llama-3.1-8B widths, benchmarks/bi_matmul_tiles.py): narrower
+# tiles below 8192 columns keep 2+ programs per SM streaming the weight (down_proj 67 -> 39 us at one row).
+DECODE_TILES = ((4096, dict(BLOCK_N=32, num_stages=5)), (8192, dict(BLOCK_N=64, num_stages=4)),
+                (None, dict(BLOCK_N=128, num_stages=4)))
 INTERP_MM = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1)
 ROW_BLOCK = 16 if INTERPRET else 1024  # lanes of the row kernels
 
@@ -75,10 +82,12 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
              cast_rne(acc, c_ptr.dtype.element_ty), mask=cmask)
 
 
-def mm_config(dtype: torch.dtype, N: int) -> dict:
+def mm_config(dtype: torch.dtype, N: int, M: int) -> dict:
+    """The launch config of an [M, K] @ [K, N] product: BLOCK_M and BLOCK_K from the dtype alone; for 16-bit
+    dtypes the tile width and pipeline depth from N and the band M falls in (see the module's docstring)."""
     cfg = dict(MM_CONFIG[dtype])
-    if N < WIDE_N:
-        cfg["BLOCK_N"] = 64
+    if dtype != torch.float32 and M <= DECODE_ROWS:
+        cfg.update(next(t for n, t in DECODE_TILES if n is None or N <= n))
     return cfg
 
 
@@ -93,7 +102,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, alpha=1.0, beta=1.0) -> 
     if out.numel():
         has_bias = bias is not None and beta != 0
         x = bias.expand(nb, M, N) if has_bias else out  # broadcast by strides (0 along expanded dims)
-        cfg = INTERP_MM if INTERPRET else mm_config(a.dtype, N)
+        cfg = INTERP_MM if INTERPRET else mm_config(a.dtype, N, M)
         grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), nb)
         _mm_kernel[grid](A, Bm, out, x, M, N, K, *A.stride(), *Bm.stride(), *out.stride(), *x.stride(),
                          float(alpha), float(beta), HAS_BIAS=has_bias, SCALED=alpha != 1,
