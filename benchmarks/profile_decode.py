@@ -124,6 +124,8 @@ def main() -> int:
     ap.add_argument("--out", default="profile.jsonl")
     ap.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs: profile the eager step's host time")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the deterministic recipe's kernels (EngineConfig.batch_invariant): what they cost")
     args = ap.parse_args()
     cfg = gpu_bench.ced_config("bench", 4096) if args.shape == "ced-bench" else gpu_bench.SHAPES[args.shape]
     ns = argparse.Namespace(dtype="bfloat16", device="cuda", backend=None, build_in_dtype="auto")
@@ -131,7 +133,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         gpu_bench.write_model_dir(Path(d), cfg)
         llm, _ = gpu_bench.build_llm(Path(d), ns, cfg, max_model_len=4096, overlap_scheduling=overlap,
-                                     enforce_eager=args.eager, num_kv_blocks=4096)
+                                     enforce_eager=args.eager, num_kv_blocks=4096,
+                                     batch_invariant=args.batch_invariant)
     vocab = cfg["vocab_size"]
     rows = []
     for B in args.batches:
@@ -139,7 +142,7 @@ def main() -> int:
         rep = replay_ms(llm, B)
         _, prof = steady_steps(llm, B, args.input_len, 8, vocab, profile="gpu")
         host_ms, hprof = steady_steps(llm, B, args.input_len, 16, vocab, profile="host")
-        row = {"shape": args.shape, "batch": B, "step_ms": round(step, 3), "replay_ms": rep and round(rep, 3),
+        row = {"shape": args.shape, "batch_invariant": args.batch_invariant, "batch": B, "step_ms": round(step, 3), "replay_ms": rep and round(rep, 3),
                "overlap": llm.engine.overlap, "kernels": top_kernels(prof, 8), "syncs": hprof.syncs,
                "host": top_functions(hprof, 16)}
         rows.append(row)
