@@ -108,7 +108,8 @@ def serve_only(args) -> None:
     from deepinfer.entrypoints.server import ServerSettings, build_app
 
     llm = build(args, args.model_dir)
-    engine = AsyncLLM(llm=llm, stream_interval=args.stream_interval)
+    engine = AsyncLLM(llm=llm, stream_interval=args.stream_interval,
+                      gil_switch_interval=args.gil_switch_interval or None)
     app = build_app(engine, ServerSettings(model_name=args.model))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
     from deepinfer.entrypoints.cli_serve import _announce
@@ -198,6 +199,8 @@ def main() -> int:
                          "in the on-disk cache: without it the first pair is unfair to whichever runs first)")
     ap.add_argument("--kv-gb", type=float, default=None, help="KV pool size of each engine (GB)")
     ap.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval (default 1)")
+    ap.add_argument("--gil-switch-interval", type=float, default=0.0005,
+                    help="the server's --gil-switch-interval (seconds; 0 leaves Python's 5 ms)")
     ap.add_argument("--gpu-hour-cost", type=float, default=None)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None)
@@ -241,7 +244,8 @@ def main() -> int:
             row = bench_serve(url, args.model, request_rate=rate, label="server", warmups=0,
                               max_concurrency=args.concurrency if math.isinf(rate) else None, **common)
             cpu = proc_cpu_s(proc.pid) - cpu0  # the server process only: the client's CPU is not the API's cost
-            return {**row, "stream_interval": args.stream_interval, "cpu_s": cpu, "cpu_ms_per_output_token": 1000 * cpu / max(row["output_tokens"], 1),
+            return {**row, "stream_interval": args.stream_interval,
+                    "gil_switch_interval": args.gil_switch_interval, "cpu_s": cpu, "cpu_ms_per_output_token": 1000 * cpu / max(row["output_tokens"], 1),
                     "phase": "server", "repeat": repeat, "shape": args.model, "concurrency": args.concurrency,
                     "recipe": args.recipe, "server_max_num_seqs": args.concurrency}
 

@@ -129,3 +129,25 @@ def test_stream_interval_groups_tokens(engine):
     assert asyncio.run(counts()) == list(range(1, 11))
     with pytest.raises(ValueError, match="stream_interval=0"):
         AsyncLLM(llm=engine.llm, stream_interval=0)
+
+
+def test_gil_switch_interval_is_lowered_never_raised(engine):
+    """The engine thread shares the GIL with the event loop: AsyncLLM lowers the switch interval (so a busy loop
+    holds the engine's next launch back briefly), never raises it, and refuses a value that is not seconds."""
+    import sys
+
+    from deepinfer.entrypoints.async_llm import lower_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        for bad in (0, -1, 2, "fast", True):
+            with pytest.raises(ValueError, match=f"gil_switch_interval={bad!r}"):
+                AsyncLLM(llm=engine.llm, gil_switch_interval=bad)  # refused before any engine thread starts
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        lower_switch_interval(0.0005)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        lower_switch_interval(0.002)  # never raised
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
