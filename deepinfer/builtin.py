@@ -12,6 +12,7 @@ def deepinfer_register_stages(register):
     from .stages.dspark_draft import DSparkDraft
     from .stages.detokenize import DetokenizeStage
     from .stages.model_call import ForwardStage
+    from .stages.mtp_draft import MTPDraft
     from .stages.prefill import PrefillStage
     from .stages.prefix_cache import PrefixCacheStage
     from .stages.sample import SampleStage
@@ -20,7 +21,7 @@ def deepinfer_register_stages(register):
     from .stages.verify import VerifyStage
 
     for cls in (TokenizeStage, PrefixCacheStage, SwaReplayStage, PrefillStage, ForwardStage, VerifyStage,
-                GrammarStage, SampleStage, DetokenizeStage, DSparkDraft):
+                GrammarStage, SampleStage, DetokenizeStage, DSparkDraft, MTPDraft):
         register.stage(kind=cls.kind, name=cls.name, factory=cls)
 
 

@@ -347,6 +347,8 @@ class Engine:
                 self._accept_drafts(state)
             if getattr(self.model, "capture_last", 0) and self.drafter is not None:
                 self._keep_draft_context(state, sample_seqs)
+            if hasattr(self.drafter, "observe"):
+                self._show_hidden(state)
             failed = self._run_stages(self.stages["step"][self._n_device_stages:], state)
         except Exception as exc:
             for seq in sample_seqs:
@@ -538,6 +540,15 @@ class Engine:
         back = getattr(state, "spec_rollback", {})
         for r, seq in enumerate(sample_seqs):
             seq.draft_context = captured[index[r] - back.get(r, 0)]
+
+    def _show_hidden(self, state: StepState) -> None:
+        """Every row's target hidden states at the positions this step computed and kept (a verified row's
+        accepted ones), for a drafter that reads them all (stages/mtp_draft.py)."""
+        batch, back = state.batch, getattr(state, "spec_rollback", {})
+        rolled = {i: back.get(r, 0) for r, i in enumerate(state.sample_rows)}
+        for i, seq in enumerate(batch.seqs):
+            a, b = state.inputs.row_span(i)
+            self.drafter.observe(seq, batch.start[i], state.hidden[a:b - rolled.get(i, 0)])
 
     def _accept_drafts(self, state: StepState) -> None:
         """Per drafting row: how many drafts stand, the token after them, and the rollback of the rest."""

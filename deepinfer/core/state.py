@@ -53,6 +53,7 @@ class Sequence:
     draft_probs: Any = None  # [len(draft), V] the distributions the drafts were drawn from (None: point masses)
     draft_context: Any = None  # the target's hidden states a drafter conditions on (stages/dspark_draft.py)
     draft_survival: Any = None  # [len(draft)] predicted probability that drafts 1..i all stand (dynamic lengths)
+    draft_state: Any = None  # a drafter's own per-sequence state, fed by its observe() (stages/mtp_draft.py: MTP KV)
     wait_for: Optional["Sequence"] = None  # a sibling (n > 1) waits for this one to compute the shared prompt
     state_slot: int = -1  # per-sequence state (SWA rings, compressor tails) while it holds KV; scheduler-owned
     # Tokens sampled by launched steps but not yet collected (engine-owned): each a negative reference into the

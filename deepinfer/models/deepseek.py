@@ -30,8 +30,8 @@ i % ``moe_layer_freq`` == 0; the rest use a dense SwiGLU MLP of ``intermediate_s
     the sum of their top-2; weights renormalised when ``norm_topk_prob``; times ``routed_scaling_factor``.
 
 DeepSeek-V3 checkpoints also carry ``num_nextn_predict_layers`` multi-token-prediction (MTP) layers stored as
-``model.layers.{num_hidden_layers + j}``; they are skipped on load (with one info line) until speculative
-decoding uses them.
+``model.layers.{num_hidden_layers + j}``; the target skips them on load (with one info line), and the ``mtp``
+draft stage loads them for itself (models/deepseek_mtp.py).
 """
 
 from __future__ import annotations
@@ -209,20 +209,27 @@ class MLAttention(nn.Module):
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe.reshape(T, 1, self.rope))
         return q_nope, q_pe, c_kv, k_pe
 
-    def absorbed(self, x, positions, cache, meta):
-        """Engine path. cache: this layer's [slots, 1, r + rope] rows of (c_kv, k_pe)."""
+    def latent(self, x, positions) -> tuple:
+        """The absorbed form's query [T, H, r + rope] (q_nope carried into the latent space through W_UK, beside
+        q_pe) and cache rows [T, r + rope] (c_kv, k_pe) of x [T, d]."""
         T = x.shape[0]
         q_nope, q_pe, c_kv, k_pe = self._project(x, positions)
-        w = self.kv_b_proj.weight.view(self.h, self.nope + self.dv, self.r)
-        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]  # [H, nope, r], [H, dv, r]
+        w_uk = self.kv_b_proj.weight.view(self.h, self.nope + self.dv, self.r)[:, :self.nope]  # [H, nope, r]
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, r]
-        row = torch.cat([c_kv, k_pe.reshape(T, self.rope)], dim=-1)  # [T, r + rope]
-        cache.index_copy_(0, meta.slot_mapping, row.unsqueeze(1).to(cache.dtype))
-        q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)  # [T, H, r + rope]
-        # MQA over the latent cache: one KV head, key = the whole row, value = its c_kv part.
-        o_lat = self.ops.paged_attention(q, cache, cache[..., :self.r], meta, self.scale)  # [T, H, r]
+        return torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1), torch.cat([c_kv, k_pe.reshape(T, self.rope)], dim=-1)
+
+    def latent_out(self, o_lat):
+        """Attention's latent output P @ c_kv [T, H, r] through W_UV and o_proj: [T, d]."""
+        w_uv = self.kv_b_proj.weight.view(self.h, self.nope + self.dv, self.r)[:, self.nope:]  # [H, dv, r]
         o = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv)  # [T, H, dv]
-        return self.o_proj(o.reshape(T, self.h * self.dv))
+        return self.o_proj(o.reshape(o.shape[0], self.h * self.dv))
+
+    def absorbed(self, x, positions, cache, meta):
+        """Engine path. cache: this layer's [slots, 1, r + rope] rows of (c_kv, k_pe)."""
+        q, row = self.latent(x, positions)
+        cache.index_copy_(0, meta.slot_mapping, row.unsqueeze(1).to(cache.dtype))
+        # MQA over the latent cache: one KV head, key = the whole row, value = its c_kv part.
+        return self.latent_out(self.ops.paged_attention(q, cache, cache[..., :self.r], meta, self.scale))
 
     def unabsorbed(self, x, positions):
         """Oracle path over one whole sequence: per-head K and V materialised from kv_b_proj, causal mask."""
@@ -353,7 +360,7 @@ class DeepseekForCausalLM(MoEModel, FusedCheckpoint, CausalLM):
 
     def load_weights(self, weights: Iterable) -> None:
         """The backbone's tensors; those of the multi-token-prediction layers beyond num_hidden_layers are
-        skipped with one log line (speculative decoding will use them)."""
+        skipped with one log line (the mtp draft stage reads them itself)."""
         c = self.config
         mtp_layers: list = []
 
@@ -372,7 +379,7 @@ class DeepseekForCausalLM(MoEModel, FusedCheckpoint, CausalLM):
         super().load_weights(backbone())
         if mtp_layers:
             log.info("%s: skipped %d checkpoint tensor(s) of %d multi-token-prediction layer(s) (model.layers.%s; "
-                     "num_nextn_predict_layers=%d): MTP weights are unused until speculative decoding uses them",
+                     "num_nextn_predict_layers=%d): speculative_config method 'mtp' loads them for drafting",
                      self.arch, len(mtp_layers), len(set(mtp_layers)), ",".join(map(str, sorted(set(mtp_layers)))),
                      c.num_mtp_layers)
 

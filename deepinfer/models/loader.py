@@ -127,14 +127,27 @@ def safetensors_files(path: Path) -> list:
     raise CheckpointError(f"{path} has no *.safetensors weights")
 
 
+def tensor_names(path: Path) -> set:
+    """The names of every tensor in the checkpoint's safetensors (headers only; nothing is read)."""
+    from safetensors import safe_open
+
+    names: set = set()
+    for f in safetensors_files(path):
+        with _reading(f), safe_open(str(f), framework="pt") as fh:
+            names.update(fh.keys())
+    return names
+
+
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
                    if hasattr(torch, n))
 FP8_CODES = ("F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")  # their safetensors dtype names
 FP8_EXPERTS = ("fp8", "dequantize")  # EngineConfig.fp8_experts
 
 
-def iter_weights(path: Path, hf_config: Optional[dict] = None, keep_fp8: Optional[Callable] = None) -> Iterator:
-    """(name, tensor) of every checkpoint tensor, shard by shard.
+def iter_weights(path: Path, hf_config: Optional[dict] = None, keep_fp8: Optional[Callable] = None,
+                 select: Optional[Callable] = None) -> Iterator:
+    """(name, tensor) of every checkpoint tensor, shard by shard (only those ``select(name)`` accepts, when
+    given: the others are never read).
 
     Block-quantized FP8 weights are dequantized here, for every architecture: an FP8 ``X.weight`` is paired
     with ``X.weight_scale_inv`` (SCALE_SUFFIX) wherever it lives among the shards and comes out as one float32
@@ -168,6 +181,8 @@ def iter_weights(path: Path, hf_config: Optional[dict] = None, keep_fp8: Optiona
 
         for fh in handles:
             for name in fh.keys():
+                if select is not None and not select(name):
+                    continue
                 if name.endswith(SCALE_SUFFIX) and is_fp8(name[:-len(SCALE_SUFFIX)]):
                     continue  # consumed with its weight
                 t = get(fh, name)
