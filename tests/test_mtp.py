@@ -8,7 +8,8 @@ on a tiny random V3 checkpoint given one MTP layer (deepinfer.testing.mtp.add_mt
   sequence (testing.mtp.mtp_logits_oracle, the target's hidden states from transformers), and spec_stats counts
   exactly the drafts proposed and the ones that stood;
 * a checkpoint without MTP tensors, or whose config declares none, fails naming it; ``optional`` turns
-  speculation off there instead.
+  speculation off there instead;
+* an FP8 checkpoint's MTP tensors (experts included) load dequantized, as the target's.
 
 Random weights: the MTP's own drafts almost never stand (the acceptance the run reports is ~0).
 """
@@ -151,3 +152,20 @@ def test_mtp_cache_keeps_the_hidden_states_the_target_kept():
     assert (c.base, c.length, held(c)) == (9, 0, [9, 10])
     c.observe(4, rows(4, 6))  # before the base
     assert (c.base, c.length, held(c)) == (4, 0, [4, 5])
+
+
+def test_fp8_mtp_tensors_are_dequantized_like_the_target(ckpt, tmp_path):
+    from deepinfer.models.quant import dequantize_fp8_block
+    from deepinfer.testing.models import write_fp8_checkpoint
+
+    def pick(name, t):
+        return name.startswith("model.layers.3.") and "norm" not in name and name.endswith("proj.weight")
+
+    quant = write_fp8_checkpoint(ckpt[0], tmp_path / "fp8", pick, block=(16, 16))
+    drafter = llm(str(tmp_path / "fp8"), speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    layer = drafter.engine.drafter.mtp.layer
+    w, s = quant["model.layers.3.eh_proj.weight"]
+    assert torch.equal(layer.eh_proj.weight, dequantize_fp8_block(w, s, (16, 16)).float())
+    w, s = quant["model.layers.3.mlp.experts.2.up_proj.weight"]
+    F = w.shape[0]
+    assert torch.equal(layer.mlp.w13[2, F:], dequantize_fp8_block(w, s, (16, 16)).float())
