@@ -79,7 +79,7 @@ class Engine:
         if reserve is not None:
             reserve(max_model_len)
         self.kv_bytes_per_token = model.kv_bytes_per_token(dtype)
-        self.pool = BlockPool(num_blocks)
+        self.pool = getattr(model, "block_pool", BlockPool)(num_blocks)  # parallel/workers.py: one per rank
         self.cache_identity = f"{type(model).__name__}|{dtype}|block {config.block_size}|{identity}"
         self.prefix_cache = None
         if config.enable_prefix_caching:

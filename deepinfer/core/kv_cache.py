@@ -50,6 +50,10 @@ class BlockPool:
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 
+    def part_of(self, state_slot: int) -> "BlockPool":
+        """The pool a sequence allocates from: this one (core/rank_pools.py partitions blocks by rank)."""
+        return self
+
     def allocate(self, n: int) -> list:
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")

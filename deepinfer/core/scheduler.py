@@ -127,10 +127,38 @@ class Scheduler:
         need = blocks_needed(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
         if need <= 0:
             return True
-        if not self.pool.can_allocate(need + reserve):
+        pool = self.pool.part_of(seq.state_slot)  # data-parallel attention: its rank's blocks (core/rank_pools.py)
+        if not pool.can_allocate(need + reserve):
             return False
-        seq.block_table.extend(self.pool.allocate(need))
+        seq.block_table.extend(pool.allocate(need))
         return True
+
+    def _take_slot(self) -> int:
+        """A free state slot: the next one, or (blocks partitioned by rank) the next one of the rank with the
+        most free blocks."""
+        free = self._free_slots
+        ranks = getattr(self.pool, "num_ranks", 1)
+        if ranks == 1:
+            return free.pop()
+        last: dict = {}  # rank -> index in free of its next slot
+        for i in range(len(free) - 1, -1, -1):
+            last.setdefault(free[i] % ranks, i)
+            if len(last) == ranks:
+                break
+        return free.pop(max(last.values(), key=lambda i: (self.pool.free_for(free[i]), i)))
+
+    def _victim(self, victims: list, taken: set, seq: Sequence) -> Sequence:
+        """The next preemption candidate whose blocks seq can use: running, not chosen this step, not draining
+        (its blocks go back within a step), on seq's partition; seq itself is one, so there is one."""
+        while victims[-1].status is not SeqStatus.RUNNING or victims[-1] in taken or victims[-1].draining:
+            victims.pop()
+        part = self.pool.part_of(seq.state_slot)
+        for i in range(len(victims) - 1, -1, -1):
+            v = victims[i]
+            if (v.status is SeqStatus.RUNNING and v not in taken and not v.draining
+                    and self.pool.part_of(v.state_slot) is part):
+                return victims.pop(i)
+        raise AssertionError("no preemption candidate: seq itself should be one")
 
     def _drop_blocks(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table)
@@ -203,12 +231,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or its last token is already being sampled
             n = self._chunk(seq, budget)
             while not self._grow(seq, n):
-                # Never take blocks back from a chosen row, nor from a draining one (its blocks go back within
-                # a step); seq itself is always a candidate, so the search ends.
-                while (victims[-1].status is not SeqStatus.RUNNING or victims[-1] in taken
-                       or victims[-1].draining):
-                    victims.pop()
-                victim = victims.pop()
+                victim = self._victim(victims, taken, seq)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -242,7 +265,9 @@ class Scheduler:
                 continue
             self._use_prefix(seq)
             n = self._chunk(seq, budget)
+            seq.state_slot = self._take_slot()  # first: with data-parallel attention the slot picks the blocks' rank
             if not self._grow(seq, n, reserve=self.watermark_blocks if self.running else 0):
+                self._release_slot(seq)  # back where it was: the next admission takes it again
                 self._drop_blocks(seq)  # a prefix hit's blocks go back (they stay cached)
                 skipped.append((seq, admitted))
                 if self._passed_over.get(seq, 0) >= self.aging_steps or len(skipped) >= MAX_SKIPPED:
@@ -251,7 +276,6 @@ class Scheduler:
             self._passed_over.pop(seq, None)
             if self.prefix is not None and seq.cache_root is not None:
                 self.prefix.count(seq)
-            seq.state_slot = self._free_slots.pop()
             seq.status = SeqStatus.RUNNING
             self.running[seq] = None
             chosen.append((seq, n))

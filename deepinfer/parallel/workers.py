@@ -184,10 +184,12 @@ def payload_size(header: list) -> int:
     return n
 
 
-def dp_rows(meta, rank: int, D: int) -> tuple:
+def dp_rows(meta, rank: int, D: int, blocks_per_rank: int = 0) -> tuple:
     """Data-parallel attention: (token ids' rows, AttnMetadata) of the batch rows this rank owns (each sequence
     stays on rank ``state slot mod D`` for its life, so its KV is only ever written there), and every rank's token
-    rows (so rank 0 can put the hidden states back in batch order). Rows keep their order."""
+    rows (so rank 0 can put the hidden states back in batch order). Rows keep their order. ``blocks_per_rank``:
+    the rank's cache holds only its partition of the block ids (core/rank_pools.py), so its rows' block ids and
+    slots are made local (minus ``rank x blocks_per_rank`` blocks; padding stays 0)."""
     from ..layout import AttnMetadata
 
     owner = (meta.state_rows % D).tolist()  # [B]
@@ -203,18 +205,26 @@ def dp_rows(meta, rank: int, D: int) -> tuple:
     q_valid = meta.q_valid[r_t]
     q_index = (meta.q_index[r_t] - meta.cu_q[r_t].long()[:, None] + new_cu[:-1, None]).masked_fill(~q_valid, 0)
     pick = (lambda t: None if t is None else t[r_t])
-    sub = AttnMetadata(positions=meta.positions[tok], slot_mapping=meta.slot_mapping[tok], seq_lens=meta.seq_lens[r_t],
-                       q_index=q_index, q_valid=q_valid, kv_slots=meta.kv_slots[r_t], q_pos=meta.q_pos[r_t],
-                       block_table=pick(meta.block_table), block_size=meta.block_size, cu_q=new_cu.to(torch.int32),
+    base = rank * blocks_per_rank  # the first block id of this rank's partition
+
+    def local(t, unit: int):
+        return t if t is None or not base else torch.where(t >= base * unit, t - base * unit, torch.where(t < 0, t, 0))
+
+    sub = AttnMetadata(positions=meta.positions[tok], slot_mapping=local(meta.slot_mapping[tok], meta.block_size),
+                       seq_lens=meta.seq_lens[r_t], q_index=q_index, q_valid=q_valid,
+                       kv_slots=local(meta.kv_slots[r_t], meta.block_size), q_pos=meta.q_pos[r_t],
+                       block_table=local(pick(meta.block_table), 1), block_size=meta.block_size,
+                       cu_q=new_cu.to(torch.int32),
                        max_q=meta.max_q, num_decodes=sum(1 for b in rows if b < meta.num_decodes),
                        state_rows=pick(meta.state_rows), replay_rows=pick(meta.replay_rows),
                        swa_cut_rows=pick(meta.swa_cut_rows))
     return tok, sub, toks
 
 
-def dp_forward(model, comm: Comm, ids, meta, kv, D: int):
-    """Every rank's forward over its own rows; rank 0 gets every token's hidden state back in batch order."""
-    tok, sub, toks = dp_rows(meta, comm.rank, D)
+def dp_forward(model, comm: Comm, ids, meta, kv, D: int, blocks_per_rank: int = 0):
+    """Every rank's forward over its own rows (its own KV partition); rank 0 gets every token's hidden state back
+    in batch order."""
+    tok, sub, toks = dp_rows(meta, comm.rank, D, blocks_per_rank)
     h = model(ids[tok], sub, kv)  # [T_r, d]
     parts = comm.gather_rows(h, [len(t) for t in toks])
     if comm.rank != 0:
@@ -282,7 +292,7 @@ def worker_main(spec: WorkerSpec, rank: int, local_rank: Optional[int] = None) -
 
 
 def _serve(model, comm: Comm, ops, vocab_parallel: bool, dp: int = 1) -> None:
-    kv = None
+    kv, kv_blocks = None, 0
     with torch.no_grad():
         while True:
             h = torch.empty(HEADER, dtype=torch.long)
@@ -296,7 +306,7 @@ def _serve(model, comm: Comm, ops, vocab_parallel: bool, dp: int = 1) -> None:
                 comm.broadcast(payload)
                 ids, meta = unpack_forward(words, payload)
                 if dp > 1:
-                    dp_forward(model, comm, ids, meta, kv, dp)
+                    dp_forward(model, comm, ids, meta, kv, dp, kv_blocks)
                 else:
                     model(ids, meta, kv)
             elif op == LOGITS:
@@ -309,6 +319,7 @@ def _serve(model, comm: Comm, ops, vocab_parallel: bool, dp: int = 1) -> None:
                 kv = None  # free the old cache first
                 kv = model.allocate_kv_cache(num_slots, FLOAT_DTYPES[code], comm.device, block_size=block_size,
                                              max_seqs=max_seqs)
+                kv_blocks = num_slots // block_size
             elif op == RESERVE:
                 model.reserve_positions(words[1])
             else:
@@ -386,6 +397,7 @@ class DriverModel(nn.Module):
         self.inner = inner
         self.runtime, self.vocab_parallel, self.data_parallel = runtime, vocab_parallel, data_parallel
         self.supports_cuda_graphs = False
+        self.kv_blocks = 0  # blocks each rank's cache holds (data-parallel attention: one partition of the pool)
 
     def __getattr__(self, name):
         try:
@@ -409,7 +421,8 @@ class DriverModel(nn.Module):
             self.runtime.send(header)
             self.runtime.comm.broadcast(payload.to(self.runtime.comm.device))
             if self.data_parallel > 1:
-                return dp_forward(self.inner, self.runtime.comm, input_ids, meta, kv_cache, self.data_parallel)
+                return dp_forward(self.inner, self.runtime.comm, input_ids, meta, kv_cache, self.data_parallel,
+                                  self.kv_blocks)
             return self.inner(input_ids, meta, kv_cache)
 
         return self._guarded(run)
@@ -431,7 +444,16 @@ class DriverModel(nn.Module):
         if torch.device(device).type != "meta":  # kv sizing measures the layout on meta: rank 0's alone
             self._guarded(self.runtime.send, _header(ALLOC, num_slots, FLOAT_DTYPES.index(dtype), block_size,
                                                      max_seqs))
+            self.kv_blocks = num_slots // block_size
         return self.inner.allocate_kv_cache(num_slots, dtype, device, block_size=block_size, max_seqs=max_seqs)
+
+    def block_pool(self, num_blocks: int):
+        """The engine's block pool for ``num_blocks`` per rank: with data-parallel attention one partition per
+        rank (core/rank_pools.py; each rank's cache holds only its own sequences' blocks), else one pool."""
+        from ..core.kv_cache import BlockPool
+        from ..core.rank_pools import RankPools
+
+        return RankPools(num_blocks, self.data_parallel) if self.data_parallel > 1 else BlockPool(num_blocks)
 
     def reserve_positions(self, n: int) -> None:
         self._guarded(self.runtime.send, _header(RESERVE, n))
