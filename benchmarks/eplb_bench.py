@@ -69,14 +69,26 @@ def hot_experts(num_experts: int, hot: int, layer: int, seed: int) -> list:
 
 def skew_router(llm, hot: int, bias: float, seed: int) -> None:
     """A fixed selection bias on ``hot`` experts of every MoE block (the block's correction bias, created when
-    the architecture has none: it only changes which experts are chosen, not their weights)."""
-    for b in llm.engine.model.moe_blocks():
-        extra = torch.zeros(b.num_experts)
-        extra[hot_experts(b.num_experts, hot, b.layer, seed)] = bias
-        if b.e_score_correction_bias is None:
-            b.e_score_correction_bias = torch.nn.Parameter(extra.to(b.gate_weight.device), requires_grad=False)
-        else:
-            b.e_score_correction_bias.data += extra.to(b.e_score_correction_bias.device)
+    the architecture has none: it only changes which experts are chosen, not their weights). A parallel engine
+    gets it on every rank (DriverModel.set_parameters), so the ranks' routers agree."""
+    from deepinfer.models.moe import MoEBlock
+
+    model = llm.engine.model
+    net = getattr(model, "inner", model)
+    values = {}
+    for name, b in net.named_modules():
+        if isinstance(b, MoEBlock):
+            extra = torch.zeros(b.num_experts)
+            extra[hot_experts(b.num_experts, hot, b.layer, seed)] = bias
+            if b.e_score_correction_bias is not None:
+                extra += b.e_score_correction_bias.detach().float().cpu()
+            values[f"{name}.e_score_correction_bias"] = extra
+    if hasattr(model, "set_parameters"):
+        model.set_parameters(values)
+        return
+    for name, value in values.items():
+        block = net.get_submodule(name.rpartition(".")[0])
+        block.e_score_correction_bias = torch.nn.Parameter(value.to(block.gate_weight.device), requires_grad=False)
 
 
 def prompts(vocab: int, n: int, length: int, seed: int) -> list:

@@ -13,11 +13,14 @@ alternate the two engines (``--repeats``): decode at each ``--batches`` (gpu_ben
 ``--input-len`` tokens, steady decode tokens/s over ``--decode-steps`` steps) and one ``--prefill``-token prompt
 (prefill tokens/s). Rows give the medians and the ratio to one GPU (median of per-round ratios).
 
-Then balancedness with a skewed router (eplb_bench.skew_router: a fixed selection bias of ``--bias`` on
-``--hot`` experts per layer), on the one-GPU engine rebuilt with ``enable_eplb=True`` over ``--world``
-simulated ranks and ``--redundant`` redundant slots: the balancedness of a decode batch's expert load under the default placement and after one
-rebalance, and the one-GPU decode tokens/s with that router before and after. What EPLB wins back on the real
-expert-parallel engine is not measured: EPLB does not drive the workers' experts yet (refused at start-up).
+Then EPLB on the real expert-parallel engine: the ``--world``-rank engine rebuilt with ``enable_eplb=True`` and
+``--redundant`` redundant slots, its router skewed on every rank (eplb_bench.skew_router: a fixed selection bias
+of ``--bias`` on ``--hot`` experts per layer); decode tokens/s at the largest batch under the start placement,
+one rebalance (the policy on rank 0, expert weights moved between the GPUs by all-to-all) from one decode's
+load; then ``--repeats`` rounds that move the weights back to the start placement, decode, move them to the new
+one, decode. Reported: balancedness before/after on the window it rebalanced from and on the rounds' (held-out)
+load, the slots moved, the rebalance's seconds (policy and move), and the tokens/s won back (after / before,
+median of per-round ratios).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -61,6 +65,42 @@ def decode(llm, B, args, vocab, seed):
 
 def prefill(llm, args, vocab, seed):
     return args.prefill / gpu_bench.measure_prefill(llm, 1, args.prefill, seed, vocab)["seconds"]
+
+
+def eplb_row(path, args, vocab, common: dict) -> dict:
+    """EPLB on the expert-parallel engine with a skewed router: the module docstring's last paragraph."""
+    B = max(args.batches)
+    llm = engine(path, args, args.world, enable_eplb=True,
+                 eplb_config={"num_redundant_experts": args.redundant, "window_size": 10**6, "step_interval": 10**9})
+    try:
+        eplb_bench.skew_router(llm, args.hot, args.bias, 0)
+        gpu_bench.measure_decode(llm, 2, 16, 4, float("inf"), 0, vocab)  # warm-up
+        model, eplb = llm.engine.model, llm.engine.model.eplb
+        model.expert_load.set_window(10**6)
+        decode(llm, B, args, vocab, 99)  # the load the rebalance reads
+        t0 = time.perf_counter()
+        rec = eplb.rebalance()
+        rebalance_s = time.perf_counter() - t0
+        placed = eplb.current()
+        model.expert_load.set_window(10**6)  # held out: the rounds' load
+        before, after = [], []
+        for r in range(args.repeats):  # alternate the placements (weights moved back and forth)
+            model.move_experts(eplb.initial)
+            before.append(decode(llm, B, args, vocab, 100 + r))
+            model.move_experts(placed)
+            after.append(decode(llm, B, args, vocab, 100 + r))
+        stats = llm.eplb_stats()
+    finally:
+        llm.shutdown()
+    return {**common, "phase": "eplb_skewed", "batch": B, "world_size": args.world, "simulated": False,
+            "hot": args.hot, "bias": args.bias, "num_redundant_experts": args.redundant,
+            "balancedness_before": rec["before"], "balancedness_after": rec["after"],
+            "balancedness_held_out": stats["balancedness"],
+            "balancedness_held_out_default": stats["balancedness_default"],
+            "moved_slots": rec["moved_slots"], "rebalance_s": rebalance_s, "tok_s_before": statistics.median(before),
+            "tok_s_after": statistics.median(after),
+            "won_back": statistics.median(a / b for a, b in zip(after, before)), "samples_before": before,
+            "samples_after": after}
 
 
 def main(argv=None) -> int:
@@ -119,27 +159,12 @@ def main(argv=None) -> int:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        # Balancedness with a skewed router, before/after one EPLB rebalance (simulated ranks, one GPU).
-        B = max(args.batches)
-        eplb = engine(path, args, 1, enable_eplb=True,
-                      eplb_config={"num_ranks": args.world, "num_redundant_experts": args.redundant,
-                                   "window_size": 10**6, "step_interval": 10**9})
-        eplb_bench.skew_router(eplb, args.hot, args.bias, 0)
-        before_tok_s = decode(eplb, B, args, vocab, 100)
-        rec = eplb.engine.model.eplb.rebalance()
-        eplb.engine.model.expert_load.set_window(10**6)
-        after_tok_s = decode(eplb, B, args, vocab, 100)
-        stats = eplb.eplb_stats()
-        rows.append({**common, "phase": "eplb_skewed", "batch": B, "world_size": args.world, "simulated": True,
-                     "hot": args.hot, "bias": args.bias, "num_redundant_experts": args.redundant, "balancedness_before": rec["before"],
-                     "balancedness_after": rec["after"], "balancedness_held_out": stats["balancedness"],
-                     "balancedness_held_out_default": stats["balancedness_default"], "moved_slots": rec["moved_slots"],
-                     "one_gpu_tok_s_before": before_tok_s, "one_gpu_tok_s_after": after_tok_s})
+        rows.append(eplb_row(path, args, vocab, common))
     for r in rows:
         print(json.dumps({k: v for k, v in r.items() if k in (
             "phase", "batch", "prompt_len", "world_size", "tokens_per_s", "ratio_vs_1", "balancedness_before",
-            "balancedness_after", "balancedness_held_out", "balancedness_held_out_default", "one_gpu_tok_s_before",
-            "one_gpu_tok_s_after")}))
+            "balancedness_after", "balancedness_held_out", "balancedness_held_out_default", "moved_slots",
+            "rebalance_s", "tok_s_before", "tok_s_after", "won_back")}))
     if args.out:
         append_jsonl(args.out, rows)
     return 0

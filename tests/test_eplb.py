@@ -338,12 +338,6 @@ def test_bad_layout_for_the_model_names_the_value(mixtral):
         LLM(model=path, num_kv_blocks=8, eplb_config={"num_ranks": 0})  # checked even while EPLB is off
 
 
-def test_eplb_with_parallel_workers_is_refused_before_they_start(mixtral):
-    with pytest.raises(ValueError, match="enable_eplb=True is not implemented with parallel workers yet "
-                                         r"\(tensor_parallel_size=2, data_parallel_size=1\)"):
-        LLM(model=mixtral[1], num_kv_blocks=8, tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True)
-
-
 def test_eplb_from_a_recipe_file(mixtral, tmp_path):
     recipe = tmp_path / "eplb.toml"
     recipe.write_text(Path(__file__).parents[1].joinpath("recipes", "default.toml").read_text()

@@ -171,7 +171,8 @@ class EngineConfig:
     # arguments}; None: no speculation (core/speculative.py).
     speculative_config: Optional[dict] = attrs.field(default=None, validator=_speculative)
     # Expert-parallel load balancing (parallel/placement.py), vLLM's names: eplb_config keys window_size,
-    # step_interval, num_redundant_experts, log_balancedness, and the simulated num_ranks / num_nodes.
+    # step_interval, num_redundant_experts, log_balancedness, and num_ranks / num_nodes (simulated in one
+    # process; over the parallel workers num_ranks is the world size).
     enable_eplb: bool = attrs.field(default=False, validator=_optional_bool)
     eplb_config: Optional[dict] = attrs.field(default=None, validator=_eplb_config)
 

@@ -116,10 +116,6 @@ class LLM:
                              f"quantization_config.quant_method 'fp8'); {self.model_path} is not one, and online "
                              "quantization is not implemented")
         torch_dtype = loader.torch_dtype(config.dtype, hf_config, ops.device)
-        if config.enable_eplb and config.tensor_parallel_size * config.data_parallel_size > 1:
-            raise ValueError("enable_eplb=True is not implemented with parallel workers yet (tensor_parallel_size="
-                             f"{config.tensor_parallel_size}, data_parallel_size={config.data_parallel_size}): EPLB "
-                             "runs in one process over simulated ranks (eplb_config num_ranks / num_nodes)")
         if config.tensor_parallel_size * config.data_parallel_size > 1:  # rank 0 of parallel serving (parallel/)
             from ..parallel.workers import start_parallel
 
@@ -133,7 +129,7 @@ class LLM:
         for key, value in pipeline.model_settings.items():  # the recipe's slow twins, where the model has them
             if hasattr(net, key):
                 setattr(net, key, value)
-        if config.enable_eplb:  # replicated expert slots, rebalanced from the load (parallel/placement.py)
+        if config.enable_eplb and getattr(net, "eplb", None) is None:  # one process; start_parallel set up the ranks'
             from ..parallel.placement import enable_eplb
 
             enable_eplb(net, config.eplb_config)

@@ -45,6 +45,12 @@ class ExpertLoad:
         flat = ids.reshape(-1)
         self.current[self.row[layer]].scatter_add_(0, flat, torch.ones_like(flat))
 
+    def record_counts(self, layer: int, counts: torch.Tensor) -> None:
+        """counts: [E] tokens routed to each expert at model layer ``layer`` (already counted elsewhere)."""
+        if self.current is None or self.current.device != counts.device:
+            self._alloc(counts.device)
+        self.current[self.row[layer]] += counts
+
     def end_step(self) -> None:
         if self.current is None:
             return

@@ -139,6 +139,12 @@ class Comm:
         self._timed(dist.all_to_all_single, out, inp.contiguous(), recv, send)
         return out
 
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` (same shape) stacked in rank order on every rank: [W, *t.shape]."""
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        self._timed(dist.all_gather, parts, t.contiguous())
+        return torch.stack(parts)
+
     def gather_rows(self, t: torch.Tensor, counts: list) -> Optional[torch.Tensor]:
         """Each rank's ``t`` ([counts[rank], ...]) stacked in rank order on rank 0 (None elsewhere)."""
         pad = t.new_zeros((max(counts), *t.shape[1:]))

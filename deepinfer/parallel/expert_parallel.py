@@ -13,7 +13,13 @@ router (replicated, float32). Two ways to run the experts, the same function:
   pairs that chose them, over all tokens, and one all-reduce sums the partial outputs.
 
 Shared experts and the router stay replicated. The expert load is recorded on every rank for all tokens (the
-driver's record is the one reported).
+driver's record is the one reported); with data-parallel attention each rank routes only its own tokens, so the
+per-slot counts every rank sends (all-gathered before the exchange, which needs them anyway) give rank 0 the
+whole batch's load.
+
+EPLB (parallel/expert_moves.py): rank r then holds physical slots ``[r S, (r+1) S)`` (``first``, ``num_local``
+count slots, not experts) and each choice goes to one replica's slot (``ExpertPlacement.physical_ids``) before
+the same exchange.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..backends.reference import moe as ref_moe
+from ..backends.reference.moe import expert_counts
 from ..models.moe import _FUSED_DOWN, _FUSED_GATE_UP, MoEBlock
 from .tp_layers import Slice
 
@@ -33,7 +40,8 @@ EP_COMMS = ("alltoall", "allreduce")
 
 
 class ExpertParallelMoE(MoEBlock):
-    """A MoEBlock holding ``num_local`` experts from ``first``; set up by ``shard_experts``."""
+    """A MoEBlock holding ``num_local`` experts (EPLB: physical slots) from ``first``; set up by
+    ``shard_experts``."""
 
     comm: object
     first: int
@@ -59,7 +67,7 @@ class ExpertParallelMoE(MoEBlock):
         moe_route = getattr(self.ops, "moe_route", None)
         weights, ids = (moe_route(logits, self.top_k, **kw) if moe_route is not None
                         else ref_moe.route(logits, self.top_k, **kw))  # [T, k] float32, [T, k] int64
-        if self.expert_load is not None:
+        if self.expert_load is not None and not self.tokens_local:  # every rank routes every token
             self.expert_load.record(self.layer, ids)
         return weights, ids
 
@@ -76,7 +84,9 @@ class ExpertParallelMoE(MoEBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self._route(x)
-        out = self._alltoall(x, weights, ids) if self.ep_comm == "alltoall" else self._allreduce(x, weights, ids)
+        # EPLB: each logical choice to one replica's physical slot (over all of x's tokens, as in one process).
+        slots = ids if self.placement is None else self.placement.physical_ids(ids)
+        out = self._alltoall(x, weights, slots) if self.ep_comm == "alltoall" else self._allreduce(x, weights, slots)
         if self.shared_w13 is not None:
             gate, up = F.linear(x, self.shared_w13).chunk(2, dim=-1)  # [T, Fs] each
             shared = F.linear(F.silu(gate) * up, self.shared_w2)  # [T, d]
@@ -95,7 +105,8 @@ class ExpertParallelMoE(MoEBlock):
         return self.comm.all_reduce(out).to(x.dtype)
 
     def _alltoall(self, x, weights, ids):
-        comm, R = self.comm, self.comm.world_size
+        """ids [T, k]: the slot of each choice (the expert without EPLB); rank r holds slots [r S, (r+1) S)."""
+        comm, R, S = self.comm, self.comm.world_size, self.num_local
         T, k = ids.shape
         if self.tokens_local:  # data-parallel attention: this rank's own tokens
             lo, hi = 0, T
@@ -103,14 +114,20 @@ class ExpertParallelMoE(MoEBlock):
             bounds = [T * r // R for r in range(R + 1)]
             lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
         flat = ids[lo:hi].reshape(-1)  # [n k] my tokens' choices
-        dest = flat // self.num_local  # [n k] the rank holding each chosen expert
+        dest = flat // S  # [n k] the rank holding each chosen slot
         order = torch.argsort(dest, stable=True)
-        send = torch.bincount(dest, minlength=R)  # [R]
-        counts = comm.all_to_all(send, [1] * R, [1] * R).tolist()  # [R] pairs each rank sends me
-        send = send.tolist()
+        every = comm.all_gather(expert_counts(flat, R * S))  # [R, R S] each rank's pairs per slot
+        send = every[comm.rank].view(R, S).sum(1).tolist()  # pairs I send each rank
+        counts = every[:, comm.rank * S:(comm.rank + 1) * S].sum(1).tolist()  # pairs each rank sends me
+        if self.tokens_local and self.expert_load is not None:  # the whole batch's load, from every rank's counts
+            per_slot = every.sum(0)  # [P]
+            load = per_slot if self.placement is None else torch.zeros(
+                self.num_experts, dtype=per_slot.dtype, device=per_slot.device).index_add_(
+                0, self.placement.phy2log, per_slot)
+            self.expert_load.record_counts(self.layer, load)
         tok = lo + order // k  # [n k] token of each sorted pair
         xs = comm.all_to_all(x[tok], send, counts)  # [M, d]
-        meta = torch.stack([flat[order] - dest[order] * self.num_local,
+        meta = torch.stack([flat[order] - dest[order] * S,
                             weights[lo:hi].reshape(-1)[order].view(torch.int32).long()], dim=1)  # [n k, 2]
         meta = comm.all_to_all(meta, send, counts)  # [M, 2] local expert id, weight's float32 bits
         w = meta[:, 1].to(torch.int32).view(torch.float32)

@@ -1,4 +1,4 @@
-"""EPLB while serving, in one process: physical expert slots, replica routing, rebalancing from the window.
+"""EPLB while serving: physical expert slots, replica routing, rebalancing from the window.
 
 ``enable_eplb(model, eplb_config)`` (LLM(enable_eplb=True, eplb_config={...}) calls it) gives every MoEBlock
 an ``ExpertPlacement``: its expert weights become ``P = E + num_redundant_experts`` physical slots (w13 [P, 2F,
@@ -13,10 +13,12 @@ order) and ``c_e`` is ``e``'s replica count. Each replica so gets its share of `
 which is what the policy assumes. Replicas are copies, so the output does not depend on the choice beyond the
 rounding of differently sized matmuls.
 
-Single process today: the "ranks" and "nodes" are simulated (``num_ranks`` / ``num_nodes`` slots groups of
-one device), so the balancedness figures say what expert parallelism would see, and the weight moves are
-copies within one tensor. The torch.distributed workers (issue 18) will hold only their rank's slots and move
-weights between ranks; the tables, the routing and the policy stay these.
+In one process the "ranks" and "nodes" are simulated (``num_ranks`` / ``num_nodes`` slot groups of one
+device), so the balancedness figures say what expert parallelism would see, and the weight moves are copies
+within one tensor. Over the torch.distributed workers (``tensor_parallel_size`` x ``data_parallel_size`` > 1,
+``enable_expert_parallel``) each rank holds only its ``P / W`` slots (parallel/expert_moves.py), rank 0's
+``Eplb`` decides, and the move is an exchange of weights between ranks; the tables, the routing and the policy
+are these.
 
 Rebalancing reads the window's counts back to the host (one sync every ``step_interval`` steps) and runs the
 policy on the CPU (0.8 to 4.7 s for a whole Qwen3-30B-A3B- or DeepSeek-V3-shaped model: docs/benchmarks.md).
@@ -51,19 +53,19 @@ def _bool(inst, attribute, value):
 
 @attrs.frozen
 class EplbConfig:
-    """vLLM's EPLB keys (same defaults), plus the simulated layout until the distributed workers exist."""
+    """vLLM's EPLB keys (same defaults), plus the layout of the expert-parallel ranks."""
 
     window_size: int = attrs.field(default=1000, validator=_count("window_size", 1))  # engine steps of load kept
     step_interval: int = attrs.field(default=3000, validator=_count("step_interval", 1))  # steps between rebalances
     num_redundant_experts: int = attrs.field(default=0, validator=_count("num_redundant_experts", 0))
     log_balancedness: bool = attrs.field(default=False, validator=_bool)  # log before/after at each rebalance
     # DeepInfer's: the expert-parallel ranks and nodes the slots are laid out over (simulated in one process;
-    # the distributed workers will take them from the parallel layout).
-    num_ranks: int = attrs.field(default=1, validator=_count("num_ranks", 1))
+    # with parallel workers num_ranks is the world size: None, or that number).
+    num_ranks: Optional[int] = attrs.field(default=None, validator=attrs.validators.optional(_count("num_ranks", 1)))
     num_nodes: int = attrs.field(default=1, validator=_count("num_nodes", 1))
 
     def __attrs_post_init__(self) -> None:
-        if self.num_ranks % self.num_nodes:
+        if self.num_ranks is not None and self.num_ranks % self.num_nodes:
             raise ValueError(f"eplb_config['num_ranks']={self.num_ranks} is not a multiple of "
                              f"eplb_config['num_nodes']={self.num_nodes}")
 
@@ -150,9 +152,14 @@ class ExpertPlacement:
 
 
 class Eplb:
-    """The rebalancing loop of one model: counts steps, rebalances, keeps the before/after record."""
+    """The rebalancing loop of one model: counts steps, rebalances, keeps the before/after record.
 
-    def __init__(self, model, config: EplbConfig):
+    In one process it attaches the default placement and moves weights within each block (simulated ranks).
+    Over expert-parallel workers (``mover`` given: parallel/workers.py's DriverModel.move_experts) the blocks
+    are already on their ranks' slots, ``num_ranks`` is the world size, and ``mover(phy2log [L, P])`` applies a
+    placement on every rank and returns how many slots changed."""
+
+    def __init__(self, model, config: EplbConfig, num_ranks: Optional[int] = None, mover=None):
         blocks = model.moe_blocks() if hasattr(model, "moe_blocks") else []
         load = getattr(model, "expert_load", None)
         if not blocks or load is None:
@@ -161,17 +168,32 @@ class Eplb:
         E = blocks[0].num_experts
         self.config, self.blocks, self.load = config, blocks, load
         self.num_experts, self.num_slots = E, E + config.num_redundant_experts
+        if num_ranks is not None and config.num_ranks not in (None, num_ranks):
+            raise ValueError(f"eplb_config['num_ranks']={config.num_ranks} does not match the {num_ranks} "
+                             "expert-parallel ranks (tensor_parallel_size x data_parallel_size); leave it out")
+        self.num_ranks = num_ranks or config.num_ranks or 1
         self.num_groups = blocks[0].n_group or 1
-        eplb.check_layout(E, self.num_slots, self.num_groups, config.num_nodes, config.num_ranks)
-        if any(b.placement is not None for b in blocks):
-            raise ValueError("EPLB is already enabled on this model")
+        eplb.check_layout(E, self.num_slots, self.num_groups, config.num_nodes, self.num_ranks)
         self.rows = [load.row[b.layer] for b in blocks]  # each block's row of the expert-load totals
+        placed = [b.placement is not None for b in blocks]
+        self.distributed = mover is not None
+        if mover is None:
+            if any(placed):
+                raise ValueError("EPLB is already enabled on this model")
+            default = eplb.default_placement(1, E, self.num_slots)[0].tolist()
+            for b in blocks:
+                ExpertPlacement(default, E, b.w13.device).attach(b)
+            mover = self._move_here
+        elif not all(placed) or any(b.placement.num_slots != self.num_slots for b in blocks):
+            raise ValueError(f"EPLB over workers: every MoE block must be on {self.num_slots} physical slots first")
+        self._mover = mover
         load.set_window(config.window_size)
-        default = eplb.default_placement(1, E, self.num_slots)[0].tolist()
-        for b in blocks:
-            ExpertPlacement(default, E, b.w13.device).attach(b)
+        self.initial = self.current()  # [L, P] the placement serving started with
         self.steps = 0
         self.history: list = []
+
+    def _move_here(self, phy2log: torch.Tensor) -> int:
+        return apply_placement(self.blocks, self.rows, phy2log)
 
     def current(self) -> torch.Tensor:
         """[L, P] phy2log of every block, in expert-load row order."""
@@ -187,16 +209,16 @@ class Eplb:
 
     def balancedness(self, phy2log, load=None) -> float:
         load = self.load.totals() if load is None else load
-        return eplb.balancedness(eplb.rank_loads(load, phy2log, self.config.num_ranks))
+        return eplb.balancedness(eplb.rank_loads(load, phy2log, self.num_ranks))
 
     def rebalance(self) -> dict:
         """Place the experts for the window's load now; returns the record added to ``history``."""
         c = self.config
         load = self.load.totals()  # [L, E] the one host sync
         current = self.current()
-        phy2log, _, _ = eplb.rebalance_experts(load, self.num_slots, self.num_groups, c.num_nodes, c.num_ranks,
+        phy2log, _, _ = eplb.rebalance_experts(load, self.num_slots, self.num_groups, c.num_nodes, self.num_ranks,
                                                current)
-        moved = sum(b.placement.move(b, phy2log[row].tolist()) for b, row in zip(self.blocks, self.rows))
+        moved = self._mover(phy2log)
         rec = {"step": self.steps, "window_steps": min(self.load.num_steps, self.load.window),
                "tokens": int(load.sum()), "before": self.balancedness(current, load),
                "after": self.balancedness(phy2log, load), "moved_slots": moved}
@@ -209,14 +231,20 @@ class Eplb:
     def stats(self) -> dict:
         c = self.config
         load = self.load.totals()
-        default = eplb.default_placement(len(self.rows), self.num_experts, self.num_slots)
         return {"num_logical_experts": self.num_experts, "num_physical_experts": self.num_slots,
-                "num_redundant_experts": c.num_redundant_experts, "num_ranks": c.num_ranks, "num_nodes": c.num_nodes,
+                "num_redundant_experts": c.num_redundant_experts, "num_ranks": self.num_ranks,
+                "num_nodes": c.num_nodes, "distributed": self.distributed,
                 "window_size": c.window_size, "step_interval": c.step_interval, "steps": self.steps,
                 "window_steps": min(self.load.num_steps, self.load.window), "tokens": int(load.sum()),
-                "balancedness_default": self.balancedness(default, load),
+                "balancedness_default": self.balancedness(self.initial, load),
                 "balancedness": self.balancedness(self.current(), load),
                 "rebalances": len(self.history), "history": list(self.history)}
+
+
+def apply_placement(blocks: list, rows: list, phy2log: torch.Tensor) -> int:
+    """Adopt phy2log [L, P] (expert-load row order) in every block (``rows[i]``: block i's row); returns how many
+    slots changed. Over workers every rank calls it with the same tables, blocks in the same order."""
+    return sum(b.placement.move(b, phy2log[row].tolist()) for b, row in zip(blocks, rows))
 
 
 def enable_eplb(model, eplb_config=None) -> Eplb:

@@ -38,12 +38,14 @@ import torch.distributed as dist
 from torch import nn
 
 from .dist import Comm, DistributedError, ParallelConfig, init_world, leave_world, rank_device, torchrun_env
+from .expert_moves import apply_on_rank, attach_rank_slots, gather_slots
 
 log = logging.getLogger(__name__)
 
 HEADER = 80  # int64 words of a step message's header
 STARTUP_TIMEOUT_S = 600.0  # start-up (imports, loading) may take longer than a collective may wait
 FORWARD, LOGITS, ALLOC, RESERVE, STOP = 1, 2, 3, 4, 5
+EPLB, SLOTS, SETPARAM = 6, 7, 8  # adopt a placement (move experts); gather a block's slots; set a parameter
 # The attention metadata fields a forward needs (layout.AttnMetadata), then the token ids.
 META_TENSORS = ("positions", "slot_mapping", "seq_lens", "q_index", "q_valid", "kv_slots", "q_pos", "block_table",
                 "cu_q", "state_rows", "replay_rows", "swa_cut_rows")
@@ -67,6 +69,7 @@ class WorkerSpec:
     store_port: int
     agent_store: bool  # torchrun's agent hosts the store
     threads: Optional[int]
+    eplb_slots: int = 0  # EPLB: physical expert slots per MoE layer over all ranks (0: off)
 
 
 # ------------------------------------------------------------------------------------------ building a shard
@@ -272,6 +275,8 @@ def worker_main(spec: WorkerSpec, rank: int, local_rank: Optional[int] = None) -
         comm = _join(spec, rank, store, device)
         model, keep, plan, vocab_parallel = build_shard(spec, comm, ops, registry)
         load_shard(model, spec, device, keep, plan)
+        if spec.eplb_slots:
+            attach_rank_slots(model, spec.eplb_slots, comm)
     except BaseException as exc:  # reported to rank 0, which names it
         store.set(f"status/{rank}", f"{type(exc).__name__}: {exc}")
         traceback.print_exc()
@@ -322,6 +327,20 @@ def _serve(model, comm: Comm, ops, vocab_parallel: bool, dp: int = 1) -> None:
                 kv_blocks = num_slots // block_size
             elif op == RESERVE:
                 model.reserve_positions(words[1])
+            elif op == EPLB:
+                L, P = words[1:3]
+                phy2log = torch.empty(L * P, dtype=torch.long, device=comm.device)
+                comm.broadcast(phy2log)
+                apply_on_rank(model, phy2log.view(L, P).cpu())
+            elif op == SLOTS:
+                gather_slots(model.moe_blocks()[words[1]], comm)
+            elif op == SETPARAM:
+                n, code, ndim = words[1:4]
+                name = torch.empty(n, dtype=torch.uint8)
+                comm.broadcast(name, control=True)
+                value = torch.empty(words[4:4 + ndim], dtype=FLOAT_DTYPES[code], device=comm.device)
+                comm.broadcast(value)
+                set_parameter(model, bytes(name.tolist()).decode(), value)
             else:
                 raise RuntimeError(f"worker rank {comm.rank}: unknown step message {op}")
 
@@ -397,6 +416,7 @@ class DriverModel(nn.Module):
         self.inner = inner
         self.runtime, self.vocab_parallel, self.data_parallel = runtime, vocab_parallel, data_parallel
         self.supports_cuda_graphs = False
+        self.eplb = None  # EPLB over the ranks (placement.Eplb with move_experts as its mover), when enabled
         self.kv_blocks = 0  # blocks each rank's cache holds (data-parallel attention: one partition of the pool)
 
     def __getattr__(self, name):
@@ -462,6 +482,77 @@ class DriverModel(nn.Module):
     def shutdown(self) -> None:
         self.runtime.shutdown()
 
+    def end_step(self) -> None:
+        """Close the step's expert-load record; EPLB rebalances here every step_interval steps (all ranks are
+        between steps). A rebalance that fails marks the group broken: the next step fails its requests."""
+        end = getattr(self.inner, "end_step", None)
+        if end is not None:
+            end()
+        if self.eplb is not None and self.runtime.failed is None:
+            try:
+                self.eplb.end_step()
+            except DistributedError as exc:
+                log.error("EPLB rebalance failed: %s", exc)
+
+    def move_experts(self, phy2log: torch.Tensor) -> int:
+        """EPLB's mover: every rank adopts phy2log [L, P] (rows in expert-load order), moving expert weights
+        between ranks (expert_moves.py). Returns how many slots changed."""
+        def run():
+            L, P = phy2log.shape
+            self.runtime.send(_header(EPLB, L, P))
+            self.runtime.comm.broadcast(phy2log.reshape(-1).to(self.runtime.comm.device))
+            return apply_on_rank(self.inner, phy2log)
+
+        return self._guarded(run)
+
+    def expert_slots(self, block: int) -> dict:
+        """MoE block ``block``'s expert tensors of all P slots, gathered from every rank (rank order): {name:
+        [P, ...]}. For checking a move; it copies every expert of the layer to rank 0."""
+        def run():
+            self.runtime.send(_header(SLOTS, block))
+            return gather_slots(self.inner.moe_blocks()[block], self.runtime.comm)
+
+        return self._guarded(run)
+
+    def set_parameters(self, values: dict) -> None:
+        """Set replicated parameters (dotted names, e.g. a router's ``...mlp.e_score_correction_bias``) to the
+        same value on every rank; a parameter a module declares as optional (None) is created. Sharded
+        parameters (expert weights, tensor-parallel projections) differ per rank and are refused on rank 0
+        where their shapes differ."""
+        for name, value in values.items():
+            value = torch.as_tensor(value)
+            if value.dtype not in FLOAT_DTYPES or value.dim() > 8:
+                raise ValueError(f"set_parameters: {name!r} must be a float32/bfloat16/float16 tensor of at most "
+                                 f"8 dims, got {value.dtype} of {value.dim()}")
+            set_parameter(self.inner, name, value)  # rank 0 first: a bad name or shape fails here, not on a worker
+
+            def run():
+                code = name.encode()
+                self.runtime.send(_header(SETPARAM, len(code), FLOAT_DTYPES.index(value.dtype), value.dim(),
+                                          *value.shape))
+                self.runtime.comm.broadcast(torch.tensor(list(code), dtype=torch.uint8), control=True)
+                self.runtime.comm.broadcast(value.to(self.runtime.comm.device).contiguous())
+
+            self._guarded(run)
+
+
+def set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """``model``'s parameter ``name`` := value (shape checked); a None attribute becomes a Parameter."""
+    path, _, leaf = name.rpartition(".")
+    try:
+        mod = model.get_submodule(path)
+    except AttributeError:
+        raise ValueError(f"set_parameters: no module {path!r} in {type(model).__name__}") from None
+    old = getattr(mod, leaf, "missing")
+    if old is None:
+        setattr(mod, leaf, nn.Parameter(value.to(next(model.parameters()).device), requires_grad=False))
+    elif isinstance(old, nn.Parameter):
+        if tuple(old.shape) != tuple(value.shape):
+            raise ValueError(f"set_parameters: {name!r} has shape {tuple(old.shape)}, got {tuple(value.shape)}")
+        old.data.copy_(value.to(old.device, old.dtype))
+    else:
+        raise ValueError(f"set_parameters: {name!r} is not a parameter of {type(mod).__name__}")
+
 
 def check_supported(config) -> None:
     """Engine settings parallel serving does not cover yet, refused before any process starts."""
@@ -478,10 +569,9 @@ def check_supported(config) -> None:
         raise ValueError(f"expert_parallel_comm={config.expert_parallel_comm!r} with data_parallel_size="
                          f"{pc.data_parallel_size}: data-parallel attention needs 'alltoall' (each rank holds "
                          "different tokens)")
-    if config.enable_eplb:
-        raise ValueError("enable_eplb with tensor_parallel_size > 1 is not supported yet: EPLB runs in one process "
-                         "over a simulated layout (eplb_config num_ranks); moving experts between ranks is not "
-                         "implemented")
+    if config.enable_eplb and not pc.enable_expert_parallel:
+        raise ValueError(f"enable_eplb with {pc.world_size} ranks needs enable_expert_parallel=True (EPLB places "
+                         "the experts of expert-parallel MoE layers)")
     if config.batch_invariant:
         raise ValueError("batch_invariant with tensor_parallel_size > 1 is not supported: the all-reduce's order "
                          "of summation is the collective library's")
@@ -535,6 +625,9 @@ def start_parallel(config, model_path, hf_config: dict, ops, backend: str, dtype
     # Rank 0's shard on meta first: a layout that does not divide fails here, before any process starts.
     comm = Comm(0, W, device)
     model, keep, plan, vocab_parallel = build_shard(spec, comm, ops, registry)
+    eplb_config = None
+    if config.enable_eplb:  # the layout checked on the meta shard too, before any process starts
+        spec, eplb_config = _eplb_spec(spec, model, config.eplb_config)
     procs = []
     if env is None:
         import torch.multiprocessing as mp
@@ -552,6 +645,8 @@ def start_parallel(config, model_path, hf_config: dict, ops, backend: str, dtype
         joined = _join(spec, 0, store, device)
         comm.control, comm.send_timeout_s = joined.control, pc.timeout_s
         load_shard(model, spec, device, keep, plan)
+        if spec.eplb_slots:
+            attach_rank_slots(model, spec.eplb_slots, comm)
         store.set("status/0", "")
         _wait_started(store, procs, W, wait_s, "status")
         store.set("go", "ok")
@@ -565,7 +660,35 @@ def start_parallel(config, model_path, hf_config: dict, ops, backend: str, dtype
     log.info("parallel serving: %d ranks (%s), tensor_parallel_size=%d, expert parallel %s", W,
              "NCCL" if device_type == "cuda" else "gloo", pc.tensor_parallel_size,
              config.expert_parallel_comm if pc.enable_expert_parallel else "off")
-    return DriverModel(model, runtime, vocab_parallel, pc.data_parallel_size)
+    driver = DriverModel(model, runtime, vocab_parallel, pc.data_parallel_size)
+    if eplb_config is not None:
+        from .placement import Eplb
+
+        driver.eplb = Eplb(driver, eplb_config, num_ranks=W, mover=driver.move_experts)
+    return driver
+
+
+def _eplb_spec(spec: WorkerSpec, model, eplb_config) -> tuple:
+    """(spec with the physical slots, EplbConfig): refused here, naming the numbers, when the slots do not
+    divide over the ranks or the layout does not fit the policy."""
+    from . import eplb
+    from .expert_moves import rank_initial_placement
+    from .placement import EplbConfig
+
+    cfg = EplbConfig.from_dict(eplb_config)
+    W = spec.parallel.world_size
+    if cfg.num_ranks not in (None, W):
+        raise ValueError(f"eplb_config['num_ranks']={cfg.num_ranks} does not match the {W} expert-parallel ranks "
+                         "(tensor_parallel_size x data_parallel_size); leave it out")
+    blocks = model.moe_blocks() if hasattr(model, "moe_blocks") else []
+    if not blocks:
+        raise ValueError(f"enable_eplb needs a mixture-of-experts model with MoE blocks (Mixtral, Qwen-MoE, "
+                         f"DeepSeek-V2/V3); {type(model).__name__} has none")
+    block = blocks[0]
+    P = block.num_experts + cfg.num_redundant_experts
+    rank_initial_placement(block.num_experts, P, W)
+    eplb.check_layout(block.num_experts, P, block.n_group or 1, cfg.num_nodes, W)
+    return attrs.evolve(spec, eplb_slots=P), cfg
 
 
 def _free_port() -> int:
