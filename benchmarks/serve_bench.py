@@ -11,8 +11,9 @@
    ``deepinfer serve``'s app), driven over HTTP by ``deepinfer bench serve`` with the same requests (same seed)
    at rate inf and --max-concurrency = --concurrency.
 
-Both engines stay loaded and the two runs alternate --repeats times (the idle one blocks, costing nothing), so a
-shared machine's drift hits both alike; the API's overhead is 1 - median(server tok/s / offline tok/s) over the
+Both engines stay loaded and the two runs alternate --repeats times (the idle one blocks, costing nothing; the
+order flipped every pair), so a shared machine's drift hits both alike; each pair draws its own prompts (the same
+for both phases), so neither meets prompts an earlier run left in its prefix cache; the API's overhead is 1 - median(server tok/s / offline tok/s) over the
 pairs. Each row also has the CPU seconds its engine's process spent per output token (/proc: the server process
 alone, not the client), a measure that other work on a shared machine disturbs far less than wall time. Then the server alone at each of --rates (Poisson arrivals). On a GPU both processes hold the model:
 give the KV pool a fixed size (--kv-gb) so neither profiles the other's memory. Models: ``demo`` (the bundled
@@ -27,6 +28,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,11 +87,11 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def offline(args, llm, repeat: int) -> dict:
+def offline(args, llm, repeat: int, seed: int) -> dict:
     from deepinfer.bench import engine_settings, machine_info
     from deepinfer.bench_serving import serve, summarize
 
-    prompts, out_lens, arrivals = workload(args, llm.tokenizer)
+    prompts, out_lens, arrivals = workload(argparse.Namespace(**{**vars(args), "seed": seed}), llm.tokenizer)
     cpu0 = proc_cpu_s(os.getpid())
     lines, duration, steps = serve(llm.engine, prompts, out_lens, arrivals)
     cpu = proc_cpu_s(os.getpid()) - cpu0
@@ -97,7 +99,7 @@ def offline(args, llm, repeat: int) -> dict:
     return {"bench": "benchmarks/serve_bench.py", "phase": "offline", "engine": "offline", "repeat": repeat,
             "shape": args.model, **engine_settings(llm), "num_prompts": args.num_prompts, "request_rate": "inf",
             "concurrency": args.concurrency, "input_len_range": args.input_len_range,
-            "output_len_range": args.output_len_range, "seed": args.seed, "steps": steps, **summary,
+            "output_len_range": args.output_len_range, "seed": seed, "steps": steps, **summary,
             "cpu_s": cpu, "cpu_ms_per_output_token": 1000 * cpu / max(summary["output_tokens"], 1), **machine_info()}
 
 
@@ -236,13 +238,14 @@ def main() -> int:
                       output_len_range=args.output_len_range, tokenizer=mdir, seed=args.seed,
                       gpu_hour_cost=args.gpu_hour_cost, echo=lambda *a: None)
 
-        def server_row(rate, repeat=None):
+        def server_row(rate, repeat=None, seed=args.seed):
             if repeat == 0:  # the warm-up, outside the CPU count
                 bench_serve(url, args.model, request_rate=rate, num_prompts=4, output_len_range=(4, 4),
                             **{k: v for k, v in common.items() if k not in ("num_prompts", "output_len_range")})
             cpu0 = proc_cpu_s(proc.pid)
             row = bench_serve(url, args.model, request_rate=rate, label="server", warmups=0,
-                              max_concurrency=args.concurrency if math.isinf(rate) else None, **common)
+                              max_concurrency=args.concurrency if math.isinf(rate) else None,
+                              **{**common, "seed": seed})
             cpu = proc_cpu_s(proc.pid) - cpu0  # the server process only: the client's CPU is not the API's cost
             return {**row, "stream_interval": args.stream_interval,
                     "gil_switch_interval": args.gil_switch_interval, "cpu_s": cpu, "cpu_ms_per_output_token": 1000 * cpu / max(row["output_tokens"], 1),
@@ -250,10 +253,18 @@ def main() -> int:
                     "recipe": args.recipe, "server_max_num_seqs": args.concurrency}
 
         if args.full_warmup:
-            offline(args, llm, -1)
+            offline(args, llm, -1, args.seed)
             server_row(math.inf, -1)
         for k in range(args.repeats):
-            off, srv = offline(args, llm, k), server_row(math.inf, k)
+            # Pair k: its own prompts (seed + 1 + k), the same for both phases, so no phase meets prompts an
+            # earlier run left in its prefix cache; the order flipped every pair, so drift hits both alike.
+            seed = args.seed + 1 + k
+            if k % 2 == 0:
+                off = offline(args, llm, k, seed)
+                srv = server_row(math.inf, k, seed)
+            else:
+                srv = server_row(math.inf, k, seed)
+                off = offline(args, llm, k, seed)
             srv["output_tok_s_vs_offline"] = srv["output_tok_s"] / off["output_tok_s"]
             srv["cpu_per_token_vs_offline"] = srv["cpu_ms_per_output_token"] / off["cpu_ms_per_output_token"]
             ratios.append(srv["output_tok_s_vs_offline"])
@@ -264,8 +275,8 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(60)
-    ratio = sorted(ratios)[len(ratios) // 2]
-    cpu_ratio = sorted(cpu_ratios)[len(cpu_ratios) // 2]
+    ratio = statistics.median(ratios)
+    cpu_ratio = statistics.median(cpu_ratios)
     for r in rows:
         r.setdefault("median_server_over_offline", ratio)
         r.setdefault("median_cpu_per_token_server_over_offline", cpu_ratio)
