@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17 (the HTTP server) on the GPU machine (the device tool), from the repo root there, one call each:
 #   bash scripts/device_issue17.sh overhead   # Llama-3.1-8B shape (random weights, bf16): the server against the
-#                                             # offline engine on one workload at concurrency 64 (3 alternating
+#                                             # offline engine on one workload at concurrency 64 (4 alternating
 #                                             # pairs; the API's overhead in output tok/s should be under 5%)
 #   bash scripts/device_issue17.sh rates      # the server's TTFT / ITL / E2E percentiles at 8, 16 and 32 req/s
 #   bash scripts/device_issue17.sh interval   # overhead again with --stream-interval 4 (a chunk per 4 tokens: what
@@ -23,7 +23,7 @@ case "${1:-}" in
 overhead)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   git log --oneline -1
-  timeout 560 python3 benchmarks/serve_bench.py "${COMMON[@]}" --num-prompts 256 --repeats 3 --full-warmup --rates \
+  timeout 560 python3 benchmarks/serve_bench.py "${COMMON[@]}" --num-prompts 256 --repeats 4 --full-warmup --rates \
     > "$OUT/serve_overhead.log" 2>&1
   echo "rc=$?"; tail -12 "$OUT/serve_overhead.log" ;;
 rates)
@@ -31,7 +31,7 @@ rates)
     > "$OUT/serve_rates.log" 2>&1
   echo "rc=$?"; tail -12 "$OUT/serve_rates.log" ;;
 interval)
-  timeout 560 python3 benchmarks/serve_bench.py "${COMMON[@]}" --num-prompts 256 --repeats 3 --full-warmup --rates \
+  timeout 560 python3 benchmarks/serve_bench.py "${COMMON[@]}" --num-prompts 256 --repeats 4 --full-warmup --rates \
     --stream-interval 4 > "$OUT/serve_interval.log" 2>&1
   echo "rc=$?"; tail -12 "$OUT/serve_interval.log" ;;
 *)
