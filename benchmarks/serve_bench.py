@@ -81,10 +81,20 @@ def workload(args, tokenizer):
     return prompts, out_lens, arrival_times(args.num_prompts, math.inf, 1.0, args.seed)
 
 
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc), all its threads."""
+def proc_cpu_s(pid: int, children: bool = True) -> float:
+    """User + system CPU seconds so far (Linux /proc) of a process, all its threads, and (children) its live
+    children (the server's engine process)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    if not children:
+        return own
+    kids = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            kids.update(int(x) for x in (task / "children").read_text().split())
+        except OSError:
+            pass
+    return own + sum(proc_cpu_s(k) for k in kids if Path(f"/proc/{k}").exists())
 
 
 def offline(args, llm, repeat: int, seed: int) -> dict:
@@ -92,9 +102,9 @@ def offline(args, llm, repeat: int, seed: int) -> dict:
     from deepinfer.bench_serving import serve, summarize
 
     prompts, out_lens, arrivals = workload(argparse.Namespace(**{**vars(args), "seed": seed}), llm.tokenizer)
-    cpu0 = proc_cpu_s(os.getpid())
+    cpu0 = proc_cpu_s(os.getpid(), children=False)  # not the idle server process, a child of this one
     lines, duration, steps = serve(llm.engine, prompts, out_lens, arrivals)
-    cpu = proc_cpu_s(os.getpid()) - cpu0
+    cpu = proc_cpu_s(os.getpid(), children=False) - cpu0
     summary = summarize(lines, duration)
     return {"bench": "benchmarks/serve_bench.py", "phase": "offline", "engine": "offline", "repeat": repeat,
             "shape": args.model, **engine_settings(llm), "num_prompts": args.num_prompts, "request_rate": "inf",
@@ -103,15 +113,38 @@ def offline(args, llm, repeat: int, seed: int) -> dict:
             "cpu_s": cpu, "cpu_ms_per_output_token": 1000 * cpu / max(summary["output_tokens"], 1), **machine_info()}
 
 
+def engine_process(args) -> bool:
+    if args.engine_process != "auto":
+        return args.engine_process == "on"
+    return (args.device or ("cuda" if _cuda() else "cpu")).startswith("cuda")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_for_child(args_json: dict, model_dir: str):
+    """The engine process's factory (AsyncLLM engine_factory): the LLM build() makes, from JSON arguments."""
+    return build(argparse.Namespace(**args_json), model_dir)
+
+
 def serve_only(args) -> None:
     import uvicorn
 
     from deepinfer.entrypoints import AsyncLLM
     from deepinfer.entrypoints.server import ServerSettings, build_app
 
-    llm = build(args, args.model_dir)
-    engine = AsyncLLM(llm=llm, stream_interval=args.stream_interval,
-                      gil_switch_interval=args.gil_switch_interval or None)
+    common = dict(stream_interval=args.stream_interval, gil_switch_interval=args.gil_switch_interval or None)
+    if engine_process(args):  # the engine process builds the same LLM through build_for_child
+        here = str(Path(__file__).resolve().parent)
+        os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (here, os.environ.get("PYTHONPATH")) if x)
+        engine = AsyncLLM(engine_process=True, engine_factory="serve_bench:build_for_child",
+                          args_json={k: v for k, v in vars(args).items() if k != "func"}, model_dir=args.model_dir,
+                          **common)
+    else:
+        engine = AsyncLLM(llm=build(args, args.model_dir), **common)
     app = build_app(engine, ServerSettings(model_name=args.model))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
     from deepinfer.entrypoints.cli_serve import _announce
@@ -203,6 +236,8 @@ def main() -> int:
     ap.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval (default 1)")
     ap.add_argument("--gil-switch-interval", type=float, default=0.0005,
                     help="the server's --gil-switch-interval (seconds; 0 leaves Python's 5 ms)")
+    ap.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto",
+                    help="the server's --engine-process (auto: on for CUDA)")
     ap.add_argument("--gpu-hour-cost", type=float, default=None)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--out", default=None)
@@ -248,7 +283,7 @@ def main() -> int:
                               **{**common, "seed": seed})
             cpu = proc_cpu_s(proc.pid) - cpu0  # the server process only: the client's CPU is not the API's cost
             return {**row, "stream_interval": args.stream_interval,
-                    "gil_switch_interval": args.gil_switch_interval, "cpu_s": cpu, "cpu_ms_per_output_token": 1000 * cpu / max(row["output_tokens"], 1),
+                    "gil_switch_interval": args.gil_switch_interval, "engine_process": engine_process(args), "cpu_s": cpu, "cpu_ms_per_output_token": 1000 * cpu / max(row["output_tokens"], 1),
                     "phase": "server", "repeat": repeat, "shape": args.model, "concurrency": args.concurrency,
                     "recipe": args.recipe, "server_max_num_seqs": args.concurrency}
 

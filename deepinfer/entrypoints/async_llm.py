@@ -27,6 +27,7 @@ import queue
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from typing import AsyncIterator, Optional
 
 from ..core.params import SamplingParams
@@ -45,22 +46,35 @@ class AsyncLLM:
     ``AsyncLLM(llm=existing)`` wraps an LLM already built. Use ``async with`` or call ``shutdown()``."""
 
     def __init__(self, llm=None, stream_interval: int = 1, gil_switch_interval=GIL_SWITCH_INTERVAL_S,
-                 **llm_kwargs):
+                 engine_process: bool = False, engine_factory: Optional[str] = None, **llm_kwargs):
         """stream_interval: a streamed request hears of its progress every this many new tokens (its first token
         and its end always at once); larger values cost the event loop less per token (SGLang's
         --stream-interval). gil_switch_interval: seconds; the process's switch interval is lowered to it (never
-        raised; process-wide, see the module docstring); None leaves it."""
+        raised; process-wide, see the module docstring); None leaves it. engine_process: build and run the engine
+        in a process of its own (entrypoints/engine_process.py; LLM's arguments must then be JSON data, and
+        ``engine_factory`` "module:function" may build the LLM from them instead of LLM(**kwargs))."""
         if not isinstance(stream_interval, int) or isinstance(stream_interval, bool) or stream_interval < 1:
             raise ValueError(f"AsyncLLM stream_interval={stream_interval!r} is invalid: must be an int >= 1")
         if gil_switch_interval is not None:
             lower_switch_interval(gil_switch_interval)
-        if llm is None:
+        if llm is not None and (llm_kwargs or engine_process):
+            raise TypeError("AsyncLLM: pass llm=... or LLM's arguments (with engine_process), not both")
+        if engine_process:
+            from ..tokenizer import Tokenizer
+            from .engine_process import RemoteEngine
+
+            remote = RemoteEngine(llm_kwargs, engine_factory)
+            info = remote.info
+            # What the server reads of an LLM, without one in this process.
+            llm = SimpleNamespace(engine=remote, tokenizer=Tokenizer.from_dir(info["tokenizer_dir"]),
+                                  model_path=info["model_path"], hf_config=info["hf_config"],
+                                  generation_defaults=info["generation_defaults"])
+        elif llm is None:
             from ..core.llm import LLM
 
             llm = LLM(**llm_kwargs)
-        elif llm_kwargs:
-            raise TypeError("AsyncLLM: pass llm=... or LLM's arguments, not both")
         self.stream_interval = stream_interval
+        self.remote = engine_process
         self._sent: dict = {}  # request id -> tokens it has been told of (stream_interval > 1 only)
         self.llm, self.engine, self.tokenizer = llm, llm.engine, llm.tokenizer
         self.max_model_len = self.engine.max_model_len
@@ -123,10 +137,13 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine is not running ({self._dead or 'its thread ended'})")
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort what is in flight (each stream ends with finish_reason "abort") and stop the engine thread."""
+        """Abort what is in flight (each stream ends with finish_reason "abort") and stop the engine thread (and
+        the engine's process, with engine_process)."""
         if self._thread.is_alive():
             self._inbox.put(("stop",))
             self._thread.join(timeout)
+        if self.remote and self.engine.proc.poll() is None:
+            self.engine.close()
         self._dead = self._dead or "shut down"
 
     async def __aenter__(self):
@@ -205,6 +222,8 @@ class AsyncLLM:
                     continue
                 try:
                     outs = self.engine.step()
+                except EngineDeadError:  # the engine's process died: nothing more can be served
+                    raise
                 except Exception as exc:  # a bug the engine did not contain: fail what is in flight, keep going
                     log.exception("deepinfer: engine step raised; failing the requests in flight")
                     self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
@@ -234,16 +253,20 @@ class AsyncLLM:
             self._deliver(rid, _error_output(rid, message) if reason == "error" else _abort_output(rid))
 
     def _snapshot(self) -> dict:
-        eng = self.engine
-        sched, pool = eng.scheduler, eng.pool
-        cache = eng.prefix_cache
-        summary = cache.summary() if cache is not None else {}
-        return {"running": len(sched.running), "waiting": len(sched.waiting), "requests": len(eng.requests),
-                "kv_blocks_total": pool.num_blocks, "kv_blocks_free": pool.num_free,
-                "kv_usage": 1.0 - pool.num_free / pool.num_blocks,
-                "prefix_cache_queries": summary.get("query_tokens", 0), "prefix_cache_hits": summary.get("hit_tokens", 0),
-                "prefix_cache_hit_rate": summary.get("hit_rate", 0.0), "steps": eng.stats["steps"],
-                **_spec(getattr(eng, "spec_stats", None)), "time": time.time()}
+        return self.engine.snapshot() if self.remote else engine_snapshot(self.engine)
+
+
+def engine_snapshot(eng) -> dict:
+    """An Engine's state for stats(): running/waiting sequences, KV blocks, prefix-cache and speculation totals."""
+    sched, pool = eng.scheduler, eng.pool
+    cache = eng.prefix_cache
+    summary = cache.summary() if cache is not None else {}
+    return {"running": len(sched.running), "waiting": len(sched.waiting), "requests": len(eng.requests),
+            "kv_blocks_total": pool.num_blocks, "kv_blocks_free": pool.num_free,
+            "kv_usage": 1.0 - pool.num_free / pool.num_blocks,
+            "prefix_cache_queries": summary.get("query_tokens", 0), "prefix_cache_hits": summary.get("hit_tokens", 0),
+            "prefix_cache_hit_rate": summary.get("hit_rate", 0.0), "steps": eng.stats["steps"],
+            **_spec(getattr(eng, "spec_stats", None)), "time": time.time()}
 
 
 def lower_switch_interval(seconds) -> None:

@@ -103,6 +103,10 @@ def add_serve_parser(sub, model_args) -> argparse.ArgumentParser:
     g.add_argument("--gil-switch-interval", type=float, default=0.0005, metavar="S",
                    help="lower Python's GIL switch interval to S seconds (default 0.0005; 0 leaves it): the engine "
                         "thread then waits at most about S for the GIL a busy event loop holds")
+    g.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto", dest="serve_engine_process",
+                   help="run the engine in a process of its own (on: the server's HTTP work never takes the GIL from "
+                        "the engine loop; off: a thread of the server's process, where logits processors and "
+                        "in-process plugins' objects can reach it); auto: on for CUDA, off on the CPU")
     g.add_argument("--timeout-graceful-shutdown", type=float, default=10.0, metavar="S",
                    help="on SIGINT/SIGTERM, let in-flight requests finish this long, then abort them (default 10)")
     g.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
@@ -138,14 +142,22 @@ def cmd_serve(args) -> int:
     from .async_llm import AsyncLLM
     from .server import ServerSettings, build_app
 
-    try:
-        llm = LLM(model=model, recipe=args.recipe, dtype=args.dtype, max_model_len=args.max_model_len,
+    llm_kw = dict(model=model, recipe=args.recipe, dtype=args.dtype, max_model_len=args.max_model_len,
                   threads=_threads(args), device=args.device, backend=args.backend, tokenizer=args.tokenizer,
                   load_format=args.load_format, hf_overrides=args.hf_overrides, **engine_kw)
-    except CheckpointError as exc:
-        raise UsageError(str(exc)) from None
-    engine = AsyncLLM(llm=llm, stream_interval=args.stream_interval,
-                      gil_switch_interval=args.gil_switch_interval or None)
+    common = dict(stream_interval=args.stream_interval, gil_switch_interval=args.gil_switch_interval or None)
+    if _engine_process(args):
+        try:
+            engine = AsyncLLM(engine_process=True, **common, **llm_kw)
+        except ValueError as exc:  # the engine process could not build the LLM (its message names why)
+            raise UsageError(str(exc)) from None
+    else:
+        try:
+            llm = LLM(**llm_kw)
+        except CheckpointError as exc:
+            raise UsageError(str(exc)) from None
+        engine = AsyncLLM(llm=llm, **common)
+    llm = engine.llm
     name = args.served_model_name or model or "demo"
     settings = ServerSettings(model_name=name, api_key=args.api_key or os.environ.get("DEEPINFER_API_KEY") or None,
                               max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
@@ -167,6 +179,14 @@ def cmd_serve(args) -> int:
     server.run()
     engine.shutdown()
     return 0
+
+
+def _engine_process(args) -> bool:
+    if args.serve_engine_process != "auto":  # (not engine_*: those dests are EngineConfig's flags)
+        return args.serve_engine_process == "on"
+    import torch
+
+    return (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
 
 
 def _announce(server, args, name) -> None:
