@@ -23,8 +23,10 @@ from . import engine_path
 from .model import model_ops
 
 
-class DecodePass:
-    """engine_path.Pass's contract for a decode step, from device tensors: query t is row t."""
+class DecodePass(engine_path.Shared):
+    """engine_path.Pass's contract for a decode step, from device tensors: query t is row t. What depends on
+    the compression ratio alone (group members, entry rows, visibility) is built once per step and ratio and
+    shared by that ratio's layers."""
 
     score = False
 
@@ -36,31 +38,42 @@ class DecodePass:
         self.tok = self.lstart_t = self.rows_t
         self.lo_t, self.cut_t, self.ring_slot = self.pos, cut, meta.state_rows
         self.min_pos = min(starts) if starts else None  # host-known on the eager path only
+        self._kept = {}
+
+    def _plan(self, m: int, size: int, cache):
+        """(tail slot of each token, tail slots of its group's members [n, m], its group's entry id and cache
+        row): where every full layer of ratio m reads and writes."""
+        def build():
+            j = self.pos // m  # the group this token belongs to
+            members = None
+            if m > 1:
+                members = ((j * m)[:, None] + torch.arange(m, device=j.device)) % size  # [n, m] group positions
+            per = cache.block_size // m
+            rows = self.meta.block_table.gather(1, (j // per)[:, None])[:, 0] * per + j % per
+            return self.pos % size if m > 1 else None, members, j, rows
+        return self._once(("compress", m, size), build)
 
     def compress(self, model, layer, xs, cache) -> None:
         m, d = layer.m, xs.shape[-1]
         slots = self.ring_slot
-        j = self.pos // m  # the group this token belongs to
+        tail = cache.pending[layer.i] if m > 1 else None  # [S, m + allowance, d]: position p in slot p % size
+        at, members, j, rows = self._plan(m, tail.shape[1] if m > 1 else 0, cache)
         if m > 1:
-            tail = cache.pending[layer.i]  # [S, m + allowance, d]: position p in slot p % (m + allowance)
-            size = tail.shape[1]
-            tail[slots, self.pos % size] = xs.to(tail.dtype)
-            members = (j * m)[:, None] + torch.arange(m, device=j.device)  # [n, m] the group's positions
-            group = tail[slots[:, None], members % size].reshape(self.n * m, d)
+            tail[slots, at] = xs.to(tail.dtype)
+            group = tail[slots[:, None], members].reshape(self.n * m, d)
         else:
             group = xs
         e, k = layer.entries(group, j)
-        per = cache.block_size // m
-        bt = self.meta.block_table
-        rows = bt.gather(1, (j // per)[:, None])[:, 0] * per + j % per
         cache.write_entries(layer.i, rows, e, k, quantize=model_ops(model).quantize_kv)
 
     def entry_slots(self, m: int, cache) -> torch.Tensor:
         """[R, J] cache row of every entry id the block tables can hold (queries see only their visible ones)."""
-        per = cache.block_size // m
-        bt = self.meta.block_table
-        ids = torch.arange(bt.shape[1] * per, device=bt.device)
-        return bt[:, ids // per] * per + ids % per
+        def build():
+            per = cache.block_size // m
+            bt = self.meta.block_table
+            ids = torch.arange(bt.shape[1] * per, device=bt.device)
+            return bt[:, ids // per] * per + ids % per
+        return self._once(("slots", m), build)
 
     def write_ring(self, layer, kv, cache, ops) -> None:
         cache.ring_write(layer.i, self.ring_slot, self.pos, kv, quantize=ops.quantize_kv)

@@ -33,10 +33,44 @@ from . import functional as fn
 from .model import model_ops
 
 
-class Pass:
+def _on_device(lists: list, device) -> list:
+    """Host int lists on the device in one copy: [tensor] views of one int64 buffer, one per list."""
+    flat = [v for lst in lists for v in lst]
+    buf = to_device(flat, torch.long, device)
+    out, a = [], 0
+    for lst in lists:
+        out.append(buf[a:a + len(lst)])
+        a += len(lst)
+    return out
+
+
+class Shared:
+    """What every layer of a pass (``pos`` [n] its queries' positions) reads alike, built on the first layer's
+    call and kept for the step (``_kept``): a layer adds no host loop over rows and no host-to-device copy."""
+
+    _kept: dict
+
+    def _once(self, key, build):
+        if key not in self._kept:
+            self._kept[key] = build()
+        return self._kept[key]
+
+    def visible(self, m: int) -> torch.Tensor:
+        """[n] entries of ratio m each query sees: entry j is visible from position (j + 1) m - 1 on."""
+        return self._once(("visible", m), lambda: (self.pos + 1) // m)
+
+    def no_entries(self) -> torch.Tensor:
+        """[n, 0]: a swa layer's selected entries."""
+        return self._once("no_entries", lambda: torch.zeros(self.pos.shape[0], 0, dtype=torch.long,
+                                                            device=self.pos.device))
+
+
+class Pass(Shared):
     """One part of the step (encoder, decoder, or the decoder's prompt-scoring pass): which tokens query,
     where their SWA keys live (``score``: the scoring rings) and where their window is cut. Built from the
-    metadata's host lists; decode_path.DecodePass is the same contract on the device alone."""
+    metadata's host lists; decode_path.DecodePass is the same contract on the device alone. The queries that
+    write the rings and each ratio's entry rows are built once (``Shared``); so is each ratio's compression
+    plan, in ``meta.cache`` (``_compress_chunk``)."""
 
     def __init__(self, meta, lo: list, hi: list, device, cut: list, score: bool = False):
         self.meta, self.device = meta, device
@@ -58,28 +92,39 @@ class Pass:
         for k in meta.nums:
             qs.append(qs[-1] + k)
         tok = [qs[r] + (p - meta.starts[r]) if p >= meta.starts[r] else -1 for r, p in zip(self.rows, pos)]
-        self.rows_t, self.pos, self.tok = to_device([self.rows, pos, tok], torch.long, device).unbind(0)
         early = [i for i, t in enumerate(tok) if t < 0]
+        late = [i for i, t in enumerate(tok) if t >= 0] if early else []
+        slots = list(meta.state_slots)
+        # Per query: its row, position, token, replay cut, first fresh position, offset of that position's row,
+        # and ring (state slot); one host-to-device copy for all of them.
+        per_query = [[per_row[r] for r in self.rows] for per_row in (cut, lo, self.lstart, slots)]
+        (self.rows_t, self.pos, self.tok, self.cut_t, self.lo_t, self.lstart_t, self.ring_slot, early_t,
+         late_t) = _on_device([self.rows, pos, tok, *per_query, early, late], device)
         self.early = self.late = None  # [E], [n - E] queries before / inside their row's chunk (when E > 0)
         if early:
-            self.early = to_device(early, torch.long, device)
-            self.late = to_device([i for i, t in enumerate(tok) if t >= 0], torch.long, device)
-        # Per query: its replay cut, first fresh position, offset of that position's row, and ring (state slot).
-        per_row = to_device([cut, lo, self.lstart, list(meta.state_slots)], torch.long, device)
-        self.cut_t, self.lo_t, self.lstart_t, self.ring_slot = per_row[:, self.rows_t].unbind(0)
+            self.early, self.late = early_t, late_t
+        self._kept = {}
+
+    def last_queries(self, size: int):
+        """(queries, their state slots, their positions): each row's last ``size`` queries, or None."""
+        return self._once(("last", size), lambda: _last_queries(self, size, self.meta, self.device))
 
     def compress(self, model, layer, xs, cache) -> None:
         _compress_chunk(model, layer, xs, self.meta, cache, self.device)
 
     def entry_slots(self, m: int, cache) -> torch.Tensor:
-        return _row_slots(m, cache, self.meta, self.device)
+        return self._once(("slots", m), lambda: _row_slots(m, cache, self.meta, self.device))
 
     def write_ring(self, layer, kv, cache, ops) -> None:
-        _write_ring(layer, self, kv, cache, self.meta, self.device, ops)
+        last = self.last_queries(cache.rings(self.score)[layer.i][0].shape[1])
+        if last is not None:
+            idx, slots, pos = last
+            cache.ring_write(layer.i, slots, pos, kv[idx], quantize=ops.quantize_kv, score=self.score)
 
 
 def _last_queries(P: Pass, size: int, meta, device):
-    """(queries, their state slots): each row's last ``size`` queries of pass P, or None when there is none."""
+    """(queries, their state slots, their positions): each row's last ``size`` queries of pass P, or None
+    when there is none."""
     keep = []
     for r in range(len(meta.starts)):
         n_r = (P.lstart[r + 1] if r + 1 < len(P.lstart) else P.n) - P.lstart[r]
@@ -87,74 +132,103 @@ def _last_queries(P: Pass, size: int, meta, device):
     if not keep:
         return None
     idx = to_device(keep, torch.long, device)
-    return idx, to_device(meta.state_slots, torch.long, device)[P.rows_t[idx]]
+    return idx, P.ring_slot[idx], P.pos[idx]
 
 
-def _write_ring(layer, P: Pass, kv, cache, meta, device, ops):
-    last = _last_queries(P, cache.rings(P.score)[layer.i][0].shape[1], meta, device)
-    if last is not None:
-        idx, slots = last
-        cache.ring_write(layer.i, slots, P.pos[idx], kv[idx], quantize=ops.quantize_kv, score=P.score)
-
-
-def _keep_encoder_outputs(enc: Pass, h_enc, cache, meta, device) -> None:
+def _keep_encoder_outputs(enc: Pass, h_enc, cache) -> None:
     """Each row's last ring-many final encoder outputs into the cache's ``henc`` (an encoder-SWA pool keeps them)."""
     size = cache.henc.shape[1]
-    last = _last_queries(enc, size, meta, device)
+    last = enc.last_queries(size)
     if last is not None:
-        idx, slots = last
-        cache.henc[slots, enc.pos[idx] % size] = h_enc[enc.tok[idx]].to(cache.henc.dtype)
+        idx, slots, pos = last
+        cache.henc[slots, pos % size] = h_enc[enc.tok[idx]].to(cache.henc.dtype)
+
+
+def _block_table(meta, device) -> torch.Tensor:
+    """[R, NB] the rows' block ids on the device: the metadata's, or padded from its host lists."""
+    if meta.block_table is not None:
+        return meta.block_table
+    nb = max([len(t) for t in meta.block_tables] + [1])
+    return to_device([(list(t) + [0] * nb)[:nb] for t in meta.block_tables], torch.long, device)
+
+
+class _Compression:
+    """Where every full layer of ratio m reads and writes in this step (no layer changes it, so a pass builds
+    it once): the groups completing in the step, each row's taken from its compressor tail (the pending
+    inputs of its last incomplete group, ``size`` slots) followed by its chunk; the entries' ids and cache
+    rows; the tail slots the chunk's last tokens go to. A prefix hit's shared blocks are never rewritten
+    (``write_floors``). Per layer: one gather of the groups, one ``entries`` call, one cache write, one tail
+    write, whatever the number of rows."""
+
+    def __init__(self, meta, m: int, size: int, cache, device):
+        self.m = m
+        floors = meta.write_floors or [0] * len(meta.starts)
+        slots = meta.state_slots
+        tail_slot, tail_pos, tail_at = [], [], []  # pending rows read (m > 1), and where each row's begin
+        for r, a in enumerate(meta.starts):
+            tail_at.append(len(tail_slot))
+            if m > 1:
+                tail_slot += [slots[r]] * (a % m)
+                tail_pos += [p % size for p in range(a - a % m, a)]
+        n_tail = len(tail_slot)
+        src, ids, id_rows = [], [], []  # per compressed token: its row in [tails; xs]; per entry: id, row
+        keep_slot, keep_pos, keep_src = [], [], []  # tail slots written (m > 1) from rows of xs
+        qs = 0
+        for r, (a, k) in enumerate(zip(meta.starts, meta.nums)):
+            b, pend = a + k, a % m
+            j0, j1 = a // m, b // m  # the row's tokens from j0 * m on: its tail, then its chunk
+            skip = min(max(0, floors[r] // m - j0), j1 - j0)  # entries of a prefix hit's shared blocks
+            if j1 > j0 + skip:
+                src += [tail_at[r] + i if i < pend else n_tail + qs + i - pend for i in range(skip * m, (j1 - j0) * m)]
+                ids += range(j0 + skip, j1)
+                id_rows += [r] * (j1 - j0 - skip)
+            if m > 1:  # the chunk's last tokens, complete groups' too: a rejected draft may roll back into them
+                keep = range(max(a, b - size), b)
+                keep_slot += [slots[r]] * len(keep)
+                keep_pos += [p % size for p in keep]
+                keep_src += [qs + p - a for p in keep]
+            qs += k
+        self.identity = n_tail == 0 and src == list(range(qs))  # the groups are xs itself
+        (self.tail_slot, self.tail_pos, self.src, self.ids, id_rows_t, self.keep_slot, self.keep_pos,
+         self.keep_src) = _on_device([tail_slot, tail_pos, src, ids, id_rows, keep_slot, keep_pos, keep_src], device)
+        self.n_tail, self.n_entries, self.n_keep = n_tail, len(ids), len(keep_slot)
+        if ids:  # each entry's cache row: its block (from the row's block table) and its place in it
+            per = cache.block_size // m
+            self.rows = _block_table(meta, device)[id_rows_t, self.ids // per] * per + self.ids % per
+
+    def run(self, model, layer, xs, cache) -> None:
+        """xs [T, d]: the normed input of all the step's tokens."""
+        store = cache.pending.get(layer.i) if self.m > 1 else None  # [S, slots, d]: position p in slot p % slots
+        if self.n_entries:
+            src = xs
+            if self.n_tail:
+                src = torch.cat([store[self.tail_slot, self.tail_pos], xs], dim=0)
+            e, k = layer.entries(src if self.identity else src[self.src], self.ids)
+            cache.write_entries(layer.i, self.rows, e, k, quantize=model_ops(model).quantize_kv)
+        if self.n_keep:  # (after the tails were read: a row's kept tokens may take its old tail's slots)
+            store[self.keep_slot, self.keep_pos] = xs[self.keep_src].to(store.dtype)
 
 
 def _compress_chunk(model, layer, xs, meta, cache, device):
-    """Compress the groups completing in this step for every row; xs [T, d] normed input of all tokens."""
-    m = layer.m
-    chunks, ids, rows = [], [], []
-    qs = 0
-    floors = meta.write_floors or [0] * len(meta.starts)
-    for r, (a, k) in enumerate(zip(meta.starts, meta.nums)):
-        b = a + k
-        x_row = xs[qs:qs + k]
-        qs += k
-        pend = a % m
-        if m > 1:
-            store = cache.pending[layer.i]  # [S, slots, d]: position p in slot p % slots
-            size = store.shape[1]
-            tail = store[meta.state_slots[r], [p % size for p in range(a - pend, a)]]
-            x_row = torch.cat([tail, x_row], dim=0)  # tokens from (a // m) * m
-        j0, j1 = a // m, b // m
-        skip = min(max(0, floors[r] // m - j0), j1 - j0)  # entries of a prefix hit's shared blocks: never rewritten
-        if j1 > j0 + skip:
-            chunks.append(x_row[skip * m: (j1 - j0) * m])
-            ids.append(torch.arange(j0 + skip, j1, device=device))
-            rows.append((r, j0 + skip, j1))
-        if m > 1:  # the chunk's last tokens, complete groups' too: a rejected draft may roll back into them
-            keep = range(max(a, b - size), b)
-            store[meta.state_slots[r], [p % size for p in keep]] = x_row[keep.start - j0 * m:]
-    if not chunks:
-        return
-    e, k = layer.entries(torch.cat(chunks), torch.cat(ids))
-    off = 0
-    for r, j0, j1 in rows:
-        n = j1 - j0
-        slots = cache.entry_slots(layer.i, meta.block_tables[r], torch.arange(j0, j1, device=device))
-        cache.write_entries(layer.i, slots, e[off:off + n], k[off:off + n], quantize=model_ops(model).quantize_kv)
-        off += n
+    """Compress the groups completing in this step for every row; xs [T, d] normed input of all tokens. The
+    plan is the step's (``meta.cache``): every full layer of the same ratio shares it."""
+    size = cache.pending[layer.i].shape[1] if layer.m > 1 else 0
+    key = ("ced_compression", layer.m, size, cache.block_size)
+    if key not in meta.cache:
+        meta.cache[key] = _Compression(meta, layer.m, size, cache, device)
+    meta.cache[key].run(model, layer, xs, cache)
 
 
 def _row_slots(m, cache, meta, device):
     """Cache rows of every row's entries complete after this step: [R, Jmax] int64 (a row's ids past its own
     count repeat its last entry's row; queries never see them)."""
     J = [(a + k) // m for a, k in zip(meta.starts, meta.nums)]
-    Jmax = max(J) if J else 0
-    ids = torch.arange(Jmax, device=device)
-    slots = []
-    for r in range(len(J)):
-        per = cache.block_size // m
-        bt = to_device(meta.block_tables[r] or [0], torch.long, device)
-        jj = ids.clamp(max=max(J[r] - 1, 0))
-        slots.append(bt[(jj // per).clamp(max=bt.numel() - 1)] * per + jj % per)
-    return torch.stack(slots) if slots else torch.zeros(0, 0, dtype=torch.long, device=device)
+    if not J:
+        return torch.zeros(0, 0, dtype=torch.long, device=device)
+    per = cache.block_size // m
+    (last,) = _on_device([[max(j - 1, 0) for j in J]], device)
+    jj = torch.minimum(torch.arange(max(J), device=device)[None, :], last[:, None])  # [R, Jmax]
+    return _block_table(meta, device).gather(1, jj // per) * per + jj % per
 
 
 INDEX_CHUNK = 1 << 24  # most (query, entry) scores one indexer call computes; longer passes go in chunks
@@ -195,7 +269,6 @@ def _choose_entries(model, ops, layer, iq, iw, keys, slots, P: Pass, num_visible
 def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats):
     """h [Tq, d] hidden of this pass's queries; src [T, d] hidden of all step tokens (full-layer input)."""
     c = model.config
-    device = h.device
     kernels = layer._kernels(h)  # the fused rms on CUDA
     x = fn.rms(h, layer.attn_norm, c.rms_norm_eps, ops=kernels)
     stats["layer_tokens"][layer.i] += P.n
@@ -206,7 +279,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats):
     ops = model_ops(model)
     q, cq = layer.query(x, P.pos)
     kv = layer.swa_kv(x, P.pos)
-    entries, sel = None, torch.zeros(P.n, 0, dtype=torch.long, device=device)  # swa layers: no global branch
+    entries, sel = None, P.no_entries()  # swa layers: no global branch
     if layer.mode != "swa":
         m = layer.m
         src_l = c.source_full(layer.i)
@@ -218,8 +291,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats):
         if layer.mode in ("full", "reindex"):
             stats["indexer_calls"][layer.i] += 1
             iq, iw = layer.index_query(x, cq)
-            topk = _choose_entries(model, ops, layer, iq, iw, cache.ik[src_l], slots, P, (P.pos + 1) // m, ctx,
-                                   stats)
+            topk = _choose_entries(model, ops, layer, iq, iw, cache.ik[src_l], slots, P, P.visible(m), ctx, stats)
         else:
             topk = ctx[("topk", c.source_topk(layer.i))]
         # A reuse layer reads the cache rows its top-K layer looked up (same top-K, same full layer's slots).
@@ -263,7 +335,7 @@ def forward_engine(model, input_ids, meta, cache):
         h = layer_engine(model, layer, h, enc, None, cache, ctx, stats)
     h_enc = h
     if cache.henc is not None:
-        _keep_encoder_outputs(enc, h_enc, cache, meta, device)
+        _keep_encoder_outputs(enc, h_enc, cache)
     restored = meta.enc_restored or [False] * len(meta.starts)
     lo = [s if back else max(a, s) for a, s, back in zip(meta.starts, meta.replay_starts, restored)]
     # The decoder's cut: its replay start, or a prefix hit's replay start if later (its rings start there).

@@ -139,6 +139,18 @@ class CEDLayer(nn.Module):
         og = o.reshape(o.shape[0], c.out_groups, -1)
         return F.linear(torch.einsum("tgi,goi->tgo", og, self.wo_a).flatten(1), self.wo_b)
 
+    def _router_f32(self):
+        """The router's weight and bias in float32, where the router computes: a bf16 model would otherwise cast
+        them at every call (two kernels per layer and step). Kept while the parameters are unchanged (their
+        version counters and storage); under autograd the weight is cast afresh, so the cast carries gradients."""
+        g, b = self.gate, self.gate_bias
+        if torch.is_grad_enabled() and (g.requires_grad or b.requires_grad):
+            return g.float(), b
+        key = (g._version, b._version, g.data_ptr(), b.data_ptr(), g.dtype, g.device)
+        if getattr(self, "_f32_key", None) != key:
+            self._f32, self._f32_key = (g.detach().float(), b.detach().float()), key
+        return self._f32
+
     def moe(self, x):
         """x [T, d] (normed) -> (routed experts + shared expert [T, d], chosen expert ids [T, k]), through the
         owning model's backend ops (``ops_of``): sqrt-softplus scores, top-k on score + gate_bias, renormalised
@@ -147,9 +159,10 @@ class CEDLayer(nn.Module):
         from ..quant import fp8_scales
 
         c, ops = self.c, ops_of(self, x.device)
-        weights, ids = ops.moe_route(F.linear(x.float(), self.gate.float()), c.num_experts_per_tok,
+        gate, bias = self._router_f32()
+        weights, ids = ops.moe_route(F.linear(x.float(), gate), c.num_experts_per_tok,
                                      scoring="sqrt_softplus", renormalize=True, scaling=c.routed_scaling_factor,
-                                     bias=self.gate_bias)
+                                     bias=bias)
         y = ops.moe_experts(x, self.w13, self.w2, weights, ids, clamp=c.swiglu_limit, impl="routed",
                             **fp8_scales(self))
         if self.shared_w13 is not None:
