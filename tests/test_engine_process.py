@@ -147,6 +147,11 @@ def test_a_dead_engine_process_ends_streams_with_an_error():
 
         with pytest.raises(EngineDeadError, match="engine process"):
             asyncio.run(run())
+        idle = AsyncLLM(engine_process=True, **KW)  # a death while idle shows too (the server's /health)
+        idle.engine.proc.kill()
+        idle.engine.proc.wait(10)
+        assert not idle.is_alive
+        idle.shutdown()
         deadline = time.monotonic() + 10
         while eng.is_alive and time.monotonic() < deadline:
             time.sleep(0.05)

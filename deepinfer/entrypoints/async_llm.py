@@ -130,7 +130,8 @@ class AsyncLLM:
 
     @property
     def is_alive(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        alive = self._dead is None and self._thread.is_alive()
+        return alive and (not self.remote or self.engine.proc.poll() is None)  # an idle engine process may die
 
     def _check_alive(self) -> None:
         if not self.is_alive:
