@@ -10,6 +10,7 @@ import pytest
 
 from deepinfer import AsyncLLM, SamplingParams
 from deepinfer.entrypoints import EngineDeadError
+from deepinfer.testing.engine import wait_idle
 
 
 GREEDY6 = SamplingParams(max_tokens=6, temperature=0.0)
@@ -25,16 +26,6 @@ def engine():
     eng.offline = [o.outputs[0].token_ids for o in offline]
     yield eng
     eng.shutdown()
-
-
-def wait_idle(engine, timeout=10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = engine.stats()
-        if st["requests"] == 0 and st["kv_blocks_free"] == st["kv_blocks_total"]:
-            return st
-        time.sleep(0.05)
-    return engine.stats()
 
 
 def test_stream_concurrent_abort_and_a_failing_request(engine):

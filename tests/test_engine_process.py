@@ -11,6 +11,7 @@ import pytest
 
 from deepinfer import LLM, AsyncLLM, SamplingParams
 from deepinfer.entrypoints import EngineDeadError
+from deepinfer.testing.engine import wait_idle
 from deepinfer.entrypoints.engine_process import DeltaReader, DeltaWriter, params_from_wire, params_to_wire
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -71,16 +72,6 @@ def collect(eng, prompt, params):
         return [o async for o in eng.generate(prompt, params)]
 
     return asyncio.run(run())
-
-
-def wait_idle(engine, timeout=20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = engine.stats()
-        if st["requests"] == 0 and st["kv_blocks_free"] == st["kv_blocks_total"]:
-            return st
-        time.sleep(0.05)
-    return engine.stats()
 
 
 def test_streams_equal_the_in_process_engine(remote):

@@ -64,3 +64,17 @@ def step_greedy(engine, prompts: list, max_tokens: int, on_step=None, max_steps:
         steps += 1
         assert steps < max_steps, "the engine made no progress"
     return [outs[r] for r in rids], [seqs[r] for r in rids]
+
+
+def wait_idle(async_engine, timeout: float = 20.0) -> dict:
+    """AsyncLLM.stats() once no request is left and every KV block is free again (or at ``timeout`` seconds,
+    whatever it is then: the caller's assertions say what was expected)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = async_engine.stats()
+        if st["requests"] == 0 and st["kv_blocks_free"] == st["kv_blocks_total"]:
+            return st
+        time.sleep(0.05)
+    return async_engine.stats()
