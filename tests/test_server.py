@@ -32,8 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 def start_server(*extra, timeout=120.0):
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "DEEPINFER_NUM_THREADS": "1"}
+    # DEEPINFER_TEST_SERVE_FLAGS: more flags for every server here (e.g. "--engine-process on": the whole file
+    # against the engine in its own process, which CI's CPU runs do not choose by default).
     cmd = [sys.executable, "-m", "deepinfer.cli", "serve", "--port", "0", "--api-key", KEY, "--max-tokens-limit",
-           "3000", "--max-body-bytes", "200000", "--num-kv-blocks", "256", "--disable-any-whitespace", *extra]
+           "3000", "--max-body-bytes", "200000", "--num-kv-blocks", "256", "--disable-any-whitespace", *extra,
+           *os.environ.get("DEEPINFER_TEST_SERVE_FLAGS", "").split()]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
     proc.log = []  # every stderr line, read by a thread so the pipe never fills and blocks the server
     threading.Thread(target=lambda: proc.log.extend(iter(proc.stderr.readline, "")), daemon=True).start()
