@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 # --- framing ---------------------------------------------------------------------------------------------------
 
 def send(sock: socket.socket, obj) -> None:
-    data = json.dumps(obj, separators=(",", ":")).encode()
+    # default=str: a value JSON has no type for (a config's dtype object, say) crosses as its text, never a crash
+    data = json.dumps(obj, separators=(",", ":"), default=str).encode()
     sock.sendall(_HEADER.pack(len(data)) + data)
 
 
