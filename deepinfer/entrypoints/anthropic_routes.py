@@ -9,10 +9,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from .conversation import render
-from .parsers import StreamDiffer
 from .protocols import anthropic_conversation, anthropic_tool_choice
-from .server import ApiError, Prepared, anthropic_error, drain, engine_error
-from .streaming import Blocks, block_stream, sse
+from .server import ApiError, Prepared, anthropic_error
+from .streaming import block_stream, final_blocks, sse
 
 
 def add_routes(app, srv) -> None:
@@ -74,13 +73,8 @@ def add_routes(app, srv) -> None:
                     "input": args}
 
         if not stream:
-            out = await drain(agen, first, timer, request)
-            if out.error:
-                raise engine_error(out.error)
-            timer.finish(out, "messages")
+            out, blocks = await final_blocks(first, agen, timer, request, prep, "messages")
             c = out.outputs[0]
-            blocks = Blocks()
-            blocks.feed(StreamDiffer(prep.plan.parser, prep.reasoning).update(c.text, final=True))
             content = [block_of(k, m, t) for k, m, t in blocks.blocks]
             reason, seq = stop_reason(c, any(b["type"] == "tool_use" for b in content))
             return {"id": mid, "type": "message", "role": "assistant", "model": settings.model_name,

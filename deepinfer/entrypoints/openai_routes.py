@@ -15,7 +15,7 @@ from .parsers import StreamDiffer, parse_output
 from .protocols import (ToolPlan, chat_conversation, openai_tool_choice, response_format, responses_conversation,
                         sampling_params)
 from .server import ApiError, Prepared, drain, engine_error, openai_error
-from .streaming import Blocks, block_stream, merge_outputs, sse, stop_hold
+from .streaming import block_stream, final_blocks, merge_outputs, sse, stop_hold
 
 
 def _finish(c) -> str:
@@ -338,15 +338,7 @@ def add_routes(app, srv) -> None:
                     "arguments": text, "status": status}
 
         if not stream:
-            out = await drain(agen, first, timer, request)
-            if out.error:
-                raise engine_error(out.error)
-            timer.finish(out, "responses")
-            c = out.outputs[0]
-            blocks = Blocks()
-            d = StreamDiffer(prep.plan.parser, prep.reasoning)
-            blocks.feed(d.update(c.text, final=True))
-            blocks.finish()
+            out, blocks = await final_blocks(first, agen, timer, request, prep, "responses")
             return response_obj("completed", [item_of(k, m, t, i) for i, (k, m, t) in enumerate(blocks.blocks)], out)
 
         async def events():

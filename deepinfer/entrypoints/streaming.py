@@ -9,7 +9,7 @@ from typing import Optional
 
 from .conversation import new_call_id
 from .parsers import StreamDiffer, _partial_tag_len
-from .server import Prepared, engine_error
+from .server import Prepared, drain, engine_error
 
 
 def sse(data, event: Optional[str] = None) -> str:
@@ -71,6 +71,19 @@ class Blocks:
             return []
         kind, self.open = self.open, None
         return [("close", self.index, kind)]
+
+async def final_blocks(first, agen, timer, request, prep: Prepared, endpoint: str):
+    """A non-streamed choice: its final output (an engine error raised as ApiError) and its whole text parsed
+    into closed blocks; block_stream's twin for the protocols that answer with output items / content blocks."""
+    out = await drain(agen, first, timer, request)
+    if out.error:
+        raise engine_error(out.error)
+    timer.finish(out, endpoint)
+    blocks = Blocks()
+    blocks.feed(StreamDiffer(prep.plan.parser, prep.reasoning).update(out.outputs[0].text, final=True))
+    blocks.finish()
+    return out, blocks
+
 
 async def block_stream(first, agen, timer, prep: Prepared, endpoint: str):
     """One choice's outputs as block events: ("blocks", events, blocks), then ("done", out, blocks) or
