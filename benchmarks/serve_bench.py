@@ -114,15 +114,9 @@ def offline(args, llm, repeat: int, seed: int) -> dict:
 
 
 def engine_process(args) -> bool:
-    if args.engine_process != "auto":
-        return args.engine_process == "on"
-    return (args.device or ("cuda" if _cuda() else "cpu")).startswith("cuda")
+    from deepinfer.entrypoints.engine_process import wanted
 
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    return wanted(args.engine_process, args.device)
 
 
 def build_for_child(args_json: dict, model_dir: str):

@@ -146,7 +146,9 @@ def cmd_serve(args) -> int:
                   threads=_threads(args), device=args.device, backend=args.backend, tokenizer=args.tokenizer,
                   load_format=args.load_format, hf_overrides=args.hf_overrides, **engine_kw)
     common = dict(stream_interval=args.stream_interval, gil_switch_interval=args.gil_switch_interval or None)
-    if _engine_process(args):
+    from .engine_process import wanted
+
+    if wanted(args.serve_engine_process, args.device):  # (dest not engine_*: those are EngineConfig's flags)
         try:
             engine = AsyncLLM(engine_process=True, **common, **llm_kw)
         except ValueError as exc:  # the engine process could not build the LLM (its message names why)
@@ -179,14 +181,6 @@ def cmd_serve(args) -> int:
     server.run()
     engine.shutdown()
     return 0
-
-
-def _engine_process(args) -> bool:
-    if args.serve_engine_process != "auto":  # (not engine_*: those dests are EngineConfig's flags)
-        return args.serve_engine_process == "on"
-    import torch
-
-    return (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
 
 
 def _announce(server, args, name) -> None:

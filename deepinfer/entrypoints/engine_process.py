@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import select
 import socket
 import struct
@@ -41,6 +40,16 @@ from .async_llm import EngineDeadError, engine_snapshot
 
 _HEADER = struct.Struct(">I")
 log = logging.getLogger(__name__)
+
+
+def wanted(mode: str, device) -> bool:
+    """Whether ``--engine-process MODE`` (auto | on | off) runs the engine in its own process on ``device``
+    (None: the one LLM would pick): auto is on for CUDA, off on the CPU (docs/decisions.md)."""
+    if mode != "auto":
+        return mode == "on"
+    import torch
+
+    return (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
 
 
 # --- framing ---------------------------------------------------------------------------------------------------
@@ -193,14 +202,12 @@ class RemoteEngine:
 
     def __init__(self, llm_kwargs: dict, factory: Optional[str] = None, start_timeout: float = 900.0):
         parent, child = socket.socketpair()
-        env = dict(os.environ)
         self.proc = subprocess.Popen([sys.executable, "-m", "deepinfer.entrypoints.engine_process",
-                                      str(child.fileno())], pass_fds=(child.fileno(),), env=env)
+                                      str(child.fileno())], pass_fds=(child.fileno(),))
         child.close()
         self.sock, self.reader = parent, Reader(parent, "the engine process")
         self.requests: dict = {}
         self.deltas = DeltaReader()
-        self._pending_errors: list = []
         try:
             send(parent, {"type": "start", "kwargs": llm_kwargs, "factory": factory})
         except OSError as exc:
