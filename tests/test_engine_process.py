@@ -47,9 +47,12 @@ def test_deltas_rebuild_every_cumulative_output():
         seq.append(RequestOutput("r", "p", [9, 8], comp, k == 3, prompt_logprobs=[None, lp(8)],
                                  metrics={"k": k}, num_cached_tokens=k))
     w, r = DeltaWriter(), DeltaReader()
+    kept = []
     for out in seq:
         got = r.apply(_json_round_trip(w.delta(out)))
         assert got == out
+        kept.append(got)
+    assert kept == seq  # later deltas left the outputs already handed out as they were
     assert not w.told and not r.state  # finished requests leave nothing behind
 
 

@@ -162,8 +162,8 @@ class DeltaWriter:
 
 
 class DeltaReader:
-    """The front end's side: cumulative RequestOutputs rebuilt from deltas (fresh lists each time: a consumer
-    may keep an earlier output)."""
+    """The front end's side: cumulative RequestOutputs rebuilt from deltas. A request's lists are replaced on
+    each delta, never grown in place, so an output a consumer keeps does not change under it."""
 
     def __init__(self):
         self.state: dict = {}  # request id -> {"prompt":..., "comps": {index: [ids, text, lps, ...]}}
@@ -176,18 +176,18 @@ class DeltaReader:
         outs = []
         for c in d["comps"]:
             ids, text, lps = st["comps"].get(c["i"], ([], "", None))
-            ids = list(c["ids"]) if c.get("reset_ids") else ids + c["ids"]
+            ids = c["ids"] if c.get("reset_ids") else ids + c["ids"]
             text = c["text"] if c.get("reset_text") else text + c["text"]
             if "lps" in c:
                 new = _lps_back(c["lps"])
                 lps = new if c.get("reset_lps") or lps is None else lps + new
             st["comps"][c["i"]] = (ids, text, lps)
-            outs.append(CompletionOutput(index=c["i"], text=text, token_ids=list(ids), cumulative_logprob=c["cum"],
-                                         logprobs=None if lps is None else list(lps), finish_reason=c["fin"],
-                                         stop_reason=c["stop"], error=c["err"]))
+            outs.append(CompletionOutput(index=c["i"], text=text, token_ids=ids, cumulative_logprob=c["cum"],
+                                         logprobs=lps, finish_reason=c["fin"], stop_reason=c["stop"],
+                                         error=c["err"]))
         if d["fin"]:
             self.state.pop(d["rid"], None)
-        return RequestOutput(d["rid"], st["prompt"], list(st["prompt_ids"]), outs, d["fin"],
+        return RequestOutput(d["rid"], st["prompt"], st["prompt_ids"], outs, d["fin"],
                              prompt_logprobs=st["prompt_lps"], error=d["err"], metrics=d["metrics"] or {},
                              num_cached_tokens=d["cached"])
 
