@@ -206,7 +206,7 @@ class RemoteEngine:
                                       str(child.fileno())], pass_fds=(child.fileno(),))
         child.close()
         self.sock, self.reader = parent, Reader(parent, "the engine process")
-        self.requests: dict = {}
+X
         self.deltas = DeltaReader()
         try:
             send(parent, {"type": "start", "kwargs": llm_kwargs, "factory": factory})
@@ -229,8 +229,7 @@ class RemoteEngine:
         if msg["type"] == "failed":
             self.close()
             raise ValueError(f"the engine process could not build the LLM: {msg['error']}")
-        info = msg["info"]
-        self.info = info
+        self.info = info = msg["info"]
         self.max_model_len = info["max_model_len"]
         self.model = SimpleNamespace(vocab_size=info["vocab_size"])
         self._snapshot = info["stats"]
@@ -243,7 +242,7 @@ class RemoteEngine:
         wire = params_to_wire(params)  # raises for what cannot cross, before anything is sent
         send(self.sock, {"type": "add", "rid": rid, "prompt": prompt, "params": wire, "stream": stream,
                          "priority": priority})
-        self.requests[rid] = True
+        self.requests.add(rid)
 
     def abort(self, rid) -> None:
         if rid in self.requests:
@@ -260,7 +259,7 @@ class RemoteEngine:
                 for d in f["outs"]:
                     out = self.deltas.apply(d)
                     if out.finished:
-                        self.requests.pop(out.request_id, None)
+                        self.requests.discard(out.request_id)
                     outs.append(out)
             elif f["type"] == "error":  # a step raised in the child: it has failed everything in flight
                 self.requests.clear()
