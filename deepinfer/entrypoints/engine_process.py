@@ -206,7 +206,7 @@ class RemoteEngine:
                                       str(child.fileno())], pass_fds=(child.fileno(),))
         child.close()
         self.sock, self.reader = parent, Reader(parent, "the engine process")
-X
+        self.requests: set = set()  # ids sent, not finished: what AsyncLLM reads of Engine.requests
         self.deltas = DeltaReader()
         try:
             send(parent, {"type": "start", "kwargs": llm_kwargs, "factory": factory})
