@@ -21,8 +21,9 @@ from .kv_cache import BlockPool, blocks_needed
 from .kv_offload import block_mover
 from .prefix_cache import PrefixCache
 from .swa_pool import SwaStatePool, wanted as swa_pool_wanted
-from .speculative import (SpecStats, SpeculativeConfig, StepTime, accept_row, build_drafter, can_speculate,
-                          choose_lengths, sampling_rows, wants_hidden)
+from .speculative import (SpecStats, SpeculativeConfig, StepTime, build_drafter, can_speculate, choose_lengths,
+                          wants_hidden)
+from .spec_step import launch_acceptance
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
 from .requests import Request, request_output
@@ -56,6 +57,7 @@ class _Launched:
         self.host_bad = None  # [S] bool: rows whose logits were not finite
         self.event = None
         self.collected = False
+        self.spec = None  # core.spec_step.SpecLaunch of a verify step
 
 
 class Engine:
@@ -286,6 +288,12 @@ class Engine:
                 t0 += time.perf_counter() - t1
             for i, msg in self._run_stages(stages[k:], state).items():
                 failed.setdefault(i, msg)
+            spec = None
+            if batch.drafts is not None:  # accepted on the device now, read at the step's one collection
+                want = max((s.params.logprobs for s, d in zip(batch.seqs, batch.drafts) if d
+                            and s.params.logprobs is not None), default=-1)
+                with self.kernel_mode():
+                    spec = launch_acceptance(state, self.sampling_state, self.ops, self.generator, want)
         except Exception as exc:  # untraceable: a failing step fails its batch, not the engine
             self._fail_batch(batch, exc, touched)
             return None
@@ -306,6 +314,7 @@ class Engine:
         if end_step is not None:
             end_step()  # e.g. close the step's expert-load record (no host sync)
         launched = _Launched(state, sample_seqs)
+        launched.spec = spec
         S = len(sample_seqs)
         if S:
             # Publish the tokens: on the device for the next step's inputs, and copied to the host without
@@ -343,8 +352,8 @@ class Engine:
                 launched.event.synchronize()  # this step only; the one launched after it keeps running
             if launched.host_tokens is not None:
                 state.next_tokens = launched.host_tokens
-            if state.batch.drafts is not None:
-                self._accept_drafts(state)
+            if launched.spec is not None:
+                self._accept_drafts(state, launched.spec)
             if getattr(self.model, "capture_last", 0) and self.drafter is not None:
                 self._keep_draft_context(state, sample_seqs)
             if hasattr(self.drafter, "observe"):
@@ -550,35 +559,26 @@ class Engine:
             a, b = state.inputs.row_span(i)
             self.drafter.observe(seq, batch.start[i], state.hidden[a:b - rolled.get(i, 0)])
 
-    def _accept_drafts(self, state: StepState) -> None:
-        """Per drafting row: how many drafts stand, the token after them, and the rollback of the rest."""
-        batch, sampling = state.batch, state.sampling
-        tokens = state.next_tokens.tolist()
+    def _accept_drafts(self, state: StepState, spec) -> None:
+        """Fold what the device decided per drafting row (core/spec_step.py): how many drafts stood, the tokens
+        after the first (the first is already the row's next token), logprobs, and the rollback of the rest."""
+        batch = state.batch
         state.spec_extra, state.spec_logprobs, state.spec_rollback = {}, {}, {}
-        off = 0
-        for r, i in enumerate(state.sample_rows):
-            drafts = batch.drafts[i]
-            if not drafts:
-                continue
-            k, seq = len(drafts), batch.seqs[i]
-            raw = torch.cat([state.draft_logits[off:off + k], state.logits[r:r + 1]])  # [k + 1, V]
-            off += k
-            gen = sampling.generators[r] if sampling.generators[r] is not None else self.generator
-            q = seq.draft_probs[:k] if seq.draft_probs is not None and len(seq.draft_probs) >= k else None
-            emitted = accept_row(sampling_rows(sampling, r, drafts).process(raw), drafts, q, seq.params.greedy, gen)
-            accepted = len(emitted) - 1
+        lp = None
+        if spec.logprobs is not None:
+            from ..backends.reference.sampling import LogprobsTensors
+
+            lp = LogprobsTensors(*spec.logprobs)
+        for n, (r, i) in enumerate(spec.rows):
+            k, seq = len(batch.drafts[i]), batch.seqs[i]
+            accepted, emitted = spec.row(n)
             state.spec_rollback[r] = k - accepted
-            p = seq.params
-            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-                self.sampling_state.recount(seq.state_slot, tokens[r], emitted)  # the step counted its bonus draw
-            if p.logprobs is not None:  # each emitted token's logprobs at its own position (raw logits)
-                lp = self.ops.compute_logprobs(raw[:len(emitted)], torch.tensor(emitted, device=raw.device),
-                                               p.logprobs)
-                tops, tok_lp, ranks = entries_from(lp, range(len(emitted)), [p.logprobs] * len(emitted), None)
-                state.spec_logprobs[r] = list(zip(tops, tok_lp, ranks))
+            want = seq.params.logprobs
+            if want is not None and lp is not None:  # each emitted token's logprobs at its own position
+                at = [n * (spec.K + 1) + j for j in range(len(emitted))]
+                tops, tok_lp, ranks = entries_from(lp, at, [want] * len(at), None)
+                state.spec_logprobs[r] = list(zip(tops, [tok_lp[x] for x in at], [ranks[x] for x in at]))
             self.spec_stats.record(k, accepted)
             seq.num_computed_tokens -= k - accepted  # the rejected drafts' KV is overwritten later
-            tokens[r] = emitted[0]
             if accepted:
                 state.spec_extra[r] = emitted[1:]
-        state.next_tokens = torch.tensor(tokens)

@@ -100,12 +100,14 @@ class SamplingState:
             use_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)),
             logit_bias=_build_bias(params, self.vocab_size, self.device), processors=processors)
 
-    def recount(self, slot: int, drop: int, add: list) -> None:
-        """A speculative step emitted ``add`` where ``record`` counted ``drop`` (a row with penalties)."""
-        if self.counts is not None:
-            self.counts[slot, drop] -= 1
-            self.counts[slot].index_put_((torch.tensor(add, device=self.counts.device),),
-                                         torch.ones(len(add), device=self.counts.device), accumulate=True)
+    def record_more(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count further tokens [R, n] of the last batch's sampling rows ``rows`` [R] (a verify step's accepted
+        drafts after its first token; -1 entries are none) into their slots, on the device (no host sync)."""
+        if self.counts is not None and self._idx is not None and tokens.numel():
+            slots = self._idx[rows]
+            f = self.floats[3:, slots]
+            counted = ((f[0] != 0) | (f[1] != 0) | (f[2] != 1)).float()[:, None] * (tokens >= 0)  # [R, n]
+            self.counts.index_put_((slots[:, None].expand_as(tokens), tokens.clamp_min(0)), counted, accumulate=True)
 
     def record(self, next_tokens: torch.Tensor) -> None:
         """Count the last batch's sampled tokens [S] into its slots (on the device, no host sync)."""

@@ -249,8 +249,11 @@ class SpecStats:
                 "tokens_per_verified_row": round(self.emitted_tokens / self.steps, 4) if self.steps else 0.0}
 
 
-def _draw(probs: torch.Tensor, gen) -> int:
-    """One token drawn from probs [V] (non-negative, any scale) with gen, on gen's device."""
+def _draw(probs: torch.Tensor, gen, e=None) -> int:
+    """One token drawn from probs [V] (non-negative, any scale) with gen, on gen's device; with exponentials
+    e [V] given, the exponential race argmax(probs / e) instead (core/spec_accept.py draws the same way)."""
+    if e is not None:
+        return int((probs.float() / e).argmax())
     return int(torch.multinomial(probs.double(), 1, generator=gen).item())
 
 
@@ -258,21 +261,23 @@ def _uniform(gen, device) -> float:
     return torch.rand((), generator=gen, dtype=torch.float64, device=device).item()
 
 
-def _residual_draw(p: torch.Tensor, q: torch.Tensor, gen) -> int:
+def _residual_draw(p: torch.Tensor, q: torch.Tensor, gen, e=None) -> int:
     r = (p - q).clamp_min(0)
     if not r.sum() > 0:  # p <= q everywhere (p == q): a draw from p is exact
         r = p
-    return _draw(r, gen)
+    return _draw(r, gen, e)
 
 
 def accept_row(logits: torch.Tensor, drafts: list, draft_probs: Optional[torch.Tensor], greedy: bool,
-               gen: Optional[torch.Generator]) -> list:
+               gen: Optional[torch.Generator], noise: Optional[tuple] = None) -> list:
     """Tokens one row emits: its accepted drafts and one target token.
 
     logits [k + 1, V]: the target's processed logits (process_logits: what the sampler draws from) at the row's
     drafted positions and after the last draft; drafts: the k drafted tokens; draft_probs [k, V] the drafter's
     distributions, or None for a point mass at each draft; greedy: take argmaxes; gen: the row's generator
-    (its seed), or None for torch's default (the caller passes the engine's when the request has none)."""
+    (its seed), or None for torch's default (the caller passes the engine's when the request has none);
+    noise: (u [>= k] uniforms, e [V] exponentials) to use instead of drawing from gen (the oracle of
+    core/spec_accept.accept_batch, which the engine runs)."""
     k = len(drafts)
     if greedy:
         best = logits.argmax(dim=-1).tolist()
@@ -282,7 +287,8 @@ def accept_row(logits: torch.Tensor, drafts: list, draft_probs: Optional[torch.T
                 return out + [best[j]]
             out.append(drafts[j])
         return out + [best[k]]
-    device = gen.device if gen is not None else torch.device("cpu")
+    u, e = noise if noise is not None else (None, None)
+    device = e.device if e is not None else gen.device if gen is not None else torch.device("cpu")
     p = logits.float().softmax(dim=-1).to(device)  # [k + 1, V]
     out = []
     for j in range(k):
@@ -293,8 +299,8 @@ def accept_row(logits: torch.Tensor, drafts: list, draft_probs: Optional[torch.T
         else:
             q = draft_probs[j].float().to(device)
         qd = float(q[d])
-        if qd > 0 and _uniform(gen, device) < min(1.0, float(p[j, d]) / qd):
+        if qd > 0 and (float(u[j]) if u is not None else _uniform(gen, device)) < min(1.0, float(p[j, d]) / qd):
             out.append(d)
             continue
-        return out + [_residual_draw(p[j], q, gen)]
-    return out + [_draw(p[k], gen)]
+        return out + [_residual_draw(p[j], q, gen, e)]
+    return out + [_draw(p[k], gen, e)]
