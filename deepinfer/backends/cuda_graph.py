@@ -10,6 +10,14 @@ attend only to it (a model with per-sequence state keeps a scratch row of it too
 dropped. The graph ends at the final hidden states; the verify stage applies the LM head to the rows it
 scores. All graphs share one memory pool.
 
+Verify steps (speculative decoding: every row its last token and k_r drafted tokens, k_r in [0, K]) are
+captured too, when ``enable_verify(K + 1)`` was called: a bucket (B, NB, Q) with Q = K + 1 gives every row
+exactly Q query tokens, a row with fewer padded after its own (they write their KV into the scratch block and
+their outputs are dropped; being after the row's real tokens, causal attention hides them from those). Every
+row then looks to the attention kernels like a Q-token chunk ending at position start + Q, so a verify step
+is one regular batch; ``verify_metadata`` builds its metadata on the device from four small tensors, and the
+eager ragged forward (core/inputs.py) is its oracle (tests/test_verify_graphs.py).
+
 Only models whose decode forward has no host sync can be captured (``model.supports_cuda_graphs``); the
 forward stage falls back to the eager forward for the others, for mixed steps and for rows the buckets
 don't cover.
@@ -48,16 +56,33 @@ class DecodeGraphs:
             self.block_buckets.append(nb)
             nb *= 2
         self.block_buckets.append(tables.max_blocks)
-        self.graphs: dict = {}
+        self.graphs: dict = {}  # (B, NB) decode, (B, NB, Q) verify -> (graph, static inputs, static output)
         self.pool = None
         self.num_replays = 0
+        self.verify_width = 0  # Q of the verify graphs (K + 1); 0: verify steps run eagerly
+        self.max_len = tables.max_blocks * block_size  # positions a padded verify token may reach
+        self.num_verify_replays = 0
+
+    def enable_verify(self, width: int, max_len: int) -> None:
+        """Capture verify steps of up to width - 1 drafts per row (padded to ``width`` tokens), for a model of
+        max_len positions."""
+        self.verify_width, self.max_len = int(width), int(max_len)
 
     def covers(self, batch: int, blocks: int) -> bool:
         return _bucket(batch, self.batch_buckets) > 0 and _bucket(blocks, self.block_buckets) > 0
 
+    def covers_verify(self, nums: list, starts: list) -> bool:
+        """Whether a verify step of rows computing nums[r] tokens from starts[r] has a bucket."""
+        Q = self.verify_width
+        if not Q or max(nums) > Q or max(starts) + Q > self.max_len:
+            return False
+        return self.covers(len(nums), -(-(max(starts) + Q) // self.block_size))
+
     def capture_all(self, progress: bool = True) -> int:
         """Capture every bucket now (at engine start-up); returns the bytes the graphs' pool holds."""
         keys = [(b, nb) for b in self.batch_buckets for nb in self.block_buckets]
+        if self.verify_width:
+            keys += [(b, nb, self.verify_width) for b, nb in keys]
         before = torch.cuda.memory_allocated(self.device)
         bar = None
         if progress:
@@ -73,7 +98,9 @@ class DecodeGraphs:
             bar.close()
         return torch.cuda.memory_allocated(self.device) - before
 
-    def _capture(self, B: int, NB: int):
+    def _capture(self, B: int, NB: int, Q: int = 1):
+        if Q > 1:
+            return self._capture_verify(B, NB, Q)
         bs, dev, tables = self.block_size, self.device, self.tables
         # Every tensor the graph reads must outlive it: a graph holds raw pointers, so a tensor freed after
         # capture (say, one only a closure referenced) would be reused by the allocator under the graph.
@@ -92,12 +119,26 @@ class DecodeGraphs:
             pos, kv_pos = st["pos"], st["kv_pos"]
             slot = bt.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
             kv_slots = bt[:, kv_pos // bs] * bs + kv_pos % bs  # [B, NB * bs]
-            meta = AttnMetadata(positions=pos, slot_mapping=slot, seq_lens=pos + 1, q_index=st["q_index"],
+            meta = AttnMetadata(positions=pos, slot_mapping=slot, seq_lens=pos + Q, q_index=st["q_index"],
                                 q_valid=st["q_valid"], kv_slots=kv_slots, q_pos=pos[:, None], block_table=bt,
                                 block_size=bs, cu_q=st["cu_q"], max_q=1, num_decodes=B, state_rows=st["rows"],
                                 replay_rows=tables.cuts[0, st["rows"]], swa_cut_rows=tables.cuts[1, st["rows"]])
             return self.model(st["ids"], meta, self.kv_cache)  # hidden [B, d]
 
+        return self._record((B, NB), st, forward)
+
+    def _capture_verify(self, B: int, NB: int, Q: int):
+        tables = self.tables
+        st = verify_inputs(B, NB, Q, self.block_size, tables.scratch_row, self.device)
+
+        def forward():
+            meta = verify_metadata(st, tables, self.block_size)
+            return self.model(st["ids"], meta, self.kv_cache)  # hidden [B * Q, d]
+
+        return self._record((B, NB, Q), st, forward)
+
+    def _record(self, key: tuple, st: dict, forward):
+        dev = self.device
         side = torch.cuda.Stream(device=dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -108,8 +149,8 @@ class DecodeGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
             out = forward()
-        self.graphs[(B, NB)] = (graph, st, out)
-        return self.graphs[(B, NB)]
+        self.graphs[key] = (graph, st, out)
+        return self.graphs[key]
 
     def run(self, ids: list, positions: list, slots: list, num_blocks: int, future=None) -> torch.Tensor:
         """One decode step for len(ids) rows whose sequences hold state ``slots`` (their block tables synced,
@@ -127,6 +168,75 @@ class DecodeGraphs:
         graph.replay()
         self.num_replays += 1
         return out[:n].clone()  # the static output is overwritten by the next replay
+
+
+    def run_verify(self, ids: list, starts: list, slots: list, future=None) -> torch.Tensor:
+        """One verify step: row r computes the len(ids[r]) tokens ids[r] from position starts[r] (its sequence
+        holds state slot slots[r], block table synced). Returns the final hidden states of every real token,
+        rows in order, [sum of lengths, d]: the eager forward's stream layout."""
+        Q, n = self.verify_width, len(ids)
+        nb = -(-(max(starts) + Q) // self.block_size)
+        B, NB = _bucket(n, self.batch_buckets), _bucket(nb, self.block_buckets)
+        graph, st, out = self.graphs.get((B, NB, Q)) or self._capture(B, NB, Q)
+        keep = fill_verify(st, ids, starts, slots, self.tables.scratch_row, future)
+        graph.replay()
+        self.num_replays += 1
+        self.num_verify_replays += 1
+        return out.index_select(0, keep)  # a copy: the next replay overwrites out
+
+
+def fill_verify(st: dict, ids: list, starts: list, slots: list, scratch_row: int, future=None) -> torch.Tensor:
+    """Write a verify step's rows into a graph's static inputs (st: verify_inputs; rows past len(ids) padded)
+    with one host-to-device copy; returns the stream index [T] of every real token (rows in order)."""
+    B, Q = st["pos"].shape[0], st["j"].shape[0]
+    pad = B - len(ids)
+    flat, keep = [], []
+    for r, row in enumerate(ids):
+        flat.extend(row)
+        flat.extend([0] * (Q - len(row)))
+        keep.extend(range(r * Q, r * Q + len(row)))
+    host = flat + [0] * (pad * Q) + list(starts) + [0] * pad + [len(r) for r in ids] + [0] * pad \
+        + list(slots) + [scratch_row] * pad + keep
+    dev = to_device(host, torch.long, st["pos"].device)
+    tok, o = dev[:B * Q], B * Q
+    st["ids"].copy_(resolve_future(tok, future) if min(flat) < 0 else tok)
+    st["pos"].copy_(dev[o:o + B])
+    st["nums"].copy_(dev[o + B:o + 2 * B])
+    st["rows"].copy_(dev[o + 2 * B:o + 3 * B])
+    return dev[o + 3 * B:]
+
+
+def verify_inputs(B: int, NB: int, Q: int, block_size: int, scratch_row: int, device) -> dict:
+    """The static tensors of a (B, NB, Q) verify graph: what a replay writes ("ids" [B*Q], "pos" [B] each row's
+    first position, "nums" [B] its real tokens <= Q, "rows" [B] its state slot; padded rows: the scratch row
+    and no real tokens) and constants (made before capture, so they outlive the graph that reads them)."""
+    dev = torch.device(device)
+    return {"ids": torch.zeros(B * Q, dtype=torch.long, device=dev),
+            "pos": torch.zeros(B, dtype=torch.long, device=dev),
+            "nums": torch.zeros(B, dtype=torch.long, device=dev),
+            "rows": torch.full((B,), scratch_row, dtype=torch.long, device=dev),
+            "j": torch.arange(Q, device=dev),
+            "q_index": torch.arange(B * Q, device=dev).view(B, Q),
+            "q_valid": torch.ones(B, Q, dtype=torch.bool, device=dev),
+            "kv_pos": torch.arange(NB * block_size, device=dev),
+            "cu_q": torch.arange(0, (B + 1) * Q, Q, dtype=torch.int32, device=dev)}
+
+
+def verify_metadata(st: dict, tables, block_size: int) -> AttnMetadata:
+    """The attention metadata of a padded verify batch (st: verify_inputs), on the device. Row r's Q queries
+    sit at positions pos[r] .. pos[r] + Q - 1 (tokens r*Q .. r*Q + Q - 1 of the stream) and its context ends
+    at pos[r] + Q; its real tokens write their KV into the row's blocks, the padding into the scratch block."""
+    bs, pos, rows, j, kv_pos = block_size, st["pos"], st["rows"], st["j"], st["kv_pos"]
+    Q, NB = j.shape[0], kv_pos.shape[0] // bs
+    bt = tables.table[rows, :NB]  # [B, NB]
+    q_pos = pos[:, None] + j  # [B, Q]
+    real = j[None, :] < st["nums"][:, None]  # [B, Q]
+    block = torch.where(real, bt.gather(1, (q_pos // bs).clamp(max=NB - 1)), tables.table[tables.scratch_row, 0])
+    return AttnMetadata(positions=q_pos.reshape(-1), slot_mapping=(block * bs + q_pos % bs).reshape(-1),
+                        seq_lens=pos + Q, q_index=st["q_index"], q_valid=st["q_valid"],
+                        kv_slots=bt[:, kv_pos // bs] * bs + kv_pos % bs, q_pos=q_pos, block_table=bt,
+                        block_size=bs, cu_q=st["cu_q"], max_q=Q, num_decodes=0, state_rows=rows,
+                        replay_rows=tables.cuts[0, rows], swa_cut_rows=tables.cuts[1, rows])
 
 
 def capture_sizes(sizes: Optional[list], max_batch: int) -> tuple:

@@ -22,7 +22,7 @@ from .kv_offload import block_mover
 from .prefix_cache import PrefixCache
 from .swa_pool import SwaStatePool, wanted as swa_pool_wanted
 from .speculative import (SpecStats, SpeculativeConfig, StepTime, build_drafter, can_speculate, choose_lengths,
-                          wants_hidden)
+                          verify_width, wants_hidden)
 from .spec_step import launch_acceptance
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
@@ -101,6 +101,9 @@ class Engine:
 
             self.decode_graphs = DecodeGraphs(model, self.kv_cache, self.block_tables, config.block_size,
                                               self.device, capture_sizes(config.cuda_graph_sizes, config.max_num_seqs))
+            width = verify_width(pipeline, config, model, model_path)
+            if width:  # speculative verify steps get graphs of their own (padded to k + 1 tokens a row)
+                self.decode_graphs.enable_verify(width, max_model_len)
             with torch.no_grad(), self.kernel_mode():
                 self.graph_bytes = self.decode_graphs.capture_all(progress=log.isEnabledFor(logging.INFO))
             log.info("CUDA graphs: %d captured (batch sizes %s), %.2f GiB", len(self.decode_graphs.graphs),

@@ -111,6 +111,26 @@ def wants_hidden(pipeline, config, model=None, model_path=None) -> bool:
     return True
 
 
+def verify_width(pipeline, config, model, model_path=None) -> int:
+    """Q = k + 1, the tokens per row of the verify steps the engine captures in CUDA graphs (beside decode's),
+    or 0: no speculation, an optional drafter that cannot be built here, or a model with per-sequence window
+    state (CED's SWA rings), which a padded token would write."""
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    if spec is None or getattr(model, "max_draft_tokens", None) is not None:
+        return 0
+    if spec.optional:
+        from .plugins import get_registry
+
+        try:
+            factory = (pipeline.registry or get_registry()).get("stage", spec.method).obj
+        except ValueError:
+            return 0
+        locate = getattr(factory, "locate", None)
+        if locate is not None and locate(model, model_path, spec.options.get("drafter")) is None:
+            return 0
+    return spec.num_speculative_tokens + 1
+
+
 def build_drafter(registry, spec: SpeculativeConfig, context: dict, model):
     """The draft stage speculative_config names, built with its options and the engine context it asks for."""
     from .graph import StageSpec, instantiate
