@@ -4,6 +4,7 @@ fastest config and the one mm_config picks (DECODE_TILES and MM_CONFIG come from
 test_tile_bands_give_the_same_bits relies on it for the configs mm_config picks).
 
     python benchmarks/bi_matmul_tiles.py --out rows.jsonl     # CUDA only
+    python benchmarks/bi_matmul_tiles.py --picked --shape ced-bench --ms 1 16 64 1024 --out rows.jsonl
 """
 
 from __future__ import annotations
@@ -15,7 +16,48 @@ import json
 import torch
 
 SHAPES = {"llama-3.1-8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
-                           "down": (14336, 4096), "lm_head": (4096, 128256)}}
+                           "down": (14336, 4096), "lm_head": (4096, 128256)},
+          # the CED bench config's products (K, N[, groups]): what a decode step's matmul calls are
+          "ced-bench": {"q_down": (2048, 1024), "q_up": (1024, 8192), "kv": (2048, 512),
+                        "out_groups": (1024, 1024, 8), "o": (8192, 2048), "router": (2048, 32),
+                        "index_q": (1024, 2048), "index_w": (2048, 16), "index_k": (2048, 128),
+                        "lm_head": (2048, 4096)}}
+
+
+def picked(shape: str, ms, out) -> None:
+    """tbi.matmul as dispatched (k_splits' splits: partials for few rows, one walk for many) against the same
+    product unsplit and cuBLAS, per product and M; the rows say whether split and unsplit differ in bits (they
+    may: a different order of reduction) and whether split rows agree across M (they must)."""
+    from deepinfer.backends.nvidia import triton_batch_invariant as bi
+    dt = torch.bfloat16
+    rows = []
+    for name, dims in SHAPES[shape].items():
+        K, N, nb = (*dims, 1)[:3]
+        w = torch.randn(nb, N, K, device="cuda", dtype=dt) / K ** 0.5
+        b = w.transpose(1, 2)
+        big = torch.randn(nb, max(ms), K, device="cuda", dtype=dt)
+        ref = bi.matmul(big, b)
+        for M in ms:
+            a = big[:, :M].contiguous()
+            t_split = bench(lambda: bi.matmul(a, b))
+            same_across_m = bool(torch.equal(bi.matmul(a, b), ref[:, :M]))
+            saved = bi.k_splits
+            bi.k_splits = lambda dtype, K, N, nb=1: (1, -(-K // bi.MM_CONFIG[dtype]["BLOCK_K"]))
+            try:
+                t_one = bench(lambda: bi.matmul(a, b))
+            finally:
+                bi.k_splits = saved
+            t_cublas = bench(lambda: torch.bmm(a, b))
+            row = dict(bench="bi_matmul_picked", shape=shape, proj=name, K=K, N=N, groups=nb, M=M,
+                       splits=bi.k_splits(dt, K, N, nb)[0], us_split=t_split, us_unsplit=t_one, us_cublas=t_cublas,
+                       split_rows_same_across_m=same_across_m)
+            rows.append(row)
+            out.write(json.dumps(row) + "\n")
+    print(f"{'product':10s} {'K':>6s} {'N':>6s} {'g':>2s} {'M':>5s} {'S':>3s} {'split us':>9s} {'unsplit':>9s} "
+          f"{'cuBLAS':>9s}  same bits across M")
+    for r in rows:
+        print(f"{r['proj']:10s} {r['K']:6d} {r['N']:6d} {r['groups']:2d} {r['M']:5d} {r['splits']:3d} "
+              f"{r['us_split']:9.1f} {r['us_unsplit']:9.1f} {r['us_cublas']:9.1f}  {r['split_rows_same_across_m']}")
 
 
 def bench(fn, reps=50):
@@ -42,7 +84,12 @@ def main():
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 16, 64, 256, 2048])
     ap.add_argument("--out", default="bi_matmul_tiles.jsonl")
+    ap.add_argument("--picked", action="store_true", help="time the dispatched path (splits) vs unsplit vs cuBLAS")
     args = ap.parse_args()
+    if args.picked:
+        with open(args.out, "a") as f:
+            picked(args.shape, args.ms, f)
+        return
     dt = torch.bfloat16
     cfgs = [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
             for bn, bk, w, st in itertools.product([16, 32, 64, 128], [64, 128], [4], [3, 4, 5])]

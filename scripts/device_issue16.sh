@@ -10,6 +10,7 @@
 #                                                # 1000): distinct outputs of one prompt among random traffic
 #   bash scripts/device_issue16.sh bench COMMIT  # determinism_bench.py alone: output tok/s, deterministic vs
 #                                                # throughput, Llama-3.1-8B shape and CED bench config, batch 1/16/64
+#   bash scripts/device_issue16.sh splits COMMIT # the split-K matmul: GPU tests, split vs unsplit vs cuBLAS, bench
 #   bash scripts/device_issue16.sh cpu-tests     # tests/test_batch_invariant.py (the CPU guarantee; CI runs it too)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -41,6 +42,15 @@ run_bench() {
 
 case "$cmd" in
 tests) run_tests 500 tests/test_triton_batch_invariant.py ;;
+splits)
+  # The split-K matmul and sized row kernels: their GPU tests, the dispatched path vs unsplit vs cuBLAS on the
+  # CED bench config's and Llama's products, then the cost bench (~8 min in all).
+  run_tests 150 tests/test_triton_batch_invariant.py
+  timeout 90 python3 benchmarks/bi_matmul_tiles.py --picked --shape ced-bench --ms 1 16 64 1024 \
+    --out "$OUT/bi_matmul_picked.jsonl" 2>&1 | grep -v Warning | tail -42
+  timeout 60 python3 benchmarks/bi_matmul_tiles.py --picked --shape llama-3.1-8b --ms 1 64 2048 \
+    --out "$OUT/bi_matmul_picked.jsonl" 2>&1 | grep -v Warning | tail -16
+  run_bench "${1:-?}" 230 ;;
 cpu-tests) run_tests 500 tests/test_batch_invariant.py ;;
 check) run_check "${1:-?}" "${2:-llama-3.1-8b}" "${3:-1000}" 200 ;;
 bench) run_bench "${1:-?}" 500 ;;

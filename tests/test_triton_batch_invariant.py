@@ -54,6 +54,33 @@ def test_matmul_matches_torch_and_is_row_invariant(B, M, K, N, dtype, bias, tran
 
 
 @FAST
+@given(K=st.integers(1, 1 << 16), N=st.integers(1, 1 << 17), nb=st.integers(1, 16), dtype=st.sampled_from(DTYPES))
+def test_k_splits_cover_the_reduction_once(K, N, nb, dtype):
+    S, per = tbi.k_splits(dtype, K, N, nb)
+    kb = -(-K // (tbi.INTERP_MM if tbi.INTERPRET else tbi.MM_CONFIG[dtype])["BLOCK_K"])
+    assert S >= 1 and (S - 1) * per < kb <= S * per  # every k-block in exactly one split, none empty
+    assert S == 1 or per >= tbi.SPLIT_MIN_KB
+
+
+@FAST
+@given(K=st.integers(33, 64), N=st.integers(1, 16), m=st.integers(1, 8), dtype=st.sampled_from(DTYPES),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_split_partials_and_one_program_give_the_same_bits(K, N, m, dtype, bias, seed):
+    """A split product's few rows (a program per split, partials summed by the combine kernel) and many rows
+    (one program walking the splits) are the same bits row for row."""
+    assert tbi.k_splits(dtype, K, N)[0] > 1 and 3 * tbi.SPLIT_ROWS > tbi.SPLIT_ROWS
+    g = gen(seed)
+    a = torch.randn(3 * tbi.SPLIT_ROWS, K, generator=g).to(DEV, dtype)
+    w = torch.randn(N, K, generator=g).to(DEV, dtype)
+    x = torch.randn(N, generator=g).to(DEV, dtype) if bias else None
+    many = tbi.matmul(a, w.t(), x, alpha=0.5)
+    assert torch.equal(tbi.matmul(a[:m], w.t(), x, alpha=0.5), many[:m])
+    ref = 0.5 * (a.double() @ w.double().t()) + (0 if x is None else x.double())
+    scale = float(a.abs().max() * w.abs().max()) + (0 if x is None else float(x.abs().max()))
+    assert float((many.double() - ref).abs().max()) <= _tol(dtype, K, scale) * 4
+
+
+@FAST
 @given(R=st.integers(1, 6), n=st.integers(1, 40), dtype=st.sampled_from(DTYPES), mean=st.booleans(),
        last=st.booleans(), seed=st.integers(0, 2**16), data=st.data())
 def test_row_reductions_match_torch_and_are_row_invariant(R, n, dtype, mean, last, seed, data):
@@ -68,6 +95,27 @@ def test_row_reductions_match_torch_and_are_row_invariant(R, n, dtype, mean, las
     i = data.draw(st.integers(0, R - 1), label="row")
     one = f(x[i:i + 1], [-1], keepdim=True)
     assert torch.equal(one[0, 0], f(x, [-1])[i])
+
+
+@FAST
+@given(O=st.integers(1, 4), n=st.integers(1, 12), I=st.integers(1, 40), dtype=st.sampled_from(DTYPES),
+       mean=st.booleans(), keepdim=st.booleans(), strided=st.booleans(), seed=st.integers(0, 2**16),
+       data=st.data())
+def test_middle_dim_reductions_match_torch_and_are_invariant(O, n, I, dtype, mean, keepdim, strided, seed, data):
+    """A reduction over one dim that is not the last (CED's compression over a group, the indexer's sum over
+    heads): summed where it lies; an element's bits do not depend on how many rows or columns surround it."""
+    x = (torch.randn(O, I, n, generator=gen(seed)) * 3).to(DEV, dtype).transpose(1, 2)  # [O, n, I], strided
+    if not strided:
+        x = x.contiguous()
+    f = tbi.row_mean if mean else tbi.row_sum
+    out = f(x, [1], keepdim=keepdim)
+    ref = x.double().mean(1, keepdim=keepdim) if mean else x.double().sum(1, keepdim=keepdim)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert float((out.double() - ref).abs().max()) <= _tol(dtype, n, 3.0 * (1 if mean else n ** 0.5)) * 4
+    o = data.draw(st.integers(0, O - 1), label="row")
+    c = data.draw(st.integers(0, I - 1), label="column")
+    flat = out if not keepdim else out[:, 0]
+    assert torch.equal(f(x[o:o + 1, :, c:c + 1].clone(), [1])[0, 0], flat[o, c])
 
 
 @FAST
@@ -134,15 +182,23 @@ def test_cuda_overrides_make_a_llama_linear_batch_invariant():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_tile_bands_give_the_same_bits(dtype):
     """The 16-bit matmul's tile width and pipeline depth follow M (a decode band up to DECODE_ROWS rows, wide
-    tiles above); the reduction does not, so rows computed in either band are the same bits. Shapes: each
+    tiles above), and split products run as partials (few rows) or one walk (many); the reduction does not
+    follow M, so rows computed in either band are the same bits. Shapes: each
     DECODE_TILES width class at Llama-3.1-8B sizes, an LM head, and odd sizes that mask every tile edge."""
     g = torch.Generator(device="cuda").manual_seed(1)
-    for k, n in ((4096, 4096), (14336, 4096), (4096, 6144), (4096, 28672), (4096, 128256), (1000, 999), (72, 40)):
+    for k, n in ((4096, 4096), (14336, 4096), (4096, 6144), (4096, 28672), (4096, 128256), (1000, 999), (72, 40),
+                 (2048, 32), (2048, 16), (8192, 2048), (1024, 8192), (2048, 512), (5000, 24)):  # CED's, split K
         x = torch.randn(3 * tbi.DECODE_ROWS, k, device="cuda", generator=g).to(dtype)
         w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(dtype)
         wide = tbi.matmul(x, w.t())
         for m in (1, 5, tbi.DECODE_ROWS):
             assert torch.equal(tbi.matmul(x[:m], w.t()), wide[:m]), (k, n, m)
+    # a grouped bmm (CED's output groups): the splits count the groups' programs too
+    x = torch.randn(8, 3 * tbi.DECODE_ROWS, 1024, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(8, 1024, 1024, device="cuda", generator=g) / 32).to(dtype)
+    wide = tbi.matmul(x, w)
+    for m in (1, 7, tbi.DECODE_ROWS):
+        assert torch.equal(tbi.matmul(x[:, :m].contiguous(), w), wide[:, :m]), ("bmm", m)
 
 
 _COMPILE_SCRIPT = r'''
@@ -152,21 +208,32 @@ from deepinfer.testing.kernels import compile_sm90
 
 assert not tbi.INTERPRET
 report = {}
-mm_ints = "M N K s_ab s_am s_ak s_bb s_bk s_bn s_cb s_cm s_cn s_xb s_xm s_xn"
+mm_ints = "M N K KB S s_ab s_am s_ak s_bb s_bk s_bn s_cb s_cm s_cn s_xb s_xm s_xn"
 for dt, name in (("bf16", "bfloat16"), ("fp32", "float32")):
     import torch
     p = "*" + dt
-    for (N, M, bias) in ((4096, 1, False), (16384, 1, False), (4096, 4096, True)):
+    for (N, M, bias, mode) in ((4096, 1, False, 0), (16384, 1, False, 1), (4096, 4096, True, 2)):
         cfg = tbi.mm_config(getattr(torch, name), N, M)
-        k = compile_sm90(tbi._mm_kernel, dict(a_ptr=p, b_ptr=p, c_ptr=p, bias_ptr=p, alpha="fp32", beta="fp32",
-                                              **{n: "i32" for n in mm_ints.split()}),
-                         dict(HAS_BIAS=bias, SCALED=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                              BLOCK_K=cfg["BLOCK_K"], PRECISION="ieee" if dt == "fp32" else "tf32", K_I=0),
+        flags = dict(HAS_BIAS=bias, SCALED=False, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+        k = compile_sm90(tbi._mm_kernel, dict(a_ptr=p, b_ptr=p, c_ptr=p, bias_ptr=p, p_ptr="*fp32", alpha="fp32",
+                                              beta="fp32", **{n: "i32" for n in mm_ints.split()}),
+                         dict(**flags, BLOCK_K=cfg["BLOCK_K"], PRECISION="ieee" if dt == "fp32" else "tf32",
+                              KB_PER=4, MODE=mode, KB_I=0),
                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         report[f"mm_{dt}_{N}_{M}_{bias}"] = cfg["BLOCK_N"]
-    k = compile_sm90(tbi._row_sum_kernel, dict(x_ptr=p, out_ptr=p, N="i32", s_x="i32", scale="fp32"),
-                     dict(BLOCK=tbi.ROW_BLOCK, N_I=0), num_warps=4)
-    report[f"sum_{dt}"] = 0
+    k = compile_sm90(tbi._mm_combine_kernel, dict(p_ptr="*fp32", c_ptr=p, bias_ptr=p, alpha="fp32", beta="fp32",
+                                                  **{n: "i32" for n in "M N S s_cb s_cm s_cn s_xb s_xm s_xn".split()}),
+                     dict(**flags, S_I=0), num_warps=4)
+    report[f"combine_{dt}"] = 0
+    for n in (16, 4096):
+        rows, lanes = tbi.row_block(n)
+        k = compile_sm90(tbi._row_sum_kernel, dict(x_ptr=p, out_ptr=p, R="i32", N="i32", s_x="i32", scale="fp32"),
+                         dict(ROWS=rows, BLOCK=lanes, N_I=0), num_warps=4)
+        report[f"sum_{dt}_{n}"] = lanes
+    k = compile_sm90(tbi._col_sum_kernel, dict(x_ptr=p, out_ptr=p, scale="fp32",
+                                               **{n: "i32" for n in "N I s_o s_n s_i".split()}),
+                     dict(BLOCK=tbi.COL_BLOCK, N_I=0), num_warps=4)
+    report[f"colsum_{dt}"] = 0
     for log in (False, True):
         k = compile_sm90(tbi._softmax_kernel, dict(x_ptr=p, out_ptr="*fp32", N="i32", s_x="i32", s_o="i32"),
                          dict(LOG=log, BLOCK=tbi.ROW_BLOCK, N_I=0), num_warps=4)
@@ -180,7 +247,7 @@ def test_kernels_compile_for_hopper():
     from deepinfer.testing.kernels import run_compile_script
 
     report = run_compile_script(_COMPILE_SCRIPT)
-    assert len(report) == 2 * (3 + 1 + 2)
+    assert len(report) == 2 * (3 + 1 + 2 + 1 + 2)
     assert report["mm_bf16_4096_1_False"] == 32 and report["mm_bf16_16384_1_False"] == 128
     assert report["mm_bf16_4096_4096_True"] == 128
 

@@ -1,18 +1,21 @@
 """Batch-invariant CUDA kernels in Triton: the aten overrides ``batch_invariant("cuda")`` installs.
 
-- ``matmul``: C = alpha * A @ B (+ beta * bias), batched or not, one program per (BLOCK_M x BLOCK_N) output
-  tile walking the whole K in BLOCK_K steps from 0 (no split-K, no stream-K). What fixes a row's reduction,
-  BLOCK_M, BLOCK_K and the k order into one float32 accumulator, depends on the dtype only, never on M, so
-  every row of A meets the same sequence of tensor-core steps whatever M is (cuBLAS picks its kernel, split-K
-  included, from M). For 16-bit dtypes the output tile's width and the pipeline depth follow M in two bands
-  (a decode step's few rows: narrow tiles that spread a weight over the SMs; more rows: wide tiles): they do
-  not enter a row's reduction, and the GPU test test_tile_bands_give_the_same_bits holds the device to that
-  (on the H200 every width and depth gave the same bits: benchmarks/bi_matmul_tiles.py). Float32 uses the
-  "ieee" dot (no TF32) and one config.
-- ``row_sum`` / ``row_mean`` (aten sum.dim_IntList, mean.dim) and ``softmax`` / ``log_softmax``: one program
-  per row, the row walked in BLOCK-wide chunks from its start, per-lane float32 accumulation, then one
-  tree reduction of the BLOCK lanes: the order depends on the row's length only (torch's reductions split a
-  row across blocks when there are few rows). Reduced dims that are not the last are moved there first.
+- ``matmul``: C = alpha * A @ B (+ beta * bias), batched or not. What fixes a row's reduction, BLOCK_M,
+  BLOCK_K, the k order and how K is split (``k_splits``: from K, N and the group count, never from M), depends
+  on the product's shape and dtype only, so every row of A meets the same sequence of float32 steps whatever M
+  is (cuBLAS picks its kernel, split-K included, from M). A split product's partial sums are added in split
+  order: for few rows by a program per split writing float32 partials and ``_mm_combine_kernel``, for many
+  rows by one program walking the splits (the same additions, without the partials' memory); narrow products
+  (a router's 32 columns) thus spread over the SMs instead of one program walking all of K. For 16-bit dtypes
+  the output tile's width and the pipeline depth follow M in two bands (a decode step's few rows: narrow tiles;
+  more rows: wide tiles): they do not enter a row's reduction, and the GPU test
+  test_tile_bands_give_the_same_bits holds the device to that (on the H200 every width and depth gave the same
+  bits: benchmarks/bi_matmul_tiles.py). Float32 uses the "ieee" dot (no TF32) and one config.
+- ``row_sum`` / ``row_mean`` (aten sum.dim_IntList, mean.dim) and ``softmax`` / ``log_softmax``: a row walked
+  in BLOCK-wide chunks from its start, per-lane float32 accumulation, then one tree reduction of the BLOCK
+  lanes, BLOCK (and how many short rows share a program) from the row's length alone (torch's reductions
+  split a row across blocks when there are few rows). A sum over one dim that is not the last is read where
+  it lies, each element summed in index order; other reduced dims are moved last first.
 
 Every wrapper takes what its aten op takes and falls back to the op's ``out=`` overload (not overridden) for
 what the kernels do not cover (integer dtypes, float64, empty tensors): those are either exact or not on a
@@ -41,7 +44,12 @@ DECODE_ROWS = 64  # up to this many rows a step reads each weight once and is bo
 DECODE_TILES = ((4096, dict(BLOCK_N=32, num_stages=5)), (8192, dict(BLOCK_N=64, num_stages=4)),
                 (None, dict(BLOCK_N=128, num_stages=4)))
 INTERP_MM = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1)
-ROW_BLOCK = 16 if INTERPRET else 1024  # lanes of the row kernels
+# Split-K (k_splits): aim at this many programs per product (2 per SM of an H200), never below this many
+# k-blocks per split; up to SPLIT_ROWS rows the splits run as programs of their own (partials), above in one.
+# Under the interpreter small numbers, so the tests' small shapes take every path.
+SPLIT_TARGET, SPLIT_MIN_KB, SPLIT_ROWS = (2, 1, 8) if INTERPRET else (264, 2, DECODE_ROWS)
+ROW_BLOCK = 16 if INTERPRET else 1024  # most lanes of the row kernels (row_block: fewer for short rows)
+COL_BLOCK = 16 if INTERPRET else 256  # output elements per program of a reduction over a dim not the last
 
 
 def _i(n: int) -> int:
@@ -49,28 +57,48 @@ def _i(n: int) -> int:
     return int(n) if INTERPRET else 0
 
 
-@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M (Triton would specialise M == 1, M % 16)
-def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
-               s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_xb, s_xm, s_xn, alpha, beta,
-               HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, K_I: tl.constexpr):
-    pid_m, pid_n, bat = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + bat * s_ab + rm[:, None].to(tl.int64) * s_am + rk[None, :] * s_ak
-    b_ptrs = b_ptr + bat * s_bb + rk[:, None] * s_bk + rn[None, :].to(tl.int64) * s_bn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K_I if _INTERP else K, BLOCK_K):
-        kmask = k0 + rk < K
-        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=kmask[:, None] & (rn[None, :] < N), other=0.0)
-        if _INTERP:
-            acc += tl.dot(to_f32(a), to_f32(b))
-        else:
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * s_ak
-        b_ptrs += BLOCK_K * s_bk
+def k_splits(dtype: torch.dtype, K: int, N: int, nb: int = 1) -> tuple:
+    """How a row's reduction over K is split: (splits, k-blocks per split), from the dtype's BLOCK_K, K, N and
+    the batch count of a bmm (a weight's shape: never M). A decode step's narrow products (a router's 32 columns,
+    an indexer's 16, a 2048-wide projection on 132 SMs) leave most SMs idle when one program walks all of K;
+    splitting K gives each output tile SPLIT_TARGET programs' worth of parallelism. Every M reduces through the
+    same splits (few rows: a program per split writing a float32 partial, summed in split order by
+    _mm_combine_kernel; many rows: one program walking the splits in order into one total), so a row's bits do
+    not depend on M."""
+    cfg = INTERP_MM if INTERPRET else MM_CONFIG[dtype]
+    kb = triton.cdiv(max(K, 1), cfg["BLOCK_K"])
+    width = cfg["BLOCK_N"] if INTERPRET else mm_config(dtype, N, 1)["BLOCK_N"]  # the decode band's tile width
+    programs = triton.cdiv(N, width) * max(nb, 1)
+    want = max(1, min(triton.cdiv(SPLIT_TARGET, programs), kb // SPLIT_MIN_KB))
+    per = triton.cdiv(kb, want)
+    return triton.cdiv(kb, per), per
+
+
+@triton.jit
+def _k_run(a_ptrs, b_ptrs, acc, total, kb_lo, kb_hi, kb, rm, rn, rk, M, N, K, s_ak, s_bk,
+           BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, KB_PER: tl.constexpr, WALK: tl.constexpr):
+    """One k-block of the product into acc; when WALK (one program walking every split), acc closes into
+    total at the end of each split, in split order."""
+    k0 = kb * BLOCK_K
+    kmask = k0 + rk < K
+    a = tl.load(a_ptrs + k0 * s_ak, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
+    b = tl.load(b_ptrs + k0 * s_bk, mask=kmask[:, None] & (rn[None, :] < N), other=0.0)
+    if _INTERP:
+        acc += tl.dot(to_f32(a), to_f32(b))
+    else:
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if WALK:
+        end = ((kb + 1 - kb_lo) % KB_PER == 0) | (kb + 1 == kb_hi)
+        total = tl.where(end, total + acc, total)
+        acc = tl.where(end, 0.0, acc)
+    return acc, total
+
+
+@triton.jit
+def _epilogue(acc, bias_ptr, c_ptr, bat, rm, rn, M, N, s_xb, s_xm, s_xn, s_cb, s_cm, s_cn, alpha, beta,
+              HAS_BIAS: tl.constexpr, SCALED: tl.constexpr):
+    """alpha * acc + beta * bias, rounded to c's dtype and stored: one function, so that both ways of reducing
+    (one kernel, or partials then _mm_combine_kernel) finish a row with the same instructions."""
     if SCALED:
         acc = acc * alpha
     cmask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -80,6 +108,65 @@ def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
         acc = acc + beta * to_f32(x)
     tl.store(c_ptr + bat * s_cb + rm[:, None].to(tl.int64) * s_cm + rn[None, :] * s_cn,
              cast_rne(acc, c_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M (Triton would specialise M == 1, M % 16)
+def _mm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, p_ptr, M, N, K, KB, S,
+               s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_xb, s_xm, s_xn, alpha, beta,
+               HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, KB_PER: tl.constexpr, MODE: tl.constexpr,
+               KB_I: tl.constexpr):
+    """MODE 0: one split (acc is the row's sum); 1: program (.., .., bat * S + s) writes split s's float32
+    partial to p [nb, S, M, N]; 2: one program walks the S splits in order into one total. k-blocks of split s:
+    [s * KB_PER, min((s + 1) * KB_PER, KB))."""
+    pid_m, pid_n, z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if MODE == 1:
+        bat, split = (z // S).to(tl.int64), z % S
+        kb_lo = split * KB_PER
+        kb_hi = tl.minimum(kb_lo + KB_PER, KB)
+    else:
+        bat, split = z.to(tl.int64), 0
+        kb_lo = 0
+        kb_hi = KB
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + bat * s_ab + rm[:, None].to(tl.int64) * s_am + rk[None, :] * s_ak
+    b_ptrs = b_ptr + bat * s_bb + rk[:, None] * s_bk + rn[None, :].to(tl.int64) * s_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if _INTERP:  # range() bounds must be Python ints there
+        for i in range(KB_I):
+            if kb_lo + i < kb_hi:
+                acc, total = _k_run(a_ptrs, b_ptrs, acc, total, kb_lo, kb_hi, kb_lo + i, rm, rn, rk, M, N, K,
+                                    s_ak, s_bk, BLOCK_K, PRECISION, KB_PER, MODE == 2)
+    else:
+        for kb in range(kb_lo, kb_hi):
+            acc, total = _k_run(a_ptrs, b_ptrs, acc, total, kb_lo, kb_hi, kb, rm, rn, rk, M, N, K,
+                                s_ak, s_bk, BLOCK_K, PRECISION, KB_PER, MODE == 2)
+    if MODE == 1:
+        pmask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(p_ptr + ((bat * S + split) * M + rm[:, None].to(tl.int64)) * N + rn[None, :], acc, mask=pmask)
+    else:
+        _epilogue(total if MODE == 2 else acc, bias_ptr, c_ptr, bat, rm, rn, M, N, s_xb, s_xm, s_xn,
+                  s_cb, s_cm, s_cn, alpha, beta, HAS_BIAS, SCALED)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mm_combine_kernel(p_ptr, c_ptr, bias_ptr, M, N, S, s_cb, s_cm, s_cn, s_xb, s_xm, s_xn, alpha, beta,
+                       HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, S_I: tl.constexpr):
+    """The S partials of a split product summed in split order (as MODE 2 walks them), then the epilogue."""
+    pid_m, pid_n, bat = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pmask = (rm[:, None] < M) & (rn[None, :] < N)
+    ptrs = p_ptr + (bat * S * M + rm[:, None].to(tl.int64)) * N + rn[None, :]
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in range(S_I if _INTERP else S):
+        total = total + tl.load(ptrs + s * M * N, mask=pmask, other=0.0)
+    _epilogue(total, bias_ptr, c_ptr, bat, rm, rn, M, N, s_xb, s_xm, s_xn, s_cb, s_cm, s_cn, alpha, beta,
+              HAS_BIAS, SCALED)
 
 
 def mm_config(dtype: torch.dtype, N: int, M: int) -> dict:
@@ -99,17 +186,25 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, alpha=1.0, beta=1.0) -> 
     nb, M, K = A.shape
     N = Bm.shape[2]
     out = torch.empty(nb, M, N, dtype=a.dtype, device=a.device)
-    if out.numel():
+    if out.numel() and K:
         has_bias = bias is not None and beta != 0
         x = bias.expand(nb, M, N) if has_bias else out  # broadcast by strides (0 along expanded dims)
         cfg = INTERP_MM if INTERPRET else mm_config(a.dtype, N, M)
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), nb)
-        _mm_kernel[grid](A, Bm, out, x, M, N, K, *A.stride(), *Bm.stride(), *out.stride(), *x.stride(),
-                         float(alpha), float(beta), HAS_BIAS=has_bias, SCALED=alpha != 1,
-                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", K_I=_i(K),
-                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    elif K == 0 and bias is not None and beta != 0:
+        S, per = k_splits(a.dtype, K, N, nb)
+        kb = triton.cdiv(K, cfg["BLOCK_K"])
+        mode = 0 if S == 1 else (1 if M <= SPLIT_ROWS else 2)
+        p = torch.empty(nb, S, M, N, dtype=torch.float32, device=a.device) if mode == 1 else out
+        tiles = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
+        flags = dict(HAS_BIAS=has_bias, SCALED=alpha != 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+        _mm_kernel[(*tiles, nb * (S if mode == 1 else 1))](
+            A, Bm, out, x, p, M, N, K, kb, S, *A.stride(), *Bm.stride(), *out.stride(), *x.stride(),
+            float(alpha), float(beta), **flags, BLOCK_K=cfg["BLOCK_K"],
+            PRECISION="ieee" if a.dtype == torch.float32 else "tf32", KB_PER=per, MODE=mode,
+            KB_I=_i(per if mode == 1 else kb), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if mode == 1:
+            _mm_combine_kernel[(*tiles, nb)](p, out, x, M, N, S, *out.stride(), *x.stride(), float(alpha),
+                                             float(beta), **flags, S_I=_i(S), num_warps=4)
+    elif out.numel() and bias is not None and beta != 0:
         out = out.zero_() + beta * bias
     else:
         out.zero_()
@@ -117,13 +212,30 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, alpha=1.0, beta=1.0) -> 
 
 
 @triton.jit
-def _row_sum_kernel(x_ptr, out_ptr, N, s_x, scale, BLOCK: tl.constexpr, N_I: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _row_sum_kernel(x_ptr, out_ptr, R, N, s_x, scale, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                    N_I: tl.constexpr):
+    """ROWS rows of x [R, N] per program, each walked in BLOCK-wide chunks into per-lane sums, then a tree of
+    the BLOCK lanes (ROWS and BLOCK come from N alone: row_block)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     for c in range(0, N_I if _INTERP else N, BLOCK):
-        acc += to_f32(tl.load(x_ptr + row * s_x + c + cols, mask=c + cols < N, other=0.0))
-    tl.store(out_ptr + row, cast_rne(tl.sum(acc, 0) * scale, out_ptr.dtype.element_ty))
+        m = (rows[:, None] < R) & (c + cols[None, :] < N)
+        acc += to_f32(tl.load(x_ptr + rows[:, None] * s_x + c + cols[None, :], mask=m, other=0.0))
+    tl.store(out_ptr + rows, cast_rne(tl.sum(acc, 1) * scale, out_ptr.dtype.element_ty), mask=rows < R)
+
+
+@triton.jit
+def _col_sum_kernel(x_ptr, out_ptr, N, I, s_o, s_n, s_i, scale, BLOCK: tl.constexpr, N_I: tl.constexpr):
+    """x viewed [O, N, I] summed over N, each output element in order j = 0 .. N-1 (a reduction over a dim
+    that is not the last, read where it lies: no transposed copy, and a short N is not a program per row)."""
+    o = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ptrs = x_ptr + o * s_o + cols.to(tl.int64) * s_i
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(0, N_I if _INTERP else N):
+        acc += to_f32(tl.load(ptrs + j * s_n, mask=cols < I, other=0.0))
+    tl.store(out_ptr + o * I + cols, cast_rne(acc * scale, out_ptr.dtype.element_ty), mask=cols < I)
 
 
 @triton.jit
@@ -166,16 +278,40 @@ def _as_rows(x: torch.Tensor, dims: list) -> tuple:
     return (rows if rows.is_contiguous() else rows.contiguous()), kept
 
 
+def row_block(n: int) -> tuple:
+    """(rows per program, lanes) of the row kernels for rows of length n: from n alone, so a row's order of
+    reduction never depends on how many rows there are; short rows share a program instead of each taking
+    1024 lanes."""
+    if INTERPRET:
+        return 2, ROW_BLOCK
+    lanes = min(ROW_BLOCK, max(32, triton.next_power_of_2(max(n, 1))))
+    return max(1, 2048 // lanes) if lanes < ROW_BLOCK else 1, lanes
+
+
 def _reduce(x, dim, keepdim, dtype, mean: bool):
     op = torch.ops.aten.mean.out if mean else torch.ops.aten.sum.IntList_out
     out_dtype = dtype or (x.dtype if x.dtype.is_floating_point else torch.int64)
     if x.dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES or x.numel() == 0 or x.dim() == 0:
         return op(x, dim, keepdim, dtype=dtype, out=torch.empty(0, dtype=out_dtype, device=x.device))
     dims = _dims(x, dim)
-    rows, kept = _as_rows(x, dims)
-    R, n = rows.shape
-    out = torch.empty(R, dtype=out_dtype, device=x.device)
-    _row_sum_kernel[(R,)](rows, out, n, rows.stride(0), 1.0 / n if mean else 1.0, BLOCK=ROW_BLOCK, N_I=_i(n))
+    if len(dims) == 1 and dims[0] != x.dim() - 1:  # one dim, not the last: summed where it lies
+        d = dims[0]
+        n = x.shape[d]
+        kept = [x.shape[i] for i in range(x.dim()) if i != d]
+        inner = 1
+        for size in x.shape[d + 1:]:
+            inner *= size
+        v = x.reshape(-1, n, inner)
+        out = torch.empty(v.shape[0], inner, dtype=out_dtype, device=x.device)
+        _col_sum_kernel[(v.shape[0], triton.cdiv(inner, COL_BLOCK))](
+            v, out, n, inner, *v.stride(), 1.0 / n if mean else 1.0, BLOCK=COL_BLOCK, N_I=_i(n))
+    else:
+        rows, kept = _as_rows(x, dims)
+        R, n = rows.shape
+        out = torch.empty(R, dtype=out_dtype, device=x.device)
+        per, lanes = row_block(n)
+        _row_sum_kernel[(triton.cdiv(R, per),)](rows, out, R, n, rows.stride(0), 1.0 / n if mean else 1.0,
+                                                ROWS=per, BLOCK=lanes, N_I=_i(n))
     if keepdim:
         shape = [1 if d in dims else x.shape[d] for d in range(x.dim())]
         return out.view(shape)
@@ -199,7 +335,8 @@ def _softmax_any(x, dim, half_to_float, log: bool):
     rows, _ = _as_rows(x, [d])
     R, n = rows.shape
     out = torch.empty(R, n, dtype=out_dtype, device=x.device)
-    _softmax_kernel[(R,)](rows, out, n, rows.stride(0), out.stride(0), LOG=log, BLOCK=ROW_BLOCK, N_I=_i(n))
+    _softmax_kernel[(R,)](rows, out, n, rows.stride(0), out.stride(0), LOG=log, BLOCK=row_block(n)[1],
+                          N_I=_i(n))
     moved = [x.shape[i] for i in range(x.dim()) if i != d] + [n]
     back = list(range(d)) + [x.dim() - 1] + list(range(d, x.dim() - 1))
     return out.view(moved).permute(*back).contiguous()
