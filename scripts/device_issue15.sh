@@ -4,6 +4,12 @@
 #                                          # $OUT/dspark (copied into deepinfer/assets/demo/dspark here too),
 #                                          # then the speculative GPU tests and spec_bench (none, ngram, dspark)
 #   bash scripts/device_issue15.sh bench   # the GPU tests and spec_bench only (with the shipped drafter)
+#   bash scripts/device_issue15.sh tests   # ~2 min: verify steps in CUDA graphs against eager verification
+#                                          # (tokens, at most one sync a step), the speculative GPU tests,
+#                                          # decode graphs unchanged, batched acceptance against its oracle
+#   bash scripts/device_issue15.sh sweep COMMIT  # < 8 min: benchmarks/spec_sweep.py, Llama-3.1-8B shape (random
+#                                          # bf16) none / ngram:2 / ngram:4 and the demo model none / dspark:4 /
+#                                          # dspark:4:dynamic at concurrency 1/16/64/128 -> $OUT/spec_sweep.jsonl
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -18,6 +24,15 @@ bench() {
     --out "$OUT/spec_gpu.jsonl" 2>&1 | grep -v Warn | tail -6
 }
 case "${1:-}" in
+tests)
+  nvidia-smi -L
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE --durations=8 --junitxml="$OUT/issue15_tests.xml" \
+    tests/test_verify_graphs.py tests/test_spec_accept.py tests/test_speculative.py tests/test_cuda_graphs.py \
+    2>&1 | tee "$OUT/issue15_tests.log" | tail -25 ;;
+sweep)
+  nvidia-smi -L
+  timeout 450 python3 benchmarks/spec_sweep.py --budget-s 330 --commit "${2:-?}" --out "$OUT/spec_sweep.jsonl" \
+    2>&1 | tee "$OUT/spec_sweep.log" | grep -v -i warn | tail -32 ;;
 train)
   timeout 280 python3 scripts/train_dspark.py --out "$OUT/dspark" --minutes "${DSPARK_MINUTES:-3}" --device cuda \
     > "$OUT/train_dspark.log" 2>&1
@@ -27,5 +42,5 @@ train)
 bench)
   bench ;;
 *)
-  echo "usage: bash scripts/device_issue15.sh train | bench" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue15.sh train | bench | tests | sweep COMMIT" >&2; exit 2 ;;
 esac

@@ -1,0 +1,30 @@
+"""benchmarks/spec_sweep.py on the CPU (--smoke, the tiny Llama): rows for every setting and concurrency, and
+accounting that adds up: the tokens a timed window emitted are one per row-step plus the accepted drafts."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+spec_sweep = pytest.importorskip("spec_sweep")
+
+
+def test_smoke_sweep_rows_add_up(tmp_path):
+    pytest.importorskip("deepinfer_ngram", reason="the n-gram draft plugin: pip install -e plugins/deepinfer-ngram")
+    out = tmp_path / "rows.jsonl"
+    assert spec_sweep.main(["--smoke", "--targets", "llama-tiny", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["setting"], r["concurrency"]) for r in rows} == {(s, c) for s in ("none", "ngram:2") for c in (1, 3)}
+    for r in rows:
+        assert r["output_tokens"] == r["steps"] * r["concurrency"] + r["accepted_tokens"], r
+        assert r["step_rate"] > 0 and r["output_tok_s"] > 0
+    spec = [r for r in rows if r["setting"] != "none"]
+    assert sum(r["draft_tokens"] for r in spec) > 0 and all("tau_formula" not in r or not r["dynamic"] for r in spec)
+
+
+def test_bad_setting_names_the_problem():
+    with pytest.raises(ValueError, match="METHOD:K"):
+        spec_sweep.parse_setting("ngram")
+    assert spec_sweep.parse_setting("dspark:4:dynamic")["dynamic"] is True
