@@ -30,7 +30,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -87,16 +86,9 @@ def spec_counts(llm) -> dict:
 def count_syncs(eng, steps: int) -> float | None:
     if eng.device.type != "cuda" or steps <= 0:
         return None
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(steps):
-                eng.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message).lower() for w in caught) / steps
+    from deepinfer.testing.syncs import synchronizing_calls
+
+    return len(synchronizing_calls(eng.step, steps)) / steps
 
 
 def measure(llm, vocab: int, C: int, args, seed: int) -> dict:

@@ -29,6 +29,7 @@ from hypothesis import given, settings, strategies as st
 from deepinfer import LLM, SamplingParams
 from deepinfer.parallel.dist import rank_device, torchrun_env
 from deepinfer.testing.models import build_tiny_hf_model
+from deepinfer.testing.parallel import assert_same_outputs, logprob_close as close
 
 # Every tiny checkpoint with 4 KV heads, so 4 ranks divide them.
 MODELS = {"llama": {"num_key_value_heads": 4}, "mixtral": {"num_key_value_heads": 4},
@@ -70,22 +71,9 @@ def reference(checkpoints):
     return get
 
 
-def close(a: float, b: float) -> bool:
-    return abs(a - b) <= 3e-5 * max(1.0, abs(a))
-
-
 def assert_same(ref: list, out: list) -> None:
-    for r, o in zip(ref, out):
-        assert o.error is None, o.error
-        assert o.outputs[0].token_ids == r.outputs[0].token_ids
-        for pos, (x, y) in enumerate(zip(r.outputs[0].logprobs, o.outputs[0].logprobs)):
-            assert x.keys() == y.keys(), f"position {pos}: top tokens {list(x)} vs {list(y)}"
-            bad = {t: (x[t].logprob, y[t].logprob) for t in x if not close(x[t].logprob, y[t].logprob)}
-            assert not bad, f"position {pos}: logprobs differ {bad}"
-        for x, y in zip(r.prompt_logprobs or [], o.prompt_logprobs or []):
-            if x is not None:
-                assert all(close(x[t].logprob, y[t].logprob) for t in x)
-    assert ref[1].prompt_logprobs and len(out[1].prompt_logprobs) == len(ref[1].prompt_logprobs)
+    assert_same_outputs(ref, out)
+    assert ref[1].prompt_logprobs  # the comparison covered prompt logprobs
 
 
 def test_tolerance_catches_a_small_change():
@@ -137,6 +125,10 @@ def test_data_parallel_attention_matches_single_process(checkpoints, reference, 
         out = run(llm)
         blocks = llm.engine.model.inner.moe_blocks()
         assert all(b.tokens_local and b.w13.shape[0] == b.num_experts // world for b in blocks)
+        # Each rank's cache holds one partition of the block ids (rank 0's: the MLA latents of 64 blocks).
+        assert llm.engine.model.kv_blocks == 64 and llm.engine.pool.num_blocks == 64 * world
+        if name == "deepseek_v3":
+            assert llm.engine.kv_cache.shape[1] == 64 * llm.engine.config.block_size
     finally:
         llm.shutdown()
     assert_same(reference(name), out)

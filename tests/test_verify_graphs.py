@@ -131,7 +131,7 @@ def test_verify_graphs_give_the_eager_tokens(tmp_path, name):
 def test_speculating_engine_syncs_at_most_once_per_step(tmp_path):
     """profile_decode.py's sync detection: every synchronizing CUDA call warns; a speculating step's only one
     is its collection (the event wait), which does not warn."""
-    import warnings
+    from deepinfer.testing.syncs import synchronizing_calls
 
     build_tiny_hf_model(tmp_path, "llama")
     llm, _ = _ngram_llms(str(tmp_path), 3)
@@ -141,16 +141,7 @@ def test_speculating_engine_syncs_at_most_once_per_step(tmp_path):
         eng.add_request(str(i), {"prompt_token_ids": p}, sp)
     for _ in range(4):
         eng.step()
-    torch.cuda.synchronize()
     steps = 16
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(steps):
-                eng.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    syncs = synchronizing_calls(eng.step, steps)
     assert eng.decode_graphs.num_verify_replays > 0
     assert len(syncs) <= steps, syncs[:5]

@@ -39,9 +39,10 @@ from .tp_layers import Slice
 EP_COMMS = ("alltoall", "allreduce")
 
 
-class ExpertParallelMoE(MoEBlock):
-    """A MoEBlock holding ``num_local`` experts (EPLB: physical slots) from ``first``; set up by
-    ``shard_experts``."""
+class ExpertExchange:
+    """The dispatch and combine of a block holding ``num_local`` experts (EPLB: physical slots) from ``first``,
+    shared by ExpertParallelMoE and CED's expert-parallel layers (parallel/ced_parallel.py). The block provides
+    ``ops``, ``w13``, ``w2``, ``clamp``, ``impl``, ``num_experts``, ``layer``, ``expert_load``, ``placement``."""
 
     comm: object
     first: int
@@ -49,27 +50,12 @@ class ExpertParallelMoE(MoEBlock):
     ep_comm: str
     tokens_local: bool  # data-parallel attention: x is this rank's own tokens, not the whole batch
 
-    def _slots(self) -> dict:
-        """The checkpoint names of this rank's experts (their global numbers) and of the replicated tensors."""
-        out = {}
-        for name, (pname, idx) in MoEBlock._slots(self).items():
-            m = re.match(r"experts\.(\d+)\.", name)
-            if m is None:
-                out[name] = (pname, idx)
-            elif self.first <= int(m.group(1)) < self.first + self.num_local:
-                out[name] = (pname, (int(m.group(1)) - self.first, *idx[1:]))
-        return out
-
-    def _route(self, x):
-        logits = F.linear(x.float(), self.gate_weight.float())  # [T, E]
-        kw = dict(scoring=self.scoring, renormalize=self.renormalize, scaling=self.scaling, n_group=self.n_group,
-                  topk_group=self.topk_group, group_score=self.group_score, bias=self.e_score_correction_bias)
-        moe_route = getattr(self.ops, "moe_route", None)
-        weights, ids = (moe_route(logits, self.top_k, **kw) if moe_route is not None
-                        else ref_moe.route(logits, self.top_k, **kw))  # [T, k] float32, [T, k] int64
-        if self.expert_load is not None and not self.tokens_local:  # every rank routes every token
-            self.expert_load.record(self.layer, ids)
-        return weights, ids
+    def exchange(self, x, weights, ids):
+        """x [T, d] with its routing (weights [T, k] float32, logical expert ids [T, k]) -> the routed experts'
+        weighted sum [T, d], computed where the experts live."""
+        # EPLB: each logical choice to one replica's physical slot (over all of x's tokens, as in one process).
+        slots = ids if self.placement is None else self.placement.physical_ids(ids)
+        return self._alltoall(x, weights, slots) if self.ep_comm == "alltoall" else self._allreduce(x, weights, slots)
 
     def _experts(self, xs, local_ids, w):
         """Rows xs [N, d], each with one local expert id [N] and weight [N] -> weighted outputs [N, d]."""
@@ -81,19 +67,6 @@ class ExpertParallelMoE(MoEBlock):
             return moe_experts(*args, clamp=self.clamp, impl=self.impl)
         fn = ref_moe.experts_dense if self.impl == "dense" else ref_moe.experts_routed
         return fn(*args, clamp=self.clamp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self._route(x)
-        # EPLB: each logical choice to one replica's physical slot (over all of x's tokens, as in one process).
-        slots = ids if self.placement is None else self.placement.physical_ids(ids)
-        out = self._alltoall(x, weights, slots) if self.ep_comm == "alltoall" else self._allreduce(x, weights, slots)
-        if self.shared_w13 is not None:
-            gate, up = F.linear(x, self.shared_w13).chunk(2, dim=-1)  # [T, Fs] each
-            shared = F.linear(F.silu(gate) * up, self.shared_w2)  # [T, d]
-            if self.shared_gate_weight is not None:
-                shared = torch.sigmoid(F.linear(x, self.shared_gate_weight)) * shared
-            out = out + shared
-        return out
 
     def _allreduce(self, x, weights, ids):
         T, k = ids.shape
@@ -140,24 +113,67 @@ class ExpertParallelMoE(MoEBlock):
         return comm.all_gather_rows(mine, [bounds[r + 1] - bounds[r] for r in range(R)]).to(x.dtype)
 
 
+class ExpertParallelMoE(ExpertExchange, MoEBlock):
+    """A MoEBlock holding ``num_local`` experts (EPLB: physical slots) from ``first``; set up by
+    ``shard_experts``."""
+
+    def _slots(self) -> dict:
+        """The checkpoint names of this rank's experts (their global numbers) and of the replicated tensors."""
+        out = {}
+        for name, (pname, idx) in MoEBlock._slots(self).items():
+            m = re.match(r"experts\.(\d+)\.", name)
+            if m is None:
+                out[name] = (pname, idx)
+            elif self.first <= int(m.group(1)) < self.first + self.num_local:
+                out[name] = (pname, (int(m.group(1)) - self.first, *idx[1:]))
+        return out
+
+    def _route(self, x):
+        logits = F.linear(x.float(), self.gate_weight.float())  # [T, E]
+        kw = dict(scoring=self.scoring, renormalize=self.renormalize, scaling=self.scaling, n_group=self.n_group,
+                  topk_group=self.topk_group, group_score=self.group_score, bias=self.e_score_correction_bias)
+        moe_route = getattr(self.ops, "moe_route", None)
+        weights, ids = (moe_route(logits, self.top_k, **kw) if moe_route is not None
+                        else ref_moe.route(logits, self.top_k, **kw))  # [T, k] float32, [T, k] int64
+        if self.expert_load is not None and not self.tokens_local:  # every rank routes every token
+            self.expert_load.record(self.layer, ids)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self._route(x)
+        out = self.exchange(x, weights, ids)
+        if self.shared_w13 is not None:
+            gate, up = F.linear(x, self.shared_w13).chunk(2, dim=-1)  # [T, Fs] each
+            shared = F.linear(F.silu(gate) * up, self.shared_w2)  # [T, d]
+            if self.shared_gate_weight is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_gate_weight)) * shared
+            out = out + shared
+        return out
+
+
+def hold_share(b, cls, comm, ep_comm: str, tokens_local: bool) -> None:
+    """Make block ``b`` (on the meta device, ``b.num_experts`` experts in ``w13`` [E, ...] and ``w2``) a ``cls``
+    (an ExpertExchange) holding this rank's E / R experts."""
+    R, E = comm.world_size, b.num_experts
+    if E % R:
+        raise ValueError(f"enable_expert_parallel: {E} experts do not divide over {R} ranks "
+                         f"(tensor_parallel_size x data_parallel_size); choose a world size that divides {E}")
+    n = E // R
+    b.__class__ = cls
+    b.comm, b.first, b.num_local, b.ep_comm, b.tokens_local = comm, comm.rank * n, n, ep_comm, tokens_local
+    b.w13 = nn.Parameter(torch.empty(n, *b.w13.shape[1:], device="meta", dtype=b.w13.dtype), requires_grad=False)
+    b.w2 = nn.Parameter(torch.empty(n, *b.w2.shape[1:], device="meta", dtype=b.w2.dtype), requires_grad=False)
+
+
 def shard_experts(model, comm, ep_comm: str = "alltoall", tokens_local: bool = False) -> tuple:
     """Turn every MoEBlock of a model on the meta device into an ExpertParallelMoE holding this rank's experts.
     Returns (block checkpoint prefixes, the expert ranges) for the checkpoint plan (``expert_plan``)."""
     if ep_comm not in EP_COMMS:
         raise ValueError(f"expert-parallel communication {ep_comm!r} is invalid: expected one of {EP_COMMS}")
-    R, r = comm.world_size, comm.rank
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     prefixes = []
     for b in blocks:
-        E = b.num_experts
-        if E % R:
-            raise ValueError(f"enable_expert_parallel: {E} experts do not divide over {R} ranks "
-                             f"(tensor_parallel_size x data_parallel_size); choose a world size that divides {E}")
-        n = E // R
-        b.__class__ = ExpertParallelMoE
-        b.comm, b.first, b.num_local, b.ep_comm, b.tokens_local = comm, r * n, n, ep_comm, tokens_local
-        b.w13 = nn.Parameter(torch.empty(n, *b.w13.shape[1:], device="meta", dtype=b.w13.dtype), requires_grad=False)
-        b.w2 = nn.Parameter(torch.empty(n, *b.w2.shape[1:], device="meta", dtype=b.w2.dtype), requires_grad=False)
+        hold_share(b, ExpertParallelMoE, comm, ep_comm, tokens_local)
         prefixes.append(b.checkpoint_prefix)
     return blocks, prefixes
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..layout import _HOST_ROWS as HOST_ROWS  # AttnMetadata's per-row host lists, which CED reads
 from .dist import Comm, DistributedError, ParallelConfig, init_world, leave_world, rank_device, torchrun_env
 from .expert_moves import apply_on_rank, attach_rank_slots, gather_slots
 
@@ -77,10 +78,12 @@ class WorkerSpec:
 
 def build_shard(spec: WorkerSpec, comm: Comm, ops, registry):
     """This rank's shard of the model on the meta device: the Llama family tensor-parallel (MoE members: attention
-    tensor-parallel, experts expert-parallel), DeepSeek-V2/V3 with replicated MLA and expert-parallel experts.
-    Returns (model, keep, plan, vocab_parallel)."""
+    tensor-parallel, experts expert-parallel), DeepSeek-V2/V3 with replicated MLA and CED with replicated
+    attention, both with expert-parallel experts. Returns (model, keep, plan, vocab_parallel)."""
     from ..models import loader
+    from ..models.ced.model import CEDForCausalLM
     from ..models.llama import LlamaForCausalLM
+    from .ced_parallel import shard_ced
     from .expert_parallel import expert_plan, shard_experts
     from .tp_layers import llama_plan, shard_llama
 
@@ -91,13 +94,19 @@ def build_shard(spec: WorkerSpec, comm: Comm, ops, registry):
     with torch.device("meta"):
         model = registry.get("model", arch).obj(spec.hf_config, ops)
     model = model.to(getattr(torch, spec.dtype))
+    dp = pc.data_parallel_size > 1
+    if isinstance(model, CEDForCausalLM):  # every layer MoE: experts expert-parallel, the rest replicated
+        if not pc.enable_expert_parallel:
+            raise ValueError(f"{arch} is a mixture-of-experts model in every layer: {W} ranks need "
+                             "enable_expert_parallel=True (attention replicated, experts sharded over the ranks)")
+        keep, plan = shard_ced(model, comm, ops, spec.ep_comm, tokens_local=dp)
+        return model, keep, plan, False
     moe = [m for m in model.modules() if type(m).__name__ == "MoEBlock"]
     if moe and not pc.enable_expert_parallel:
         raise ValueError(f"{arch} is a mixture-of-experts model: tensor_parallel_size={pc.tensor_parallel_size} "
                          "needs enable_expert_parallel=True (experts sharded over the ranks; tensor-parallel "
                          "experts are not implemented)")
     keep_e, plan_e, moe_prefixes = (lambda n: True), (lambda n: None), ()
-    dp = pc.data_parallel_size > 1
     if moe:
         blocks, _ = shard_experts(model, comm, spec.ep_comm, tokens_local=dp)
         keep_e, plan_e, moe_prefixes = expert_plan(blocks)
@@ -110,7 +119,7 @@ def build_shard(spec: WorkerSpec, comm: Comm, ops, registry):
         plan_t, vocab_parallel = (lambda n: None), False
     else:
         raise ValueError(f"{arch} has no tensor-parallel implementation: parallel serving covers the Llama family "
-                         "(Llama, Mistral, Qwen2, Qwen3 and their MoE members) and DeepSeek-V2/V3 with "
+                         "(Llama, Mistral, Qwen2, Qwen3 and their MoE members), and DeepSeek-V2/V3 and CED with "
                          "enable_expert_parallel=True")
     model.supports_cuda_graphs = False
 
@@ -142,8 +151,10 @@ def _header(*words) -> torch.Tensor:
     return h
 
 
-def pack_forward(ids, meta) -> tuple:
-    """(header, payload): the token ids and the metadata tensors as one int64 payload, their shapes in the header."""
+def pack_forward(ids, meta, host_rows: bool = False) -> tuple:
+    """(header, payload): the token ids and the metadata tensors as one int64 payload, their shapes in the header;
+    ``host_rows``: the per-row host lists too (a model that reads them: CED), their length in the header's last
+    word."""
     words = [FORWARD, meta.block_size, meta.max_q, meta.num_decodes]
     parts = []
     for t in (ids, *(getattr(meta, f) for f in META_TENSORS)):
@@ -155,7 +166,50 @@ def pack_forward(ids, meta) -> tuple:
         shape = list(t.shape) + [1] * (2 - t.dim())
         words += [1, INT_DTYPES.index(t.dtype), t.dim(), *shape]
         parts.append(t.reshape(-1).long())
-    return _header(*words), torch.cat(parts)
+    rows = pack_host_rows(meta) if host_rows else []
+    parts.append(torch.tensor(rows, dtype=torch.long, device=ids.device))
+    return _header(*words, *[0] * (HEADER - 1 - len(words)), len(rows)), torch.cat(parts)
+
+
+def pack_host_rows(meta) -> list:
+    """The metadata's per-row host lists (layout._HOST_ROWS) as ints: per list its length and values; a block
+    table list also each table's length; replay starts also each one's score_end (-1: a plain int)."""
+    out = []
+    for name in HOST_ROWS:
+        lst = list(getattr(meta, name) or [])
+        out.append(len(lst))
+        if name == "block_tables":
+            out += [len(t) for t in lst]
+            out += [int(b) for t in lst for b in t]
+        else:
+            out += [int(v) for v in lst]
+        if name == "replay_starts":
+            out += [getattr(v, "score_end", -1) for v in lst]
+    return out
+
+
+def unpack_host_rows(words: list) -> dict:
+    from ..models.ced.model import ReplayStart
+
+    out, i = {}, 0
+
+    def take(n):
+        nonlocal i
+        i += n
+        return words[i - n:i]
+
+    for name in HOST_ROWS:
+        (n,) = take(1)
+        if name == "block_tables":
+            lens = take(n)
+            out[name] = [take(k) for k in lens]
+        else:
+            out[name] = take(n)
+        if name == "replay_starts":
+            out[name] = [v if e < 0 else ReplayStart(v, e) for v, e in zip(out[name], take(n))]
+        elif name == "enc_restored":
+            out[name] = [bool(v) for v in out[name]]
+    return out
 
 
 def unpack_forward(header: list, payload: torch.Tensor) -> tuple:
@@ -174,12 +228,14 @@ def unpack_forward(header: list, payload: torch.Tensor) -> tuple:
         off += n
         tensors.append(t)
     ids, rest = tensors[0], tensors[1:]
-    meta = AttnMetadata(**dict(zip(META_TENSORS, rest)), block_size=block_size, max_q=max_q, num_decodes=num_decodes)
+    rows = unpack_host_rows(payload[off:].tolist()) if header[-1] else {}
+    meta = AttnMetadata(**dict(zip(META_TENSORS, rest)), block_size=block_size, max_q=max_q, num_decodes=num_decodes,
+                        **rows)
     return ids, meta
 
 
 def payload_size(header: list) -> int:
-    n, w = 0, 4
+    n, w = header[-1], 4  # the host rows' length, then the tensors'
     for _ in range(1 + len(META_TENSORS)):
         present, _, _, d0, d1 = header[w:w + 5]
         n += present * d0 * d1
@@ -213,15 +269,35 @@ def dp_rows(meta, rank: int, D: int, blocks_per_rank: int = 0) -> tuple:
     def local(t, unit: int):
         return t if t is None or not base else torch.where(t >= base * unit, t - base * unit, torch.where(t < 0, t, 0))
 
+    state_rows = pick(meta.state_rows)
     sub = AttnMetadata(positions=meta.positions[tok], slot_mapping=local(meta.slot_mapping[tok], meta.block_size),
                        seq_lens=meta.seq_lens[r_t], q_index=q_index, q_valid=q_valid,
                        kv_slots=local(meta.kv_slots[r_t], meta.block_size), q_pos=meta.q_pos[r_t],
                        block_table=local(pick(meta.block_table), 1), block_size=meta.block_size,
                        cu_q=new_cu.to(torch.int32),
                        max_q=meta.max_q, num_decodes=sum(1 for b in rows if b < meta.num_decodes),
-                       state_rows=pick(meta.state_rows), replay_rows=pick(meta.replay_rows),
-                       swa_cut_rows=pick(meta.swa_cut_rows))
+                       state_rows=None if state_rows is None else state_rows // D, replay_rows=pick(meta.replay_rows),
+                       swa_cut_rows=pick(meta.swa_cut_rows), **_own_host_rows(meta, rows, D, base))
+    if any(getattr(s, "score_end", 0) > a for s, a in zip(meta.replay_starts, meta.starts)):
+        sub.cache["score_pass"] = True  # some rank's row scores its prompt: every rank runs that pass (CED)
     return tok, sub, toks
+
+
+def _own_host_rows(meta, rows: list, D: int, base: int) -> dict:
+    """The host lists of this rank's rows, in its own numbering: state slot // D (each rank's per-sequence
+    state holds only its sequences), block ids minus its partition's first."""
+    out = {}
+    for name in HOST_ROWS:
+        lst = getattr(meta, name)
+        if not lst:
+            continue
+        mine = [lst[b] for b in rows]
+        if name == "state_slots":
+            mine = [s // D for s in mine]
+        elif name == "block_tables":
+            mine = [[b - base for b in t] for t in mine]
+        out[name] = mine
+    return out
 
 
 def dp_forward(model, comm: Comm, ids, meta, kv, D: int, blocks_per_rank: int = 0):
@@ -418,6 +494,9 @@ class DriverModel(nn.Module):
         self.supports_cuda_graphs = False
         self.eplb = None  # EPLB over the ranks (placement.Eplb with move_experts as its mover), when enabled
         self.kv_blocks = 0  # blocks each rank's cache holds (data-parallel attention: one partition of the pool)
+        from ..models.ced.model import CEDEngineMixin
+
+        self.host_rows = isinstance(inner, CEDEngineMixin)  # CED reads the metadata's per-row host lists too
 
     def __getattr__(self, name):
         try:
@@ -437,7 +516,7 @@ class DriverModel(nn.Module):
 
     def forward(self, input_ids, meta, kv_cache):
         def run():
-            header, payload = pack_forward(input_ids, meta)
+            header, payload = pack_forward(input_ids, meta, self.host_rows)
             self.runtime.send(header)
             self.runtime.comm.broadcast(payload.to(self.runtime.comm.device))
             if self.data_parallel > 1:
@@ -461,6 +540,7 @@ class DriverModel(nn.Module):
         return self._guarded(run)
 
     def allocate_kv_cache(self, num_slots, dtype, device, block_size: int = 16, max_seqs: int = 1):
+        max_seqs = -(-max_seqs // self.data_parallel)  # data-parallel attention: a rank's state slots (dp_rows)
         if torch.device(device).type != "meta":  # kv sizing measures the layout on meta: rank 0's alone
             self._guarded(self.runtime.send, _header(ALLOC, num_slots, FLOAT_DTYPES.index(dtype), block_size,
                                                      max_seqs))
@@ -476,6 +556,8 @@ class DriverModel(nn.Module):
         return RankPools(num_blocks, self.data_parallel) if self.data_parallel > 1 else BlockPool(num_blocks)
 
     def reserve_positions(self, n: int) -> None:
+        if not hasattr(self.inner, "reserve_positions"):  # a model with no position tables (CED)
+            return
         self._guarded(self.runtime.send, _header(RESERVE, n))
         self.inner.reserve_positions(n)
 

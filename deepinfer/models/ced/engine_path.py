@@ -313,6 +313,8 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats):
         y, ids = layer.moe(fn.rms(h, layer.ffn_norm, c.rms_norm_eps, ops=kernels))
         model.record_expert_load(layer.i, ids)
         h = h + y
+    elif getattr(layer, "moe_is_collective", False):  # expert-parallel ranks all join every layer's exchange
+        layer.moe(h)
     P.write_ring(layer, kv, cache, ops)
     return h
 
@@ -321,7 +323,8 @@ def forward_engine(model, input_ids, meta, cache):
     c = model.config
     device = input_ids.device
     stats = model.counters
-    if meta.state_rows is not None and meta.num_decodes == input_ids.shape[0] \
+    scoring = meta.cache.get("score_pass", False)  # data-parallel attention: another rank's row scores its prompt
+    if meta.state_rows is not None and meta.num_decodes == input_ids.shape[0] and not scoring \
             and getattr(model, "device_decode", True):  # False: the host path, decode_path's slow twin
         from . import decode_path  # every row one token that samples: no host list needed
 
@@ -358,7 +361,7 @@ def forward_engine(model, input_ids, meta, cache):
         model.captured_hidden[place] = torch.cat(kept, dim=-1)[pick]
     # Prompt scoring (ReplayStart rows): the decoder again over positions < score_end, as exact replay runs it.
     score_ends = [min(b, getattr(s, "score_end", 0)) for b, s in zip(ends, meta.replay_starts)]
-    if any(e > a for e, a in zip(score_ends, meta.starts)):
+    if scoring or any(e > a for e, a in zip(score_ends, meta.starts)):
         sc = Pass(meta, list(meta.starts), score_ends, device, cut=[0] * len(meta.starts), score=True)
         sctx = {k: v for k, v in ctx.items() if k[0] == "kv"}  # the entries the generation pass wrote
         hs = h_enc[sc.tok]

@@ -156,20 +156,25 @@ class CEDLayer(nn.Module):
         owning model's backend ops (``ops_of``): sqrt-softplus scores, top-k on score + gate_bias, renormalised
         weights times the routed scaling factor; SwiGLU experts clamped at swiglu_limit, FP8 with their block
         scales when the loader kept them FP8 (models/quant.py). No host sync where the ops have none (nvidia)."""
-        from ..quant import fp8_scales
-
         c, ops = self.c, ops_of(self, x.device)
         gate, bias = self._router_f32()
         weights, ids = ops.moe_route(F.linear(x.float(), gate), c.num_experts_per_tok,
                                      scoring="sqrt_softplus", renormalize=True, scaling=c.routed_scaling_factor,
                                      bias=bias)
-        y = ops.moe_experts(x, self.w13, self.w2, weights, ids, clamp=c.swiglu_limit, impl="routed",
-                            **fp8_scales(self))
+        y = self.routed_experts(x, weights, ids)
         if self.shared_w13 is not None:
             g, u = F.linear(x, self.shared_w13).chunk(2, dim=-1)
             lim = c.swiglu_limit
             y = y + F.linear(F.silu(g.clamp(max=lim)) * u.clamp(-lim, lim), self.shared_w2)
         return y, ids
+
+    def routed_experts(self, x, weights, ids):
+        """The routed experts' weighted sum [T, d] of x [T, d] routed to ids [T, k] with weights [T, k] (expert
+        parallelism, parallel/ced_parallel.py, runs them on the ranks that hold them)."""
+        from ..quant import fp8_scales
+
+        return ops_of(self, x.device).moe_experts(x, self.w13, self.w2, weights, ids, clamp=self.c.swiglu_limit,
+                                                  impl="routed", **fp8_scales(self))
 
 
 def model_ops(model) -> "Ops":

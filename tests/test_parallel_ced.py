@@ -1,0 +1,84 @@
+"""CED under parallel serving (parallel/ced_parallel.py) and prefix caching with data-parallel attention.
+
+The oracle is the single-process engine on the same tiny CED checkpoint (float32; REPLAY_CONFIG: every layer
+mode, a window of 6, 4 experts top-2). Two gloo ranks, experts expert-parallel, with attention replicated or
+data-parallel, give its greedy tokens, top logprobs and prompt logprobs (deepinfer.testing.parallel's
+tolerance) on a batch mix: prompts of 5 to 30 tokens (bounded replay from position N - 6 on the longer ones, one
+request scoring its prompt, which makes every rank run the scoring pass), chunked prefills under a 12-token
+budget, and requests that finish at different steps (one rank then runs no row and still joins every layer's
+expert exchange). The expert load rank 0 reports is the whole batch's.
+
+The multi-process tests are marked ``multiprocess`` (about 3-5 s each on two busy cores).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.testing.ced import REPLAY_CONFIG, build_ced_checkpoint
+from deepinfer.testing.parallel import assert_same_outputs
+
+ENGINE = dict(block_size=4, num_kv_blocks=64, max_model_len=128, threads=1, max_num_batched_tokens=12,
+              dtype="float32", distributed_timeout_s=60)
+MAX_TOKENS = (2, 4, 3, 12)
+
+
+@pytest.fixture(scope="module")
+def ced(tmp_path_factory):
+    path = tmp_path_factory.mktemp("parallel_ced") / "ced"
+    cfg = build_ced_checkpoint(path, seed=3, **REPLAY_CONFIG)
+    return str(path), cfg
+
+
+def batch(vocab: int) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (5, 19, 11, 30)]
+    sps = [SamplingParams(max_tokens=m, temperature=0.0, logprobs=4, prompt_logprobs=3 if i == 1 else None)
+           for i, m in enumerate(MAX_TOKENS)]
+    return prompts, sps
+
+
+@pytest.fixture(scope="module")
+def reference(ced):
+    path, cfg = ced
+    llm = LLM(path, enable_prefix_caching=False, **ENGINE)
+    out = llm.generate(*batch(cfg.vocab_size), use_tqdm=False)
+    return out, llm.expert_load(), sum(llm.engine.model.counters["layer_tokens"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["tensor_parallel_size", "data_parallel_size"])
+def test_ced_matches_single_process(ced, reference, layout):
+    path, cfg = ced
+    ref, ref_load, ref_tokens = reference
+    llm = LLM(path, **{layout: 2}, enable_expert_parallel=True, enable_prefix_caching=False, **ENGINE)
+    try:
+        out = llm.generate(*batch(cfg.vocab_size), use_tqdm=False)
+        shard = llm.engine.model.inner
+        assert all(type(l).__name__ == "ExpertParallelCEDLayer" and l.w13.shape[0] == 2 and l.w2.shape[0] == 2
+                   for l in shard.layers)  # 4 experts, 2 on each rank
+        assert llm.expert_load() == ref_load
+        tokens = sum(shard.counters["layer_tokens"])
+        if layout == "data_parallel_size":  # rank 0 computed its own rows only, in caches of its own slots
+            assert 0 < tokens < ref_tokens
+            assert llm.engine.kv_cache.ring[0][0].shape[0] == llm.engine.config.max_num_seqs // 2 + 1
+            assert llm.engine.model.kv_blocks == 64 and llm.engine.pool.num_blocks == 128
+        else:
+            assert tokens == ref_tokens
+    finally:
+        llm.shutdown()
+    assert_same_outputs(ref, out)
+    assert ref[1].prompt_logprobs and ref[3].outputs[0].token_ids  # the comparison covered both
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(tensor_parallel_size=2), r"mixture-of-experts model in every layer: 2 ranks need enable_expert_parallel"),
+    (dict(tensor_parallel_size=3, enable_expert_parallel=True), r"4 experts do not divide over 3 ranks"),
+    (dict(tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True),
+     r"enable_eplb needs .*CEDForCausalLM has none"),
+])
+def test_ced_bad_layouts_are_refused(ced, kw, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(ced[0], **{**ENGINE, **kw})
