@@ -70,29 +70,34 @@ def test_greedy_with_mtp_drafts_equals_plain_decoding(ckpt, reference, k):
     assert len(st["acceptance_by_position"]) == k
 
 
-def test_first_draft_logits_match_the_oracle_under_rollback(ckpt, reference):
+def test_first_draft_logits_match_the_oracle_under_rollback(ckpt, reference, monkeypatch):
     path, _, hf = ckpt
     k = 3
     fast = llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": k})
-    mtp = fast.engine.drafter.mtp
     truth = {tuple(p): p + list(r.outputs[0].token_ids) for p, r in zip(PROMPTS, reference)}
     seen, forced = [], []
-    draft = mtp.draft
+    from deepinfer.models import mtp_batch
 
-    def forcing(cache, token_ids, computed, n, pick):
-        """The real draft (it updates the MTP's KV), then its tokens replaced: the known continuation for
-        m = 0, 1, ..., n positions in turn, then a wrong token."""
-        tokens, logits = draft(cache, token_ids, computed, n, pick)
-        if not tokens:
-            return tokens, logits
-        full = next(v for p, v in truth.items() if tuple(token_ids[:len(p)]) == p)
-        seen.append((full, computed, logits[0].clone()))
-        m = len(forced) % (len(tokens) + 1)
-        right = full[len(token_ids):len(token_ids) + len(tokens)]
-        forced.append((len(tokens), m))
-        return right[:m] + [(t + 1) % 512 for t in right[m:]], logits
+    draft_batch = mtp_batch.draft_batch
 
-    mtp.draft = forcing
+    def forcing(mtp, caches, token_ids, computed, ks, pick):
+        """The real drafts of the step (they update the MTP's KV), then each sequence's tokens replaced: the
+        known continuation for m = 0, 1, ..., n positions in turn, then a wrong token."""
+        out = []
+        for (tokens, logits), ids, c in zip(draft_batch(mtp, caches, token_ids, computed, ks, pick), token_ids,
+                                            computed):
+            if not tokens:
+                out.append((tokens, logits))
+                continue
+            full = next(v for p, v in truth.items() if tuple(ids[:len(p)]) == p)
+            seen.append((full, c, logits[0].clone()))
+            m = len(forced) % (len(tokens) + 1)
+            right = full[len(ids):len(ids) + len(tokens)]
+            forced.append((len(tokens), m))
+            out.append((right[:m] + [(t + 1) % 512 for t in right[m:]], logits))
+        return out
+
+    monkeypatch.setattr(mtp_batch, "draft_batch", forcing)
     outs = fast.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in reference]
 
@@ -115,6 +120,42 @@ def test_first_draft_logits_match_the_oracle_under_rollback(ckpt, reference):
     for full, c, logits in seen:
         assert_logits_close(logits, oracle[tuple(full)][c - 1], factor=MODEL_FACTOR,
                             what=f"first draft after position {c} of a {len(full)}-token sequence")
+
+
+def test_batched_drafting_equals_one_sequence_at_a_time(ckpt):
+    """draft_batch (the engine's path: one forward per draft position for every sequence) gives each sequence the
+    tokens and logits DeepseekMTP.draft (its oracle) gives it alone, and leaves its cache in the same state;
+    sequences at different points: fresh, after a draft and 1..3 kept positions, not ready."""
+    from deepinfer.models.deepseek_mtp import MTPCache
+    from deepinfer.models.mtp_batch import draft_batch
+
+    mtp = llm(ckpt[0], speculative_config={"method": "mtp", "num_speculative_tokens": 3}).engine.drafter.mtp
+    d, V = mtp.config.hidden_size, mtp.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    caches, tokens, computed = [], [], []
+    for start, first, more in [(0, 5, 2), (3, 1, 0), (7, 4, 3), (2, 2, 1)]:
+        ids = torch.randint(0, V, (start + first + more + 1,), generator=g).tolist()
+        cache, comp = mtp.new_cache(start, torch.randn(first, d, generator=g)), start + first
+        if more:  # an earlier draft, then the target computed `more` further positions (the engine's observe)
+            mtp.draft(cache, ids[:comp + 1], comp, 2, lambda lg: int(lg.argmax()))
+            cache.observe(comp, torch.randn(more, d, generator=g))
+            comp += more
+        caches.append(cache)
+        tokens.append(ids[:comp + 1])
+        computed.append(comp)
+    alone = [MTPCache(c.kv.clone(), c.hidden.clone(), c.base, c.length) for c in caches]
+    ks = [3, 1, 2, 3]
+    with torch.no_grad():
+        got = draft_batch(mtp, caches + [None], tokens + [[1]], computed + [0], ks + [2], lambda lg: lg.argmax(-1))
+    assert got[-1] == ([], None)
+    for b, c in enumerate(alone):
+        with torch.no_grad():
+            want, want_logits = mtp.draft(c, tokens[b], computed[b], ks[b], lambda lg: int(lg.argmax()))
+        assert got[b][0] == want, b
+        assert_logits_close(got[b][1], want_logits, factor=MODEL_FACTOR, what=f"sequence {b}")
+        mine = caches[b]
+        assert (mine.base, mine.length) == (c.base, c.length) and torch.equal(mine.hidden, c.hidden)
+        torch.testing.assert_close(mine.kv[:mine.length], c.kv[:c.length], rtol=1e-4, atol=1e-5)
 
 
 def test_checkpoint_without_mtp_layers_is_named(ckpt):

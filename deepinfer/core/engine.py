@@ -518,6 +518,7 @@ class Engine:
     def _propose_drafts(self) -> None:
         """Ask the drafter for the next step's drafts of every decoding sequence that may speculate."""
         k, vocab = self.spec.num_speculative_tokens, self.model.vocab_size
+        asked = []  # (sequence, drafts it may take)
         for seq in self.scheduler.running:
             seq.draft = []
             if seq.status is not SeqStatus.RUNNING or seq.draining or seq.pending \
@@ -526,9 +527,13 @@ class Engine:
             room = min(k, self.max_model_len - seq.num_tokens - 1)
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
-            if room <= 0:
-                continue
-            draft = list(self.drafter.propose(seq, room))[:room]
+            if room > 0:
+                asked.append((seq, room))
+        batch = getattr(self.drafter, "propose_batch", None)  # one call for the step (stages/mtp_draft.py)
+        drafts = batch([s for s, _ in asked], [r for _, r in asked]) if batch is not None and asked \
+            else [self.drafter.propose(s, r) for s, r in asked]
+        for (seq, room), draft in zip(asked, drafts):
+            draft = list(draft)[:room]
             if not all(isinstance(t, int) and 0 <= t < vocab for t in draft):
                 if "bad draft" not in self.warned:
                     self.warned.add("bad draft")

@@ -5,9 +5,10 @@ Select it with ``LLM(model, speculative_config={"method": "mtp", "num_speculativ
 checkpoint that stores its ``num_nextn_predict_layers`` MTP layers (``model.layers.{num_hidden_layers}.*``);
 elsewhere it fails naming the checkpoint, or, with ``"optional": True``, leaves speculation off. The engine shows
 it every row's target hidden states after each step (``observe``); it keeps them, with the MTP block's own KV, in
-``seq.draft_state`` and drafts from them at the next ``propose``: greedy rows take the MTP's argmax, sampled
+``seq.draft_state`` and drafts from them at the next step: greedy rows take the MTP's argmax, sampled
 rows draw from its distribution at the request's temperature (``seq.draft_probs``), against which they are
-verified.
+verified. The engine asks for every sequence of a step at once (``propose_batch``: one batched forward of the
+module per draft position, models/mtp_batch.py); ``propose`` drafts one sequence (the batch's oracle).
 """
 
 from __future__ import annotations
@@ -68,6 +69,43 @@ class MTPDraft(Stage):
         if tokens and not p.greedy:
             seq.draft_probs = (logits / p.temperature).softmax(dim=-1)
         return tokens
+
+    def propose_batch(self, seqs: list, ks: list) -> list:
+        """Up to ks[i] drafts for each of seqs, drafted together (the engine's call before a step)."""
+        from ..models.mtp_batch import draft_batch
+
+        for s in seqs:
+            s.draft_probs = None
+        if not seqs:
+            return []
+        dev = self.mtp.layer.eh_proj.weight.device
+        greedy = [s.params.greedy for s in seqs]
+        temps = torch.tensor([1.0 if g else float(s.params.temperature) for s, g in zip(seqs, greedy)])
+        gens = [None if g else (s.generator if s.generator is not None else self.generator)
+                for s, g in zip(seqs, greedy)]
+        temps = temps.to(dev)
+
+        def pick(logits):  # [B, V] -> [B]: greedy rows the argmax, sampled rows a draw (exponential race)
+            best = logits.argmax(-1)
+            if all(greedy):
+                return best
+            q = (logits / temps[:, None]).softmax(-1)
+            e = torch.empty_like(q)
+            for i, g in enumerate(gens):  # each sampled row from its own generator (its seed), as propose does
+                if g is not None:
+                    e[i].exponential_(generator=g)
+            drawn = (q / e.clamp_min_(torch.finfo(e.dtype).tiny)).argmax(-1)
+            return torch.where(torch.tensor(greedy, device=q.device), best, drawn)
+
+        with torch.no_grad():
+            out = draft_batch(self.mtp, [s.draft_state for s in seqs], [s.token_ids for s in seqs],
+                              [s.num_computed_tokens for s in seqs], ks, pick)
+        drafts = []
+        for s, g, t, (tokens, logits) in zip(seqs, greedy, temps, out):
+            if tokens and not g:
+                s.draft_probs = (logits / t).softmax(dim=-1)
+            drafts.append(tokens)
+        return drafts
 
     def __call__(self, state) -> None:
         raise TypeError("the mtp draft stage is called through propose(seq, k) by the engine")
