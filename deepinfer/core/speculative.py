@@ -5,7 +5,8 @@ NAME is a registered stage of kind ``draft`` (the example plugin ``plugins/deepi
 ``"ngram"``: prompt lookup, with ``prompt_lookup_min`` / ``prompt_lookup_max``). Before each step the engine
 asks the drafter for up to k tokens per decoding sequence (``propose``); the step computes the sequence's last
 token and its drafts in one forward, like a short prefill chunk among the other rows; the verify stage gives
-the target's logits at every drafted position; then ``accept`` here decides, per row, how many drafts stand:
+the target's logits at every drafted position; then acceptance decides, per row, how many drafts stand
+(core/spec_accept.py, for the whole batch on the device; ``accept_row`` here is its one-row oracle):
 
 - greedy rows: a draft stands while it equals the target's argmax; the first that does not is replaced by
   that argmax, and when all stand the target's token after the last one is added (the bonus token), so the
