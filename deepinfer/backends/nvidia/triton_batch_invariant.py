@@ -5,8 +5,8 @@
   on the product's shape and dtype only, so every row of A meets the same sequence of float32 steps whatever M
   is (cuBLAS picks its kernel, split-K included, from M). A split product's partial sums are added in split
   order: for few rows by a program per split writing float32 partials and ``_mm_combine_kernel``, for many
-  rows by one program walking the splits (the same additions, without the partials' memory); narrow products
-  (a router's 32 columns) thus spread over the SMs instead of one program walking all of K. For 16-bit dtypes
+  rows by one program walking the splits (the same additions, without the partials' memory); only narrow
+  products (a router's 32 columns) are split, so that they spread over a few SMs instead of one. For 16-bit dtypes
   the output tile's width and the pipeline depth follow M in two bands (a decode step's few rows: narrow tiles;
   more rows: wide tiles): they do not enter a row's reduction, and the GPU test
   test_tile_bands_give_the_same_bits holds the device to that (on the H200 every width and depth gave the same
@@ -44,10 +44,14 @@ DECODE_ROWS = 64  # up to this many rows a step reads each weight once and is bo
 DECODE_TILES = ((4096, dict(BLOCK_N=32, num_stages=5)), (8192, dict(BLOCK_N=64, num_stages=4)),
                 (None, dict(BLOCK_N=128, num_stages=4)))
 INTERP_MM = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=1, num_stages=1)
-# Split-K (k_splits): aim at this many programs per product (2 per SM of an H200), never below this many
-# k-blocks per split; up to SPLIT_ROWS rows the splits run as programs of their own (partials), above in one.
-# Under the interpreter small numbers, so the tests' small shapes take every path.
-SPLIT_TARGET, SPLIT_MIN_KB, SPLIT_ROWS = (2, 1, 8) if INTERPRET else (264, 2, DECODE_ROWS)
+# Split-K (k_splits) only for products whose unsplit grid has fewer than SPLIT_BELOW programs (a router's 32 or
+# an indexer's 16 columns walking all of K on one SM): aim at SPLIT_TARGET programs, never below SPLIT_MIN_KB
+# k-blocks per split. Wider products stay unsplit: on the H200 a split cost more than it gained for every
+# product of 512 columns or more (a second kernel and the partials' traffic against ~5 us calls; the walk
+# through splits slowed prefill by 10-30%: docs/results/h200_issue16_bi_matmul_picked.jsonl). Up to SPLIT_ROWS
+# rows the splits run as programs of their own (partials), above in one. Under the interpreter small numbers,
+# so the tests' small shapes take every path.
+SPLIT_TARGET, SPLIT_MIN_KB, SPLIT_BELOW, SPLIT_ROWS = (2, 1, 4, 8) if INTERPRET else (64, 4, 32, DECODE_ROWS)
 ROW_BLOCK = 16 if INTERPRET else 1024  # most lanes of the row kernels (row_block: fewer for short rows)
 COL_BLOCK = 16 if INTERPRET else 256  # output elements per program of a reduction over a dim not the last
 
@@ -59,9 +63,9 @@ def _i(n: int) -> int:
 
 def k_splits(dtype: torch.dtype, K: int, N: int, nb: int = 1) -> tuple:
     """How a row's reduction over K is split: (splits, k-blocks per split), from the dtype's BLOCK_K, K, N and
-    the batch count of a bmm (a weight's shape: never M). A decode step's narrow products (a router's 32 columns,
-    an indexer's 16, a 2048-wide projection on 132 SMs) leave most SMs idle when one program walks all of K;
-    splitting K gives each output tile SPLIT_TARGET programs' worth of parallelism. Every M reduces through the
+    the batch count of a bmm (a weight's shape: never M). A narrow product (a router's 32 columns, an indexer's
+    16) leaves all SMs but one idle when one program walks all of K; splitting K gives it SPLIT_TARGET programs'
+    worth of parallelism. Every M reduces through the
     same splits (few rows: a program per split writing a float32 partial, summed in split order by
     _mm_combine_kernel; many rows: one program walking the splits in order into one total), so a row's bits do
     not depend on M."""
@@ -69,6 +73,8 @@ def k_splits(dtype: torch.dtype, K: int, N: int, nb: int = 1) -> tuple:
     kb = triton.cdiv(max(K, 1), cfg["BLOCK_K"])
     width = cfg["BLOCK_N"] if INTERPRET else mm_config(dtype, N, 1)["BLOCK_N"]  # the decode band's tile width
     programs = triton.cdiv(N, width) * max(nb, 1)
+    if programs >= SPLIT_BELOW:
+        return 1, kb
     want = max(1, min(triton.cdiv(SPLIT_TARGET, programs), kb // SPLIT_MIN_KB))
     per = triton.cdiv(kb, want)
     return triton.cdiv(kb, per), per
