@@ -24,10 +24,15 @@ BS, BLOCKS, MAX_SEQS, MAX_BLOCKS = 4, 48, 8, 12
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def checkpoint(tmp_path_factory):
     d = tmp_path_factory.mktemp("verify_graph_llama")
     build_tiny_hf_model(d, "llama", seed=2)
-    return LLM(str(d), num_kv_blocks=16, block_size=BS).engine.model
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return LLM(checkpoint, num_kv_blocks=16, block_size=BS).engine.model
 
 
 def sequences(ks: list, lens: list, seed: int) -> list:
@@ -47,10 +52,25 @@ def sequences(ks: list, lens: list, seed: int) -> list:
 @settings(max_examples=12, deadline=None)
 @given(ks=hs.lists(hs.integers(0, 3), min_size=1, max_size=5), data=hs.data())
 def test_verify_graph_function_equals_the_eager_forward(model, ks, data):
+    lens = [data.draw(hs.integers(1, MAX_BLOCKS * BS - 3 - 2)) for _ in ks]
+    extra = (data.draw(hs.integers(0, 2)), data.draw(hs.integers(0, 1)))
+    check_padded_forward(model, ks, lens, data.draw(hs.integers(0, 99)), extra)
+
+
+def test_verify_graph_function_on_the_nvidia_kernels(checkpoint):
+    """The same through the nvidia backend's kernels (Triton's interpreter without a GPU): the paged prefill
+    kernel places a padded row's real queries where the eager ragged call does."""
+    model = LLM(checkpoint, num_kv_blocks=16, block_size=BS, backend="nvidia").engine.model
+    before = model.ops.kernel_calls["paged_prefill"]
+    check_padded_forward(model, [3, 0, 1], [9, 5, 14], seed=4, extra=(1, 1))
+    assert model.ops.kernel_calls["paged_prefill"] > before  # the kernel ran, not the reference fallback
+
+
+def check_padded_forward(model, ks: list, lens: list, seed: int, extra: tuple) -> None:
+    """extra: (padded rows beyond the batch, blocks beyond the ones needed) of the graph's bucket."""
     K = 3
     Q = K + 1
-    lens = [data.draw(hs.integers(1, MAX_BLOCKS * BS - Q - 1)) for _ in ks]
-    seqs = sequences(ks, lens, data.draw(hs.integers(0, 99)))
+    seqs = sequences(ks, lens, seed)
     batch = ScheduledBatch(seqs=seqs, num_tokens=[1 + k for k in ks], start=list(lens), samples=[True] * len(ks),
                            drafts=[list(s.draft) for s in seqs])
     tables = BlockTables(MAX_SEQS, MAX_BLOCKS, "cpu", scratch_block=BLOCKS)
@@ -67,8 +87,8 @@ def test_verify_graph_function_equals_the_eager_forward(model, ks, data):
 
     rows = [seqs[i] for i in inp.rows]
     starts = [batch.start[i] for i in inp.rows]
-    B = _bucket(len(rows) + data.draw(hs.integers(0, 2)), range(1, MAX_SEQS + 1))  # some padded rows
-    NB = min(MAX_BLOCKS, -(-(max(starts) + Q) // BS) + data.draw(hs.integers(0, 1)))
+    B = _bucket(len(rows) + extra[0], range(1, MAX_SEQS + 1))  # some padded rows
+    NB = min(MAX_BLOCKS, -(-(max(starts) + Q) // BS) + extra[1])
     st = verify_inputs(B, NB, Q, BS, tables.scratch_row, "cpu")
     keep = fill_verify(st, [s.input_ids(a, 1 + len(s.draft)) for s, a in zip(rows, starts)], starts,
                        [s.state_slot for s in rows], tables.scratch_row)
@@ -145,3 +165,58 @@ def test_speculating_engine_syncs_at_most_once_per_step(tmp_path):
     syncs = synchronizing_calls(eng.step, steps)
     assert eng.decode_graphs.num_verify_replays > 0
     assert len(syncs) <= steps, syncs[:5]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The engine's graph path end to end on the CPU: DecodeGraphs with each "graph" run eagerly instead of replayed.
+
+class _EagerGraph:
+    def __init__(self, forward):
+        self.forward, self.out = forward, forward()
+
+    def replay(self):
+        self.out.copy_(self.forward())
+
+
+def _eager_graphs(llm, width: int):
+    """Give a CPU engine a scratch block and DecodeGraphs whose graphs run eagerly (capture needs CUDA)."""
+    from deepinfer.backends.cuda_graph import DecodeGraphs
+
+    class EagerGraphs(DecodeGraphs):
+        def _record(self, key, st, forward):
+            g = _EagerGraph(forward)
+            self.graphs[key] = (g, st, g.out)
+            return self.graphs[key]
+
+    eng = llm.engine
+    tables, bs = eng.block_tables, eng.config.block_size
+    blocks = eng.kv_cache[0].shape[1] // bs
+    tables.table = torch.cat([tables.table, torch.full((1, tables.max_blocks), blocks)])
+    tables.cuts = torch.cat([tables.cuts, torch.zeros(2, 1, dtype=torch.long)], 1)
+    tables.scratch_row = tables.table.shape[0] - 1
+    eng.kv_cache = tuple(torch.cat([t, t.new_zeros(t.shape[0], bs, *t.shape[2:])], 1) for t in eng.kv_cache)
+    graphs = EagerGraphs(eng.model, eng.kv_cache, tables, bs, "cpu", (1, 2, 4, 8))
+    graphs.enable_verify(width, eng.max_model_len)
+    next(st for st in eng.stages["step"] if st.name == "forward").decode_graphs = graphs
+    return graphs
+
+
+def test_engine_verify_graph_path_gives_eager_verification_tokens(checkpoint):
+    """Through ForwardStage and DecodeGraphs.run_verify (fill, padded forward, gather to the stream layout),
+    speculative greedy output equals eager verification's; some steps verify through the graphs."""
+    pytest.importorskip("deepinfer_ngram", reason="the n-gram draft plugin: pip install -e plugins/deepinfer-ngram")
+    from deepinfer.testing.compare import NEAR_TIE, assert_same_or_near_tie
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    kw = dict(num_kv_blocks=64, block_size=BS, speculative_config=spec)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    eager = LLM(checkpoint, **kw).generate(_prompts(), sp, use_tqdm=False)
+    llm = LLM(checkpoint, **kw)
+    graphs = _eager_graphs(llm, 4)
+    got = llm.generate(_prompts(), sp, use_tqdm=False)
+    assert graphs.num_verify_replays > 0 and graphs.num_replays > graphs.num_verify_replays
+    assert llm.spec_stats()["accepted_tokens"] > 0
+    for i, (a, b) in enumerate(zip(got, eager)):
+        assert a.error is None, a.error
+        assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids, b.outputs[0].logprobs,
+                                NEAR_TIE["float32"], what=f"prompt {i}")
