@@ -11,6 +11,7 @@
 #   bash scripts/device_issue16.sh bench COMMIT  # determinism_bench.py alone: output tok/s, deterministic vs
 #                                                # throughput, Llama-3.1-8B shape and CED bench config, batch 1/16/64
 #   bash scripts/device_issue16.sh splits COMMIT # the split-K matmul: GPU tests, split vs unsplit vs cuBLAS, bench
+#   bash scripts/device_issue16.sh final COMMIT  # tests, the matmuls on CED's products, the bench, the 1000-run check
 #   bash scripts/device_issue16.sh cpu-tests     # tests/test_batch_invariant.py (the CPU guarantee; CI runs it too)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -51,6 +52,14 @@ splits)
   timeout 60 python3 benchmarks/bi_matmul_tiles.py --picked --shape llama-3.1-8b --ms 1 64 2048 \
     --out "$OUT/bi_matmul_picked.jsonl" 2>&1 | grep -v Warning | tail -16
   run_bench "${1:-?}" 230 ;;
+final)
+  # The last kernel change checked in one call: the GPU tests, the dispatched matmuls on CED's products, the cost
+  # bench, then the 1000-run check on the Llama-3.1-8B shape.
+  run_tests 150 tests/test_triton_batch_invariant.py
+  timeout 60 python3 benchmarks/bi_matmul_tiles.py --picked --shape ced-bench --ms 1 64 1024 \
+    --out "$OUT/bi_matmul_picked.jsonl" 2>&1 | grep -v Warning | tail -32
+  run_bench "${1:-?}" 150
+  run_check "${1:-?}" llama-3.1-8b 1000 95 ;;
 cpu-tests) run_tests 500 tests/test_batch_invariant.py ;;
 check) run_check "${1:-?}" "${2:-llama-3.1-8b}" "${3:-1000}" 200 ;;
 bench) run_bench "${1:-?}" 500 ;;
