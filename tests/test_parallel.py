@@ -135,6 +135,34 @@ def test_data_parallel_attention_matches_single_process(checkpoints, reference, 
 
 
 @pytest.mark.multiprocess
+def test_data_parallel_prefix_cache_hits_equal_cold_run(checkpoints):
+    """Prefix caching with data-parallel attention (core/rank_pools.py): each rank caches its own sequences'
+    blocks, and a request goes to the rank holding its longest cached prefix unless that rank runs ROUTE_SLACK
+    more sequences than another. Four requests share a 4-block prefix, twice: the prefix ends up cached on both
+    ranks, both ranks serve hits, and every output is the cold run's (MLA's cached latents are what a cold
+    prefill writes)."""
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, 500, (16,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 500, (n,), generator=g).tolist() for n in (3, 9, 5, 14)]
+    sps = [SamplingParams(max_tokens=m, temperature=0.0, logprobs=4) for m in (2, 4, 3, 6)]
+    kw = dict(ENGINE, block_size=4, max_num_batched_tokens=12)
+    cold = LLM(checkpoints["deepseek_v3"], enable_prefix_caching=False, **kw).generate(prompts, sps, use_tqdm=False)
+    llm = LLM(checkpoints["deepseek_v3"], data_parallel_size=2, enable_expert_parallel=True, **kw)
+    try:
+        first = llm.generate(prompts, sps, use_tqdm=False)
+        again = llm.generate(prompts[::-1], sps[::-1], use_tqdm=False)[::-1]
+        caches = llm.engine.prefix_cache.caches
+        per_rank = llm.cache_stats()["cached_blocks_per_rank"]
+    finally:
+        llm.shutdown()
+    assert all(n > 0 for n in per_rank), per_rank
+    assert all(c.stats["hit_tokens"] > 0 for c in caches), [c.stats for c in caches]
+    assert all(o.num_cached_tokens >= 16 for o in again) and any(o.num_cached_tokens for o in first)
+    assert_same_outputs(cold, first)
+    assert_same_outputs(cold, again)
+
+
+@pytest.mark.multiprocess
 def test_data_parallel_attention_under_preemption(checkpoints):
     """A pool too small for the batch: preempted sequences come back in other state slots, so on other ranks, and
     recompute their KV there; the tokens stay the single-process engine's."""
@@ -321,8 +349,6 @@ def test_each_rank_reads_its_slices(tmp_path, world):
      r"tensor_parallel_size=4 does not divide LlamaForCausalLM's num_key_value_heads=2"),
     ("llama", dict(tensor_parallel_size=2, data_parallel_size=2),
      r"data_parallel_size=2 with tensor_parallel_size=2 is not supported yet"),
-    ("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True),
-     r"data_parallel_size=2 with prefix caching is not supported yet"),
     ("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True, enable_prefix_caching=False,
                          expert_parallel_comm="allreduce"), r"data-parallel attention needs 'alltoall'"),
     ("mixtral", dict(tensor_parallel_size=2), r"needs enable_expert_parallel=True"),

@@ -8,6 +8,10 @@ request scoring its prompt, which makes every rank run the scoring pass), chunke
 budget, and requests that finish at different steps (one rank then runs no row and still joins every layer's
 expert exchange). The expert load rank 0 reports is the whole batch's.
 
+With data-parallel attention and prefix caching, two prefixes land on different ranks; requests that extend
+them hit the rank holding them. CED's hit replays the window before the hit point (bounded replay, an
+approximation), so the oracle there is the single-process engine with prefix caching, whose hits are the same.
+
 The multi-process tests are marked ``multiprocess`` (about 3-5 s each on two busy cores).
 """
 
@@ -71,6 +75,31 @@ def test_ced_matches_single_process(ced, reference, layout):
         llm.shutdown()
     assert_same_outputs(ref, out)
     assert ref[1].prompt_logprobs and ref[3].outputs[0].token_ids  # the comparison covered both
+
+
+@pytest.mark.multiprocess
+def test_ced_prefix_hits_on_each_rank(ced):
+    path, cfg = ced
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randint(0, cfg.vocab_size, (16,), generator=g).tolist() for _ in range(2))
+    tail = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 6, 5, 9, 2, 7)]
+    # a and b go to different ranks (the most free blocks), then each pair goes to the rank holding its prefix.
+    rounds = [[a + tail[0], b + tail[1]], [a + tail[2], a + tail[3]], [b + tail[4], b + tail[5]]]
+    sp = SamplingParams(max_tokens=5, temperature=0.0, logprobs=4)
+    single = LLM(path, **ENGINE)
+    want = [single.generate(r, sp, use_tqdm=False) for r in rounds]
+    llm = LLM(path, data_parallel_size=2, enable_expert_parallel=True, **ENGINE)
+    try:
+        got = [llm.generate(r, sp, use_tqdm=False) for r in rounds]
+        caches = llm.engine.prefix_cache.caches
+        per_rank = llm.cache_stats()["cached_blocks_per_rank"]
+    finally:
+        llm.shutdown()
+    for w, o in zip(want[1:], got[1:]):
+        assert [x.num_cached_tokens for x in o] == [x.num_cached_tokens for x in w] == [16, 16]
+    assert all(n > 0 for n in per_rank) and all(c.stats["hit_tokens"] == 32 for c in caches), per_rank
+    for w, o in zip(want, got):
+        assert_same_outputs(w, o)
 
 
 @pytest.mark.parametrize("kw,match", [

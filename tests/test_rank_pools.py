@@ -24,12 +24,23 @@ PARAMS = SamplingParams(max_tokens=64, temperature=0.0)
 
 def check_partitions(sched: Scheduler, pools: RankPools) -> None:
     D, N = pools.num_ranks, pools.blocks_per_rank
-    used = [0] * D
+    used = [set() for _ in range(D)]  # blocks in use (a prefix hit shares them)
     for s in sched.running:
         rank = s.state_slot % D
         assert all(b // N == rank for b in s.block_table), f"slot {s.state_slot} holds blocks {s.block_table}"
-        used[rank] += len(s.block_table)
-    assert [N - p.num_free for p in pools.parts] == used, "a partition leaked blocks"
+        used[rank] |= set(s.block_table)
+    assert [N - p.num_free for p in pools.parts] == [len(u) for u in used], "a partition leaked blocks"
+
+
+def until_done(sched: Scheduler, seqs: list):
+    """Add seqs, then yield once per step while any is unfinished (at most 2000 steps: no livelock)."""
+    for s in seqs:
+        sched.add(s)
+    for _ in range(2000):
+        if not sched.has_unfinished():
+            return
+        yield
+    raise AssertionError("livelock")
 
 
 @given(st.integers(2, 3), st.sampled_from([2, 4]), st.integers(0, 6),
@@ -41,12 +52,7 @@ def test_sequences_stay_in_their_ranks_blocks(D, block_size, spare, reqs, max_se
     sched = Scheduler(pools, block_size, max_seqs * D, 32, watermark=0.0)
     seqs = [Sequence(seq_id=i, request_id=f"r{i}", index=0, token_ids=[(i * 31 + j) % 997 for j in range(p)],
                      num_prompt_tokens=p, params=PARAMS, arrival=i) for i, (p, _) in enumerate(reqs)]
-    for s in seqs:
-        sched.add(s)
-    steps = 0
-    while sched.has_unfinished():
-        steps += 1
-        assert steps < 2000, "livelock"
+    for _ in until_done(sched, seqs):
         before = list(sched.running)
         demand = [0] * D
         for s in before:
@@ -105,3 +111,72 @@ def test_bad_ids_are_refused():
         pools.free([8])
     with pytest.raises(ValueError, match="only once it holds a state slot"):
         pools.part_of(-1)
+
+
+# ------------------------------------------------------------------------------------------ prefix caching
+
+
+def cached_seq(i: int, tokens: list) -> Sequence:
+    return Sequence(seq_id=i, request_id=f"r{i}", index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens),
+                    params=PARAMS, arrival=i, cache_root=b"root")
+
+
+@given(st.integers(2, 3), st.sampled_from([2, 4]),
+       st.lists(st.tuples(st.integers(0, 2), st.integers(1, 9), st.integers(1, 6)), min_size=1, max_size=8),
+       st.integers(1, 4))
+@settings(max_examples=40, deadline=None)
+def test_prefix_hits_come_from_the_sequences_rank(D, block_size, reqs, max_seqs):
+    """Per-rank prefix caches under the real scheduler, registering blocks as the engine does: every sequence's
+    blocks (its hits included) lie in its rank's partition, each rank's cache names only its own blocks, and
+    every block is free again at the end (no owner leaked by a hit)."""
+    prefixes = [[p * 100 + j for j in range(8)] for p in range(3)]
+    pools = RankPools(blocks_needed(8 + 9 + 6, block_size) + 4, D)
+    cache = pools.prefix_cache(block_size)
+    sched = Scheduler(pools, block_size, max_seqs * D, 16, watermark=0.0, prefix=cache)
+    seqs = [cached_seq(i, prefixes[p] + [1000 + i * 10 + j for j in range(t)]) for i, (p, t, _) in enumerate(reqs)]
+    for _ in until_done(sched, seqs):
+        batch = sched.schedule()
+        check_partitions(sched, pools)
+        if batch is None:
+            continue
+        sched.update(batch)
+        for s, smp in zip(batch.seqs, batch.samples):
+            cache.commit(s, s.num_computed_tokens)
+            if smp:
+                s.token_ids.append(7)
+                if len(s.output_token_ids) == reqs[s.seq_id][2]:
+                    sched.finish(s)
+        for r, c in enumerate(cache.caches):
+            assert all(b // pools.blocks_per_rank == r for b in c.hash_of), f"rank {r} caches {list(c.hash_of)}"
+    assert [p.num_free for p in pools.parts] == [pools.blocks_per_rank] * D
+
+
+def test_a_request_goes_to_the_rank_holding_its_prefix():
+    """A prefix cached on one rank draws the next requests sharing it there (the other rank has more free
+    blocks), until that rank runs ROUTE_SLACK more sequences than the other; a request without a cached prefix
+    goes where the room is."""
+    from deepinfer.core.rank_pools import ROUTE_SLACK
+
+    pools = RankPools(16, 2)
+    cache = pools.prefix_cache(4)
+    sched = Scheduler(pools, 4, 8, 64, watermark=0.0, prefix=cache)
+    shared = list(range(1, 9))  # two full blocks
+    first = cached_seq(0, shared + [50])
+    sched.add(first)
+    sched.update(sched.schedule())
+    cache.commit(first, first.num_computed_tokens)
+    r = first.state_slot % 2
+    assert len(cache.caches[r].block_of) == 2 and not cache.caches[1 - r].block_of
+    sched.finish(first)  # its blocks stay cached on rank r, free
+    pools.parts[r].allocate(5)  # rank r now has less room than the other
+    sharing = [cached_seq(i, shared + [60 + i]) for i in range(1, 2 + ROUTE_SLACK)]
+    for s in sharing:
+        sched.add(s)
+    sched.update(sched.schedule())
+    ranks = [s.state_slot % 2 for s in sharing]
+    assert ranks == [r] * ROUTE_SLACK + [1 - r], ranks  # then rank r runs ROUTE_SLACK more than the other
+    assert [s.num_cached_tokens for s in sharing] == [8] * ROUTE_SLACK + [0]
+    other = cached_seq(9, [90, 91, 92])
+    sched.add(other)
+    sched.update(sched.schedule())
+    assert other.state_slot % 2 == 1 - r and other.num_cached_tokens == 0

@@ -85,8 +85,10 @@ class Engine:
         self.cache_identity = f"{type(model).__name__}|{dtype}|block {config.block_size}|{identity}"
         self.prefix_cache = None
         if config.enable_prefix_caching:
-            self.prefix_cache = PrefixCache(self.pool, config.block_size, block_mover(config, model, self.kv_cache,
-                                                                                      self.cache_identity, self.device))
+            mover = block_mover(config, model, self.kv_cache, self.cache_identity, self.device)
+            per_rank = getattr(self.pool, "prefix_cache", None)  # data-parallel attention: one per rank's blocks
+            self.prefix_cache = per_rank(config.block_size, mover) if per_rank is not None \
+                else PrefixCache(self.pool, config.block_size, mover)
         self.swa_pool = SwaStatePool(model, self.kv_cache, config) if self.prefix_cache is not None \
             and swa_pool_wanted(config, model) else None
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)

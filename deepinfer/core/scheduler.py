@@ -30,7 +30,9 @@ all under one token budget. The scheduler never calls a model and never reads a 
   says from which position the model must recompute on such a hit (a model whose sliding-window state is
   not cached replays the tokens before the hit point), and a hit it cannot use is given back. The n
   sequences of one request share the prompt's blocks: a sibling waits (without counting as passed over)
-  until the first one has computed the prompt's full blocks, then hits them.
+  until the first one has computed the prompt's full blocks, then hits them. With data-parallel attention
+  (core/rank_pools.py) each rank has its own cache: the state slot (the rank) is taken before the lookup,
+  preferring the rank that holds the longest run of the prompt.
 - Bounded work. A step inspects at most ``MAX_SKIPPED`` waiting sequences that do not fit (plus the
   ones it admits, at most ``max_num_seqs``) and pushes the skipped ones back: O((max_num_seqs +
   MAX_SKIPPED) log W) for W waiting. Removing a running or waiting sequence (finish, abort, preemption)
@@ -133,9 +135,9 @@ class Scheduler:
         seq.block_table.extend(pool.allocate(need))
         return True
 
-    def _take_slot(self) -> int:
-        """A free state slot: the next one, or (blocks partitioned by rank) the next one of the rank with the
-        most free blocks."""
+    def _take_slot(self, seq: Sequence) -> int:
+        """A free state slot: the next one, or (blocks partitioned by rank) the next one of the rank holding the
+        longest cached run of seq's prefix (core/rank_pools.py), else of the rank with the most free blocks."""
         free = self._free_slots
         ranks = getattr(self.pool, "num_ranks", 1)
         if ranks == 1:
@@ -145,7 +147,19 @@ class Scheduler:
             last.setdefault(free[i] % ranks, i)
             if len(last) == ranks:
                 break
+        if self.prefix is not None and seq.cache_root is not None:
+            running = [0] * ranks
+            for s in self.running:
+                running[s.state_slot % ranks] += 1
+            best = self.prefix.preferred_rank(seq, self._lookup_limit(seq), list(last), running)
+            if best is not None:
+                return free.pop(last[best])
         return free.pop(max(last.values(), key=lambda i: (self.pool.free_for(free[i]), i)))
+
+    @staticmethod
+    def _lookup_limit(seq: Sequence) -> int:
+        """Most tokens a prefix hit may cover: all but the last known one, which must be computed."""
+        return min(len(seq.token_ids), seq.num_tokens) - 1
 
     def _victim(self, victims: list, taken: set, seq: Sequence) -> Sequence:
         """The next preemption candidate whose blocks seq can use: running, not chosen this step, not draining
@@ -171,7 +185,7 @@ class Scheduler:
         compute from (see the module docstring)."""
         if self.prefix is None or seq.cache_root is None or seq.block_table:
             return
-        hit = self.prefix.lookup(seq, min(len(seq.token_ids), seq.num_tokens) - 1)
+        hit = self.prefix.lookup(seq, self._lookup_limit(seq))
         P = len(hit) * self.block_size
         snapshot = self.swa_pool.take(seq, P) if self.swa_pool is not None and P else None
         start = P if self.replay is None or not P or snapshot is not None else self.replay(seq, P)
@@ -263,9 +277,9 @@ class Scheduler:
             if self._held(seq):
                 held.append(seq)
                 continue
-            self._use_prefix(seq)
+            seq.state_slot = self._take_slot(seq)  # first: with data-parallel attention the slot picks the rank
+            self._use_prefix(seq)  # (whose cache the lookup reads)
             n = self._chunk(seq, budget)
-            seq.state_slot = self._take_slot()  # first: with data-parallel attention the slot picks the blocks' rank
             if not self._grow(seq, n, reserve=self.watermark_blocks if self.running else 0):
                 self._release_slot(seq)  # back where it was: the next admission takes it again
                 self._drop_blocks(seq)  # a prefix hit's blocks go back (they stay cached)

@@ -643,10 +643,6 @@ def check_supported(config) -> None:
         raise ValueError(f"data_parallel_size={pc.data_parallel_size} with tensor_parallel_size="
                          f"{pc.tensor_parallel_size} is not supported yet: data-parallel attention runs with "
                          "tensor_parallel_size=1 (attention and dense layers replicated, experts expert-parallel)")
-    if pc.data_parallel_size > 1 and config.enable_prefix_caching:
-        raise ValueError(f"data_parallel_size={pc.data_parallel_size} with prefix caching is not supported yet: a "
-                         "sequence's KV lives on one rank (state slot mod data_parallel_size), and a cached block "
-                         "may be hit from another; pass enable_prefix_caching=False")
     if pc.data_parallel_size > 1 and config.expert_parallel_comm != "alltoall":
         raise ValueError(f"expert_parallel_comm={config.expert_parallel_comm!r} with data_parallel_size="
                          f"{pc.data_parallel_size}: data-parallel attention needs 'alltoall' (each rank holds "
