@@ -58,26 +58,26 @@ def launch_acceptance(state, sampling_state, ops, generator, max_num_logprobs: i
         off += k
     dev = to_device(layout, torch.long, state.logits.device)  # one host-to-device copy
     at, drafts, lens, srows = dev[:, :K + 1], dev[:, K + 1:2 * K + 1], dev[:, 2 * K + 1], dev[:, 2 * K + 2]
-    every = torch.cat([state.draft_logits, state.logits])  # [D + S, V]
     greedy = sampling.temperature[srows] < GREEDY_EPS  # [R]
     all_greedy = all(batch.seqs[i].params.greedy for _, i in rows)
     raw = logits = None
-    if all_greedy and sampling.output_counts is None:  # argmax of the raw logits: no [R, K+1, V] copy
-        best = every.argmax(-1)[at]
+    if all_greedy and sampling.output_counts is None:  # argmaxes of the raw logits: no [R, K+1, V] copy
+        best = torch.cat([state.draft_logits.argmax(-1), state.logits.argmax(-1)])[at]
     else:
-        raw = every[at]  # [R, K+1, V]
+        raw = torch.cat([state.draft_logits, state.logits])[at]  # [R, K+1, V]
         logits, best = process_rows(raw, sampling, srows, drafts, lens), None
     noise = None
     if not all_greedy:
-        noise = draw_noise(R, K, V, [sampling.generators[r] for r, _ in rows], generator, every.device)
+        noise = draw_noise(R, K, V, [sampling.generators[r] for r, _ in rows], generator, dev.device)
     q = _draft_probs([batch.seqs[i] for _, i in rows], [len(batch.drafts[i]) for _, i in rows], drafts, V,
-                     every.device)
+                     dev.device)
     tokens, acc = accept_batch(logits, drafts, lens, q, greedy, noise, all_greedy=all_greedy, best=best)
     state.next_tokens = state.next_tokens.index_copy(0, srows, tokens[:, 0])
     sampling_state.record_more(srows, tokens[:, 1:])  # the engine's record() counts the first tokens
     lp = None
     if max_num_logprobs >= 0:  # each emitted token's logprobs at its own position (raw logits)
-        raw = every[at] if raw is None else raw
+        if raw is None:
+            raw = torch.cat([state.draft_logits, state.logits])[at]
         t = ops.compute_logprobs(raw.reshape(R * (K + 1), V), tokens.clamp_min(0).reshape(-1), max_num_logprobs)
         lp = tuple(_to_host(x) for x in (t.token_logprobs, t.token_ranks, t.top_ids, t.top_logprobs))
     return SpecLaunch(rows, K, _to_host(torch.cat([acc[:, None], tokens], 1)), lp)
