@@ -98,15 +98,16 @@ class Shadow:
         saved = dict(layer_engine=engine_path.layer_engine, compress=engine_path._compress_chunk,
                      decode_compress=DecodePass.compress,
                      layer_full=CEDForCausalLM._layer_full, choose=CEDLayer.choose_entries, swa_kv=CEDLayer.swa_kv,
+                     swa_kv_to_ring=CEDLayer.swa_kv_to_ring,
                      entries=CEDLayer.entries, fake=lowbit.fake_quantize, select=fn.select_topk,
                      select_cands=fn.select_candidates, pool=fn.pool_mask, pool_cands=fn.pool_candidates,
                      route=moe_ops.route)
         me = self
         inner = []  # set while select_candidates runs: the select_topk inside it ranks candidates, not entries
 
-        def layer_engine(model, layer, h, P, *args):
+        def layer_engine(model, layer, h, P, *args, **kw):
             me.layer = (layer.i, P.pos.tolist(), [me.seq[r] for r in P.rows_t.tolist()])
-            return saved["layer_engine"](model, layer, h, P, *args)
+            return saved["layer_engine"](model, layer, h, P, *args, **kw)
 
         def compress_chunk(model, layer, xs, meta, cache, device):
             ids, seqs = [], []  # entry j completes when its group's last token, (j + 1) m - 1, is computed
@@ -144,6 +145,13 @@ class Shadow:
             me.quant = [self.i, ["swa"], pos.tolist(), me.layer[2]]
             try:
                 return saved["swa_kv"](self, x, pos)
+            finally:
+                me.quant = None
+
+        def swa_kv_to_ring(self, x, pos, *args):  # (the decode path's swa_kv, with its ring write)
+            me.quant = [self.i, ["swa"], pos.tolist(), me.layer[2]]
+            try:
+                return saved["swa_kv_to_ring"](self, x, pos, *args)
             finally:
                 me.quant = None
 
@@ -292,6 +300,7 @@ class Shadow:
         engine_path.layer_engine, engine_path._compress_chunk = layer_engine, compress_chunk
         DecodePass.compress = decode_compress
         CEDForCausalLM._layer_full, CEDLayer.swa_kv, CEDLayer.entries = layer_full, swa_kv, entries
+        CEDLayer.swa_kv_to_ring = swa_kv_to_ring
         CEDLayer.choose_entries = choose_entries
         lowbit.fake_quantize, fn.select_topk, fn.pool_mask, moe_ops.route = fake_quantize, select_topk, pool_mask, route
         fn.select_candidates, fn.pool_candidates = select_candidates, pool_candidates
@@ -301,6 +310,7 @@ class Shadow:
             engine_path.layer_engine, engine_path._compress_chunk = saved["layer_engine"], saved["compress"]
             DecodePass.compress = saved["decode_compress"]
             CEDForCausalLM._layer_full, CEDLayer.swa_kv = saved["layer_full"], saved["swa_kv"]
+            CEDLayer.swa_kv_to_ring = saved["swa_kv_to_ring"]
             CEDLayer.entries, lowbit.fake_quantize = saved["entries"], saved["fake"]
             CEDLayer.choose_entries = saved["choose"]
             fn.select_topk, fn.pool_mask, moe_ops.route = saved["select"], saved["pool"], saved["route"]

@@ -133,6 +133,45 @@ class Ops:
         """
         raise NotImplementedError
 
+    def ced_swa_kv(self, y: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.Tensor, rope_dim: int,
+                   theta: float, fmt: str, fake: bool, ring: tuple, ring_slot: torch.Tensor) -> torch.Tensor:
+        """A CED layer's SWA key/value from its projection y = W_kv x [T, D]: RMSNorm (weight [D]), RoPE on the
+        last rope_dim channels at positions pos [T], and, when ``fake``, quantize-dequantize in ``fmt``
+        (models/ced/model.py CEDLayer.swa_kv); also written, quantized in ``fmt``, to its ring
+        ring = (codes [S, RING, D], scales) at [ring_slot[t], pos[t] % RING] (CEDCache.ring_write).
+        Returns the key [T, D] in y's dtype."""
+        raise NotImplementedError
+
+    def ced_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         extra: Optional[torch.Tensor] = None):
+        """h = x + residual (+ extra: x + (residual + extra)), each sum rounded to x's dtype, and CED's RMSNorm
+        of h (models/ced/functional.py rms) -> (h, normed h)."""
+        raise NotImplementedError
+
+    def ced_swiglu(self, gu: torch.Tensor, limit: float) -> torch.Tensor:
+        """gu [T, 2F] (gate, up) -> silu(gate.clamp(max=limit)) * up.clamp(-limit, limit) [T, F]: the CED shared
+        expert's activation."""
+        raise NotImplementedError
+
+    def ced_moe_route(self, x: torch.Tensor, gate: torch.Tensor, top_k: int, *, bias: Optional[torch.Tensor],
+                      scaling: float):
+        """CED's router from the hidden rows x [T, d]: logits x.float() @ gate.T (gate [E, d] float32), then
+        moe_route's sqrt-softplus scores, bias, top-k, renormalisation and scaling."""
+        raise NotImplementedError
+
+    def ced_entry_rows(self, table: torch.Tensor, q_rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """table [R, J] int64, q_rows [Tq], ids [Tq, K] (-1 = none) -> table[q_rows[t], ids[t, k]] [Tq, K], -1
+        where ids is -1: the cache rows of each query's chosen entries (its sequence's row of the table)."""
+        raise NotImplementedError
+
+    def ced_pool_candidates(self, scores: torch.Tensor, num_visible: torch.Tensor, block: int, nblocks: int):
+        """The CED decoder's candidate pool from a full layer's indexer scores [Tq, J] float32, entries
+        0 .. num_visible[t] - 1 visible: blocks of ``block`` entries scored by their max visible score, the best
+        ``nblocks`` kept (ties to the lower block, the newest visible block always kept). Returns their visible
+        entry ids [Tq, min(nblocks, ceil(J / block)) * block] int64, ascending, then -1
+        (models/ced/functional.py pool_candidates)."""
+        raise NotImplementedError
+
     def ced_sparse_attention(self, q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Optional[tuple],
                              entry_slots: torch.Tensor, *, pos: torch.Tensor, cut: torch.Tensor,
                              fresh_lo: torch.Tensor, fresh_start: torch.Tensor, ring_slot: torch.Tensor,

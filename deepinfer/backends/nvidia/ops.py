@@ -87,6 +87,20 @@ class NvidiaOps(ReferenceOps):
         return super().silu_and_mul(x)
 
     # Mixture of experts.
+    def moe_route(self, router_logits, top_k, **kw):
+        """CED's router (sqrt-softplus scores, no expert groups) in one kernel (triton_ced_route); any other
+        router is the reference's."""
+        from . import triton_ced_route as tcr
+
+        scoring, bias = kw.get("scoring", "softmax"), kw.get("bias")
+        if kernel_device_ok(router_logits, bias) and tcr.supports(router_logits, top_k, scoring, kw.get("n_group"),
+                                                                  bias) \
+                and set(kw) <= {"scoring", "renormalize", "scaling", "bias", "n_group", "topk_group"}:
+            self.kernel_calls["moe_route"] += 1
+            return tcr.route(router_logits, top_k, renormalize=kw.get("renormalize", True),
+                             scaling=kw.get("scaling", 1.0), bias=bias)
+        return super().moe_route(router_logits, top_k, **kw)
+
     def moe_experts(self, x, w13, w2, weights, ids, *, clamp=None, impl="routed", w13_scale=None, w2_scale=None):
         """impl "routed" runs the fused Triton MoE (no host sync, CUDA-graph safe), FP8 block-scaled weights
         included (w8a16: tiles widened to x's dtype in registers, block products scaled). It does not range-check
@@ -218,12 +232,12 @@ class NvidiaOps(ReferenceOps):
             if P == 0:
                 return torch.full((Tq, k), -1, dtype=torch.long, device=q.device), (
                     torch.empty(Tq, 0, device=q.device) if return_scores else None)
-            slots = entry_slots[q_rows[:, None], candidates.clamp(min=0)]  # [Tq, P]
+            # [Tq, P] cache rows and each query's count of candidates (a prefix: ascending ids, then -1)
+            slots, count = self._rows(entry_slots, q_rows, candidates, count=True)
             rows = torch.arange(Tq, device=q.device)
             self.kernel_calls["ced_indexer_topk"] += 1
-            pos, scores = tci.indexer_topk(q, weights, *keys, key_fmt, slots, rows, (candidates >= 0).sum(1), k, None,
-                                           return_scores)
-            return torch.where(pos >= 0, candidates.gather(1, pos.clamp(min=0)), -1), scores
+            pos, scores = tci.indexer_topk(q, weights, *keys, key_fmt, slots, rows, count, k, None, return_scores)
+            return self._rows(candidates, rows, pos), scores
         if candidates is None and kernel_device_ok(q, weights, *keys, entry_slots, q_rows, num_visible, allowed) \
                 and tci.supports(q, weights, *keys, key_fmt, entry_slots):
             self.kernel_calls["ced_indexer_topk"] += 1
@@ -231,6 +245,65 @@ class NvidiaOps(ReferenceOps):
                                     return_scores)
         return super().ced_indexer_topk(q, weights, keys, key_fmt, entry_slots, q_rows, num_visible, k, allowed,
                                         return_scores, candidates)
+
+    def ced_swa_kv(self, y, weight, eps, pos, rope_dim, theta, fmt, fake, ring, ring_slot):
+        from . import triton_ced_fused as tcf, triton_ced_swa as tcs
+
+        if kernel_device_ok(y, weight, pos, *ring, ring_slot) \
+                and tcs.supports(y, weight, pos, ring, ring_slot, rope_dim, fmt):
+            self.kernel_calls["ced_swa_kv"] += 1
+            return tcs.swa_kv_ring(y, weight, eps, pos, tcf.inv_freq(rope_dim, theta, y.device), ring, ring_slot,
+                                   fake=fake)
+        return super().ced_swa_kv(y, weight, eps, pos, rope_dim, theta, fmt, fake, ring, ring_slot)
+
+    def ced_add_rms_norm(self, x, residual, weight, eps, extra=None):
+        from . import triton_ced_fused as tcf
+
+        ts = (x, residual, weight) + ((extra,) if extra is not None else ())
+        if kernel_device_ok(*ts) and tcf.supports_add_rms(x, residual, weight, extra) \
+                and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)):
+            self.kernel_calls["ced_add_rms_norm"] += 1
+            return tcf.add_rms_norm(x, residual, weight, eps, extra)
+        return super().ced_add_rms_norm(x, residual, weight, eps, extra)
+
+    def ced_swiglu(self, gu, limit):
+        from . import triton_ced_fused as tcf
+
+        if kernel_device_ok(gu) and tcf.supports_swiglu(gu) and not (torch.is_grad_enabled() and gu.requires_grad):
+            self.kernel_calls["ced_swiglu"] += 1
+            return tcf.swiglu(gu, limit)
+        return super().ced_swiglu(gu, limit)
+
+    def ced_moe_route(self, x, gate, top_k, *, bias, scaling):
+        """Few rows (decode): the gate GEMV in the router's kernel; more: cuBLAS, then the router kernel."""
+        from . import triton_ced_route as tcr
+
+        if kernel_device_ok(x, gate, bias) and tcr.supports_hidden(x, gate, top_k, bias) \
+                and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
+            self.kernel_calls["ced_moe_route"] += 1
+            return tcr.route_from_hidden(x, gate, top_k, scaling=scaling, bias=bias)
+        return super().ced_moe_route(x, gate, top_k, bias=bias, scaling=scaling)
+
+    def _rows(self, table, q_rows, ids, count=False):
+        """entry_rows (and the count of ids >= 0), one kernel where it runs."""
+        from . import triton_ced_pool as tcp
+
+        if kernel_device_ok(table, q_rows, ids) and tcp.supports_entry_rows(table, q_rows, ids):
+            self.kernel_calls["ced_entry_rows"] += 1
+            return tcp.entry_rows(table, q_rows, ids, count)
+        out = ReferenceOps.ced_entry_rows(self, table, q_rows, ids)
+        return (out, (ids >= 0).sum(1)) if count else out
+
+    def ced_entry_rows(self, table, q_rows, ids):
+        return self._rows(table, q_rows, ids)
+
+    def ced_pool_candidates(self, scores, num_visible, block, nblocks):
+        from . import triton_ced_pool as tcp
+
+        if kernel_device_ok(scores, num_visible) and tcp.supports(scores, num_visible):
+            self.kernel_calls["ced_pool_candidates"] += 1
+            return tcp.pool_candidates(scores, num_visible, block, nblocks)
+        return super().ced_pool_candidates(scores, num_visible, block, nblocks)
 
     # KV quantisation: kernels for the lowbit FP8 ("fp8_e4m3_pow2"), FP4 and MXFP4 layouts, the reference otherwise.
     def quantize_kv(self, x: torch.Tensor, fmt: str):

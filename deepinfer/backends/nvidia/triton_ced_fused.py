@@ -68,6 +68,46 @@ def _ced_rms_kernel(x_ptr, w_ptr, o_ptr, stride_x, stride_o, N, eps, BLOCK: tl.c
 
 
 @triton.jit
+def _ced_add_rms_kernel(x_ptr, r_ptr, e_ptr, w_ptr, h_ptr, o_ptr, stride_x, stride_r, stride_e, stride_h, stride_o, N,
+                        eps, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    DT = h_ptr.dtype.element_ty
+    add = to_f32(tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0))
+    if HAS_EXTRA:  # (r + e) rounded first, as torch adds them
+        add = to_f32(cast_rne(add + to_f32(tl.load(e_ptr + row * stride_e + cols, mask=mask, other=0.0)), DT))
+    h = cast_rne(to_f32(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)) + add, DT)
+    tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
+    xf = to_f32(h)
+    rstd = _rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = to_f32(tl.load(w_ptr + cols, mask=mask, other=0.0))
+    tl.store(o_ptr + row * stride_o + cols, cast_rne(xf * rstd * w, DT), mask=mask)
+
+
+@triton.jit
+def _exp(x):
+    if _INTERP:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _ced_swiglu_kernel(gu_ptr, o_ptr, stride_g, stride_o, F, limit, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < F
+    DT = o_ptr.dtype.element_ty
+    g = to_f32(tl.load(gu_ptr + row * stride_g + cols, mask=mask, other=0.0))
+    u = to_f32(tl.load(gu_ptr + row * stride_g + F + cols, mask=mask, other=0.0))
+    g = tl.minimum(g, limit)  # (clamps are exact in any dtype)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    s = to_f32(cast_rne(g / (1.0 + _exp(-g)), DT))  # F.silu, rounded to the dtype
+    tl.store(o_ptr + row * stride_o + cols, cast_rne(s * u, DT), mask=mask)
+
+
+@triton.jit
 def _ced_rope_kernel(x_ptr, o_ptr, pos_ptr, inv_ptr, stride_xt, stride_xm, stride_ot, stride_om, M, D, HALF,
                      BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, INVERSE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -121,6 +161,55 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _ced_rms_kernel[(x2.shape[0],)](x2, w, o2, x2.stride(0), o2.stride(0), N, float(eps), BLOCK=BLOCK,
                                         num_warps=1 if INTERPRET else min(16, max(1, BLOCK // 512)),
                                         enable_fp_fusion=False)  # x * rstd, then * w: two roundings, as torch
+    return out
+
+
+def supports_add_rms(x, residual, weight, extra=None) -> bool:
+    ts = (x, residual) + ((extra,) if extra is not None else ())
+    return supports_rms(x, weight) and x.dim() == 2 and all(
+        t.shape == x.shape and t.dtype == x.dtype and (t.stride(-1) == 1 or x.shape[-1] == 1 or not x.numel())
+        for t in ts)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 extra: Optional[torch.Tensor] = None):
+    """h = x + (residual + extra) (each sum rounded to x's dtype, as torch adds them) and CED's RMSNorm of h:
+    x, residual, extra [T, N] of one dtype -> (h, rms(h)) [T, N], one launch."""
+    if not supports_add_rms(x, residual, weight, extra):
+        raise ValueError(f"add_rms_norm: unsupported x {x.dtype} {tuple(x.shape)}, residual {residual.dtype} "
+                         f"{tuple(residual.shape)}, extra {None if extra is None else tuple(extra.shape)}, "
+                         f"weight {weight.dtype} {tuple(weight.shape)}")
+    T, N = x.shape
+    h, out = torch.empty_like(x), torch.empty_like(x)
+    if T:
+        e = extra if extra is not None else residual
+        BLOCK = triton.next_power_of_2(N)
+        w = weight if weight.is_contiguous() else weight.contiguous()
+        _ced_add_rms_kernel[(T,)](x, residual, e, w, h, out, x.stride(0), residual.stride(0), e.stride(0),
+                                  h.stride(0), out.stride(0), N, float(eps), BLOCK=BLOCK, HAS_EXTRA=extra is not None,
+                                  num_warps=1 if INTERPRET else min(16, max(1, BLOCK // 512)),
+                                  enable_fp_fusion=False)
+    return h, out
+
+
+def supports_swiglu(gu: torch.Tensor) -> bool:
+    return gu.dim() == 2 and gu.dtype in SUPPORTED_DTYPES and gu.shape[1] % 2 == 0 \
+        and (gu.stride(1) == 1 or not gu.numel())
+
+
+def swiglu(gu: torch.Tensor, limit: float) -> torch.Tensor:
+    """gu [T, 2F] (gate, up) -> silu(gate.clamp(max=limit)) * up.clamp(-limit, limit) [T, F], rounded as torch
+    rounds each step (the silu, then the product)."""
+    if not supports_swiglu(gu):
+        raise ValueError(f"swiglu: gu must be [T, 2F] with unit column stride in {SUPPORTED_DTYPES}, got "
+                         f"{gu.dtype} {tuple(gu.shape)} stride {gu.stride()}")
+    T, F = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(T, F, dtype=gu.dtype, device=gu.device)
+    if T and F:
+        BLOCK = min(1024, triton.next_power_of_2(F))
+        _ced_swiglu_kernel[(T, triton.cdiv(F, BLOCK))](gu, out, gu.stride(0), out.stride(0), F, float(limit),
+                                                       BLOCK=BLOCK, num_warps=1 if INTERPRET else 4,
+                                                       enable_fp_fusion=False)
     return out
 
 

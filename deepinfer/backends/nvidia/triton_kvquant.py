@@ -32,19 +32,11 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _quant_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, stride_s, NG,
-                  BLOCK_G: tl.constexpr, GROUP_SIZE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # group index within the row
-    g_mask = g < NG
-    j = tl.arange(0, GROUP_SIZE)
-    ch = g[:, None] * GROUP_SIZE + j[None, :]  # [BLOCK_G, GROUP_SIZE]
-    mask = g_mask[:, None]
-    x = to_f32(tl.load(x_ptr + row * stride_x + ch, mask=mask, other=0.0))
-
+def fp8_pow2_quant(x):
+    """x [G, 32] float32 -> (E4M3 codes [G, 32] int32, scale bytes [G] int32) of each group (the layout above)."""
     # Scale exponent k from amax's bits: amax = m * 2^E with m in [0.5, 1) (frexp); amax / 2^k <= 448
     # first holds at k = E - 9 when m <= 0.875, else at E - 8. Subnormal amax gives k < -127: clamp.
-    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_G]
+    amax = tl.max(tl.abs(x), axis=1)  # [G]
     abits = amax.to(tl.int32, bitcast=True)
     ebits = (abits >> 23) & 0xFF
     mant = abits & 0x7FFFFF
@@ -71,7 +63,37 @@ def _quant_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, stride_s, NG
     up = (frac > 0.5) | ((frac == 0.5) & ((fl & 1) == 1))
     sub = fl + up.to(tl.int32)
     mag = tl.where(a >= (121 << 23), normal, sub)
-    code = mag | (sign << 7)
+    return mag | (sign << 7), sbyte
+
+
+@triton.jit
+def fp8_pow2_dequant(c, sb):
+    """E4M3 codes c [G, 32] int32 and scale bytes sb [G] int32 -> the values [G, 32] float32 (exact)."""
+    e = (c >> 3) & 0xF
+    m = c & 7
+    norm = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # (1 + m/8) * 2^(e-7)
+    sub = m.to(tl.float32) * 0.001953125  # m * 2^-9, exact
+    mag = tl.where(e == 0, sub, norm)
+    mag = tl.where((c & 0x7F) == 0x7F, float("nan"), mag)
+    # Sign by its bit (negation would lower to 0 - x and turn the code 0x80 into +0.0, not -0.0).
+    val = (mag.to(tl.int32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+    sbits = tl.where(sb == 0, 0x00400000, sb << 23)  # byte 0 is the subnormal 2^-127
+    scale = sbits.to(tl.float32, bitcast=True)
+    scale = tl.where(sb == 255, float("nan"), scale)
+    return val * scale[:, None]  # exact: a 4-bit significand times a power of two
+
+
+@triton.jit
+def _quant_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, stride_s, NG,
+                  BLOCK_G: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # group index within the row
+    g_mask = g < NG
+    j = tl.arange(0, GROUP_SIZE)
+    ch = g[:, None] * GROUP_SIZE + j[None, :]  # [BLOCK_G, GROUP_SIZE]
+    mask = g_mask[:, None]
+    x = to_f32(tl.load(x_ptr + row * stride_x + ch, mask=mask, other=0.0))
+    code, sbyte = fp8_pow2_quant(x)
     tl.store(codes_ptr + row * stride_c + ch, code.to(tl.uint8), mask=mask)
     tl.store(scales_ptr + row * stride_s + g, sbyte.to(tl.uint8), mask=g_mask)
 
@@ -87,18 +109,7 @@ def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, stride_c, stride_s, stride_o
     mask = g_mask[:, None]
     c = tl.load(codes_ptr + row * stride_c + ch, mask=mask, other=0).to(tl.int32)
     sb = tl.load(scales_ptr + row * stride_s + g, mask=g_mask, other=0).to(tl.int32)
-    e = (c >> 3) & 0xF
-    m = c & 7
-    norm = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # (1 + m/8) * 2^(e-7)
-    sub = m.to(tl.float32) * 0.001953125  # m * 2^-9, exact
-    mag = tl.where(e == 0, sub, norm)
-    mag = tl.where((c & 0x7F) == 0x7F, float("nan"), mag)
-    # Sign by its bit (negation would lower to 0 - x and turn the code 0x80 into +0.0, not -0.0).
-    val = (mag.to(tl.int32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
-    sbits = tl.where(sb == 0, 0x00400000, sb << 23)  # byte 0 is the subnormal 2^-127
-    scale = sbits.to(tl.float32, bitcast=True)
-    scale = tl.where(sb == 255, float("nan"), scale)
-    out = val * scale[:, None]  # exact: a 4-bit significand times a power of two
+    out = fp8_pow2_dequant(c, sb)
     tl.store(out_ptr + row * stride_o + ch, cast_rne(out, out_ptr.dtype.element_ty), mask=mask)
 
 

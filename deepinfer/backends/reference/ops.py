@@ -130,6 +130,43 @@ class ReferenceOps(Ops):
             ok = ok & allowed
         return fn.select_topk(scores, ok, k), (scores if return_scores else None)
 
+    def ced_swa_kv(self, y, weight, eps, pos, rope_dim, theta, fmt, fake, ring, ring_slot):
+        from ...models.ced import functional as fn  # (ops=self: a subclass's fused kernels, on CUDA)
+
+        kv = fn.apply_rope(fn.rms(y, weight, eps, ops=self), pos, rope_dim, theta, ops=self)
+        kv = fn.fake(kv, fmt, fake, ops=self)
+        codes, scales = self.quantize_kv(kv, fmt)
+        at = pos % ring[0].shape[1]
+        ring[0][ring_slot, at] = codes
+        if scales is not None and ring[1].shape[-1]:
+            ring[1][ring_slot, at] = scales
+        return kv
+
+    def ced_add_rms_norm(self, x, residual, weight, eps, extra=None):
+        from ...models.ced import functional as fn
+
+        h = x + (residual if extra is None else residual + extra)
+        return h, fn.rms(h, weight, eps)
+
+    def ced_swiglu(self, gu, limit):
+        g, u = gu.chunk(2, dim=-1)
+        return torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)
+
+    def ced_moe_route(self, x, gate, top_k, *, bias, scaling):
+        return self.moe_route(torch.nn.functional.linear(x.float(), gate), top_k, scoring="sqrt_softplus",
+                              renormalize=True, scaling=scaling, bias=bias)
+
+    def ced_entry_rows(self, table, q_rows, ids):
+        if not table.shape[1]:  # (no entry yet: every id is -1)
+            return torch.full_like(ids, -1)
+        return torch.where(ids >= 0, table[q_rows[:, None], ids.clamp(min=0)], -1)
+
+    def ced_pool_candidates(self, scores, num_visible, block, nblocks):
+        from ...models.ced import functional as fn
+
+        visible = torch.arange(scores.shape[1], device=scores.device)[None, :] < num_visible[:, None]
+        return fn.pool_candidates(scores, visible, block, nblocks)
+
     def ced_sparse_attention(self, q, kv, ring, entries, entry_slots, *, pos, cut, fresh_lo, fresh_start, ring_slot,
                              window, ring_fmt, entry_fmt, sinks, scale):
         from ...models.ced import functional as fn

@@ -75,8 +75,14 @@ class DecodePass(engine_path.Shared):
             return bt[:, ids // per] * per + ids % per
         return self._once(("slots", m), build)
 
+    def swa_kv(self, layer, x, cache, ops):
+        """The queries' SWA keys, written to the rings at once (one op with the norm, RoPE and quantisation):
+        attention reads a query's own key from the fresh kv, never from the ring slot it takes (the ring
+        holds more than the window)."""
+        return layer.swa_kv_to_ring(x, self.pos, cache.rings(False)[layer.i], self.ring_slot, ops)
+
     def write_ring(self, layer, kv, cache, ops) -> None:
-        cache.ring_write(layer.i, self.ring_slot, self.pos, kv, quantize=ops.quantize_kv)
+        """Done by ``swa_kv``."""
 
 
 def forward_decode(model, input_ids, meta, cache):
@@ -89,16 +95,20 @@ def forward_decode(model, input_ids, meta, cache):
     dec = DecodePass(meta, meta.replay_rows, starts)
     h = model.embed(input_ids)
     ctx: dict = {}
+    pending = None  # each layer's MoE output, added by the next layer's norm op (layer_engine's defer)
     for layer in model.layers[: c.num_encoder_layers]:
-        h = engine_path.layer_engine(model, layer, h, enc, None, cache, ctx, stats)
-    h_enc = h
+        h, pending = engine_path.layer_engine(model, layer, h, enc, None, cache, ctx, stats, pending, defer=True)
+    h = h_enc = engine_path.finish(h, pending)
     if cache.henc is not None:  # an encoder-SWA pool snapshots these (core/swa_pool.py)
         cache.henc[enc.ring_slot, enc.pos % cache.henc.shape[1]] = h_enc.to(cache.henc.dtype)
     kept = []
+    pending = None
     for layer in model.layers[c.num_encoder_layers:]:
-        h = engine_path.layer_engine(model, layer, h, dec, h_enc, cache, ctx, stats)
+        h, pending = engine_path.layer_engine(model, layer, h, dec, h_enc, cache, ctx, stats, pending, defer=True)
         if layer.i >= c.num_layers - getattr(model, "capture_last", 0):
+            h, pending = engine_path.finish(h, pending), None
             kept.append(h)
+    h = engine_path.finish(h, pending)
     if kept:  # the last capture_last decoder layers' outputs, per row (a DSpark drafter reads them)
         model.captured_hidden = torch.cat(kept, dim=-1)
     return h

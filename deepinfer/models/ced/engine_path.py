@@ -115,6 +115,10 @@ class Pass(Shared):
     def entry_slots(self, m: int, cache) -> torch.Tensor:
         return self._once(("slots", m), lambda: _row_slots(m, cache, self.meta, self.device))
 
+    def swa_kv(self, layer, x, cache, ops):
+        """The queries' SWA keys [n, D] (written to the rings by ``write_ring``, after attention)."""
+        return layer.swa_kv(x, self.pos)
+
     def write_ring(self, layer, kv, cache, ops) -> None:
         last = self.last_queries(cache.rings(self.score)[layer.i][0].shape[1])
         if last is not None:
@@ -254,10 +258,11 @@ def _choose_entries(model, ops, layer, iq, iw, keys, slots, P: Pass, num_visible
         topk, scores = ops.ced_indexer_topk(iq[sl], iw[sl], keys, c.index_k_format, slots, P.rows_t[sl],
                                             num_visible[sl], c.index_topk, return_scores=builds_pool, **narrow)
         tops.append(topk)
-        if builds_pool:
+        if builds_pool and gather:  # (one fused op on the nvidia backend)
+            pools.append(ops.ced_pool_candidates(scores, num_visible[sl], c.pool_block, c.pool_blocks))
+        elif builds_pool:
             visible = torch.arange(slots.shape[1], device=iq.device)[None, :] < num_visible[sl][:, None]
-            build = fn.pool_candidates if gather else fn.pool_mask
-            pools.append(build(scores, visible, c.pool_block, c.pool_blocks))
+            pools.append(fn.pool_mask(scores, visible, c.pool_block, c.pool_blocks))
     topk = tops[0] if len(tops) == 1 else torch.cat(tops)
     if builds_pool:
         ctx[("pool", layer.i)] = pools[0] if len(pools) == 1 else torch.cat(pools)
@@ -266,11 +271,18 @@ def _choose_entries(model, ops, layer, iq, iw, keys, slots, P: Pass, num_visible
     return topk
 
 
-def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats):
-    """h [Tq, d] hidden of this pass's queries; src [T, d] hidden of all step tokens (full-layer input)."""
+def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None, defer: bool = False):
+    """h [Tq, d] hidden of this pass's queries; src [T, d] hidden of all step tokens (full-layer input).
+
+    ``defer``: return (h, pending) with the MoE's output (routed, shared or None) not yet added; the next layer
+    takes it as ``pending`` and adds it with its norm in one op (``finish`` adds the last one), so a decode
+    step's residual adds ride on the norms' kernels."""
     c = model.config
     kernels = layer._kernels(h)  # the fused rms on CUDA
-    x = fn.rms(h, layer.attn_norm, c.rms_norm_eps, ops=kernels)
+    if pending is None:
+        x = fn.rms(h, layer.attn_norm, c.rms_norm_eps, ops=kernels)
+    else:
+        h, x = fn.add_rms(h, pending[0], layer.attn_norm, c.rms_norm_eps, ops=kernels, extra=pending[1])
     stats["layer_tokens"][layer.i] += P.n
     if P.score:
         stats["score_tokens"][layer.i] += P.n
@@ -278,7 +290,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats):
         stats["min_pos"][layer.i] = min(stats["min_pos"][layer.i], P.min_pos)
     ops = model_ops(model)
     q, cq = layer.query(x, P.pos)
-    kv = layer.swa_kv(x, P.pos)
+    kv = P.swa_kv(layer, x, cache, ops)
     entries, sel = None, P.no_entries()  # swa layers: no global branch
     if layer.mode != "swa":
         m = layer.m
@@ -299,7 +311,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats):
         sel = ctx.get(sel_key)
         if sel is None:
             if P.n and slots.shape[1]:
-                sel = torch.where(topk >= 0, slots[P.rows_t[:, None], topk.clamp(min=0)], -1)  # [Tq, K] cache rows
+                sel = ops.ced_entry_rows(slots, P.rows_t, topk)  # [Tq, K] cache rows
             else:  # no query, or no complete entry yet in any row (topk is all -1)
                 sel = torch.full_like(topk, -1)
             ctx[sel_key] = sel
@@ -309,14 +321,25 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats):
                                      fresh_lo=P.lo_t, fresh_start=P.lstart_t, ring_slot=P.ring_slot,
                                      window=c.n_win, ring_fmt=c.swa_kv_format, entry_fmt=c.global_kv_format,
                                      sinks=layer.sink, scale=c.head_dim ** -0.5)
-        h = h + layer.out_proj(o, P.pos)
-        y, ids = layer.moe(fn.rms(h, layer.ffn_norm, c.rms_norm_eps, ops=kernels))
+        h, xf = fn.add_rms(h, layer.out_proj(o, P.pos), layer.ffn_norm, c.rms_norm_eps, ops=kernels)
+        routed, shared, ids = layer.moe_parts(xf)
         model.record_expert_load(layer.i, ids)
-        h = h + y
+        pending = (routed, shared)
     elif getattr(layer, "moe_is_collective", False):  # expert-parallel ranks all join every layer's exchange
         layer.moe(h)
+        pending = None
+    else:
+        pending = None
     P.write_ring(layer, kv, cache, ops)
-    return h
+    return (h, pending) if defer else finish(h, pending)
+
+
+def finish(h, pending):
+    """h plus a deferred MoE output (``layer_engine``'s pending), added as the MoE then the residual add it."""
+    if pending is None:
+        return h
+    routed, shared = pending
+    return h + (routed if shared is None else routed + shared)
 
 
 def forward_engine(model, input_ids, meta, cache):

@@ -59,6 +59,16 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float, ops=None) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
 
 
+def add_rms(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, ops=None, extra=None):
+    """h = x + residual (+ extra, added to residual first) and rms(h): the residual add and the next norm, one
+    kernel (``ops.ced_add_rms_norm``) where the ops offer it (CUDA); the torch formulas otherwise."""
+    kernel = _fused(ops, "ced_add_rms_norm", x, residual, w)
+    if kernel is not None:
+        return kernel(x, residual, w, eps, extra)
+    h = x + (residual if extra is None else residual + extra)
+    return h, rms(h, w, eps)
+
+
 def group_weights(z: torch.Tensor, m: int) -> torch.Tensor:
     """z: [G*m, C] gate logits -> per-channel softmax weights over each group of m tokens, [G, m, C]."""
     return torch.softmax(z.float().reshape(-1, m, z.shape[-1]), dim=1)

@@ -81,6 +81,13 @@ class CEDLayer(nn.Module):
                            c.rope_theta, ops=ops)
         return fn.fake(kv, c.swa_kv_format, c.fake_quant, ops=ops)
 
+    def swa_kv_to_ring(self, x, pos, ring, ring_slot, ops):
+        """swa_kv, also written to the ring ``ring`` (quantized) at [ring_slot, pos % ring size]: one op
+        (``Ops.ced_swa_kv``, one kernel on the nvidia backend) for a decode step's queries."""
+        c = self.c
+        return ops.ced_swa_kv(F.linear(x, self.wkv), self.kv_norm, c.rms_norm_eps, pos, c.rope_dim, c.rope_theta,
+                              c.swa_kv_format, c.fake_quant, ring, ring_slot)
+
     def entries(self, x, entry_ids=None):
         """Compressed KV and indexer K of complete groups of x [G*m, d] (normed); entry_ids [G] (default 0..G-1)
         give each entry's RoPE position j*m."""
@@ -152,21 +159,23 @@ class CEDLayer(nn.Module):
         return self._f32
 
     def moe(self, x):
-        """x [T, d] (normed) -> (routed experts + shared expert [T, d], chosen expert ids [T, k]), through the
+        """x [T, d] (normed) -> (routed experts + shared expert [T, d], chosen expert ids [T, k]) (``moe_parts``)."""
+        routed, shared, ids = self.moe_parts(x)
+        return (routed if shared is None else routed + shared), ids
+
+    def moe_parts(self, x):
+        """x [T, d] (normed) -> (routed experts [T, d], shared expert [T, d] or None, chosen ids [T, k]), through the
         owning model's backend ops (``ops_of``): sqrt-softplus scores, top-k on score + gate_bias, renormalised
         weights times the routed scaling factor; SwiGLU experts clamped at swiglu_limit, FP8 with their block
         scales when the loader kept them FP8 (models/quant.py). No host sync where the ops have none (nvidia)."""
         c, ops = self.c, ops_of(self, x.device)
         gate, bias = self._router_f32()
-        weights, ids = ops.moe_route(F.linear(x.float(), gate), c.num_experts_per_tok,
-                                     scoring="sqrt_softplus", renormalize=True, scaling=c.routed_scaling_factor,
-                                     bias=bias)
+        weights, ids = ops.ced_moe_route(x, gate, c.num_experts_per_tok, bias=bias, scaling=c.routed_scaling_factor)
         y = self.routed_experts(x, weights, ids)
-        if self.shared_w13 is not None:
-            g, u = F.linear(x, self.shared_w13).chunk(2, dim=-1)
-            lim = c.swiglu_limit
-            y = y + F.linear(F.silu(g.clamp(max=lim)) * u.clamp(-lim, lim), self.shared_w2)
-        return y, ids
+        shared = None
+        if self.shared_w13 is not None:  # (ced_swiglu: the clamped SwiGLU, one kernel on CUDA)
+            shared = F.linear(ops.ced_swiglu(F.linear(x, self.shared_w13), c.swiglu_limit), self.shared_w2)
+        return y, shared, ids
 
     def routed_experts(self, x, weights, ids):
         """The routed experts' weighted sum [T, d] of x [T, d] routed to ids [T, k] with weights [T, k] (expert

@@ -1,0 +1,139 @@
+"""CED's MoE router glue in one Triton launch: sqrt-softplus scores, the selection bias, top-k, renormalisation
+and the routed scaling (reference.moe.route with scoring="sqrt_softplus", no expert groups).
+
+The torch formulas run as ~9 small kernels per layer and step (cast, softplus, sqrt, add, topk, gather, sum,
+add, div, mul); a decode step's router is latency, not work. One program per token holds the token's E
+logits in registers:
+
+    scores = sqrt(softplus(logits))            (float32; softplus(x) = x above 20, as torch's threshold)
+    ids    = the k largest of scores + bias    (descending, ties to the lower expert id)
+    w      = scores[ids] / (sum + 1e-20) * scaling   (renormalize=True), or scores[ids] * scaling
+
+Precision: softplus is log1p(exp(x)) through Kahan's log1p (exp and log from the device's math library), so
+scores may differ from the reference's in the last float32 bits; where two experts' selection scores are that close, the chosen set may
+differ. Capture-safe: nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+_INTERP = tl.constexpr(INTERPRET)
+MAX_EXPERTS = 1024
+MAX_TOPK = 32
+
+
+@triton.jit
+def _route_kernel(logits_ptr, gate_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, stride_g, stride_w, stride_i, E, DIN,
+                  scaling, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  RENORM: tl.constexpr, FROM_HIDDEN: tl.constexpr, BLOCK_D: tl.constexpr, DIN_I: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    if FROM_HIDDEN:  # logits = x.float() @ gate.T, x [T, DIN] the hidden rows, gate [E, DIN] float32
+        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for d0 in range(0, DIN_I if _INTERP else DIN, BLOCK_D):  # (the interpreter takes constexpr bounds)
+            d = d0 + tl.arange(0, BLOCK_D)
+            xd = tl.load(logits_ptr + t * stride_l + d, mask=d < DIN, other=0.0).to(tl.float32)
+            g = tl.load(gate_ptr + e[:, None] * stride_g + d[None, :], mask=ok[:, None] & (d < DIN)[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(g * xd[None, :], axis=1)
+        x = acc
+    else:
+        x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=0.0).to(tl.float32)
+    u = tl.exp(tl.minimum(x, 20.0))
+    v = 1.0 + u
+    # log1p(u) to a few ulp (Kahan's trick): log(v) * u / (v - 1) cancels the rounding of 1 + u
+    lp = tl.where(v == 1.0, u, tl.log(v) * (u / tl.where(v == 1.0, 1.0, v - 1.0)))
+    sp = tl.where(x > 20.0, x, lp)
+    score = tl.sqrt(sp)
+    choice = score
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
+    choice = tl.where(ok, choice, float("-inf"))
+    kk = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    taken = tl.zeros([BLOCK_E], dtype=tl.int1)
+    for i in tl.static_range(K):
+        c = tl.where(taken, float("-inf"), choice)
+        best = tl.max(c, axis=0)
+        # the lowest id among the maxima (a NaN-free row has one; -inf rows pick the lowest id not yet taken)
+        pick = tl.min(tl.where((c == best) & ~taken & ok, e, BLOCK_E), axis=0)
+        taken = taken | (e == pick)
+        ids = tl.where(kk == i, pick, ids)
+        w = tl.where(kk == i, tl.sum(tl.where(e == pick, score, 0.0), axis=0), w)
+    if RENORM:
+        w = w / (tl.sum(w, axis=0) + 1e-20)
+    w = w * scaling
+    tl.store(w_ptr + t * stride_w + kk, w, mask=kk < K)
+    tl.store(ids_ptr + t * stride_i + kk, ids.to(tl.int64), mask=kk < K)
+
+
+def supports(logits: torch.Tensor, top_k: int, scoring: str, n_group, bias: Optional[torch.Tensor]) -> bool:
+    """Whether route() runs these inputs (otherwise the reference op)."""
+    if scoring != "sqrt_softplus" or n_group is not None or logits.dim() != 2:
+        return False
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16) or (logits.stride(1) != 1 and logits.shape[1] > 1):
+        return False
+    return _choice_ok(logits.shape[1], top_k, bias)
+
+
+def _choice_ok(E: int, top_k, bias) -> bool:
+    if not 1 <= E <= MAX_EXPERTS or isinstance(top_k, bool) or not isinstance(top_k, int) \
+            or not 1 <= top_k <= min(E, MAX_TOPK):
+        return False
+    return bias is None or (bias.shape == (E,) and bias.is_contiguous() and bias.is_floating_point())
+
+
+def route(logits: torch.Tensor, top_k: int, *, renormalize: bool = True, scaling: float = 1.0,
+          bias: Optional[torch.Tensor] = None):
+    """logits [T, E] -> (weights [T, top_k] float32, ids [T, top_k] int64), ids by descending selection score."""
+    if not supports(logits, top_k, "sqrt_softplus", None, bias):
+        raise ValueError(f"route: unsupported inputs: logits {logits.dtype} {tuple(logits.shape)} stride "
+                         f"{logits.stride()}, top_k {top_k!r}, bias "
+                         f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
+    return _launch(logits, None, top_k, renormalize, scaling, bias)
+
+
+def _launch(rows, gate, top_k, renormalize, scaling, bias):
+    T, E = rows.shape[0], (gate if gate is not None else rows).shape[0 if gate is not None else 1]
+    w = torch.empty(T, top_k, dtype=torch.float32, device=rows.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=rows.device)
+    if T:
+        BE = triton.next_power_of_2(E)
+        bd = max(16, min(triton.next_power_of_2(rows.shape[1]), (1024 if INTERPRET else 8192) // BE))
+        _route_kernel[(T,)](rows, gate if gate is not None else rows, bias if bias is not None else rows, w, ids,
+                            rows.stride(0), gate.stride(0) if gate is not None else 0, w.stride(0), ids.stride(0),
+                            E, rows.shape[1], float(scaling), K=top_k, BLOCK_E=BE,
+                            BLOCK_K=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None,
+                            RENORM=bool(renormalize), FROM_HIDDEN=gate is not None, BLOCK_D=bd,
+                            DIN_I=rows.shape[1] if INTERPRET else 0,
+                            num_warps=1 if INTERPRET or (E <= 256 and gate is None) else 4)
+    return w, ids
+
+
+MAX_HIDDEN_ROWS = 256  # past this many tokens the gate GEMM goes to cuBLAS (each program reads the whole gate)
+
+
+def supports_hidden(x: torch.Tensor, gate: torch.Tensor, top_k: int, bias: Optional[torch.Tensor]) -> bool:
+    """Whether route_from_hidden runs these inputs: few rows (decode), a float32 gate [E, d] over x [T, d]."""
+    return x.dim() == 2 and gate.dim() == 2 and x.shape[0] <= MAX_HIDDEN_ROWS and gate.dtype == torch.float32 \
+        and x.shape[1] == gate.shape[1] and x.stride(1) == 1 and gate.stride(1) == 1 \
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _choice_ok(gate.shape[0], top_k, bias)
+
+
+def route_from_hidden(x: torch.Tensor, gate: torch.Tensor, top_k: int, *, renormalize: bool = True,
+                      scaling: float = 1.0, bias: Optional[torch.Tensor] = None):
+    """route() of the logits x.float() @ gate.T, computed in the same launch (x [T, d], gate [E, d] float32):
+    a decode step's router GEMV, cast and glue in one kernel. The logits' float32 sums run in another order
+    than cuBLAS's, so they may differ in the last bits."""
+    if not supports_hidden(x, gate, top_k, bias):
+        raise ValueError(f"route_from_hidden: unsupported inputs: x {x.dtype} {tuple(x.shape)}, gate {gate.dtype} "
+                         f"{tuple(gate.shape)}, top_k {top_k!r} (at most {MAX_HIDDEN_ROWS} rows)")
+    return _launch(x, gate, top_k, renormalize, scaling, bias)

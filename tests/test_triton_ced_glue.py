@@ -1,0 +1,243 @@
+"""The kernels that replace a CED decode step's glue (the MoE router, the decoder's candidate pool, the SWA key with
+its ring write) against the reference ops and torch formulas they replace.
+
+Without CUDA the kernels run under Triton's interpreter on hypothesis-drawn shapes. What must hold:
+- router (triton_ced_route): the reference route's ids, in its order, and its weights within a few float32 ulp;
+  equal selection scores go to the lower expert id;
+- pool (triton_ced_pool): exactly functional.pool_candidates, ties between block maxima included;
+- SWA key (triton_ced_swa): without fake quantisation within 2 ulp of rms -> rope (the norm's sum order); with
+  it, exactly the FP8 fake quantisation of that, and the ring holds exactly the reference's codes of the key;
+- the dispatch: NvidiaOps counts its kernels and falls back to the reference op for what they do not take.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, strategies as st
+
+from deepinfer.testing.kernels import DEV, assert_same_bits, examples, gen, skip_module_without_kernels
+
+skip_module_without_kernels()
+
+from deepinfer.backends.nvidia import triton_ced_fused as tcf  # noqa: E402
+from deepinfer.backends.nvidia import triton_ced_pool as tcp  # noqa: E402
+from deepinfer.backends.nvidia import triton_ced_route as tcr  # noqa: E402
+from deepinfer.backends.nvidia import triton_ced_swa as tcs  # noqa: E402
+from deepinfer.backends.nvidia.ops import NvidiaOps  # noqa: E402
+from deepinfer.backends.reference import lowbit  # noqa: E402
+from deepinfer.backends.reference.moe import route  # noqa: E402
+from deepinfer.backends.reference.ops import ReferenceOps  # noqa: E402
+from deepinfer.models.ced import functional as fn  # noqa: E402
+
+FAST = examples(15)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+
+
+# ------------------------------------------------------------------------------------------------ router
+@FAST
+@given(T=st.integers(0, 5), E=st.sampled_from([1, 2, 7, 32, 100, 384]), k_frac=st.floats(0.0, 1.0),
+       has_bias=st.booleans(), renorm=st.booleans(), scaling=st.sampled_from([1.0, 1.5, 2.5]),
+       dtype=st.sampled_from(DTYPES), spread=st.sampled_from([1.0, 10.0, 40.0]), seed=st.integers(0, 2**16))
+def test_route_matches_reference(T, E, k_frac, has_bias, renorm, scaling, dtype, spread, seed):
+    g = gen(seed)
+    k = max(1, min(E, 8, round(k_frac * E)))
+    logits = (torch.randn(T, E, generator=g) * spread).to(dtype).to(DEV)
+    bias = (torch.randn(E, generator=g) * 0.1).to(DEV) if has_bias else None
+    w, ids = tcr.route(logits, k, renormalize=renorm, scaling=scaling, bias=bias)
+    rw, rids = route(logits.cpu(), k, scoring="sqrt_softplus", renormalize=renorm, scaling=scaling,
+                     bias=None if bias is None else bias.cpu())
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (T, k)
+    assert torch.equal(ids.cpu(), rids)
+    assert ((w.cpu() - rw).abs() <= 8 * 2.0 ** -23 * rw.abs().clamp_min(1e-30)).all()
+
+
+@FAST
+@given(T=st.integers(0, 4), E=st.sampled_from([2, 7, 32, 100]), d=st.sampled_from([8, 48, 300]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_route_from_hidden_matches_the_gate_product_then_route(T, E, d, dtype, seed):
+    """The router with its gate GEMV: the reference's ids and weights for F.linear(x.float(), gate), up to the
+    float32 rounding of the logits' sums (another order): where the sets differ, their selection scores agree."""
+    g = gen(seed)
+    k = min(E, 4)
+    x = torch.randn(T, d, generator=g).to(dtype)
+    gate = torch.randn(E, d, generator=g) / d ** 0.5
+    logits = torch.nn.functional.linear(x.float(), gate)
+    bias = torch.randn(E, generator=g) * 0.1
+    w, ids = tcr.route_from_hidden(x.to(DEV), gate.to(DEV), k, scaling=1.5, bias=bias.to(DEV))
+    rw, rids = ReferenceOps("cpu").ced_moe_route(x, gate, k, bias=bias, scaling=1.5)
+    choice = torch.sqrt(torch.nn.functional.softplus(logits)) + bias
+    for t in range(T):  # same set, or a set whose selection scores are the reference's up to float noise
+        if not torch.equal(ids[t].cpu(), rids[t]):
+            a, b = choice[t, ids[t].cpu()].sort().values, choice[t, rids[t]].sort().values
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.allclose(w[t].cpu(), rw[t], rtol=1e-5, atol=1e-7)
+
+
+def test_route_ties_go_to_the_lower_expert():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0]], device=DEV)
+    w, ids = tcr.route(logits, 3, renormalize=True, scaling=1.0)
+    assert ids.tolist() == [[1, 2, 4]]
+    assert torch.allclose(w.cpu(), torch.full((1, 3), 1 / 3))
+
+
+# ------------------------------------------------------------------------------------------------ add + norm, SwiGLU
+@FAST
+@given(T=st.integers(0, 4), N=st.sampled_from([1, 16, 100, 256]), dtype=st.sampled_from(DTYPES),
+       extra=st.booleans(), seed=st.integers(0, 2**16))
+def test_add_rms_norm_matches_add_then_rms(T, N, dtype, extra, seed):
+    g = gen(seed)
+    x, r = (torch.randn(T, N, generator=g) * 4).to(dtype), torch.randn(T, N, generator=g).to(dtype)
+    e = torch.randn(T, N, generator=g).to(dtype) if extra else None
+    w = 1 + 0.1 * torch.randn(N, generator=g)
+    h, out = tcf.add_rms_norm(x.to(DEV), r.to(DEV), w.to(DEV), 1e-6, None if e is None else e.to(DEV))
+    rh, rout = ReferenceOps("cpu").ced_add_rms_norm(x, r, w, 1e-6, e)
+    assert_same_bits(h.cpu(), rh)  # the adds round as torch's
+    bound = (4 if dtype == torch.float32 else 1) * ulp(torch.maximum(out.cpu().abs(), rout.abs()), dtype)
+    assert ((out.cpu().double() - rout.double()).abs() <= bound).all()  # the norm's sum order: 1 ulp
+
+
+@FAST
+@given(T=st.integers(0, 4), F=st.sampled_from([1, 16, 40, 1500]), dtype=st.sampled_from(DTYPES),
+       limit=st.sampled_from([0.5, 10.0]), seed=st.integers(0, 2**16))
+def test_swiglu_matches_clamped_silu_times_up(T, F, dtype, limit, seed):
+    gu = (torch.randn(T, 2 * F, generator=gen(seed)) * 6).to(dtype)
+    out = tcf.swiglu(gu.to(DEV), limit)
+    ref = ReferenceOps("cpu").ced_swiglu(gu, limit)
+    # exp from numpy (libdevice on the GPU) against torch's vectorised one: a few float32 ulp, rounded away in
+    # 16-bit dtypes but for an ulp
+    bound = (4 if dtype == torch.float32 else 1) * ulp(ref.abs(), dtype)
+    assert out.dtype == dtype and ((out.cpu().double() - ref.double()).abs() <= bound).all()
+
+
+# ------------------------------------------------------------------------------------------------ pool
+@FAST
+@given(Tq=st.integers(0, 4), J=st.integers(0, 70), block=st.integers(1, 9), nblocks=st.integers(1, 12),
+       levels=st.sampled_from([3, 1000]), seed=st.integers(0, 2**16))
+def test_pool_candidates_match_functional(Tq, J, block, nblocks, levels, seed):
+    g = gen(seed)
+    scores = torch.randint(0, levels, (Tq, J), generator=g).float() - levels // 2  # few levels: tied blocks
+    nvis = torch.randint(0, J + 3, (Tq,), generator=g)
+    visible = torch.arange(J)[None, :] < nvis[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))  # as the indexer leaves them
+    out = tcp.pool_candidates(scores.to(DEV), nvis.to(DEV), block, nblocks)
+    assert torch.equal(out.cpu(), fn.pool_candidates(scores, visible, block, nblocks))
+
+
+# ------------------------------------------------------------------------------------------------ SWA key
+def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.pow(2.0, torch.floor(torch.log2(x.double().abs().clamp_min(2.0 ** -126))) - MANTISSA[dtype])
+
+
+def swa_case(seed, T, D, R, dtype, S=3, ring=5):
+    g = gen(seed)
+    y = (torch.randn(T, D, generator=g) * 3).to(dtype).to(DEV)
+    w = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV)
+    pos = torch.randint(0, 5000, (T,), generator=g).to(DEV)
+    slot = torch.randperm(S, generator=g)[:T].to(DEV) if T <= S else torch.arange(T, device=DEV) % S
+    codes = torch.randint(0, 255, (S, ring, D), generator=g, dtype=torch.uint8).to(DEV)
+    scales = torch.randint(0, 255, (S, ring, D // 32), generator=g, dtype=torch.uint8).to(DEV)
+    return y, w, pos, slot, (codes, scales), tcf.inv_freq(R, 10000.0, DEV)
+
+
+@FAST
+@given(T=st.integers(0, 3), D=st.sampled_from([32, 64, 96, 160]), frac=st.sampled_from([1.0, 0.5, 0.25]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_swa_kv_ring_matches_norm_rope_and_fake_quantisation(T, D, frac, dtype, seed):
+    R = max(2, int(D * frac) // 2 * 2)
+    y, w, pos, slot, ring, inv = swa_case(seed, T, D, R, dtype)
+    plain_ring = tuple(t.clone() for t in ring)
+    plain = tcs.swa_kv_ring(y, w, 1e-6, pos, inv, plain_ring, slot, fake=False)
+    ref = fn.apply_rope(fn.rms(y.cpu(), w.cpu(), 1e-6), pos.cpu(), R, 10000.0)
+    assert plain.dtype == dtype and plain.shape == (T, D)
+    row = ref.double().abs().amax(-1, keepdim=True) if T else ref.double()
+    assert ((plain.cpu().double() - ref.double()).abs() <= 2 * ulp(row, dtype)).all()
+    kv = tcs.swa_kv_ring(y, w, 1e-6, pos, inv, ring, slot, fake=True)
+    assert_same_bits(kv.cpu(), lowbit.fake_quantize(plain.cpu(), "fp8_e4m3_pow2"))
+    codes, scales = lowbit.quantize(kv.cpu(), "fp8_e4m3_pow2")
+    at = pos.cpu() % ring[0].shape[1]
+    for got, want in ((ring[0], codes), (ring[1], scales)):
+        assert torch.equal(got.cpu()[slot.cpu(), at], want)
+    pc, ps = lowbit.quantize(plain.cpu(), "fp8_e4m3_pow2")  # without fake quantisation: the codes of the key
+    assert torch.equal(plain_ring[0].cpu()[slot.cpu(), at], pc)
+    assert torch.equal(plain_ring[1].cpu()[slot.cpu(), at], ps)
+    untouched = torch.ones(ring[0].shape[:2], dtype=torch.bool)
+    untouched[slot.cpu(), at] = False
+    fresh = swa_case(seed, T, D, R, dtype)[4]  # the same random ring before the writes
+    assert torch.equal(ring[0].cpu()[untouched], fresh[0].cpu()[untouched])
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+def test_ops_dispatch_count_and_fall_back():
+    ops, ref = NvidiaOps(DEV), ReferenceOps(DEV)
+    g = gen(3)
+    logits = torch.randn(4, 16, generator=g).to(DEV)
+    bias = torch.randn(16, generator=g).to(DEV) * 0.1
+    kw = dict(scoring="sqrt_softplus", renormalize=True, scaling=1.5, bias=bias)
+    for a, b in zip(ops.moe_route(logits, 3, **kw), ref.moe_route(logits, 3, **kw)):
+        assert torch.allclose(a, b, rtol=1e-6, atol=0)
+    assert ops.kernel_calls["moe_route"] == 1
+    for other in (dict(scoring="softmax"), dict(scoring="sqrt_softplus", n_group=4, topk_group=2)):
+        a, b = ops.moe_route(logits, 2, **other), ref.moe_route(logits, 2, **other)
+        assert_same_bits(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert ops.kernel_calls["moe_route"] == 1
+
+    x, gate = torch.randn(3, 40, generator=g).to(DEV), torch.randn(16, 40, generator=g).to(DEV)
+    ops.ced_moe_route(x, gate, 3, bias=bias, scaling=1.5)
+    assert ops.kernel_calls["ced_moe_route"] == 1
+    big = torch.randn(300, 40, generator=g).to(DEV)  # past MAX_HIDDEN_ROWS: the GEMM, then the route kernel
+    ops.ced_moe_route(big, gate, 3, bias=bias, scaling=1.5)
+    assert ops.kernel_calls["ced_moe_route"] == 1 and ops.kernel_calls["moe_route"] == 2
+
+    h, r = x.bfloat16(), torch.randn(3, 40, generator=g).bfloat16().to(DEV)
+    ops.ced_add_rms_norm(h, r, gate[0], 1e-6, r)
+    ops.ced_swiglu(h, 10.0)
+    assert ops.kernel_calls["ced_add_rms_norm"] == 1 and ops.kernel_calls["ced_swiglu"] == 1
+    ops.ced_add_rms_norm(h, r.float(), gate[0], 1e-6)  # mixed dtypes: the reference
+    ops.ced_swiglu(h.double(), 10.0)
+    assert ops.kernel_calls["ced_add_rms_norm"] == 1 and ops.kernel_calls["ced_swiglu"] == 1
+
+    scores = torch.randn(2, 20, generator=g).to(DEV)
+    nvis = torch.tensor([20, 7], device=DEV)
+    assert torch.equal(ops.ced_pool_candidates(scores, nvis, 4, 2), ref.ced_pool_candidates(scores, nvis, 4, 2))
+    assert ops.kernel_calls["ced_pool_candidates"] == 1
+    ops.ced_pool_candidates(scores.double(), nvis, 4, 2)  # float64: the reference
+    assert ops.kernel_calls["ced_pool_candidates"] == 1
+
+    y, w, pos, slot, ring, _ = swa_case(4, 2, 64, 16, torch.bfloat16)
+    ring_ref = tuple(t.clone() for t in ring)
+    args = (1e-6, pos, 16, 10000.0, "fp8_e4m3_pow2", True)
+    a = ops.ced_swa_kv(y, w, *args, ring, slot)
+    b = ref.ced_swa_kv(y, w, *args, ring_ref, slot)
+    assert ops.kernel_calls["ced_swa_kv"] == 1
+    assert ((a.float() - b.float()).abs() <= 0.07 * b.float().abs().amax()).all()  # an FP8 step at most
+    f32_ring = lowbit.quantize(torch.zeros(3, 5, 64, device=DEV), "fp32")  # a ring in the raw format
+    ops.ced_swa_kv(y, w, 1e-6, pos, 16, 10000.0, "fp32", True, f32_ring, slot)  # no kernel for fp32 rings
+    assert ops.kernel_calls["ced_swa_kv"] == 1
+
+
+def test_reference_swa_kv_is_the_layer_formula_and_the_ring_write():
+    """ReferenceOps.ced_swa_kv = CEDLayer.swa_kv's formula, then CEDCache.ring_write's quantisation and slots."""
+    y, w, pos, slot, ring, _ = swa_case(6, 3, 64, 16, torch.float32)
+    y, w, pos, slot = y.cpu(), w.cpu(), pos.cpu(), slot.cpu()
+    ring = tuple(t.cpu() for t in ring)
+    kv = ReferenceOps("cpu").ced_swa_kv(y, w, 1e-6, pos, 16, 10000.0, "fp8_e4m3_pow2", True, ring, slot)
+    want = lowbit.fake_quantize(fn.apply_rope(fn.rms(y, w, 1e-6), pos, 16, 10000.0), "fp8_e4m3_pow2")
+    assert_same_bits(kv, want)
+    codes, scales = lowbit.quantize(want, "fp8_e4m3_pow2")
+    assert torch.equal(ring[0][slot, pos % 5], codes)
+    assert torch.equal(ring[1][slot, pos % 5], scales)
+
+
+@FAST
+@given(Tq=st.integers(0, 4), R=st.integers(1, 3), J=st.integers(1, 40), K=st.integers(0, 20),
+       seed=st.integers(0, 2**16))
+def test_entry_rows_match_the_indexed_table(Tq, R, J, K, seed):
+    g = gen(seed)
+    table = torch.randint(0, 1000, (R, J), generator=g)
+    q_rows = torch.randint(0, R, (Tq,), generator=g)
+    ids = torch.randint(-1, J, (Tq, K), generator=g)
+    out, count = tcp.entry_rows(table.to(DEV), q_rows.to(DEV), ids.to(DEV), count=True)
+    assert torch.equal(out.cpu(), ReferenceOps("cpu").ced_entry_rows(table, q_rows, ids))
+    assert torch.equal(count.cpu(), (ids >= 0).sum(1))
