@@ -122,7 +122,7 @@ def _phase_targets():
             ("compression", (decode_path.DecodePass,), "_plan"), ("entry_rows", (decode_path.DecodePass,),
                                                                      "entry_slots"),
             ("indexer", (L,), "index_query"), ("indexer", (engine_path,), "_choose_entries"),
-            ("pool", (fn,), "pool_candidates"), ("pool", (fn,), "pool_mask"),
+            ("pool", (fn,), "pool_candidates"), ("pool", (fn,), "pool_mask"), ("pool", ops, "ced_pool_candidates"),
             ("attention", ops, "ced_sparse_attention"), ("out_proj", (L,), "out_proj"),
             ("moe", (L,), "moe"), ("moe", (L,), "moe_parts"), ("router", ops, "moe_route"),
             ("router", ops, "ced_moe_route"),

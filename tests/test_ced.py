@@ -98,7 +98,7 @@ class Shadow:
         saved = dict(layer_engine=engine_path.layer_engine, compress=engine_path._compress_chunk,
                      decode_compress=DecodePass.compress,
                      layer_full=CEDForCausalLM._layer_full, choose=CEDLayer.choose_entries, swa_kv=CEDLayer.swa_kv,
-                     swa_kv_to_ring=CEDLayer.swa_kv_to_ring,
+                     swa_kv_to_ring=CEDLayer.swa_kv_to_ring, entries_to_cache=CEDLayer.entries_to_cache,
                      entries=CEDLayer.entries, fake=lowbit.fake_quantize, select=fn.select_topk,
                      select_cands=fn.select_candidates, pool=fn.pool_mask, pool_cands=fn.pool_candidates,
                      route=moe_ops.route)
@@ -152,6 +152,14 @@ class Shadow:
             me.quant = [self.i, ["swa"], pos.tolist(), me.layer[2]]
             try:
                 return saved["swa_kv_to_ring"](self, x, pos, *args)
+            finally:
+                me.quant = None
+
+        def entries_to_cache(self, x, entry_ids, *args):  # (the decode path's entries, with the cache write)
+            assert me.side == "engine" and me.entry_rows is not None and me.entry_rows[0] == entry_ids.tolist()
+            me.quant = [self.i, ["kv", "ik"], entry_ids.tolist(), me.entry_rows[1]]
+            try:
+                return saved["entries_to_cache"](self, x, entry_ids, *args)
             finally:
                 me.quant = None
 
@@ -300,7 +308,7 @@ class Shadow:
         engine_path.layer_engine, engine_path._compress_chunk = layer_engine, compress_chunk
         DecodePass.compress = decode_compress
         CEDForCausalLM._layer_full, CEDLayer.swa_kv, CEDLayer.entries = layer_full, swa_kv, entries
-        CEDLayer.swa_kv_to_ring = swa_kv_to_ring
+        CEDLayer.swa_kv_to_ring, CEDLayer.entries_to_cache = swa_kv_to_ring, entries_to_cache
         CEDLayer.choose_entries = choose_entries
         lowbit.fake_quantize, fn.select_topk, fn.pool_mask, moe_ops.route = fake_quantize, select_topk, pool_mask, route
         fn.select_candidates, fn.pool_candidates = select_candidates, pool_candidates
@@ -310,7 +318,7 @@ class Shadow:
             engine_path.layer_engine, engine_path._compress_chunk = saved["layer_engine"], saved["compress"]
             DecodePass.compress = saved["decode_compress"]
             CEDForCausalLM._layer_full, CEDLayer.swa_kv = saved["layer_full"], saved["swa_kv"]
-            CEDLayer.swa_kv_to_ring = saved["swa_kv_to_ring"]
+            CEDLayer.swa_kv_to_ring, CEDLayer.entries_to_cache = saved["swa_kv_to_ring"], saved["entries_to_cache"]
             CEDLayer.entries, lowbit.fake_quantize = saved["entries"], saved["fake"]
             CEDLayer.choose_entries = saved["choose"]
             fn.select_topk, fn.pool_mask, moe_ops.route = saved["select"], saved["pool"], saved["route"]

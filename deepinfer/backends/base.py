@@ -164,6 +164,16 @@ class Ops:
         where ids is -1: the cache rows of each query's chosen entries (its sequence's row of the table)."""
         raise NotImplementedError
 
+    def ced_compress_write(self, v: torch.Tensor, z: Optional[torch.Tensor], m: int, weight: Optional[torch.Tensor],
+                           eps: float, entry_ids: torch.Tensor, rope_dim: int, theta: float, fmt: str, fake: bool,
+                           store: tuple, rows: torch.Tensor) -> None:
+        """A CED full layer's entries of one kind into the paged cache: the groups of m rows of v [G*m, C]
+        compressed with the gate z (softmax over each group, channel-wise; None when m == 1), RMSNorm with
+        ``weight`` (or none), RoPE on the last rope_dim channels at entry_ids * m (0: none), quantize-dequantize
+        in fmt when ``fake``, then quantized in fmt into store = (codes, scales) at rows [G] (CEDLayer.entries
+        and CEDCache.write_entries)."""
+        raise NotImplementedError
+
     def ced_pool_candidates(self, scores: torch.Tensor, num_visible: torch.Tensor, block: int, nblocks: int):
         """The CED decoder's candidate pool from a full layer's indexer scores [Tq, J] float32, entries
         0 .. num_visible[t] - 1 visible: blocks of ``block`` entries scored by their max visible score, the best

@@ -29,6 +29,7 @@ class ExpertLoad:
     def _alloc(self, device) -> None:
         self.steps = torch.zeros(self.window, len(self.layers), self.num_experts, dtype=torch.long, device=device)
         self.current = torch.zeros(len(self.layers), self.num_experts, dtype=torch.long, device=device)
+        self._one = torch.ones((), dtype=torch.long, device=device)  # each record's increments, as a stride-0 view
 
     def set_window(self, window: int) -> None:
         """Keep the last ``window`` steps from now on (EPLB's window_size); forgets what was recorded."""
@@ -43,7 +44,7 @@ class ExpertLoad:
         if self.current is None or self.current.device != ids.device:
             self._alloc(ids.device)
         flat = ids.reshape(-1)
-        self.current[self.row[layer]].scatter_add_(0, flat, torch.ones_like(flat))
+        self.current[self.row[layer]].scatter_add_(0, flat, self._one.expand(flat.shape[0]))  # (no ones kernel)
 
     def record_counts(self, layer: int, counts: torch.Tensor) -> None:
         """counts: [E] tokens routed to each expert at model layer ``layer`` (already counted elsewhere)."""

@@ -297,6 +297,17 @@ class NvidiaOps(ReferenceOps):
     def ced_entry_rows(self, table, q_rows, ids):
         return self._rows(table, q_rows, ids)
 
+    def ced_compress_write(self, v, z, m, weight, eps, entry_ids, rope_dim, theta, fmt, fake, store, rows):
+        from . import triton_ced_compress as tcc, triton_ced_fused as tcf
+
+        if kernel_device_ok(v, z, weight, entry_ids, *store, rows) \
+                and tcc.supports(v, z, m, weight, fmt, store, rows, entry_ids) and 0 <= rope_dim <= v.shape[1] \
+                and rope_dim % 2 == 0 and not (torch.is_grad_enabled() and v.requires_grad):
+            self.kernel_calls["ced_compress_write"] += 1
+            inv = tcf.inv_freq(rope_dim, theta, v.device) if rope_dim else None
+            return tcc.compress_write(v, z, m, weight, eps, entry_ids, inv, fmt, fake, store, rows)
+        return super().ced_compress_write(v, z, m, weight, eps, entry_ids, rope_dim, theta, fmt, fake, store, rows)
+
     def ced_pool_candidates(self, scores, num_visible, block, nblocks):
         from . import triton_ced_pool as tcp
 

@@ -112,17 +112,10 @@ def _e2m1_code(q):
 
 
 @triton.jit
-def _quant_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, stride_s, NG,
-                  BLOCK_G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # group index within the row
-    g_mask = g < NG
-    j = tl.arange(0, GROUP // 2)
-    byte = g[:, None] * (GROUP // 2) + j[None, :]  # [BLOCK_G, GROUP // 2]: byte i holds channels 2i, 2i + 1
-    mask = g_mask[:, None]
-    x0 = to_f32(tl.load(x_ptr + row * stride_x + 2 * byte, mask=mask, other=0.0))
-    x1 = to_f32(tl.load(x_ptr + row * stride_x + 2 * byte + 1, mask=mask, other=0.0))
-    amax = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))  # [BLOCK_G]
+def fp4_quant(x0, x1, E8M0: tl.constexpr):
+    """The even and odd channels x0, x1 [G, GROUP // 2] (float32) of G groups -> (their code bytes [G, GROUP // 2]
+    int32, low nibble the even channel; scale bytes [G] int32), as reference.lowbit quantizes them."""
+    amax = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))  # [G]
     if E8M0:
         # floor(log2(amax)) - 2 from amax's exponent field (a subnormal amax gives < -127: clamp).
         ebits = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
@@ -133,8 +126,8 @@ def _quant_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, stride_s, NG
         q1 = x1 * inv[:, None]
     else:
         # The smallest E4M3 code s in 0..126 with 6 * value(s) >= amax (126 if none): binary search.
-        lo = tl.zeros([BLOCK_G], dtype=tl.int32)
-        hi = tl.full([BLOCK_G], 126, dtype=tl.int32)
+        lo = tl.zeros_like(amax).to(tl.int32)
+        hi = lo + 126
         for _ in tl.static_range(7):
             mid = (lo + hi) // 2
             ok = e4m3_value(mid) * 6.0 >= amax
@@ -147,7 +140,32 @@ def _quant_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, stride_s, NG
         q1 = tl.math.div_rn(x1, safe[:, None])
     c0 = _e2m1_code(tl.minimum(tl.abs(q0), 6.0)) | ((x0.to(tl.int32, bitcast=True) >> 28) & 8)
     c1 = _e2m1_code(tl.minimum(tl.abs(q1), 6.0)) | ((x1.to(tl.int32, bitcast=True) >> 28) & 8)
-    tl.store(codes_ptr + row * stride_c + byte, (c0 | (c1 << 4)).to(tl.uint8), mask=mask)
+    return c0 | (c1 << 4), sbyte
+
+
+@triton.jit
+def fp4_dequant(c, sb, E8M0: tl.constexpr):
+    """Code bytes c [G, GROUP // 2] and scale bytes sb [G] (int32) -> the even and odd channels' float32 values."""
+    if E8M0:
+        scale = e8m0_value(sb)
+    else:
+        scale = e4m3_value(sb)
+    return e2m1_value(c & 0xF) * scale[:, None], e2m1_value(c >> 4) * scale[:, None]
+
+
+@triton.jit
+def _quant_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, stride_s, NG,
+                  BLOCK_G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # group index within the row
+    g_mask = g < NG
+    j = tl.arange(0, GROUP // 2)
+    byte = g[:, None] * (GROUP // 2) + j[None, :]  # [BLOCK_G, GROUP // 2]: byte i holds channels 2i, 2i + 1
+    mask = g_mask[:, None]
+    x0 = to_f32(tl.load(x_ptr + row * stride_x + 2 * byte, mask=mask, other=0.0))
+    x1 = to_f32(tl.load(x_ptr + row * stride_x + 2 * byte + 1, mask=mask, other=0.0))
+    code, sbyte = fp4_quant(x0, x1, E8M0)
+    tl.store(codes_ptr + row * stride_c + byte, code.to(tl.uint8), mask=mask)
     tl.store(scales_ptr + row * stride_s + g, sbyte.to(tl.uint8), mask=g_mask)
 
 
@@ -162,13 +180,10 @@ def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, stride_c, stride_s, stride_o
     mask = g_mask[:, None]
     c = tl.load(codes_ptr + row * stride_c + byte, mask=mask, other=0).to(tl.int32)
     sb = tl.load(scales_ptr + row * stride_s + g, mask=g_mask, other=0).to(tl.int32)
-    if E8M0:
-        scale = e8m0_value(sb)
-    else:
-        scale = e4m3_value(sb)
+    v0, v1 = fp4_dequant(c, sb, E8M0)
     dt = out_ptr.dtype.element_ty
-    tl.store(out_ptr + row * stride_o + 2 * byte, cast_rne(e2m1_value(c & 0xF) * scale[:, None], dt), mask=mask)
-    tl.store(out_ptr + row * stride_o + 2 * byte + 1, cast_rne(e2m1_value(c >> 4) * scale[:, None], dt), mask=mask)
+    tl.store(out_ptr + row * stride_o + 2 * byte, cast_rne(v0, dt), mask=mask)
+    tl.store(out_ptr + row * stride_o + 2 * byte + 1, cast_rne(v1, dt), mask=mask)
 
 
 def supports_quantize(x: torch.Tensor, fmt: str) -> bool:

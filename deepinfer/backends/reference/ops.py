@@ -161,6 +161,19 @@ class ReferenceOps(Ops):
             return torch.full_like(ids, -1)
         return torch.where(ids >= 0, table[q_rows[:, None], ids.clamp(min=0)], -1)
 
+    def ced_compress_write(self, v, z, m, weight, eps, entry_ids, rope_dim, theta, fmt, fake, store, rows):
+        from ...models.ced import functional as fn  # (ops=self: a subclass's fused kernels, on CUDA)
+
+        c = fn.compress(v, fn.group_weights(z, m) if m > 1 else None, m)
+        if weight is not None:
+            c = fn.rms(c, weight, eps, ops=self)
+        if rope_dim:
+            c = fn.apply_rope(c, entry_ids * m, rope_dim, theta, ops=self)
+        codes, scales = self.quantize_kv(fn.fake(c, fmt, fake, ops=self), fmt)
+        store[0][rows] = codes
+        if scales is not None:
+            store[1][rows] = scales
+
     def ced_pool_candidates(self, scores, num_visible, block, nblocks):
         from ...models.ced import functional as fn
 

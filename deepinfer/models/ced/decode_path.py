@@ -63,8 +63,7 @@ class DecodePass(engine_path.Shared):
             group = tail[slots[:, None], members].reshape(self.n * m, d)
         else:
             group = xs
-        e, k = layer.entries(group, j)
-        cache.write_entries(layer.i, rows, e, k, quantize=model_ops(model).quantize_kv)
+        layer.entries_to_cache(group, j, rows, cache, model_ops(model))
 
     def entry_slots(self, m: int, cache) -> torch.Tensor:
         """[R, J] cache row of every entry id the block tables can hold (queries see only their visible ones)."""

@@ -105,6 +105,16 @@ class CEDLayer(nn.Module):
         k = fn.fake(fn.compress(ik, wi, m), c.index_k_format, c.fake_quant, ops=ops)
         return e, k
 
+    def entries_to_cache(self, x, entry_ids, rows, cache, ops):
+        """entries(x, entry_ids) quantized into this layer's cache rows ``rows`` (CEDCache.write_entries): one
+        op per kind (``Ops.ced_compress_write``, one kernel each on the nvidia backend) after the projections."""
+        c, m = self.c, self.m
+        z, zi = (F.linear(x, self.wz), F.linear(x, self.wzi)) if m > 1 else (None, None)
+        ops.ced_compress_write(F.linear(x, self.wkv), z, m, self.kv_norm, c.rms_norm_eps, entry_ids, c.rope_dim,
+                               c.rope_theta, c.global_kv_format, c.fake_quant, cache.kv[self.i], rows)
+        ops.ced_compress_write(F.linear(x, self.wik), zi, m, None, c.rms_norm_eps, entry_ids, 0, c.rope_theta,
+                               c.index_k_format, c.fake_quant, cache.ik[self.i], rows)
+
     def _kernels(self, x):
         """The owning model's ops on CUDA, None elsewhere: functional's fake quantisation (sync-free kernels),
         rms and apply_rope (one fused kernel each) take them; the CPU keeps the torch formulas."""
