@@ -131,14 +131,15 @@ def test_batched_drafting_equals_one_sequence_at_a_time(ckpt):
 
     mtp = llm(ckpt[0], speculative_config={"method": "mtp", "num_speculative_tokens": 3}).engine.drafter.mtp
     d, V = mtp.config.hidden_size, mtp.config.vocab_size
+    dev = mtp.layer.eh_proj.weight.device  # the engine's: hidden states arrive there, as the target's
     g = torch.Generator().manual_seed(0)
     caches, tokens, computed = [], [], []
     for start, first, more in [(0, 5, 2), (3, 1, 0), (7, 4, 3), (2, 2, 1)]:
         ids = torch.randint(0, V, (start + first + more + 1,), generator=g).tolist()
-        cache, comp = mtp.new_cache(start, torch.randn(first, d, generator=g)), start + first
+        cache, comp = mtp.new_cache(start, torch.randn(first, d, generator=g).to(dev)), start + first
         if more:  # an earlier draft, then the target computed `more` further positions (the engine's observe)
             mtp.draft(cache, ids[:comp + 1], comp, 2, lambda lg: int(lg.argmax()))
-            cache.observe(comp, torch.randn(more, d, generator=g))
+            cache.observe(comp, torch.randn(more, d, generator=g).to(dev))
             comp += more
         caches.append(cache)
         tokens.append(ids[:comp + 1])
@@ -205,8 +206,8 @@ def test_fp8_mtp_tensors_are_dequantized_like_the_target(ckpt, tmp_path):
     quant = write_fp8_checkpoint(ckpt[0], tmp_path / "fp8", pick, block=(16, 16))
     drafter = llm(str(tmp_path / "fp8"), speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     layer = drafter.engine.drafter.mtp.layer
-    w, s = quant["model.layers.3.eh_proj.weight"]
-    assert torch.equal(layer.eh_proj.weight, dequantize_fp8_block(w, s, (16, 16)).float())
+    w, s = quant["model.layers.3.eh_proj.weight"]  # on the host; the layer on the engine's device
+    assert torch.equal(layer.eh_proj.weight.cpu(), dequantize_fp8_block(w, s, (16, 16)).float())
     w, s = quant["model.layers.3.mlp.experts.2.up_proj.weight"]
     F = w.shape[0]
-    assert torch.equal(layer.mlp.w13[2, F:], dequantize_fp8_block(w, s, (16, 16)).float())
+    assert torch.equal(layer.mlp.w13[2, F:].cpu(), dequantize_fp8_block(w, s, (16, 16)).float())

@@ -32,7 +32,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(checkpoint):
-    return LLM(checkpoint, num_kv_blocks=16, block_size=BS).engine.model
+    # The reference backend on the CPU on every machine (a GPU machine would default to CUDA).
+    return LLM(checkpoint, num_kv_blocks=16, block_size=BS, device="cpu").engine.model
 
 
 def sequences(ks: list, lens: list, seed: int) -> list:
@@ -58,8 +59,8 @@ def test_verify_graph_function_equals_the_eager_forward(model, ks, data):
 
 
 def test_verify_graph_function_on_the_nvidia_kernels(checkpoint):
-    """The same through the nvidia backend's kernels (Triton's interpreter without a GPU): the paged prefill
-    kernel places a padded row's real queries where the eager ragged call does."""
+    """The same through the nvidia backend's kernels (Triton's interpreter without a GPU, the real kernels on
+    CUDA): the paged prefill kernel places a padded row's real queries where the eager ragged call does."""
     model = LLM(checkpoint, num_kv_blocks=16, block_size=BS, backend="nvidia").engine.model
     before = model.ops.kernel_calls["paged_prefill"]
     check_padded_forward(model, [3, 0, 1], [9, 5, 14], seed=4, extra=(1, 1))
@@ -67,20 +68,22 @@ def test_verify_graph_function_on_the_nvidia_kernels(checkpoint):
 
 
 def check_padded_forward(model, ks: list, lens: list, seed: int, extra: tuple) -> None:
-    """extra: (padded rows beyond the batch, blocks beyond the ones needed) of the graph's bucket."""
+    """extra: (padded rows beyond the batch, blocks beyond the ones needed) of the graph's bucket. Runs on the
+    model's device."""
+    dev = model.model.embed_tokens.weight.device
     K = 3
     Q = K + 1
     seqs = sequences(ks, lens, seed)
     batch = ScheduledBatch(seqs=seqs, num_tokens=[1 + k for k in ks], start=list(lens), samples=[True] * len(ks),
                            drafts=[list(s.draft) for s in seqs])
-    tables = BlockTables(MAX_SEQS, MAX_BLOCKS, "cpu", scratch_block=BLOCKS)
+    tables = BlockTables(MAX_SEQS, MAX_BLOCKS, dev, scratch_block=BLOCKS)
     tables.sync(seqs)
     g = torch.Generator().manual_seed(1)
-    kv = tuple(torch.randn(t.shape, generator=g) for t in model.allocate_kv_cache((BLOCKS + 1) * BS, torch.float32,
-                                                                                 "cpu"))
+    kv = tuple(torch.randn(t.shape, generator=g).to(dev)
+               for t in model.allocate_kv_cache((BLOCKS + 1) * BS, torch.float32, dev))
     kv_eager, kv_graph = tuple(t.clone() for t in kv), tuple(t.clone() for t in kv)
 
-    inp = plan(batch, BS, "cpu", tables)
+    inp = plan(batch, BS, dev, tables)
     ids, meta = inp.tensors()
     with torch.no_grad():
         want = model(ids, meta, kv_eager)  # [T, d] the stream the verify stage reads
@@ -89,7 +92,7 @@ def check_padded_forward(model, ks: list, lens: list, seed: int, extra: tuple) -
     starts = [batch.start[i] for i in inp.rows]
     B = _bucket(len(rows) + extra[0], range(1, MAX_SEQS + 1))  # some padded rows
     NB = min(MAX_BLOCKS, -(-(max(starts) + Q) // BS) + extra[1])
-    st = verify_inputs(B, NB, Q, BS, tables.scratch_row, "cpu")
+    st = verify_inputs(B, NB, Q, BS, tables.scratch_row, dev)
     keep = fill_verify(st, [s.input_ids(a, 1 + len(s.draft)) for s, a in zip(rows, starts)], starts,
                        [s.state_slot for s in rows], tables.scratch_row)
     gmeta = verify_metadata(st, tables, BS)
@@ -97,7 +100,7 @@ def check_padded_forward(model, ks: list, lens: list, seed: int, extra: tuple) -
     assert torch.equal(st["ids"][keep], ids)
     assert torch.equal(gmeta.positions[keep], meta.positions)
     assert torch.equal(gmeta.slot_mapping[keep], meta.slot_mapping)
-    pad = torch.ones(B * Q, dtype=torch.bool)
+    pad = torch.ones(B * Q, dtype=torch.bool, device=dev)
     pad[keep] = False
     assert (gmeta.slot_mapping[pad] // BS == BLOCKS).all()
     with torch.no_grad():
@@ -208,7 +211,7 @@ def test_engine_verify_graph_path_gives_eager_verification_tokens(checkpoint):
     from deepinfer.testing.compare import NEAR_TIE, assert_same_or_near_tie
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    kw = dict(num_kv_blocks=64, block_size=BS, speculative_config=spec)
+    kw = dict(num_kv_blocks=64, block_size=BS, speculative_config=spec, device="cpu")  # graphs run eagerly
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     eager = LLM(checkpoint, **kw).generate(_prompts(), sp, use_tqdm=False)
     llm = LLM(checkpoint, **kw)
