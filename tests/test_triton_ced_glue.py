@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from hypothesis import given, strategies as st
 
-from deepinfer.testing.kernels import DEV, assert_same_bits, examples, gen, skip_module_without_kernels
+from deepinfer.testing.kernels import (DEV, assert_same_bits, capture_graph, examples, gen, gpu, no_host_sync,
+                                       skip_module_without_kernels)
 
 skip_module_without_kernels()
 
@@ -280,3 +281,59 @@ def test_compress_write_matches_the_entry_formulas(G, m, C, fmt, kv, dtype, seed
     untouched = torch.ones(N, dtype=torch.bool)
     untouched[rows] = False
     assert not plain[0].cpu()[untouched].any()  # only the rows asked for are written
+
+
+# ------------------------------------------------------------------------------------------------ on a GPU
+@gpu
+def test_gpu_glue_kernels_at_bench_shapes_replay_in_a_graph():
+    """The CED bench config's shapes (d 2048, D 512, 32 experts top-4, index dh 128, pool 256 blocks of 8),
+    batch 16 in bf16: every op captured in one CUDA graph (no host sync) and replayed on new inputs equals the
+    reference op, within the tolerances above."""
+    ops, ref = NvidiaOps(DEV), ReferenceOps(DEV)
+    g = gen(11)
+    T, d, D, E, J = 16, 2048, 512, 32, 4000
+    x = torch.randn(T, d, generator=g).bfloat16().to(DEV)
+    gate, bias = (torch.randn(E, d, generator=g) / 45).to(DEV), (torch.randn(E, generator=g) * 0.1).to(DEV)
+    y = torch.randn(T, D, generator=g).bfloat16().to(DEV)
+    wn = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV)
+    pos = torch.randint(0, 60000, (T,), generator=g).to(DEV)
+    slots = torch.arange(T, device=DEV)
+    scores = torch.randn(T, J, generator=g).to(DEV)
+    nvis = torch.randint(0, J + 1, (T,), generator=g).to(DEV)
+    v, z = (torch.randn(2 * T, D, generator=g).bfloat16().to(DEV) for _ in range(2))
+    ids = torch.arange(T, device=DEV) * 7
+
+    def fresh_stores():
+        ring = lowbit.quantize(torch.zeros(T + 1, 140, D, device=DEV), "fp8_e4m3_pow2")
+        return ring, lowbit.quantize(torch.zeros(T * 8, D, device=DEV), "fp4_e2m1_e4m3")
+
+    ring, kv = fresh_stores()
+
+    def step(o):
+        return (o.ced_moe_route(x, gate, 4, bias=bias, scaling=1.5), o.ced_swa_kv(
+            y, wn, 1e-6, pos, 64, 10000.0, "fp8_e4m3_pow2", True, ring, slots),
+            o.ced_pool_candidates(scores, nvis, 8, 256), o.ced_add_rms_norm(y, y, wn, 1e-6, y),
+            o.ced_swiglu(torch.cat([y, y], 1), 10.0),
+            o.ced_compress_write(v, z, 2, wn, 1e-6, ids, 64, 10000.0, "fp4_e2m1_e4m3", True, kv, ids))
+
+    graph, out = no_host_sync(lambda: capture_graph(lambda: step(ops)))
+    for t in (x, y, scores, v):  # new inputs, then a replay
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype).to(DEV))
+    graph.replay()
+    got_ring, got_kv = tuple(t.clone() for t in ring), tuple(t.clone() for t in kv)
+    ring, kv = fresh_stores()
+    want = step(ref)
+    (w, i), kv_out, pool, (h, n), act, _ = out
+    (rw, ri), rkv, rpool, (rh, rn), ract, _ = want
+    choice = torch.sqrt(torch.nn.functional.softplus(torch.nn.functional.linear(x.float(), gate))) + bias
+    same = (i.sort(1).values == ri.sort(1).values).all(1)  # else a near-tie: the chosen scores agree
+    assert torch.allclose(choice.gather(1, i).sort(1).values, choice.gather(1, ri).sort(1).values, atol=1e-5)
+    assert torch.allclose(w[same], rw[same], rtol=1e-5, atol=1e-6)
+    assert (kv_out.float() - rkv.float()).abs().max() <= 0.07 * rkv.float().abs().max()
+    assert torch.equal(pool, rpool) and torch.equal(h, rh)
+    assert (n.float() - rn.float()).abs().max() <= 2 ** -6 * rn.float().abs().max()
+    assert (act.float() - ract.float()).abs().max() <= 2 ** -6 * ract.float().abs().max()
+    for a, b in zip(got_kv, kv):
+        assert (a != b).float().mean() <= 0.02
+    for a, b in zip(got_ring, ring):
+        assert (a != b).float().mean() <= 0.02
