@@ -178,3 +178,54 @@ def test_dynamic_dspark_keeps_greedy_output_and_optional_drafters(ced, tmp_path)
     build_tiny_hf_model(llama, "llama")
     llm = LLM(str(llama), num_kv_blocks=64, block_size=4, speculative_config=spec(optional=True))
     assert llm.spec_stats() == {"enabled": False}  # no drafter for this model: plain decoding
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The engine's batched drafting (DSparkDraft.propose_batch) against one sequence at a time (propose).
+
+@pytest.fixture(scope="module")
+def drafter(ced):
+    return LLM(ced[0], num_kv_blocks=64, block_size=4, speculative_config=spec()).engine.drafter  # any k below
+
+
+@settings(max_examples=20, deadline=None)
+@given(hst.lists(hst.tuples(hst.integers(1, 12), hst.integers(1, 7), hst.sampled_from([None, 0.0, 1.0, 0.7])),
+                 min_size=1, max_size=6), hst.integers(0, 99))
+def test_batched_drafting_equals_one_sequence_at_a_time(drafter, rows, seed):
+    """Each sequence (its own length, room, greedy or seeded sampling, or no kept context: None) gets the drafts,
+    draft distributions and survival from propose_batch that propose gives it alone, and its generator is left
+    where propose leaves it."""
+    from deepinfer.core.state import Sequence
+
+    net = drafter.drafter_net
+    dev, width, V = net.anchor.weight.device, net.context.in_features, net.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+
+    def batch():
+        out = []
+        for i, (n, _, temp) in enumerate(rows):
+            sp = SamplingParams(temperature=temp or 0.0, seed=seed + i)
+            s = Sequence(seq_id=i, request_id=str(i), index=0, token_ids=torch.randint(0, V, (n,), generator=g)
+                         .tolist(), num_prompt_tokens=n, params=sp, arrival=i)
+            s.draft_context = None if temp is None else (torch.randn(width, generator=g) * 3).to(dev)
+            s.generator = None if sp.greedy else torch.Generator(dev).manual_seed(seed + i)
+            out.append(s)
+        return out
+
+    state = g.get_state()
+    alone = batch()
+    g.set_state(state)
+    together = batch()
+    ks = [k for _, k, _ in rows]
+    want = [drafter.propose(s, k) for s, k in zip(alone, ks)]
+    got = drafter.propose_batch(together, ks)
+    assert got == want
+    for i, (a, b) in enumerate(zip(alone, together)):
+        if a.draft_context is None:
+            continue
+        assert len(got[i]) == min(ks[i], net.config.positions)
+        tol = 1e-5 * max(1.0, float(a.draft_probs.abs().max())) if a.draft_probs.numel() else 0.0
+        torch.testing.assert_close(b.draft_probs, a.draft_probs, rtol=1e-4, atol=tol, msg=f"sequence {i}")
+        assert b.draft_survival == pytest.approx(a.draft_survival, rel=1e-5, abs=1e-7), i
+        if a.generator is not None:  # a seeded row's generator advanced by its own draws only
+            assert torch.equal(b.generator.get_state(), a.generator.get_state()), i

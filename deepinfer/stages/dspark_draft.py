@@ -5,7 +5,9 @@ drafter's weights come from ``drafter`` (vLLM's ``model`` key is accepted too), 
 checkpoint's ``dspark/`` directory (the bundled demo model ships one). It reads the target's hidden states
 after its last layers at the position that produced each sequence's last token (the engine keeps them per
 sequence after every step: ``seq.draft_context``), and proposes up to min(k, positions) tokens with their
-draft distributions (``seq.draft_probs``), against which sampled drafts are verified.
+draft distributions (``seq.draft_probs``), against which sampled drafts are verified. The engine asks for every
+sequence of a step at once (``propose_batch``: one forward of the drafter for all of them, one host copy of the
+drafts and confidences); ``propose`` drafts one sequence (the batch's oracle).
 """
 
 from __future__ import annotations
@@ -75,6 +77,23 @@ class DSparkDraft(Stage):
         seq.draft_survival = torch.cumprod(conf.float(), 0).tolist()  # S_i = c_1 ... c_i
         return tokens
 
+    def propose_batch(self, seqs: list, ks: list) -> list:
+        """Up to ks[i] drafts for each of seqs in one forward of the drafter (the engine's call before a step);
+        ``propose`` is its oracle, one sequence at a time. A sequence with no kept context drafts nothing."""
+        ready = [i for i, s in enumerate(seqs) if getattr(s, "draft_context", None) is not None]
+        drafts = [[] for _ in seqs]
+        if not ready:
+            return drafts
+        rows = [seqs[i] for i in ready]
+        gens = [s.generator if getattr(s, "generator", None) is not None else self.generator for s in rows]
+        tokens, q, survival = self.drafter_net.draft_batch(
+            [s.draft_context for s in rows], [s.token_ids[-1] for s in rows], [ks[i] for i in ready], self.model,
+            [s.params.greedy for s in rows], gens)
+        for r, (i, s) in enumerate(zip(ready, rows)):
+            drafts[i] = tokens[r]
+            s.draft_probs, s.draft_survival = q[r, :len(tokens[r])], survival[r]
+        return drafts
+
     @staticmethod
     def locate(model, model_path, drafter) -> Optional[Path]:
         """The drafter directory this stage would load, or None when there is none (not a CED target, or no
@@ -83,4 +102,4 @@ class DSparkDraft(Stage):
         return where if where is not None and (where / "config.json").is_file() else None
 
     def __call__(self, state) -> None:
-        raise TypeError("the dspark draft stage is called through propose(seq, k) by the engine")
+        raise TypeError("the dspark draft stage is called through propose_batch(seqs, ks) by the engine")

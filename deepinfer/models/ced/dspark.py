@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...layout import to_device
+
 
 @attrs.frozen
 class DSparkConfig:
@@ -148,6 +150,39 @@ class DSpark(nn.Module):
             qs.append(q)
             prev = torch.tensor(t, device=dev)
         return tokens, torch.stack(qs) if qs else base.new_zeros(0, base.shape[-1]), torch.sigmoid(conf[0, :k])
+
+    @torch.no_grad()
+    def draft_batch(self, contexts: list, anchors: list, ks: list, target, greedy: list, gens: list) -> tuple:
+        """``draft`` for B sequences in one forward: contexts [B] each [target_layers * target_hidden], anchors [B]
+        token ids, ks [B] drafts wanted, greedy [B], gens [B] (a sampled row's generator). Returns (tokens [B]
+        host lists, q [B, K, V] on the device, survival [B] host lists S_1..S_k); row b's first min(ks[b], P)
+        entries are what ``draft`` gives it. The host waits once, for one copy of every row's tokens and survival;
+        the Markov chain runs K = max k positions for every row (a row's own draws stop at its own k, so a
+        seeded generator advances as in ``draft``)."""
+        P = self.config.positions
+        ks = [min(k, P) for k in ks]
+        B, K = len(ks), max(ks, default=0)
+        dev = self.anchor.weight.device
+        prev = to_device(anchors, torch.long, dev)  # [B]
+        base, conf = self(torch.stack(list(contexts)).to(dev), prev, target)  # [B, P, V], [B, P]
+        qs, tokens = [], []
+        for j in range(K):
+            q = (base[:, j] + self.markov(prev)).softmax(dim=-1)  # [B, V]
+            t = q.argmax(dim=-1)
+            for b in range(B):  # sampled rows: each from its own generator, the call draft makes
+                if not greedy[b] and j < ks[b]:
+                    g = gens[b]
+                    t[b] = torch.multinomial(q[b].to(g.device if g is not None else "cpu").double(), 1,
+                                             generator=g)[0].to(dev)
+            qs.append(q)
+            tokens.append(t)
+            prev = t
+        if K == 0:
+            return [[] for _ in ks], base.new_zeros(B, 0, base.shape[-1]), [[] for _ in ks]
+        survival = torch.cumprod(torch.sigmoid(conf[:, :K]), dim=1)  # [B, K] S_i = c_1 ... c_i
+        host = torch.cat([torch.stack(tokens, 1).double(), survival.double()], 1).tolist()  # the one copy
+        return ([[int(t) for t in row[:k]] for row, k in zip(host, ks)], torch.stack(qs, 1),
+                [row[K:K + k] for row, k in zip(host, ks)])
 
 
 def load_dspark(path, device, dtype=torch.float32) -> DSpark:
