@@ -5,9 +5,10 @@ drafter's weights come from ``drafter`` (vLLM's ``model`` key is accepted too), 
 checkpoint's ``dspark/`` directory (the bundled demo model ships one). It reads the target's hidden states
 after its last layers at the position that produced each sequence's last token (the engine keeps them per
 sequence after every step: ``seq.draft_context``), and proposes up to min(k, positions) tokens with their
-draft distributions (``seq.draft_probs``), against which sampled drafts are verified. The engine asks for every
-sequence of a step at once (``propose_batch``: one forward of the drafter for all of them, one host copy of the
-drafts and confidences); ``propose`` drafts one sequence (the batch's oracle).
+draft distributions (``seq.draft_probs``, sampled rows only: a greedy row is verified by argmax alone),
+against which sampled drafts are verified. The engine asks for every sequence of a step at once
+(``propose_batch``: one forward of the drafter for all of them, one host copy of the drafts and confidences);
+``propose`` drafts one sequence (the batch's oracle).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class DSparkDraft(Stage):
             return []
         gen = seq.generator if getattr(seq, "generator", None) is not None else self.generator
         tokens, q, conf = self.drafter_net.draft(context, seq.token_ids[-1], k, self.model, seq.params.greedy, gen)
-        seq.draft_probs = q
+        seq.draft_probs = None if seq.params.greedy else q
         seq.draft_survival = torch.cumprod(conf.float(), 0).tolist()  # S_i = c_1 ... c_i
         return tokens
 
@@ -91,7 +92,8 @@ class DSparkDraft(Stage):
             [s.params.greedy for s in rows], gens)
         for r, (i, s) in enumerate(zip(ready, rows)):
             drafts[i] = tokens[r]
-            s.draft_probs, s.draft_survival = q[r, :len(tokens[r])], survival[r]
+            s.draft_probs = None if s.params.greedy else q[r, :len(tokens[r])]
+            s.draft_survival = survival[r]
         return drafts
 
     @staticmethod

@@ -155,8 +155,9 @@ class DSpark(nn.Module):
     def draft_batch(self, contexts: list, anchors: list, ks: list, target, greedy: list, gens: list) -> tuple:
         """``draft`` for B sequences in one forward: contexts [B] each [target_layers * target_hidden], anchors [B]
         token ids, ks [B] drafts wanted, greedy [B], gens [B] (a sampled row's generator). Returns (tokens [B]
-        host lists, q [B, K, V] on the device, survival [B] host lists S_1..S_k); row b's first min(ks[b], P)
-        entries are what ``draft`` gives it. The host waits once, for one copy of every row's tokens and survival;
+        host lists, q [B, K, V] on the device (None when every row is greedy: verification ignores a greedy
+        row's q), survival [B] host lists S_1..S_k); row b's first min(ks[b], P) entries are what ``draft`` gives
+        it. The host waits once, for one copy of every row's tokens and survival;
         the Markov chain runs K = max k positions for every row (a row's own draws stop at its own k, so a
         seeded generator advances as in ``draft``)."""
         P = self.config.positions
@@ -178,10 +179,10 @@ class DSpark(nn.Module):
             tokens.append(t)
             prev = t
         if K == 0:
-            return [[] for _ in ks], base.new_zeros(B, 0, base.shape[-1]), [[] for _ in ks]
+            return [[] for _ in ks], None if all(greedy) else base.new_zeros(B, 0, base.shape[-1]), [[] for _ in ks]
         survival = torch.cumprod(torch.sigmoid(conf[:, :K]), dim=1)  # [B, K] S_i = c_1 ... c_i
         host = torch.cat([torch.stack(tokens, 1).double(), survival.double()], 1).tolist()  # the one copy
-        return ([[int(t) for t in row[:k]] for row, k in zip(host, ks)], torch.stack(qs, 1),
+        return ([[int(t) for t in row[:k]] for row, k in zip(host, ks)], None if all(greedy) else torch.stack(qs, 1),
                 [row[K:K + k] for row, k in zip(host, ks)])
 
 
