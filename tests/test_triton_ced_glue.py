@@ -154,7 +154,9 @@ def test_swa_kv_ring_matches_norm_rope_and_fake_quantisation(T, D, frac, dtype, 
     ref = fn.apply_rope(fn.rms(y.cpu(), w.cpu(), 1e-6), pos.cpu(), R, 10000.0)
     assert plain.dtype == dtype and plain.shape == (T, D)
     row = ref.double().abs().amax(-1, keepdim=True) if T else ref.double()
-    assert ((plain.cpu().double() - ref.double()).abs() <= 2 * ulp(row, dtype)).all()
+    # a few ulps of the row's largest value: the device's rsqrt, sin and cos are not the CPU's (3 ulps seen on the
+    # H200 in float32)
+    assert ((plain.cpu().double() - ref.double()).abs() <= 8 * ulp(row, dtype)).all()
     kv = tcs.swa_kv_ring(y, w, 1e-6, pos, inv, ring, slot, fake=True)
     assert_same_bits(kv.cpu(), lowbit.fake_quantize(plain.cpu(), "fp8_e4m3_pow2"))
     codes, scales = lowbit.quantize(kv.cpu(), "fp8_e4m3_pow2")
