@@ -51,6 +51,9 @@ class AttnMetadata:
     state_rows: Optional[torch.Tensor] = None  # [B] int64 each row's state slot (a CUDA graph's padded rows: scratch)
     replay_rows: Optional[torch.Tensor] = None  # [B] int64 each row's decoder SWA cut (replay start; core/block_tables.py)
     swa_cut_rows: Optional[torch.Tensor] = None  # [B] int64 the other layers' SWA cut (a prefix hit's replay start)
+    # [B] int64 real tokens of each row of a padded verify batch (CUDA graphs: every row max_q tokens, the rest
+    # padding, which must not write per-sequence state); None: no padding.
+    q_nums: Optional[torch.Tensor] = None
     # Per-row facts for models with per-sequence state (CED rings, compressors); host lists, read on the host.
     starts: list = attrs.field(factory=list)  # [B] first position computed this step
     nums: list = attrs.field(factory=list)  # [B] tokens computed this step

@@ -173,35 +173,15 @@ def test_speculating_engine_syncs_at_most_once_per_step(tmp_path):
 # ----------------------------------------------------------------------------------------------------------
 # The engine's graph path end to end on the CPU: DecodeGraphs with each "graph" run eagerly instead of replayed.
 
-class _EagerGraph:
-    def __init__(self, forward):
-        self.forward, self.out = forward, forward()
-
-    def replay(self):
-        self.out.copy_(self.forward())
-
-
 def _eager_graphs(llm, width: int):
     """Give a CPU engine a scratch block and DecodeGraphs whose graphs run eagerly (capture needs CUDA)."""
-    from deepinfer.backends.cuda_graph import DecodeGraphs
-
-    class EagerGraphs(DecodeGraphs):
-        def _record(self, key, st, forward):
-            g = _EagerGraph(forward)
-            self.graphs[key] = (g, st, g.out)
-            return self.graphs[key]
+    from deepinfer.testing.graphs import install_eager_graphs
 
     eng = llm.engine
-    tables, bs = eng.block_tables, eng.config.block_size
+    bs = eng.config.block_size
     blocks = eng.kv_cache[0].shape[1] // bs
-    tables.table = torch.cat([tables.table, torch.full((1, tables.max_blocks), blocks)])
-    tables.cuts = torch.cat([tables.cuts, torch.zeros(2, 1, dtype=torch.long)], 1)
-    tables.scratch_row = tables.table.shape[0] - 1
     eng.kv_cache = tuple(torch.cat([t, t.new_zeros(t.shape[0], bs, *t.shape[2:])], 1) for t in eng.kv_cache)
-    graphs = EagerGraphs(eng.model, eng.kv_cache, tables, bs, "cpu", (1, 2, 4, 8))
-    graphs.enable_verify(width, eng.max_model_len)
-    next(st for st in eng.stages["step"] if st.name == "forward").decode_graphs = graphs
-    return graphs
+    return install_eager_graphs(llm, width, blocks)
 
 
 def test_engine_verify_graph_path_gives_eager_verification_tokens(checkpoint):

@@ -62,6 +62,7 @@ class DecodeGraphs:
         self.verify_width = 0  # Q of the verify graphs (K + 1); 0: verify steps run eagerly
         self.max_len = tables.max_blocks * block_size  # positions a padded verify token may reach
         self.num_verify_replays = 0
+        self.hidden_width = 0  # with kept hidden states in the output: the hidden states' columns
 
     def enable_verify(self, width: int, max_len: int) -> None:
         """Capture verify steps of up to width - 1 drafts per row (padded to ``width`` tokens), for a model of
@@ -125,7 +126,7 @@ class DecodeGraphs:
                                 replay_rows=tables.cuts[0, st["rows"]], swa_cut_rows=tables.cuts[1, st["rows"]])
             return self.model(st["ids"], meta, self.kv_cache)  # hidden [B, d]
 
-        return self._record((B, NB), st, forward)
+        return self._record((B, NB), st, self._with_kept(forward))
 
     def _capture_verify(self, B: int, NB: int, Q: int):
         tables = self.tables
@@ -135,7 +136,28 @@ class DecodeGraphs:
             meta = verify_metadata(st, tables, self.block_size)
             return self.model(st["ids"], meta, self.kv_cache)  # hidden [B * Q, d]
 
-        return self._record((B, NB, Q), st, forward)
+        return self._record((B, NB, Q), st, self._with_kept(forward))
+
+    def _with_kept(self, forward):
+        """forward, with the model's kept hidden states (``captured_hidden``: the last ``capture_last`` decoder
+        layers', which a DSpark drafter reads) appended to its output's columns, so they are a static output of
+        the graph too; ``_split`` takes them apart after a replay."""
+        if not getattr(self.model, "capture_last", 0):
+            return forward
+
+        def both():
+            h = forward()
+            self.hidden_width = h.shape[-1]
+            return torch.cat([h, self.model.captured_hidden], dim=-1)
+        return both
+
+    def _split(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows of a graph's output (a copy) -> the hidden states; the kept ones become model.captured_hidden."""
+        d = self.hidden_width
+        if not d or rows.shape[-1] == d:  # (a graph captured before the model kept any)
+            return rows
+        self.model.captured_hidden = rows[:, d:]
+        return rows[:, :d]
 
     def _record(self, key: tuple, st: dict, forward):
         dev = self.device
@@ -167,7 +189,7 @@ class DecodeGraphs:
         st["rows"].copy_(dev[2])
         graph.replay()
         self.num_replays += 1
-        return out[:n].clone()  # the static output is overwritten by the next replay
+        return self._split(out[:n].clone())  # the static output is overwritten by the next replay
 
 
     def run_verify(self, ids: list, starts: list, slots: list, future=None) -> torch.Tensor:
@@ -182,7 +204,7 @@ class DecodeGraphs:
         graph.replay()
         self.num_replays += 1
         self.num_verify_replays += 1
-        return out.index_select(0, keep)  # a copy: the next replay overwrites out
+        return self._split(out.index_select(0, keep))  # a copy: the next replay overwrites out
 
 
 def fill_verify(st: dict, ids: list, starts: list, slots: list, scratch_row: int, future=None) -> torch.Tensor:
@@ -236,7 +258,7 @@ def verify_metadata(st: dict, tables, block_size: int) -> AttnMetadata:
                         seq_lens=pos + Q, q_index=st["q_index"], q_valid=st["q_valid"],
                         kv_slots=bt[:, kv_pos // bs] * bs + kv_pos % bs, q_pos=q_pos, block_table=bt,
                         block_size=bs, cu_q=st["cu_q"], max_q=Q, num_decodes=0, state_rows=rows,
-                        replay_rows=tables.cuts[0, rows], swa_cut_rows=tables.cuts[1, rows])
+                        replay_rows=tables.cuts[0, rows], swa_cut_rows=tables.cuts[1, rows], q_nums=st["nums"])
 
 
 def capture_sizes(sizes: Optional[list], max_batch: int) -> tuple:

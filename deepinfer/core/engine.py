@@ -106,15 +106,16 @@ class Engine:
             width = verify_width(pipeline, config, model, model_path)
             if width:  # speculative verify steps get graphs of their own (padded to k + 1 tokens a row)
                 self.decode_graphs.enable_verify(width, max_model_len)
-            with torch.no_grad(), self.kernel_mode():
-                self.graph_bytes = self.decode_graphs.capture_all(progress=log.isEnabledFor(logging.INFO))
-            log.info("CUDA graphs: %d captured (batch sizes %s), %.2f GiB", len(self.decode_graphs.graphs),
-                     list(self.decode_graphs.batch_buckets), self.graph_bytes / 2**30)
         context = dict(config=config, model=model, ops=ops, tokenizer=tokenizer, vocab_size=model.vocab_size,
                        device=self.device, generator=self.generator, engine_config=config,
                        decode_graphs=self.decode_graphs, block_tables=self.block_tables,
                        cache_identity=self.cache_identity, model_path=None if model_path is None else str(model_path))
         self.stages = pipeline.build(context)
+        if use_graphs:  # captured now, after the stages (a drafter may ask the model to keep hidden states)
+            with torch.no_grad(), self.kernel_mode():
+                self.graph_bytes = self.decode_graphs.capture_all(progress=log.isEnabledFor(logging.INFO))
+            log.info("CUDA graphs: %d captured (batch sizes %s), %.2f GiB", len(self.decode_graphs.graphs),
+                     list(self.decode_graphs.batch_buckets), self.graph_bytes / 2**30)
         replay = next((st for st in self.stages["admit"] if getattr(st, "kind", "") == "swa_replay"), None)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    watermark=config.watermark, aging_steps=config.scheduling_aging_steps,

@@ -92,9 +92,10 @@ def can_speculate(params) -> bool:
 
 def wants_hidden(pipeline, config, model=None, model_path=None) -> bool:
     """Whether the configured drafter reads the target's hidden states (the engine then keeps them per
-    sequence and does not capture decode in CUDA graphs); an optional one only if it can be built here."""
+    sequence and does not capture decode in CUDA graphs, unless the model's graphs keep them:
+    ``graphs_keep_hidden``); an optional one only if it can be built here."""
     spec = SpeculativeConfig.parse(config.speculative_config)
-    if spec is None:
+    if spec is None or getattr(model, "graphs_keep_hidden", False):
         return False
     from .plugins import get_registry
 
@@ -115,9 +116,11 @@ def wants_hidden(pipeline, config, model=None, model_path=None) -> bool:
 def verify_width(pipeline, config, model, model_path=None) -> int:
     """Q = k + 1, the tokens per row of the verify steps the engine captures in CUDA graphs (beside decode's),
     or 0: no speculation, an optional drafter that cannot be built here, or a model with per-sequence window
-    state (CED's SWA rings), which a padded token would write."""
+    state (SWA rings) that a padded token would write, unless the model keeps padding off it
+    (``pads_verify_safely``: CED's decode path routes padding to its scratch slot and block)."""
     spec = SpeculativeConfig.parse(config.speculative_config)
-    if spec is None or getattr(model, "max_draft_tokens", None) is not None:
+    if spec is None or (getattr(model, "max_draft_tokens", None) is not None
+                        and not getattr(model, "pads_verify_safely", False)):
         return 0
     if spec.optional:
         from .plugins import get_registry

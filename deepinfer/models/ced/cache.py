@@ -16,7 +16,8 @@
   each sequence's last ring-many positions (position p in slot p % ring), which a snapshot keeps beside the
   encoder rings because the decoder replays the last n_win prompt tokens' encoder outputs.
 Per-sequence parts are indexed by the sequence's state slot, plus one scratch row (slot ``max_seqs``) that
-a CUDA graph's padded rows use (backends/cuda_graph.py).
+a CUDA graph's padded rows use (backends/cuda_graph.py). With CUDA graphs the engine also allocates one
+scratch block last (core/engine.py); a padded verify batch writes its padding's entries there.
 """
 
 from __future__ import annotations
@@ -59,6 +60,19 @@ class CEDCache:
                            for l in range(c.num_encoder_layers, c.num_layers)}
         self.henc = torch.zeros(max_seqs + 1, c.ring_size, c.hidden_size, dtype=dtype, device=device) \
             if keep_encoder_outputs else None
+
+    @property
+    def scratch_slot(self) -> int:
+        """The per-sequence buffers' scratch row: a CUDA graph's padded rows and padded tokens use it."""
+        return next(iter(self.ring.values()))[0].shape[0] - 1
+
+    @property
+    def scratch_block(self) -> int:
+        """The last block: the engine's scratch block when it captures CUDA graphs (it allocates one more)."""
+        l = next(iter(self.kv), None)
+        if l is None:
+            return 0  # no full layer: no entry is ever written
+        return self.kv[l][0].shape[0] // (self.block_size // self.c.ratio(l)) - 1
 
     @staticmethod
     def bytes_per_token(c: CEDConfig) -> int:

@@ -13,6 +13,16 @@ tail, then every row compresses its tail as group ``pos // m``. Only rows whose 
 (``pos % m == m - 1``) produce a real entry; the others write a partial one into the slot of that same
 entry, which no query sees (entry j is visible from position (j + 1) m - 1 on, the step that rewrites it
 whole) and which lies in the row's own last block (a block holds whole groups), never a shared one.
+
+A padded verify batch (backends/cuda_graph.py's verify graphs: ``meta.q_nums`` set) runs the same kernels
+with Q = ``meta.max_q`` tokens a row: row r's tokens r Q .. r Q + Q - 1 at positions pos_r .. pos_r + Q - 1,
+its first ``q_nums[r]`` real (its last token and its drafts), the rest padding. Each token's SWA key comes
+fresh for the row's own positions and from the ring before them, as in the host path. Padding never writes
+real state: its SWA ring, compressor-tail and encoder-output writes go to the scratch state slot, and an
+entry is written to the row's cache row only by the real token that completes its group (the others, partial
+or padding, write the scratch block's rows), so the caches end byte for byte as the eager ragged forward
+leaves them. Writing the chunk's keys and tail inputs before attention is safe because Q - 1 drafts fit the
+rings' and tails' speculative allowance (a write never lands on a slot a real query still reads).
 """
 
 from __future__ import annotations
@@ -30,15 +40,30 @@ class DecodePass(engine_path.Shared):
 
     score = False
 
-    def __init__(self, meta, cut: torch.Tensor, starts: list):
+    def __init__(self, meta, cut: torch.Tensor, starts: list, cache=None):
         self.meta = meta
         self.n = meta.positions.shape[0]
         self.pos = meta.positions
-        self.rows_t = torch.arange(self.n, device=self.pos.device)
-        self.tok = self.lstart_t = self.rows_t
-        self.lo_t, self.cut_t, self.ring_slot = self.pos, cut, meta.state_rows
         self.min_pos = min(starts) if starts else None  # host-known on the eager path only
         self._kept = {}
+        self.Q = Q = max(1, meta.max_q)
+        self.real = None  # [n] bool: the token is real (None: every token is, a decode step)
+        if meta.q_nums is None:  # decode: one token a row
+            self.rows_t = torch.arange(self.n, device=self.pos.device)
+            self.tok = self.lstart_t = self.rows_t
+            self.lo_t, self.cut_t, self.ring_slot = self.pos, cut, meta.state_rows
+            return
+        if Q - 1 > cache.c.swa_allowance:
+            raise ValueError(f"a padded verify batch of {Q} tokens a row exceeds the SWA rings' speculative "
+                             f"allowance ({cache.c.swa_allowance} drafts)")
+        self.tok = torch.arange(self.n, device=self.pos.device)
+        self.rows_t = self.tok // Q  # each token's row
+        self.lstart_t = self.rows_t * Q  # the row's first token in the stream
+        self.lo_t = meta.q_pos[:, 0][self.rows_t]  # the row's first position: fresh keys from there on
+        self.cut_t = cut[self.rows_t]
+        self.real = self.tok - self.lstart_t < meta.q_nums[self.rows_t]
+        # Reads and writes of per-sequence state: the row's slot, padding the scratch slot (the last one).
+        self.ring_slot = torch.where(self.real, meta.state_rows[self.rows_t], cache.scratch_slot)
 
     def _plan(self, m: int, size: int, cache):
         """(tail slot of each token, tail slots of its group's members [n, m], its group's entry id and cache
@@ -49,7 +74,13 @@ class DecodePass(engine_path.Shared):
             if m > 1:
                 members = ((j * m)[:, None] + torch.arange(m, device=j.device)) % size  # [n, m] group positions
             per = cache.block_size // m
-            rows = self.meta.block_table.gather(1, (j // per)[:, None])[:, 0] * per + j % per
+            bt = self.meta.block_table
+            if self.real is None:
+                rows = bt.gather(1, (j // per)[:, None])[:, 0] * per + j % per
+            else:  # only a real token completing its group writes the row's entry; the rest the scratch block
+                blk = bt[self.rows_t, (j // per).clamp(max=bt.shape[1] - 1)]
+                own = self.real & (self.pos % m == m - 1)
+                rows = torch.where(own, blk, cache.scratch_block) * per + j % per
             return self.pos % size if m > 1 else None, members, j, rows
         return self._once(("compress", m, size), build)
 
@@ -85,13 +116,14 @@ class DecodePass(engine_path.Shared):
 
 
 def forward_decode(model, input_ids, meta, cache):
-    """input_ids [B] (one token per row), meta with state_rows, replay_rows and block_table -> hidden [B, d]."""
+    """input_ids [B] (one token per row), meta with state_rows, replay_rows and block_table -> hidden [B, d];
+    or a padded verify batch (meta.q_nums, max_q = Q): input_ids [B Q] -> hidden [B Q, d]."""
     c = model.config
     stats = model.counters
     starts = list(meta.starts)
     enc_cut = meta.swa_cut_rows if meta.swa_cut_rows is not None else torch.zeros_like(meta.positions)
-    enc = DecodePass(meta, enc_cut, starts)
-    dec = DecodePass(meta, meta.replay_rows, starts)
+    enc = DecodePass(meta, enc_cut, starts, cache)
+    dec = DecodePass(meta, meta.replay_rows, starts, cache)
     h = model.embed(input_ids)
     ctx: dict = {}
     pending = None  # each layer's MoE output, added by the next layer's norm op (layer_engine's defer)

@@ -347,9 +347,10 @@ def forward_engine(model, input_ids, meta, cache):
     device = input_ids.device
     stats = model.counters
     scoring = meta.cache.get("score_pass", False)  # data-parallel attention: another rank's row scores its prompt
-    if meta.state_rows is not None and meta.num_decodes == input_ids.shape[0] and not scoring \
-            and getattr(model, "device_decode", True):  # False: the host path, decode_path's slow twin
-        from . import decode_path  # every row one token that samples: no host list needed
+    decode = meta.state_rows is not None and meta.num_decodes == input_ids.shape[0] and not scoring \
+        and getattr(model, "device_decode", True)  # False: the host path, decode_path's slow twin
+    if decode or meta.q_nums is not None:  # (a padded verify batch has no host lists: the device path only)
+        from . import decode_path  # every row one token that samples, or a verify graph's Q: no host list needed
 
         return decode_path.forward_decode(model, input_ids, meta, cache)
     h = model.embed(input_ids)  # [T, d]

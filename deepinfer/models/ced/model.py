@@ -275,6 +275,12 @@ class CEDEngineMixin:
                     views.append((f"{kind}{l}.scales", scales, 0, per))
         return views
 
+    # A padded verify batch's padding writes only the scratch state slot and block (decode_path.py), so verify
+    # steps are captured too; the kept hidden states a DSpark drafter reads come out of the graphs
+    # (backends/cuda_graph.py appends them to the output).
+    pads_verify_safely = True
+    graphs_keep_hidden = True
+
     @property
     def supports_cuda_graphs(self) -> bool:
         """Decode (models/ced/decode_path.py) holds no host sync when the ops' routed MoE has none."""
