@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from deepinfer.backends.batch_invariant import UNARY, batch_invariant, cpu_bmm, cpu_mm, is_active
+from deepinfer.backends.batch_invariant import (EXACT, EXACT_POW, UNARY, _unary, batch_invariant, cpu_bmm, cpu_mm,
+                                                is_active)
 from deepinfer.backends.reference.invariant_attention import invariant_paged_attention
 from deepinfer.core.inputs import build_inputs
 from deepinfer.testing import oracles, strategies as dst
@@ -77,6 +78,9 @@ for _name, _overload, _ in UNARY:
         BLOCKS[_name] = getattr(F, _name)
     else:
         BLOCKS[_name] = getattr(torch, _name)
+# The EXACT calls (run unpadded): each exponent torch's pow loops compute exactly, on inputs where it is finite.
+for _e in EXACT_POW:
+    BLOCKS[f"pow_exact_{_e}"] = (lambda e: lambda x: (x.abs() + 0.5) ** e)(_e)
 
 
 @settings(max_examples=120, deadline=None)
@@ -109,6 +113,32 @@ def test_without_the_override_rows_depend_on_the_batch(name, D):
         assert _mismatching_rows(f, x) > 0
         with batch_invariant("cpu"):
             assert _mismatching_rows(f, x) == 0
+
+
+def _unary_rows(name, args, dtype, claim):
+    """Mismatching rows (of 120, 2 threads) of the UNARY override ``name`` built with the EXACT predicate
+    ``claim`` (True: every call claimed exact, so unpadded), and whether EXACT itself claims the call."""
+    op, out = (torch.ops.aten.pow.Tensor_Scalar, torch.ops.aten.pow.Tensor_Scalar_out) if args else \
+        (torch.ops.aten.rsqrt.default, torch.ops.aten.rsqrt.out)
+    x = (torch.randn(120, 20, generator=torch.Generator().manual_seed(0)).abs() * 3 + 0.5).to(dtype)
+    f = _unary(op, out, exact=(lambda *a: True) if claim else EXACT[name])
+    with threads(2):
+        return _mismatching_rows(lambda t: f(t, *args), x), EXACT[name](x, *args)
+
+
+@pytest.mark.parametrize("name,args,dtype", [("pow.Tensor_Scalar", (e,), d) for e in EXACT_POW for d in DTYPES]
+                         + [("rsqrt", (), torch.float32)])
+def test_exact_calls_run_unpadded_and_stay_row_invariant(name, args, dtype):
+    assert _unary_rows(name, args, dtype, claim=False) == (0, True)
+
+
+@pytest.mark.parametrize("name,args,dtype", [("pow.Tensor_Scalar", (1.5,), torch.float32),
+                                             ("rsqrt", (), torch.bfloat16)])
+def test_a_wrong_exact_claim_fails_the_check(name, args, dtype):
+    """Negative control for EXACT: were pow(x, 1.5) or bf16 rsqrt claimed exact (run unpadded), rows would
+    depend on the batch (their vector and scalar loops differ); EXACT does not claim them, and padded they pass."""
+    assert _unary_rows(name, args, dtype, claim=True)[0] > 0
+    assert _unary_rows(name, args, dtype, claim=False) == (0, False)
 
 
 @settings(max_examples=40, deadline=None)

@@ -51,6 +51,15 @@ UNARY = (("exp", "default", "out"), ("log", "default", "out"), ("sin", "default"
          ("log1p", "default", "out"), ("expm1", "default", "out"), ("gelu", "default", "out"),
          ("softplus", "default", "out"), ("pow", "Tensor_Scalar", "Tensor_Scalar_out"))
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Calls of a UNARY op whose vectorised and scalar CPU loops compute one function of correctly rounded IEEE
+# operations, so a tail changes no bit and they run unpadded: pow(x, 2 / 0.5 / -1) is base * base, sqrt(base),
+# 1 / base in both loops (PowKernel's special cases; bf16/fp16 in float, one rounding back); float32/float64
+# rsqrt is 1 / sqrt in both (Vectorized::rsqrt divides by a correctly rounded sqrt; bf16 rsqrt is not: it
+# differs). tests/test_batch_invariant.py holds each over batch size, row position and threads, and shows
+# that a wrong claim (pow 1.5, bf16 rsqrt) fails the same check.
+EXACT_POW = (2, 0.5, -1)
+EXACT = {"pow.Tensor_Scalar": lambda x, e: type(e) in (int, float) and e in EXACT_POW,
+         "rsqrt": lambda x: x.dtype in (torch.float32, torch.float64)}
 
 _lock = threading.Lock()
 _active: dict = {}  # dispatch key -> [depth, torch.library.Library]
@@ -86,15 +95,16 @@ def cpu_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (expanded, not copied): every matrix product has one shape, so row i's result depends on neither M nor i."""
     M, K = a.shape
     N = b.shape[1]
-    dtype = torch.result_type(a, b)
+    dtype = a.dtype if a.dtype == b.dtype else torch.result_type(a, b)
     if M == 0:
         return torch.empty(0, N, dtype=dtype, device=a.device)
     tiles = -(-M // ROW_TILE)
-    ap = a.new_zeros(tiles * ROW_TILE, K)
-    ap[:M] = a
+    pad = tiles * ROW_TILE - M
+    # a fresh contiguous buffer, padded (constant_pad_nd keeps a transposed a's strides when pad is 0)
+    ap = torch.constant_pad_nd(a, (0, 0, 0, pad)) if pad else a.clone(memory_format=torch.contiguous_format)
     res = torch.empty(tiles, ROW_TILE, N, dtype=dtype, device=a.device)
-    torch.ops.aten.bmm.out(ap.view(tiles, ROW_TILE, K), _contiguous_rhs(b).expand(tiles, K, N), out=res)
-    return res.view(tiles * ROW_TILE, N)[:M]
+    torch.bmm(ap.view(tiles, ROW_TILE, K), _contiguous_rhs(b).expand(tiles, K, N), out=res)  # bmm.out: not overridden
+    return res.view(M, N) if pad == 0 else res.view(tiles * ROW_TILE, N)[:M]
 
 
 def cpu_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -111,7 +121,7 @@ def cpu_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     b = _contiguous_rhs(b)
     bp = b if tiles == 1 else b[:, None].expand(B, tiles, K, N).reshape(B * tiles, K, N)
     res = torch.empty(B * tiles, ROW_TILE, N, dtype=dtype, device=a.device)
-    torch.ops.aten.bmm.out(ap, bp, out=res)
+    torch.bmm(ap, bp, out=res)
     return res.view(B, tiles * ROW_TILE, N)[:, :M].contiguous()
 
 
@@ -135,27 +145,28 @@ def cpu_mv(a, v):
     return cpu_mm(a, v[:, None])[:, 0]
 
 
-def _unary(op, op_out):
-    """An elementwise op computed on a contiguous copy padded to whole vectors, PIECE elements per call."""
+def _unary(op, op_out, exact=None):
+    """An elementwise op computed on a contiguous copy padded to whole vectors, PIECE elements per call (in
+    place on the copy: the out overload with out= its input, the same kernel). ``exact(x, *args)``, where
+    given, names the calls whose vector and scalar loops compute one IEEE-exact function (EXACT): those run
+    as torch computes them, unpadded."""
 
     def impl(x, *args, **kwargs):
         if x.dtype not in FLOATS or x.numel() == 0:  # as the op computes it (the out overload is not overridden)
             dtype = op(x.to("meta"), *args, **kwargs).dtype  # the result dtype the op decides (ints -> float, ...)
             return op_out(x, *args, **kwargs, out=torch.empty(0, dtype=dtype, device=x.device))
+        if exact is not None and exact(x, *args):
+            return op_out(x, *args, **kwargs, out=torch.empty_like(x))
         n = x.numel()
-        total = -(-n // PAD) * PAD
-        if total == n and x.is_contiguous():  # whole vectors already: no copy
-            buf = x.view(-1)
+        pad = -n % PAD
+        buf = torch.constant_pad_nd(x.reshape(-1), (0, pad))  # a fresh copy, so the op may write into it
+        if n + pad <= PIECE:
+            op_out(buf, *args, **kwargs, out=buf)
         else:
-            buf = x.new_zeros(total)
-            buf[:n] = x.reshape(-1)
-        res = torch.empty(total, dtype=x.dtype, device=x.device)
-        if total <= PIECE:
-            op_out(buf, *args, **kwargs, out=res)
-        else:
-            for lo in range(0, total, PIECE):
-                op_out(buf[lo:lo + PIECE], *args, **kwargs, out=res[lo:lo + PIECE])
-        return res[:n].view(x.shape)
+            for lo in range(0, n + pad, PIECE):
+                piece = buf[lo:lo + PIECE]
+                op_out(piece, *args, **kwargs, out=piece)
+        return (buf if pad == 0 else buf[:n]).view(x.shape)
 
     return impl
 
@@ -163,8 +174,15 @@ def _unary(op, op_out):
 def _pow_scalar_base():
     """pow(Scalar base, Tensor exponent): the tensor is the second argument."""
     tensor_first = _unary(lambda e, base: torch.ops.aten.pow.Scalar(base, e),
-                          lambda e, base, out: torch.ops.aten.pow.Scalar_out(base, e, out=out))
+                          lambda e, base, out: torch.pow(base, e, out=out))  # pow.Scalar_out
     return lambda base, exponent: tensor_first(exponent, base)
+
+
+def _out_binding(name: str, op_out):
+    """The out overload through torch's C binding where it has one (torch.exp(x, out=), torch._C._nn.silu(x,
+    out=)): the same kernel as ``op_out`` (aten's OpOverload), a microsecond less per call."""
+    fn = getattr(torch, name, None) or getattr(torch._C._nn, name, None)
+    return op_out if fn is None else fn
 
 
 def _cpu_impls() -> dict:
@@ -173,11 +191,20 @@ def _cpu_impls() -> dict:
     for name, overload, out in UNARY:
         key = name if overload == "default" else f"{name}.{overload}"
         packet = getattr(torch.ops.aten, name)
-        impls[key] = _unary(getattr(packet, overload), getattr(packet, out))
+        impls[key] = _unary(getattr(packet, overload), _out_binding(name, getattr(packet, out)), EXACT.get(key))
     return impls
 
 
+_IMPLS: dict = {}  # dispatch key -> its impls, built once (a step enters the context twice)
+
+
 def _impls(key: str) -> dict:
+    if key not in _IMPLS:
+        _IMPLS[key] = _build_impls(key)
+    return _IMPLS[key]
+
+
+def _build_impls(key: str) -> dict:
     if key == "CPU":
         return _cpu_impls()
     if key == "CUDA":
