@@ -4,8 +4,8 @@
 #                                          # $OUT/dspark (copied into deepinfer/assets/demo/dspark here too),
 #                                          # then the speculative GPU tests and spec_bench (none, ngram, dspark)
 #   bash scripts/device_issue15.sh bench   # the GPU tests and spec_bench only (with the shipped drafter)
-#   bash scripts/device_issue15.sh tests   # ~2 min: verify steps in CUDA graphs against eager verification
-#                                          # (tokens, at most one sync a step), the speculative GPU tests,
+#   bash scripts/device_issue15.sh tests   # ~3 min: verify steps in CUDA graphs against eager verification
+#                                          # (tokens, at most one sync a step; CED with DSpark too), the speculative GPU tests,
 #                                          # decode graphs unchanged, batched acceptance against its oracle
 #   bash scripts/device_issue15.sh sweep COMMIT  # < 8 min: benchmarks/spec_sweep.py, Llama-3.1-8B shape (random
 #                                          # bf16) none / ngram:2 / ngram:4 and the demo model none / dspark:4 /
@@ -27,7 +27,8 @@ case "${1:-}" in
 tests)
   nvidia-smi -L
   timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE --durations=8 --junitxml="$OUT/issue15_tests.xml" \
-    tests/test_verify_graphs.py tests/test_spec_accept.py tests/test_speculative.py tests/test_cuda_graphs.py \
+    tests/test_verify_graphs.py tests/test_ced_verify_graphs.py tests/test_ced_decode_path.py tests/test_dspark.py \
+    tests/test_spec_accept.py tests/test_speculative.py tests/test_cuda_graphs.py \
     2>&1 | tee "$OUT/issue15_tests.log" | tail -25 ;;
 sweep)
   nvidia-smi -L
