@@ -3,7 +3,7 @@ tokens) through models/ced/decode_path.py against the eager ragged forward (engi
 
 On the CPU the graph's function runs eagerly (capture needs CUDA): for hypothesis-drawn draft lengths 0..k and
 contexts around the window edge, the real tokens' hidden states (and the kept ones a DSpark drafter reads)
-equal the eager forward's, and every cache byte outside the scratch slot and block (global KV, indexer K, SWA
+and expert load equal the eager forward's, and every cache byte outside the scratch slot and block (global KV, indexer K, SWA
 rings, compressor tails, kept encoder outputs) ends the same, also on a second step after partial acceptance
 rolled the first back. Through the engine (DecodeGraphs whose graphs run eagerly), greedy DSpark output equals
 plain decoding. On a GPU: graph vs eager tokens with DSpark on a CED model."""
@@ -184,10 +184,15 @@ def test_padded_verify_equals_the_ragged_forward(model, ks, data):
             s.draft = [rng.randrange(500) for _ in range(k)]
             s.token_ids[a + 1:] = s.draft
         nums = [1 + k for k in ks]
+        load = model.expert_load
+        load.current.zero_()
         inp, want, want_kept = _eager(model, seqs, starts, nums, eager, tables, [list(s.draft) for s in seqs])
+        want_load = load.current.clone()
+        load.current.zero_()
         got, got_kept = _graph_function(model, seqs, inp, starts, graph, tables, *extra)
         _close(got, want)
         _close(got_kept, want_kept)
+        assert torch.equal(load.current, want_load), "the padding counted as expert load"
         _assert_same_state(graph, eager, BLOCKS)
         accepted = [data.draw(hs.integers(0, k)) for k in ks]  # the rest roll back: the next step rewrites them
         for s, n, a in zip(seqs, accepted, starts):

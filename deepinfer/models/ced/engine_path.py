@@ -49,6 +49,7 @@ class Shared:
     call and kept for the step (``_kept``): a layer adds no host loop over rows and no host-to-device copy."""
 
     _kept: dict
+    real = None  # [n] bool, a padded verify batch's real queries (decode_path.DecodePass); None: all are
 
     def _once(self, key, build):
         if key not in self._kept:
@@ -323,7 +324,8 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None,
                                      sinks=layer.sink, scale=c.head_dim ** -0.5)
         h, xf = fn.add_rms(h, layer.out_proj(o, P.pos), layer.ffn_norm, c.rms_norm_eps, ops=kernels)
         routed, shared, ids = layer.moe_parts(xf)
-        model.record_expert_load(layer.i, ids)
+        # (a padded verify batch's padding is routed too, but is no load)
+        model.record_expert_load(layer.i, ids, *(() if P.real is None else (P.real,)))
         pending = (routed, shared)
     elif getattr(layer, "moe_is_collective", False):  # expert-parallel ranks all join every layer's exchange
         layer.moe(h)

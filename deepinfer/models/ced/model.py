@@ -358,8 +358,14 @@ class CEDEngineMixin:
         self.counters = {"layer_tokens": [0] * L, "min_pos": [float("inf")] * L, "indexer_calls": [0] * L,
                          "index_scores": [0] * L, "score_tokens": [0] * L}
 
-    def record_expert_load(self, layer: int, ids) -> None:
-        self.expert_load.record(layer, ids)
+    def record_expert_load(self, layer: int, ids, real=None) -> None:
+        """ids [T, k] the tokens' experts; real [T] bool (a padded verify batch): count only the real tokens."""
+        if real is None:
+            self.expert_load.record(layer, ids)
+            return
+        counts = torch.zeros(self.config.n_routed_experts, dtype=torch.long, device=ids.device)
+        counts.scatter_add_(0, ids.reshape(-1), real[:, None].expand(ids.shape).reshape(-1).long())
+        self.expert_load.record_counts(layer, counts)
 
     def end_step(self) -> None:
         self.expert_load.end_step()
