@@ -290,3 +290,25 @@ def test_ced_verify_graphs_give_the_eager_tokens(tmp_path, dtype):
     for i, (x, y) in enumerate(zip(a, b)):
         assert_same_or_near_tie(x.outputs[0].token_ids, y.outputs[0].token_ids, y.outputs[0].logprobs,
                                 NEAR_TIE[dtype], what=f"CED {dtype} prompt {i}")
+
+
+@cuda
+@pytest.mark.gpu
+def test_ced_dspark_step_syncs_once(tmp_path):
+    """A DSpark step on CED through the graphs: its drafts' one copy to the host (DSpark.draft_batch) and the
+    collection's event wait (not reported); eager CED verification would add its host layout's reads."""
+    from deepinfer.testing.syncs import synchronizing_calls
+
+    ced = _checkpoint(tmp_path)
+    llm = LLM(ced, device="cuda", dtype="bfloat16", num_kv_blocks=256, block_size=BS, backend="nvidia",
+              enforce_eager=False, speculative_config={"method": "dspark", "num_speculative_tokens": K})
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    for i, n in enumerate((5, 12, 20)):
+        eng.add_request(str(i), {"prompt_token_ids": list(range(7, 7 + n))}, sp)
+    for _ in range(4):
+        eng.step()
+    before, steps = eng.decode_graphs.num_verify_replays, 16
+    syncs = synchronizing_calls(eng.step, steps)
+    assert eng.decode_graphs.num_verify_replays - before == steps
+    assert len(syncs) <= steps, syncs[:5]
