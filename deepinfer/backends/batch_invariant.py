@@ -90,6 +90,14 @@ def _contiguous_rhs(b: torch.Tensor) -> torch.Tensor:
     return hit[1]
 
 
+def _fresh_rows(a: torch.Tensor, pad: int) -> torch.Tensor:
+    """a [..., M, K] in a fresh contiguous buffer with ``pad`` zero rows after its M (constant_pad_nd keeps a
+    transposed a's strides when pad is 0, so that case is a contiguous clone)."""
+    if pad == 0:
+        return a.clone(memory_format=torch.contiguous_format)
+    return torch.constant_pad_nd(a, (0, 0, 0, pad)).contiguous()
+
+
 def cpu_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ b [K, N] as one bmm over ROW_TILE-row tiles of a (zero-padded, in a fresh buffer) against b
     (expanded, not copied): every matrix product has one shape, so row i's result depends on neither M nor i."""
@@ -100,8 +108,7 @@ def cpu_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.empty(0, N, dtype=dtype, device=a.device)
     tiles = -(-M // ROW_TILE)
     pad = tiles * ROW_TILE - M
-    # a fresh contiguous buffer, padded (constant_pad_nd keeps a transposed a's strides when pad is 0)
-    ap = torch.constant_pad_nd(a, (0, 0, 0, pad)) if pad else a.clone(memory_format=torch.contiguous_format)
+    ap = _fresh_rows(a, pad)
     res = torch.empty(tiles, ROW_TILE, N, dtype=dtype, device=a.device)
     torch.bmm(ap.view(tiles, ROW_TILE, K), _contiguous_rhs(b).expand(tiles, K, N), out=res)  # bmm.out: not overridden
     return res.view(M, N) if pad == 0 else res.view(tiles * ROW_TILE, N)[:M]
@@ -111,18 +118,17 @@ def cpu_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B, M, K] @ b [B, K, N]: M padded to whole ROW_TILE tiles, each tile one matrix of one bmm call."""
     B, M, K = a.shape
     N = b.shape[2]
-    dtype = torch.result_type(a, b)
+    dtype = a.dtype if a.dtype == b.dtype else torch.result_type(a, b)
     if B == 0 or M == 0:
         return torch.empty(B, M, N, dtype=dtype, device=a.device)
     tiles = -(-M // ROW_TILE)
-    ap = a.new_zeros(B, tiles * ROW_TILE, K)
-    ap[:, :M] = a
-    ap = ap.view(B * tiles, ROW_TILE, K)
-    b = _contiguous_rhs(b)
-    bp = b if tiles == 1 else b[:, None].expand(B, tiles, K, N).reshape(B * tiles, K, N)
+    pad = tiles * ROW_TILE - M
+    ap = _fresh_rows(a, pad).view(B * tiles, ROW_TILE, K)
+    # each tile's own copy of its b (one copy, whatever b's strides), or b itself (kept contiguous) for one tile
+    bp = _contiguous_rhs(b) if tiles == 1 else b[:, None].expand(B, tiles, K, N).reshape(B * tiles, K, N)
     res = torch.empty(B * tiles, ROW_TILE, N, dtype=dtype, device=a.device)
     torch.bmm(ap, bp, out=res)
-    return res.view(B, tiles * ROW_TILE, N)[:, :M].contiguous()
+    return res.view(B, M, N) if pad == 0 else res.view(B, tiles * ROW_TILE, N)[:, :M].contiguous()
 
 
 def _scaled(out, bias, beta, alpha):
