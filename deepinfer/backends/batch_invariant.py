@@ -17,7 +17,10 @@ removes the overrides on exit (nested contexts share one installation).
   ``bmm`` (its ``out=`` overload) whose every matrix product has one shape, against a contiguous right
   operand (a weight's transpose is copied once and kept: CPU weights are held twice in this mode). The
   ``UNARY`` elementwise ops and ``pow(Scalar, Tensor)`` run on a contiguous copy padded to whole SIMD vectors,
-  in pieces small enough for one thread, so every element goes through the vector function.
+  in pieces small enough for one thread, so every element goes through the vector function; the ``EXACT``
+  calls (pow by 2, 0.5 or -1, float32 rsqrt), whose two loops compute the same correctly rounded function,
+  run unpadded. A Python override costs ~5 us a call before it does anything, so each keeps its own work to a
+  few C calls (torch's bindings, not aten OpOverloads).
 - CUDA (``nvidia/triton_batch_invariant.py``): ``mm``, ``addmm``, ``bmm`` through one Triton matmul with a
   fixed tile config for every M and no split-K; ``mean.dim``, ``sum.dim_IntList``, ``_softmax`` and
   ``_log_softmax`` one program per row, the row walked in fixed chunks from its start.
