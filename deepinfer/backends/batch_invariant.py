@@ -21,9 +21,10 @@ removes the overrides on exit (nested contexts share one installation).
   calls (pow by 2, 0.5 or -1, float32 rsqrt), whose two loops compute the same correctly rounded function,
   run unpadded. A Python override costs ~5 us a call before it does anything, so each keeps its own work to a
   few C calls (torch's bindings, not aten OpOverloads).
-- CUDA (``nvidia/triton_batch_invariant.py``): ``mm``, ``addmm``, ``bmm`` through one Triton matmul with a
-  fixed tile config for every M and no split-K; ``mean.dim``, ``sum.dim_IntList``, ``_softmax`` and
-  ``_log_softmax`` one program per row, the row walked in fixed chunks from its start.
+- CUDA (``nvidia/triton_batch_invariant.py``): ``mm``, ``addmm``, ``bmm`` through one Triton matmul whose
+  reduction (k-blocks, and for narrow products a split of K) follows the product's shape, never M;
+  ``mean.dim``, ``sum.dim_IntList``, ``_softmax`` and ``_log_softmax`` over fixed chunks sized by the row's
+  length (a sum over a middle dim in index order where it lies).
 
 Attention and MoE are the backends' own ops: with ``ops.batch_invariant`` set (the engine sets it from
 EngineConfig.batch_invariant), the reference backend attends over the KV in fixed blocks from position 0
