@@ -191,7 +191,6 @@ class DecodeGraphs:
         self.num_replays += 1
         return self._split(out[:n].clone())  # the static output is overwritten by the next replay
 
-
     def run_verify(self, ids: list, starts: list, slots: list, future=None) -> torch.Tensor:
         """One verify step: row r computes the len(ids[r]) tokens ids[r] from position starts[r] (its sequence
         holds state slot slots[r], block table synced). Returns the final hidden states of every real token,
