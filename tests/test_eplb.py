@@ -8,7 +8,7 @@
 * Serving: a MoEBlock on replicated slots computes what it computed before; every replica gets its share of a
   expert's tokens to within one; rebalancing in the middle of a generation moves weights (each slot then holds
   its logical expert's original weights) and leaves greedy tokens unchanged (tiny Mixtral, Qwen3-MoE,
-  DeepSeek-V3); bad configurations fail naming the value.
+  DeepSeek-V3, CED); bad configurations fail naming the value.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from deepinfer.models.moe import MoEBlock
 from deepinfer.models.quant import FP8, quantize_fp8_block, store_experts_fp8
 from deepinfer.parallel import eplb
 from deepinfer.parallel.placement import EplbConfig, ExpertPlacement
+from deepinfer.testing.ced import REPLAY_CONFIG, build_ced_checkpoint
 from deepinfer.testing.models import build_tiny_hf_model
 
 # ------------------------------------------------------------------------------------------ the oracle
@@ -309,6 +310,31 @@ def test_rebalancing_mid_generation_keeps_greedy_tokens(tiny):
     assert sum(r["moved_slots"] for r in stats["history"]) > 0  # weights did move while generating
     if nodes == 1:  # the global policy never makes the placement in use worse on the window it rebalances from
         assert all(r["after"] >= r["before"] - 1e-12 for r in stats["history"])
+    assert got == want
+
+
+@pytest.fixture(scope="module")
+def ced(tmp_path_factory):
+    path = tmp_path_factory.mktemp("eplb_ced") / "ced"
+    build_ced_checkpoint(path, seed=3, **{**REPLAY_CONFIG, "n_routed_experts": 8})
+    return str(path)
+
+
+def test_ced_rebalancing_mid_generation_keeps_greedy_tokens(ced):
+    """CED's layers route through the same placement: replicas' slots, load per logical expert, moves."""
+    plain, want = _greedy(ced, dtype="float32")
+    llm, got = _greedy(ced, dtype="float32", enable_eplb=True,
+                       eplb_config={"window_size": 4, "step_interval": 3, "num_redundant_experts": 4, "num_ranks": 4})
+    stats = llm.eplb_stats()
+    assert stats["rebalances"] >= 3 and stats["num_physical_experts"] == 12
+    assert sum(r["moved_slots"] for r in stats["history"]) > 0
+    assert all(r["after"] >= r["before"] - 1e-12 for r in stats["history"])
+    assert all(len(counts) == 8 for counts in llm.expert_load()["layers"].values())  # per logical expert
+    for layer, ref in zip(llm.engine.model.layers, plain.engine.model.layers):
+        phy2log = layer.placement.phy2log_host
+        assert layer.w13.shape[0] == 12 and phy2log != list(range(8)) + list(range(4))
+        assert torch.equal(layer.w13, ref.w13[phy2log]) and torch.equal(layer.w2, ref.w2[phy2log])
+    assert torch.equal(llm.engine.model.hf_state_dict()["layers.0.w13"], plain.engine.model.layers[0].w13)
     assert got == want
 
 

@@ -6,7 +6,8 @@ data-parallel, give its greedy tokens, top logprobs and prompt logprobs (deepinf
 tolerance) on a batch mix: prompts of 5 to 30 tokens (bounded replay from position N - 6 on the longer ones, one
 request scoring its prompt, which makes every rank run the scoring pass), chunked prefills under a 12-token
 budget, and requests that finish at different steps (one rank then runs no row and still joins every layer's
-expert exchange). The expert load rank 0 reports is the whole batch's.
+expert exchange). The expert load rank 0 reports is the whole batch's. With EPLB (2 redundant slots,
+rebalancing every 3 steps) the outputs are the same while experts move between the ranks mid-generation.
 
 With data-parallel attention and prefix caching, two prefixes land on different ranks; requests that extend
 them hit the rank holding them. CED's hit replays the window before the hit point (bounded replay, an
@@ -102,11 +103,33 @@ def test_ced_prefix_hits_on_each_rank(ced):
         assert_same_outputs(w, o)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["tensor_parallel_size", "data_parallel_size"])
+def test_ced_eplb_rebalances_across_ranks_mid_generation(ced, reference, layout):
+    """EPLB places CED's experts over the ranks as MoEBlocks': rebalanced while generating, the outputs unchanged."""
+    path, cfg = ced
+    llm = LLM(path, **{layout: 2}, enable_expert_parallel=True, enable_prefix_caching=False, enable_eplb=True,
+              eplb_config={"window_size": 4, "step_interval": 3, "num_redundant_experts": 2}, **ENGINE)
+    try:
+        out = llm.generate(*batch(cfg.vocab_size), use_tqdm=False)
+        stats = llm.eplb_stats()
+        shard = llm.engine.model.inner
+        assert stats["distributed"] and stats["rebalances"] >= 2 and stats["num_physical_experts"] == 6
+        assert sum(r["moved_slots"] for r in stats["history"]) > 0
+        assert all(l.w13.shape[0] == 3 for l in shard.layers)  # 6 slots, 3 on each rank
+        load = llm.expert_load()  # over EPLB's window, per logical expert
+        assert load["window"] == 4 and all(len(c) == 4 and sum(c) > 0 for c in load["layers"].values())
+    finally:
+        llm.shutdown()
+    assert_same_outputs(reference[0], out)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(tensor_parallel_size=2), r"mixture-of-experts model in every layer: 2 ranks need enable_expert_parallel"),
     (dict(tensor_parallel_size=3, enable_expert_parallel=True), r"4 experts do not divide over 3 ranks"),
-    (dict(tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True),
-     r"enable_eplb needs .*CEDForCausalLM has none"),
+    (dict(tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+          eplb_config={"num_redundant_experts": 1}),
+     r"4 experts and 5 physical slots .* must both divide over the ranks"),
 ])
 def test_ced_bad_layouts_are_refused(ced, kw, match):
     with pytest.raises(ValueError, match=match):

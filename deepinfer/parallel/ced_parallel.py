@@ -13,7 +13,8 @@ and when any row of the step scores its prompt (``ReplayStart``) every rank runs
 (``meta.cache["score_pass"]``), on the host path. The expert load is then counted from the exchange's
 per-expert counts of every rank (the model's own per-rank record is off).
 
-EPLB does not place CED's experts yet (its layers are not MoEBlocks); ``enable_eplb`` is refused.
+EPLB places CED's experts as it places MoEBlocks' (a CEDLayer carries the same ``num_experts``, ``layer``,
+``placement``): each rank's slots (parallel/expert_moves.py), the exchange routing to replicas' slots.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def shard_ced(model: CEDForCausalLM, comm, ops, ep_comm: str, tokens_local: bool
         raise ValueError(f"expert_parallel_comm={ep_comm!r} with data-parallel attention: it needs 'alltoall'")
     c = model.config
     for layer in model.layers:
-        layer.num_experts, layer.layer, layer.expert_load, layer.placement = c.n_routed_experts, layer.i, None, None
+        layer.expert_load = None
         layer.ops, layer.clamp, layer.impl = ops, c.swiglu_limit, "routed"
         hold_share(layer, ExpertParallelCEDLayer, comm, ep_comm, tokens_local)
         if tokens_local:

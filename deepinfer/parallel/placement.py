@@ -1,11 +1,12 @@
 """EPLB while serving: physical expert slots, replica routing, rebalancing from the window.
 
 ``enable_eplb(model, eplb_config)`` (LLM(enable_eplb=True, eplb_config={...}) calls it) gives every MoEBlock
-an ``ExpertPlacement``: its expert weights become ``P = E + num_redundant_experts`` physical slots (w13 [P, 2F,
-d], w2 [P, d, F], FP8 scales alike), slot ``p`` a copy of logical expert ``phy2log[p]``, and the block routes
-each logical choice to one replica. ``Eplb`` counts engine steps (the model's ``end_step``) and every
-``step_interval`` steps reads the expert load of the last ``window_size`` steps (models/expert_load.py), asks
-the policy (parallel/eplb.py) for a placement and copies expert weights between slots where it changed.
+(and every CEDLayer, which has the same attributes) an ``ExpertPlacement``: its expert weights become ``P = E +
+num_redundant_experts`` physical slots (w13 [P, 2F, d], w2 [P, d, F], FP8 scales alike), slot ``p`` a copy of
+logical expert ``phy2log[p]``, and the block routes each logical choice to one replica. ``Eplb`` counts engine
+steps (the model's ``end_step``) and every ``step_interval`` steps reads the expert load of the last
+``window_size`` steps (models/expert_load.py), asks the policy (parallel/eplb.py) for a placement and copies
+expert weights between slots where it changed.
 
 Replica choice (deterministic): a token's choice of expert ``e`` goes to replica ``j mod c_e`` of ``e``, where
 ``j`` counts the earlier (token, choice) pairs of the step's layer that chose ``e`` (token order, then choice
@@ -164,7 +165,7 @@ class Eplb:
         load = getattr(model, "expert_load", None)
         if not blocks or load is None:
             raise ValueError(f"enable_eplb needs a mixture-of-experts model with MoE blocks (Mixtral, Qwen-MoE, "
-                             f"DeepSeek-V2/V3); {type(model).__name__} has none")
+                             f"DeepSeek-V2/V3, CED); {type(model).__name__} has none")
         E = blocks[0].num_experts
         self.config, self.blocks, self.load = config, blocks, load
         self.num_experts, self.num_slots = E, E + config.num_redundant_experts

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..moe import EXPERT_PARAMS, MoEModel
 from . import functional as fn
 from .config import CEDConfig
 
@@ -62,6 +63,9 @@ class CEDLayer(nn.Module):
         self.gate_bias = _p(E)
         self.w13 = _p(E, 2 * Fe, d)
         self.w2 = _p(E, d, Fe)
+        # What EPLB (parallel/placement.py) reads of a MoE layer, as of a MoEBlock; with a placement, w13 and w2
+        # (and FP8 scales) hold its E + num_redundant_experts physical slots.
+        self.num_experts, self.layer, self.n_group, self.placement = E, i, None, None
         Fs = Fe * c.n_shared_experts
         self.shared_w13 = _p(2 * Fs, d) if Fs else None
         self.shared_w2 = _p(d, Fs) if Fs else None
@@ -189,9 +193,12 @@ class CEDLayer(nn.Module):
 
     def routed_experts(self, x, weights, ids):
         """The routed experts' weighted sum [T, d] of x [T, d] routed to ids [T, k] with weights [T, k] (expert
-        parallelism, parallel/ced_parallel.py, runs them on the ranks that hold them)."""
+        parallelism, parallel/ced_parallel.py, runs them on the ranks that hold them). Under EPLB each logical
+        choice goes to one of its replicas' slots; the load stays recorded per logical expert (``moe_parts``'s ids)."""
         from ..quant import fp8_scales
 
+        if self.placement is not None:
+            ids = self.placement.physical_ids(ids)
         return ops_of(self, x.device).moe_experts(x, self.w13, self.w2, weights, ids, clamp=self.c.swiglu_limit,
                                                   impl="routed", **fp8_scales(self))
 
@@ -367,9 +374,11 @@ class CEDEngineMixin:
         counts.scatter_add_(0, ids.reshape(-1), real[:, None].expand(ids.shape).reshape(-1).long())
         self.expert_load.record_counts(layer, counts)
 
-    def end_step(self) -> None:
-        self.expert_load.end_step()
+    def moe_blocks(self) -> list:
+        """Every layer has routed experts: EPLB places them as it places MoEBlocks'."""
+        return list(self.layers)
 
+    end_step = MoEModel.end_step  # closes the step's expert-load record; EPLB rebalances every step_interval
 
 
 class CEDForCausalLM(CEDEngineMixin, nn.Module):
@@ -536,5 +545,12 @@ class CEDForCausalLM(CEDEngineMixin, nn.Module):
             raise WeightError(f"checkpoint lacks tensor(s) {', '.join(missing[:3])}{more} needed by CEDForCausalLM")
 
     def hf_state_dict(self) -> dict:
-        return {n: p.data.contiguous() for n, p in self.named_parameters()}
+        """The checkpoint's tensors; under EPLB the experts' slots back to one copy per logical expert."""
+        out = {n: p.data.contiguous() for n, p in self.named_parameters()}
+        for i, layer in enumerate(self.layers):
+            if layer.placement is not None:
+                for name in EXPERT_PARAMS:
+                    if getattr(layer, name, None) is not None:
+                        out[f"layers.{i}.{name}"] = layer.placement.logical(getattr(layer, name).data).contiguous()
+        return out
 
