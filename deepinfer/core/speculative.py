@@ -90,6 +90,23 @@ def can_speculate(params) -> bool:
                 or params.allowed_token_ids or params.logit_bias)
 
 
+def _drafter_class(pipeline, spec):
+    """The draft stage class ``spec.method`` names, or None when none is registered (build_drafter says so)."""
+    from .plugins import get_registry
+
+    try:
+        return (pipeline.registry or get_registry()).get("stage", spec.method).obj
+    except ValueError:
+        return None
+
+
+def _found(factory, spec, model, model_path) -> bool:
+    """False for an optional drafter whose stage says (``locate``) it has nothing to load for this model."""
+    locate = getattr(factory, "locate", None)
+    return not (spec.optional and locate is not None
+                and locate(model, model_path, spec.options.get("drafter")) is None)
+
+
 def wants_hidden(pipeline, config, model=None, model_path=None) -> bool:
     """Whether the configured drafter reads the target's hidden states (the engine then keeps them per
     sequence and does not capture decode in CUDA graphs, unless the model's graphs keep them:
@@ -97,20 +114,10 @@ def wants_hidden(pipeline, config, model=None, model_path=None) -> bool:
     spec = SpeculativeConfig.parse(config.speculative_config)
     if spec is None or getattr(model, "graphs_keep_hidden", False):
         return False
-    from .plugins import get_registry
-
-    registry = pipeline.registry or get_registry()
-    try:
-        factory = registry.get("stage", spec.method).obj
-    except ValueError:
-        return False  # an unknown method: build_drafter says so
-    if not getattr(factory, "wants_hidden", False):
+    factory = _drafter_class(pipeline, spec)
+    if factory is None or not getattr(factory, "wants_hidden", False):
         return False
-    locate = getattr(factory, "locate", None)
-    if spec.optional and locate is not None:
-        opts = spec.options
-        return locate(model, model_path, opts.get("drafter")) is not None
-    return True
+    return _found(factory, spec, model, model_path)
 
 
 def verify_width(pipeline, config, model, model_path=None) -> int:
@@ -123,14 +130,8 @@ def verify_width(pipeline, config, model, model_path=None) -> int:
                         and not getattr(model, "pads_verify_safely", False)):
         return 0
     if spec.optional:
-        from .plugins import get_registry
-
-        try:
-            factory = (pipeline.registry or get_registry()).get("stage", spec.method).obj
-        except ValueError:
-            return 0
-        locate = getattr(factory, "locate", None)
-        if locate is not None and locate(model, model_path, spec.options.get("drafter")) is None:
+        factory = _drafter_class(pipeline, spec)
+        if factory is None or not _found(factory, spec, model, model_path):
             return 0
     return spec.num_speculative_tokens + 1
 
