@@ -107,12 +107,12 @@ class RankPools:
     def free(self, blocks) -> None:
         by_rank: dict = {}
         for b in blocks:
-            by_rank.setdefault(self.rank_of(b), []).append(b - self.rank_of(b) * self.blocks_per_rank)
-        for r, local in by_rank.items():
-            self.parts[r].inner.free(local)
+            by_rank.setdefault(self.rank_of(b), []).append(b)
+        for r, mine in by_rank.items():
+            self.parts[r].free(mine)  # (global ids: the partition takes its offset off)
 
     def ref_count(self, block: int) -> int:
-        return self.parts[self.rank_of(block)].inner.ref_count(block % self.blocks_per_rank)
+        return self.parts[self.rank_of(block)].ref_count(block)
 
     def prefix_cache(self, block_size: int, mover=None) -> "RankPrefixCache":
         """The engine's prefix cache over these partitions (core/engine.py asks the pool for it)."""
