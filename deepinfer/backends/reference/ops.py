@@ -145,8 +145,7 @@ class ReferenceOps(Ops):
     def ced_add_rms_norm(self, x, residual, weight, eps, extra=None):
         from ...models.ced import functional as fn
 
-        h = x + (residual if extra is None else residual + extra)
-        return h, fn.rms(h, weight, eps)
+        return fn.add_rms(x, residual, weight, eps, extra=extra)  # (no ops: the torch formulas)
 
     def ced_swiglu(self, gu, limit):
         g, u = gu.chunk(2, dim=-1)
