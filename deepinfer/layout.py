@@ -23,6 +23,13 @@ def to_device(data, dtype: torch.dtype, device) -> torch.Tensor:
     return t.to(device)
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``to_device``'s way back: a copy of t on the host, into pinned memory without blocking when t is on CUDA
+    (read it after an event the copy precedes, as a step's collection does)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    return out.copy_(t, non_blocking=t.is_cuda)
+
+
 def resolve_future(ids: torch.Tensor, future) -> torch.Tensor:
     """Replace pending references (-1 - i) by future[i], on the device: the token a launched step sampled
     (overlap scheduling) is read where it lies, without waiting for it on the host."""

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from ..layout import to_host
 from ..outputs import Logprob, entries_from
 from ..backends.batch_invariant import kernel_mode
 from .block_tables import BlockTables
@@ -327,12 +328,9 @@ class Engine:
             # blocking (collected later).
             half = self._parity * self.max_rows
             self.future[half:half + S].copy_(state.next_tokens)
-            pin = self.device.type == "cuda"
-            launched.host_tokens = torch.empty(S, dtype=torch.long, pin_memory=pin)
-            launched.host_tokens.copy_(state.next_tokens, non_blocking=True)
+            launched.host_tokens = to_host(state.next_tokens.long())  # (.long(): itself when int64 already)
             if state.bad_rows is not None:  # rows whose logits were not finite, read at collection
-                launched.host_bad = torch.empty(S, dtype=torch.bool, pin_memory=pin)
-                launched.host_bad.copy_(state.bad_rows, non_blocking=True)
+                launched.host_bad = to_host(state.bad_rows.bool())
             if self.device.type == "cuda":
                 launched.event = torch.cuda.Event()
                 launched.event.record()

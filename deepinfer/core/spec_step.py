@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from ..backends.base import to_device
-from ..layout import GREEDY_EPS
+from ..layout import GREEDY_EPS, to_host
 from .spec_accept import accept_batch, draw_noise, process_rows
 
 
@@ -31,14 +31,6 @@ class SpecLaunch:
         """(accepted, emitted tokens) of the n-th drafting row (read after the step's collection)."""
         acc = int(self.host[n, 0])
         return acc, self.host[n, 1:acc + 2].tolist()
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A non-blocking copy into pinned host memory on CUDA (read after the step's event), a plain one elsewhere."""
-    if t.device.type != "cuda":
-        return t.cpu()
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return out.copy_(t, non_blocking=True)
 
 
 def launch_acceptance(state, sampling_state, ops, generator, max_num_logprobs: int) -> Optional[SpecLaunch]:
@@ -79,8 +71,8 @@ def launch_acceptance(state, sampling_state, ops, generator, max_num_logprobs: i
         if raw is None:
             raw = torch.cat([state.draft_logits, state.logits])[at]
         t = ops.compute_logprobs(raw.reshape(R * (K + 1), V), tokens.clamp_min(0).reshape(-1), max_num_logprobs)
-        lp = tuple(_to_host(x) for x in (t.token_logprobs, t.token_ranks, t.top_ids, t.top_logprobs))
-    return SpecLaunch(rows, K, _to_host(torch.cat([acc[:, None], tokens], 1)), lp)
+        lp = tuple(to_host(x) for x in (t.token_logprobs, t.token_ranks, t.top_ids, t.top_logprobs))
+    return SpecLaunch(rows, K, to_host(torch.cat([acc[:, None], tokens], 1)), lp)
 
 
 def _draft_probs(seqs: list, ks: list, drafts, V: int, device) -> Optional[torch.Tensor]:
