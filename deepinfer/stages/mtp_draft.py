@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from ..core.speculative import can_speculate
+from ..layout import to_device
 from ..core.stage import Stage
 
 
@@ -80,10 +81,11 @@ class MTPDraft(Stage):
             return []
         dev = self.mtp.layer.eh_proj.weight.device
         greedy = [s.params.greedy for s in seqs]
-        temps = torch.tensor([1.0 if g else float(s.params.temperature) for s, g in zip(seqs, greedy)])
+        temps = to_device([1.0 if g else float(s.params.temperature) for s, g in zip(seqs, greedy)],
+                          torch.get_default_dtype(), dev)
         gens = [None if g else (s.generator if s.generator is not None else self.generator)
                 for s, g in zip(seqs, greedy)]
-        temps = temps.to(dev)
+        is_greedy = None if all(greedy) else to_device(greedy, torch.bool, dev)  # once, not at every position
 
         def pick(logits):  # [B, V] -> [B]: greedy rows the argmax, sampled rows a draw (exponential race)
             best = logits.argmax(-1)
@@ -95,7 +97,7 @@ class MTPDraft(Stage):
                 if g is not None:
                     e[i].exponential_(generator=g)
             drawn = (q / e.clamp_min_(torch.finfo(e.dtype).tiny)).argmax(-1)
-            return torch.where(torch.tensor(greedy, device=q.device), best, drawn)
+            return torch.where(is_greedy, best, drawn)
 
         with torch.no_grad():
             out = draft_batch(self.mtp, [s.draft_state for s in seqs], [s.token_ids for s in seqs],
@@ -108,4 +110,4 @@ class MTPDraft(Stage):
         return drafts
 
     def __call__(self, state) -> None:
-        raise TypeError("the mtp draft stage is called through propose(seq, k) by the engine")
+        raise TypeError("the mtp draft stage is called through propose_batch(seqs, ks) by the engine")
