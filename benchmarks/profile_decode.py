@@ -44,19 +44,15 @@ def steady_steps(llm, B: int, in_len: int, n_steps: int, vocab: int, profile=Fal
     t0 = time.perf_counter()
     if profile == "host":
         import cProfile
-        import warnings
+
+        from deepinfer.testing.syncs import synchronizing_calls
 
         prof = cProfile.Profile()
-        torch.cuda.set_sync_debug_mode("warn")  # every synchronizing call warns: none should be in a launch
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            prof.enable()
-            for _ in range(n_steps):
-                eng.step()
-            prof.disable()
-        torch.cuda.set_sync_debug_mode(0)
+        prof.enable()
+        syncs = synchronizing_calls(eng.step, n_steps)  # none should be in a launch
+        prof.disable()
         torch.cuda.synchronize()
-        prof.syncs = sorted({str(w.message)[:160] for w in caught})
+        prof.syncs = sorted({s[:160] for s in syncs})
     elif profile:
         from torch.profiler import ProfilerActivity, profile as tprofile
 
