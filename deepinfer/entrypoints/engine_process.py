@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import select
 import socket
 import struct
@@ -29,8 +30,6 @@ import sys
 import time
 from types import SimpleNamespace
 from typing import Optional
-
-import logging
 
 import attrs
 

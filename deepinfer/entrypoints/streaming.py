@@ -72,6 +72,7 @@ class Blocks:
         kind, self.open = self.open, None
         return [("close", self.index, kind)]
 
+
 async def final_blocks(first, agen, timer, request, prep: Prepared, endpoint: str):
     """A non-streamed choice: its final output (an engine error raised as ApiError) and its whole text parsed
     into closed blocks; block_stream's twin for the protocols that answer with output items / content blocks."""
