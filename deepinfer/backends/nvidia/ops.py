@@ -249,7 +249,7 @@ class NvidiaOps(ReferenceOps):
     def ced_swa_kv(self, y, weight, eps, pos, rope_dim, theta, fmt, fake, ring, ring_slot):
         from . import triton_ced_fused as tcf, triton_ced_swa as tcs
 
-        if kernel_device_ok(y, weight, pos, *ring, ring_slot) \
+        if not self.batch_invariant and kernel_device_ok(y, weight, pos, *ring, ring_slot) \
                 and tcs.supports(y, weight, pos, ring, ring_slot, rope_dim, fmt):
             self.kernel_calls["ced_swa_kv"] += 1
             return tcs.swa_kv_ring(y, weight, eps, pos, tcf.inv_freq(rope_dim, theta, y.device), ring, ring_slot,
@@ -260,6 +260,9 @@ class NvidiaOps(ReferenceOps):
         from . import triton_ced_fused as tcf
 
         ts = (x, residual, weight) + ((extra,) if extra is not None else ())
+        if self.batch_invariant:  # the adds then ced_rms_norm, as a mixed step's path (finish, then the norm)
+            h = x + (residual if extra is None else residual + extra)
+            return h, self.ced_rms_norm(h, weight, eps)
         if kernel_device_ok(*ts) and tcf.supports_add_rms(x, residual, weight, extra) \
                 and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)):
             self.kernel_calls["ced_add_rms_norm"] += 1
@@ -275,10 +278,12 @@ class NvidiaOps(ReferenceOps):
         return super().ced_swiglu(gu, limit)
 
     def ced_moe_route(self, x, gate, top_k, *, bias, scaling):
-        """Few rows (decode): the gate GEMV in the router's kernel; more: cuBLAS, then the router kernel."""
+        """Few rows (decode): the gate GEMV in the router's kernel; more: cuBLAS, then the router kernel.
+        Batch-invariant mode: always the gate matmul (routed to the invariant kernel) then the router kernel, so a
+        row's logits do not depend on how many rows the step has."""
         from . import triton_ced_route as tcr
 
-        if kernel_device_ok(x, gate, bias) and tcr.supports_hidden(x, gate, top_k, bias) \
+        if not self.batch_invariant and kernel_device_ok(x, gate, bias) and tcr.supports_hidden(x, gate, top_k, bias) \
                 and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
             self.kernel_calls["ced_moe_route"] += 1
             return tcr.route_from_hidden(x, gate, top_k, scaling=scaling, bias=bias)
@@ -300,7 +305,7 @@ class NvidiaOps(ReferenceOps):
     def ced_compress_write(self, v, z, m, weight, eps, entry_ids, rope_dim, theta, fmt, fake, store, rows):
         from . import triton_ced_compress as tcc, triton_ced_fused as tcf
 
-        if kernel_device_ok(v, z, weight, entry_ids, *store, rows) \
+        if not self.batch_invariant and kernel_device_ok(v, z, weight, entry_ids, *store, rows) \
                 and tcc.supports(v, z, m, weight, fmt, store, rows, entry_ids) and 0 <= rope_dim <= v.shape[1] \
                 and rope_dim % 2 == 0 and not (torch.is_grad_enabled() and v.requires_grad):
             self.kernel_calls["ced_compress_write"] += 1
