@@ -154,7 +154,10 @@ class DecodeGraphs:
     def _split(self, rows: torch.Tensor) -> torch.Tensor:
         """rows of a graph's output (a copy) -> the hidden states; the kept ones become model.captured_hidden."""
         d = self.hidden_width
-        if not d or rows.shape[-1] == d:  # (a graph captured before the model kept any)
+        if not d or rows.shape[-1] == d:
+            if getattr(self.model, "capture_last", 0):  # the drafter would read a context from an older step
+                raise RuntimeError("CUDA graphs captured before the model was asked to keep hidden states "
+                                   "(capture_last): capture after building the drafter")
             return rows
         self.model.captured_hidden = rows[:, d:]
         return rows[:, :d]

@@ -112,11 +112,6 @@ class Engine:
                        decode_graphs=self.decode_graphs, block_tables=self.block_tables,
                        cache_identity=self.cache_identity, model_path=None if model_path is None else str(model_path))
         self.stages = pipeline.build(context)
-        if use_graphs:  # captured now, after the stages (a drafter may ask the model to keep hidden states)
-            with torch.no_grad(), self.kernel_mode():
-                self.graph_bytes = self.decode_graphs.capture_all(progress=log.isEnabledFor(logging.INFO))
-            log.info("CUDA graphs: %d captured (batch sizes %s), %.2f GiB", len(self.decode_graphs.graphs),
-                     list(self.decode_graphs.batch_buckets), self.graph_bytes / 2**30)
         replay = next((st for st in self.stages["admit"] if getattr(st, "kind", "") == "swa_replay"), None)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    watermark=config.watermark, aging_steps=config.scheduling_aging_steps,
@@ -156,6 +151,13 @@ class Engine:
                     raise
                 log.info("speculative decoding off (optional %r drafter unavailable: %s)", self.spec.method, exc)
                 self.spec = None
+        # Graphs captured now, after the stages and the drafter: a DSpark drafter asks the model to keep hidden
+        # states, which the graphs then return (captured before it, they returned none: a stale draft context).
+        if use_graphs:
+            with torch.no_grad(), self.kernel_mode():
+                self.graph_bytes = self.decode_graphs.capture_all(progress=log.isEnabledFor(logging.INFO))
+            log.info("CUDA graphs: %d captured (batch sizes %s), %.2f GiB", len(self.decode_graphs.graphs),
+                     list(self.decode_graphs.batch_buckets), self.graph_bytes / 2**30)
 
     # Admission.
     def add_request(self, request_id: str, prompt, params: SamplingParams, stream: bool = False,
