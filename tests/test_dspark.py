@@ -132,7 +132,7 @@ def test_the_demo_drafter_is_small_trained_and_speeds_acceptance():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as hst  # noqa: E402
 
-from deepinfer.core.speculative import StepTime, choose_lengths  # noqa: E402
+from deepinfer.core.speculative import SpeculativeConfig, StepTime, choose_lengths  # noqa: E402
 
 
 def _survivals():
@@ -165,6 +165,27 @@ def test_step_time_fits_the_recorded_steps():
     assert st.coefficients() == pytest.approx((0.02, 0.001), rel=1e-6)
 
 
+def test_step_time_file_seeds_the_fit_and_bad_files_are_named(tmp_path):
+    st = StepTime()
+    for n in range(1, 40, 3):
+        st.record(n, 0.02 + 0.001 * n)
+    st.save(tmp_path / "t.json")
+    again = StepTime.load(tmp_path / "t.json")
+    assert again.coefficients() == pytest.approx((0.02, 0.001), rel=1e-6)
+    again.record(100, 10.0)  # refreshed online: a new step moves the fit
+    assert again.coefficients()[1] > 0.01
+    (tmp_path / "bad.json").write_text('{"samples": [[0, 1.0]]}')
+    (tmp_path / "junk.json").write_text("not json")
+    for name, match in (("missing.json", "no file"), ("bad.json", "fewer than 1 token"),
+                        ("junk.json", "not a StepTime.save file")):
+        with pytest.raises(ValueError, match=match):
+            StepTime.load(tmp_path / name)
+    with pytest.raises(ValueError, match="step_time=3 is invalid"):
+        SpeculativeConfig.parse({"method": "dspark", "num_speculative_tokens": 2, "step_time": 3})
+    spec = SpeculativeConfig.parse({"method": "dspark", "num_speculative_tokens": 2, "step_time": tmp_path / "t.json"})
+    assert spec.step_time == str(tmp_path / "t.json") and "step_time" not in spec.options
+
+
 def test_dynamic_needs_a_drafter_that_reports_confidences(ced):
     pytest.importorskip("deepinfer_ngram", reason="the n-gram example plugin is not installed (CI installs it)")
     with pytest.raises(ValueError, match="dynamic=True needs a drafter that reports confidences"):
@@ -180,6 +201,10 @@ def test_dynamic_dspark_keeps_greedy_output_and_optional_drafters(ced, tmp_path)
     fast = LLM(path, num_kv_blocks=64, block_size=4, speculative_config=spec(dynamic=True))
     assert [o.outputs[0].token_ids for o in fast.generate(ps, sp, use_tqdm=False)] == plain
     assert len(fast.engine.step_time.samples) > 0
+    fast.engine.step_time.save(tmp_path / "steps.json")
+    seeded = LLM(path, num_kv_blocks=64, block_size=4,
+                 speculative_config={**spec(dynamic=True), "step_time": str(tmp_path / "steps.json")})
+    assert seeded.engine.step_time.samples == fast.engine.step_time.samples
     llama = tmp_path / "llama"
     build_tiny_hf_model(llama, "llama")
     llm = LLM(str(llama), num_kv_blocks=64, block_size=4, speculative_config=spec(optional=True))

@@ -142,6 +142,8 @@ class Engine:
         # Speculative decoding (core/speculative.py): the drafter, and no overlap (drafting reads the last token).
         self.spec = SpeculativeConfig.parse(config.speculative_config)
         self.drafter, self.spec_stats, self.step_time = None, SpecStats(), StepTime()
+        if self.spec is not None and self.spec.step_time is not None:
+            self.step_time = StepTime.load(self.spec.step_time)
         if self.spec is not None:
             try:
                 self.drafter = build_drafter(pipeline.registry, self.spec, context, model)
