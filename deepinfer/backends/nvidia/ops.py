@@ -37,6 +37,9 @@ def kernel_device_ok(*tensors: torch.Tensor) -> bool:
 
 
 INVARIANT_MOE_BLOCK_M = 16  # batch-invariant mode: the fused MoE's one M-block size (its K step follows from it)
+# CED's router: up to this many tokens the gate GEMV runs inside the router kernel, past it cuBLAS's GEMV then the
+# router kernel on the logits (benchmarks/ced_route_bench.py measures the two on the H200)
+CED_ROUTE_GEMV_MAX_ROWS = 256
 INVARIANT_CED_SPLIT_TILES = 4  # batch-invariant mode: key tiles per split of the CED attention kernel
 
 
@@ -283,7 +286,8 @@ class NvidiaOps(ReferenceOps):
         row's logits do not depend on how many rows the step has."""
         from . import triton_ced_route as tcr
 
-        if not self.batch_invariant and kernel_device_ok(x, gate, bias) and tcr.supports_hidden(x, gate, top_k, bias) \
+        if not self.batch_invariant and x.shape[0] <= CED_ROUTE_GEMV_MAX_ROWS and kernel_device_ok(x, gate, bias) \
+                and tcr.supports_hidden(x, gate, top_k, bias) \
                 and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
             self.kernel_calls["ced_moe_route"] += 1
             return tcr.route_from_hidden(x, gate, top_k, scaling=scaling, bias=bias)
