@@ -38,8 +38,9 @@ def kernel_device_ok(*tensors: torch.Tensor) -> bool:
 
 INVARIANT_MOE_BLOCK_M = 16  # batch-invariant mode: the fused MoE's one M-block size (its K step follows from it)
 # CED's router: up to this many tokens the gate GEMV runs inside the router kernel, past it cuBLAS's GEMV then the
-# router kernel on the logits (benchmarks/ced_route_bench.py measures the two on the H200)
-CED_ROUTE_GEMV_MAX_ROWS = 256
+# router kernel on the logits. benchmarks/ced_route_bench.py on the H200 (bench shape): cuBLAS + router faster at
+# every count, 7.9 vs 13.8 us at 1 token, 1.1-1.2x from 8 to 256; so 0 (the in-kernel GEMV stays, tested, unused)
+CED_ROUTE_GEMV_MAX_ROWS = 0
 INVARIANT_CED_SPLIT_TILES = 4  # batch-invariant mode: key tiles per split of the CED attention kernel
 
 
@@ -281,7 +282,7 @@ class NvidiaOps(ReferenceOps):
         return super().ced_swiglu(gu, limit)
 
     def ced_moe_route(self, x, gate, top_k, *, bias, scaling):
-        """Few rows (decode): the gate GEMV in the router's kernel; more: cuBLAS, then the router kernel.
+        """cuBLAS's gate GEMV, then the router kernel (up to CED_ROUTE_GEMV_MAX_ROWS tokens: the GEMV in the kernel).
         Batch-invariant mode: always the gate matmul (routed to the invariant kernel) then the router kernel, so a
         row's logits do not depend on how many rows the step has."""
         from . import triton_ced_route as tcr
