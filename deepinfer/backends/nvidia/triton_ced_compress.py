@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ced_fused import _cos_sin, _exp, _rsqrt
+from .triton_ced_fused import _exp, _rms_row, _rope_row
 from .triton_fp4 import GROUPS, fp4_dequant, fp4_quant
 from .triton_norm import cast_rne, to_f32
 
@@ -59,18 +59,9 @@ def _compress_write_kernel(v_ptr, z_ptr, w_ptr, ids_ptr, rows_ptr, inv_ptr, code
             c += p * to_f32(tl.load(v_ptr + (g * M + i) * stride_v + cols, mask=ok, other=0.0))
         c = to_f32(cast_rne(c, DT))
     if HAS_NORM:
-        rstd = _rsqrt(tl.sum(c * c, axis=0) / C + eps)
-        c = to_f32(cast_rne(c * rstd * to_f32(tl.load(w_ptr + cols, mask=ok, other=0.0)), DT))
+        c = to_f32(cast_rne(_rms_row(c, w_ptr, cols, ok, C, eps), DT))
     if HAS_ROPE:  # pairs (2i, 2i + 1) of the last 2 HALF channels, at position entry_id * m
-        a, b = tl.split(tl.reshape(c, (BLOCK // 2, 2)))
-        pair = tl.arange(0, BLOCK // 2)
-        first = C // 2 - HALF
-        rot = (pair >= first) & (pair < C // 2)
-        inv = tl.load(inv_ptr + (pair - first), mask=rot, other=0.0)
-        cos, sin = _cos_sin((tl.load(ids_ptr + g) * M).to(tl.float32) * inv)
-        o1 = tl.where(rot, to_f32(cast_rne(a * cos - b * sin, DT)), a)
-        o2 = tl.where(rot, to_f32(cast_rne(b * cos + a * sin, DT)), b)
-        c = tl.reshape(tl.join(o1, o2), (BLOCK,))
+        c = _rope_row(c, (tl.load(ids_ptr + g) * M).to(tl.float32), inv_ptr, C, HALF, DT, BLOCK)
     # FP4 groups of GROUP channels, as (even, odd) channel pairs
     x0, x1 = tl.split(tl.reshape(c, (BLOCK // GROUP, GROUP // 2, 2)))
     code, sb = fp4_quant(x0, x1, E8M0)

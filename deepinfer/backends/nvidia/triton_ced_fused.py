@@ -57,14 +57,47 @@ def _rsqrt(x):
 
 
 @triton.jit
+def _rms_row(xf, w_ptr, cols, mask, N, eps):
+    """CED's RMSNorm of one row xf [BLOCK] float32 (0 past N; cols, mask its channels) with the weight at w_ptr:
+    xf * rsqrt(sum(xf^2) / N + eps) * w in float32, not rounded (the callers round once, to their dtype).
+    Shared by every CED kernel that norms a row, so they all do these float32 operations in this order."""
+    rstd = _rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    w = to_f32(tl.load(w_ptr + cols, mask=mask, other=0.0))
+    return xf * rstd * w
+
+
+@triton.jit
+def _rotate(a, b, cos, sin):
+    """RoPE on adjacent pairs (a, b) = (x[2i], x[2i + 1]), as functional.apply_rope: (a cos - b sin,
+    b cos + a sin) in float32, not rounded."""
+    return a * cos - b * sin, b * cos + a * sin
+
+
+@triton.jit
+def _rope_row(x, pos, inv_ptr, N, HALF, DT: tl.constexpr, BLOCK: tl.constexpr):
+    """One row x [BLOCK] float32 (N channels) with its pairs (2i, 2i + 1) of the last 2 HALF channels rotated by
+    pos * inv[i - first] (pos float32; inv [HALF] float32 at inv_ptr), each rotated value rounded to DT (as the
+    torch formula rounds apply_rope's output); the other channels as they are. Returns [BLOCK] float32."""
+    a, b = tl.split(tl.reshape(x, (BLOCK // 2, 2)))
+    pair = tl.arange(0, BLOCK // 2)
+    first = N // 2 - HALF
+    rot = (pair >= first) & (pair < N // 2)
+    inv = tl.load(inv_ptr + (pair - first), mask=rot, other=0.0)
+    cos, sin = _cos_sin(pos * inv)
+    o1, o2 = _rotate(a, b, cos, sin)
+    o1 = tl.where(rot, to_f32(cast_rne(o1, DT)), a)
+    o2 = tl.where(rot, to_f32(cast_rne(o2, DT)), b)
+    return tl.reshape(tl.join(o1, o2), (BLOCK,))
+
+
+@triton.jit
 def _ced_rms_kernel(x_ptr, w_ptr, o_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     xf = to_f32(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0))
-    rstd = _rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    w = to_f32(tl.load(w_ptr + cols, mask=mask, other=0.0))
-    tl.store(o_ptr + row * stride_o + cols, cast_rne(xf * rstd * w, o_ptr.dtype.element_ty), mask=mask)
+    o = _rms_row(xf, w_ptr, cols, mask, N, eps)
+    tl.store(o_ptr + row * stride_o + cols, cast_rne(o, o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -79,10 +112,7 @@ def _ced_add_rms_kernel(x_ptr, r_ptr, e_ptr, w_ptr, h_ptr, o_ptr, stride_x, stri
         add = to_f32(cast_rne(add + to_f32(tl.load(e_ptr + row * stride_e + cols, mask=mask, other=0.0)), DT))
     h = cast_rne(to_f32(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)) + add, DT)
     tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
-    xf = to_f32(h)
-    rstd = _rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    w = to_f32(tl.load(w_ptr + cols, mask=mask, other=0.0))
-    tl.store(o_ptr + row * stride_o + cols, cast_rne(xf * rstd * w, DT), mask=mask)
+    tl.store(o_ptr + row * stride_o + cols, cast_rne(_rms_row(to_f32(h), w_ptr, cols, mask, N, eps), DT), mask=mask)
 
 
 @triton.jit
@@ -126,8 +156,7 @@ def _ced_rope_kernel(x_ptr, o_ptr, pos_ptr, inv_ptr, stride_xt, stride_xm, strid
     m = r_ok[:, None] & (c < 2 * HALF)[None, :]
     x = to_f32(tl.load(x_base + R0 + c[None, :], mask=m, other=0.0))
     a, b = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_R, 2)))
-    o1 = a * cos[None, :] - b * sin[None, :]
-    o2 = b * cos[None, :] + a * sin[None, :]
+    o1, o2 = _rotate(a, b, cos[None, :], sin[None, :])
     o = tl.reshape(tl.join(o1, o2), (BLOCK_M, 2 * BLOCK_R))
     tl.store(o_base + R0 + c[None, :], cast_rne(o, o_ptr.dtype.element_ty), mask=m)
     if BLOCK_P > 0:  # channels 0 .. D - R pass through, bit for bit

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ced_fused import _cos_sin, _rsqrt
+from .triton_ced_fused import _rms_row, _rope_row
 from .triton_kvquant import FMT, GROUP, fp8_pow2_dequant, fp8_pow2_quant
 from .triton_norm import cast_rne, to_f32
 
@@ -38,19 +38,10 @@ def _swa_kv_ring_kernel(y_ptr, w_ptr, pos_ptr, slot_ptr, inv_ptr, kv_ptr, rc_ptr
     cols = tl.arange(0, BLOCK)
     ok = cols < D
     yf = to_f32(tl.load(y_ptr + t * stride_y + cols, mask=ok, other=0.0))
-    rstd = _rsqrt(tl.sum(yf * yf, axis=0) / D + eps)
-    w = to_f32(tl.load(w_ptr + cols, mask=ok, other=0.0))
-    r = to_f32(cast_rne(yf * rstd * w, DT))  # functional.rms: one rounding to y's dtype
+    r = to_f32(cast_rne(_rms_row(yf, w_ptr, cols, ok, D, eps), DT))  # functional.rms: one rounding to y's dtype
     # RoPE on pairs (2i, 2i + 1) of the last 2 HALF channels: pair i rotates by pos * inv[i - first].
-    a, b = tl.split(tl.reshape(r, (BLOCK // 2, 2)))
-    pair = tl.arange(0, BLOCK // 2)
-    first = D // 2 - HALF
-    rot = (pair >= first) & (pair < D // 2)
-    inv = tl.load(inv_ptr + (pair - first), mask=rot, other=0.0)
-    cos, sin = _cos_sin(tl.load(pos_ptr + t).to(tl.float32) * inv)
-    o1 = tl.where(rot, to_f32(cast_rne(a * cos - b * sin, DT)), a)
-    o2 = tl.where(rot, to_f32(cast_rne(b * cos + a * sin, DT)), b)
-    k = tl.reshape(tl.join(o1, o2), (BLOCK // 32, 32))
+    k = _rope_row(r, tl.load(pos_ptr + t).to(tl.float32), inv_ptr, D, HALF, DT, BLOCK)
+    k = tl.reshape(k, (BLOCK // 32, 32))
     code, sb = fp8_pow2_quant(k)
     if FAKE:  # the fresh key as fake quantisation leaves it, and the ring's codes of that (as ring_write does)
         k = to_f32(cast_rne(fp8_pow2_dequant(code, sb), DT))
