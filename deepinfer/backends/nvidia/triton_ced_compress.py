@@ -25,12 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ced_fused import _exp, _rms_row, _rope_row
+from .triton_ced_fused import INTERPRET, SUPPORTED_DTYPES, _exp, _rms_row, _rope_row
 from .triton_fp4 import GROUPS, fp4_dequant, fp4_quant
 from .triton_norm import cast_rne, to_f32
 
-INTERPRET = bool(triton.knobs.runtime.interpret)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_C = 4096
 MAX_M = 16
 

@@ -20,12 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ced_fused import _rms_row, _rope_row
+from .triton_ced_fused import INTERPRET, SUPPORTED_DTYPES, _rms_row, _rope_row
 from .triton_kvquant import FMT, GROUP, fp8_pow2_dequant, fp8_pow2_quant
 from .triton_norm import cast_rne, to_f32
 
-INTERPRET = bool(triton.knobs.runtime.interpret)
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_D = 4096
 
 
