@@ -167,11 +167,12 @@ class DSpark(nn.Module):
         prev = to_device(anchors, torch.long, dev)  # [B]
         base, conf = self(torch.stack(list(contexts)).to(dev), prev, target)  # [B, P, V], [B, P]
         qs, tokens = [], []
+        sampled = [b for b in range(B) if not greedy[b]]
         for j in range(K):
             q = (base[:, j] + self.markov(prev)).softmax(dim=-1)  # [B, V]
             t = q.argmax(dim=-1)
-            for b in range(B):  # sampled rows: each from its own generator, the call draft makes
-                if not greedy[b] and j < ks[b]:
+            for b in sampled:  # sampled rows: each from its own generator, the call draft makes
+                if j < ks[b]:
                     g = gens[b]
                     t[b] = torch.multinomial(q[b].to(g.device if g is not None else "cpu").double(), 1,
                                              generator=g)[0].to(dev)
