@@ -379,15 +379,9 @@ class Engine:
                 failed.setdefault(rows[r], "the model produced non-finite logits (NaN or inf) for this request")
         self._fail_rows(state.batch, failed, touched)
         self._fold(state, sample_seqs, touched)
-        for r, tokens in getattr(state, "spec_extra", {}).items():  # a verified row's further tokens
-            seq, lps = sample_seqs[r], getattr(state, "spec_logprobs", {}).get(r)
-            for j, tok in enumerate(tokens, start=1):
-                if seq.finished:
-                    break
-                if lps is not None:
-                    self._append_logprobs(seq, tok, *lps[j])
-                if not self._fold_forced(seq, tok, touched):
-                    break
+        extra = getattr(state, "spec_extra", None)
+        if extra:
+            self._fold_extra(extra, getattr(state, "spec_logprobs", {}), sample_seqs, touched)
         mover = self.prefix_cache.mover if self.prefix_cache is not None else None
         if mover is not None and mover.pending:
             mover.flush()  # blocks evicted to the host/disk tiers whose copies have run
@@ -520,6 +514,34 @@ class Engine:
         return True
 
     # Speculative decoding (core/speculative.py).
+    def _fold_extra(self, extra: dict, spec_logprobs: dict, sample_seqs: list, touched: dict) -> None:
+        """Fold the verified rows' further tokens (extra: sampling row -> its accepted tokens after the first)
+        through the host stages, one call for the j-th further token of every row still going (a row's tokens in
+        order; a row stops at its first that finishes it or that a host stage fails). ``_fold_forced`` per token
+        is the oracle; the host stages work row by row, so one call over many rows gives each the same."""
+        live = [(sample_seqs[r], tokens, spec_logprobs.get(r)) for r, tokens in extra.items() if tokens]
+        j = 1
+        while live:
+            live = [x for x in live if not x[0].finished]
+            if not live:
+                return
+            seqs = [seq for seq, _, _ in live]
+            toks = [tokens[j - 1] for _, tokens, _ in live]
+            for (seq, _, lps), tok in zip(live, toks):
+                if lps is not None:
+                    self._append_logprobs(seq, tok, *lps[j])
+            batch = ScheduledBatch(seqs, [0] * len(seqs), [s.num_computed_tokens for s in seqs], [True] * len(seqs))
+            state = StepState(batch, None, self.kv_cache)
+            state.next_tokens = torch.tensor(toks)
+            failed = self._run_stages(self.stages["step"][self._n_device_stages:], state)
+            if failed:
+                self._fail_rows(batch, failed, touched)
+            for n, (seq, upd) in enumerate(zip(seqs, state.outputs)):
+                if n not in failed:
+                    self._fold_token(seq, upd)
+            live = [x for n, x in enumerate(live) if n not in failed and len(x[1]) > j]
+            j += 1
+
     def _propose_drafts(self) -> None:
         """Ask the drafter for the next step's drafts of every decoding sequence that may speculate."""
         k, vocab = self.spec.num_speculative_tokens, self.model.vocab_size
@@ -582,16 +604,18 @@ class Engine:
             from ..backends.reference.sampling import LogprobsTensors
 
             lp = LogprobsTensors(*spec.logprobs)
-        for n, (r, i) in enumerate(spec.rows):
+        drafted, accepts = [], []
+        for n, ((r, i), (accepted, emitted)) in enumerate(zip(spec.rows, spec.all_rows())):
             k, seq = len(batch.drafts[i]), batch.seqs[i]
-            accepted, emitted = spec.row(n)
             state.spec_rollback[r] = k - accepted
             want = seq.params.logprobs
             if want is not None and lp is not None:  # each emitted token's logprobs at its own position
                 at = [n * (spec.K + 1) + j for j in range(len(emitted))]
                 tops, tok_lp, ranks = entries_from(lp, at, [want] * len(at), None)
                 state.spec_logprobs[r] = list(zip(tops, [tok_lp[x] for x in at], [ranks[x] for x in at]))
-            self.spec_stats.record(k, accepted)
+            drafted.append(k)
+            accepts.append(accepted)
             seq.num_computed_tokens -= k - accepted  # the rejected drafts' KV is overwritten later
             if accepted:
                 state.spec_extra[r] = emitted[1:]
+        self.spec_stats.record_many(drafted, accepts)

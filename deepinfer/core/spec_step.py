@@ -32,6 +32,10 @@ class SpecLaunch:
         acc = int(self.host[n, 0])
         return acc, self.host[n, 1:acc + 2].tolist()
 
+    def all_rows(self) -> list:
+        """[R] (accepted, emitted tokens) of every drafting row: ``row`` for each, from one host conversion."""
+        return [(h[0], h[1:h[0] + 2]) for h in self.host.tolist()]
+
 
 def launch_acceptance(state, sampling_state, ops, generator, max_num_logprobs: int) -> Optional[SpecLaunch]:
     """Accept or reject every drafting row's drafts on the device (see the module docstring); None when no

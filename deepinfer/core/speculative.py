@@ -305,6 +305,19 @@ class SpecStats:
         self.proposed_at.update(range(drafted))
         self.accepted_at.update(range(accepted))
 
+    def record_many(self, drafted: list, accepted: list) -> None:
+        """``record`` for each (drafted[n], accepted[n]) of a step's verified rows, the positions counted once
+        per length instead of once per row."""
+        self.steps += len(drafted)
+        self.draft_tokens += sum(drafted)
+        self.accepted_tokens += sum(accepted)
+        self.emitted_tokens += sum(accepted) + len(accepted)
+        for counts, lengths in ((self.proposed_at, drafted), (self.accepted_at, accepted)):
+            hist, reach = Counter(lengths), 0  # reach: rows whose length passes position p
+            for p in range(max(lengths, default=0) - 1, -1, -1):
+                reach += hist[p + 1]
+                counts[p] += reach
+
     def summary(self) -> dict:
         rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
         per_pos = [round(self.accepted_at[i] / self.proposed_at[i], 4) for i in sorted(self.proposed_at)]
