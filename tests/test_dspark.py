@@ -132,7 +132,7 @@ def test_the_demo_drafter_is_small_trained_and_speeds_acceptance():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as hst  # noqa: E402
 
-from deepinfer.core.speculative import SpeculativeConfig, StepTime, choose_lengths  # noqa: E402
+from deepinfer.core.speculative import SpeculativeConfig, StepTime, choose_lengths, choose_padded  # noqa: E402
 
 
 def _survivals():
@@ -155,6 +155,46 @@ def test_chosen_lengths_are_optimal(survival, a, b):
     got = choose_lengths(survival, T)
     assert all(0 <= k <= len(s) for k, s in zip(got, survival))
     assert value(got) >= best * (1 - 1e-9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_survivals(), hst.integers(0, 3), hst.integers(2, 6), hst.floats(0.1, 10.0), hst.floats(0.001, 2.0))
+def test_padded_choice_is_optimal(survival, others, width, a, b):
+    """Verify graphs pad every row to ``width``: the step costs T(R width) if any row verifies a draft, else
+    T(R); choose_padded's lengths are worth as much as the best of every allocation."""
+    import itertools
+
+    T = lambda n: a + b * n  # noqa: E731
+    R = len(survival) + others
+
+    def value(ks):
+        cost = T(R * width) if any(ks) else T(R)
+        return (R + sum(sum(s[:k]) for s, k in zip(survival, ks))) / cost
+
+    best = max(value(ks) for ks in itertools.product(*[range(len(s) + 1) for s in survival]))
+    got = choose_padded(survival, others, width, T)
+    assert got in ([len(s) for s in survival], [0] * len(survival))
+    assert value(got) >= best * (1 - 1e-9)
+
+
+def test_padded_choice_follows_the_confidences_under_a_flat_cost():
+    flat = lambda n: 1.0  # noqa: E731
+    assert choose_padded([[0.9, 0.8], [0.5]], 1, 3, flat) == [2, 1]
+    assert choose_padded([[0.0, 0.0], [0.0]], 1, 3, flat) == [0, 0]
+    steep = lambda n: n  # noqa: E731  (a verify step of width 3 costs 3 decode steps: drafts must repay it)
+    assert choose_padded([[0.9, 0.8]], 0, 3, steep) == [0]
+    assert choose_padded([[1.0, 1.0]], 0, 3, steep) == [0]  # 3 tokens for 3x the time: no gain
+    assert choose_padded([[1.0, 1.0]], 2, 3, lambda n: 1 + n / 64) == [2]  # nearly flat: worth it
+
+
+def test_step_time_through_one_token_count_keeps_the_measured_time():
+    """All samples at one n (a step that always verifies): T(n) there is what was measured, the prior's shape
+    elsewhere (the slope cannot be fitted from one point)."""
+    st = StepTime(prior_s=0.5)
+    for _ in range(20):
+        st.record(80, 0.03)
+    assert st(80) == pytest.approx(0.03)
+    assert st(16) < st(80)
 
 
 def test_step_time_fits_the_recorded_steps():

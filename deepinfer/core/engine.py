@@ -23,7 +23,7 @@ from .kv_offload import block_mover
 from .prefix_cache import PrefixCache
 from .swa_pool import SwaStatePool, wanted as swa_pool_wanted
 from .speculative import (SpecStats, SpeculativeConfig, StepTime, build_drafter, can_speculate, choose_lengths,
-                          verify_width, wants_hidden)
+                          choose_padded, verify_width, wants_hidden)
 from .spec_step import launch_acceptance
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
@@ -250,6 +250,7 @@ class Engine:
             self._collect_step(prev, touched)  # bad words / logits processors read the output tokens on the host
             prev = None
         t0 = time.perf_counter()
+        replays = self.decode_graphs.num_verify_replays if self.decode_graphs is not None else 0
         launched = self._launch(touched, prev)  # may collect prev itself, once the forward is queued
         if prev is not None and not prev.collected:
             self._collect_step(prev, touched)
@@ -259,7 +260,7 @@ class Engine:
             else:
                 self._collect_step(launched, touched)
                 if self.spec is not None and self.spec.dynamic:  # the step-time curve dynamic drafts use
-                    self.step_time.record(launched.state.batch.total_tokens, time.perf_counter() - t0)
+                    self.step_time.record(self._step_tokens(launched, replays), time.perf_counter() - t0)
         return self._collect(touched)
 
     @torch.no_grad()
@@ -572,8 +573,28 @@ class Engine:
             rows = [s for s in self.scheduler.running if s.draft]
             survival = [list(getattr(s, "draft_survival", None) or [])[:len(s.draft)] for s in rows]
             others = sum(1 for s in self.scheduler.running if not s.draft)
-            for s, k in zip(rows, choose_lengths(survival, lambda n: self.step_time(n + others))):
+            width = self._padded_verify_width()
+            ks = choose_padded(survival, others, width, self.step_time) if width \
+                else choose_lengths(survival, lambda n: self.step_time(n + others))
+            for s, k in zip(rows, ks):
                 del s.draft[k:]
+
+    def _padded_verify_width(self) -> int:
+        """Q when this step's verification would run in a CUDA graph padding every row to Q tokens (its cost then
+        does not depend on the rows' draft lengths: core/speculative.choose_padded), else 0 (eager, ragged)."""
+        g, running = self.decode_graphs, self.scheduler.running
+        if g is None or not g.verify_width or not running \
+                or any(s.num_tokens - s.num_computed_tokens != 1 for s in running):  # a prefill chunk: eager
+            return 0
+        Q = g.verify_width
+        return Q if g.covers_verify([Q] * len(running), [s.num_computed_tokens for s in running]) else 0
+
+    def _step_tokens(self, launched, verify_replays: int) -> int:
+        """The tokens a step computed for T(n): a verify graph's padded rows x width, else the batch's tokens."""
+        g = self.decode_graphs
+        if g is not None and g.num_verify_replays > verify_replays:
+            return len(launched.sample_seqs) * g.verify_width
+        return launched.state.batch.total_tokens
 
     def _keep_draft_context(self, state: StepState, sample_seqs: list) -> None:
         """Each sampling row's target hidden states at the position that produced its last token (the last

@@ -195,6 +195,19 @@ def choose_lengths(survival: list, step_time) -> list:
     return k
 
 
+def choose_padded(survival: list, others: int, width: int, step_time) -> list:
+    """Dynamic lengths when the step's verification runs in CUDA graphs that pad every row to ``width`` tokens
+    (backends/cuda_graph.py): a row's cost does not depend on its k there, so cutting a row's drafts saves
+    nothing and loses its expected accepted tokens. The one choice left is per step: verify every draft,
+    (R + sum of every S) / T(R width), or decode plainly, R / T(R), for the step's R rows (``others`` of them
+    without drafts); step_time(n) is T at n computed tokens, padding included."""
+    rows = len(survival) + others
+    gain = sum(sum(s) for s in survival)
+    if gain <= 0 or (rows + gain) / step_time(rows * width) <= rows / step_time(rows):
+        return [0] * len(survival)
+    return [len(s) for s in survival]
+
+
 class StepTime:
     """T(n): seconds of an engine step over n batched tokens, a + b n fitted (least squares) to the recent
     steps the engine reports; before enough of them, a prior (one step costs about as much as 64 tokens)."""
@@ -240,9 +253,12 @@ class StepTime:
     def _least_squares(self) -> tuple:
         n = len(self.samples)
         xs = [x for x, _ in self.samples]
-        if n < 8 or max(xs) == min(xs):
-            mean = sum(t for _, t in self.samples) / n if n else self.prior
-            return mean, mean / 64
+        if n < 8 or max(xs) == min(xs):  # the prior's shape (a step costs as much as 64 tokens) ...
+            if not n:
+                return self.prior, self.prior / 64
+            x0, mean = sum(xs) / n, sum(t for _, t in self.samples) / n
+            a = mean / (1 + x0 / 64)  # ... through what was measured: T(x0) = the mean time at the mean x0
+            return a, a / 64
         mx, my = sum(xs) / n, sum(t for _, t in self.samples) / n
         b = sum((x - mx) * (t - my) for x, t in self.samples) / sum((x - mx) ** 2 for x in xs)
         b = max(b, 1e-9)  # more tokens never cost less

@@ -34,4 +34,5 @@ def install_eager_graphs(llm, width: int, scratch_block: int, sizes=(1, 2, 4, 8)
     graphs = EagerGraphs(eng.model, eng.kv_cache, tables, eng.config.block_size, "cpu", sizes)
     graphs.enable_verify(width, eng.max_model_len)
     next(st for st in eng.stages["step"] if st.name == "forward").decode_graphs = graphs
+    eng.decode_graphs = graphs  # (the engine's own view: dynamic draft lengths price a padded verify step)
     return graphs
