@@ -248,8 +248,8 @@ def test_greedy_dspark_through_verify_graphs_equals_plain_decoding(ced, dynamic,
 
     padded = []  # dynamic: the per-step choices made for padded verify graphs (all of a row's drafts, or none)
     choose = engine_mod.choose_padded
-    monkeypatch.setattr(engine_mod, "choose_padded", lambda surv, *a: padded.append((surv, choose(surv, *a)))
-                        or padded[-1][1])
+    monkeypatch.setattr(engine_mod, "choose_padded", lambda surv, *a, **k: padded.append(
+        (surv, choose(surv, *a, **k))) or padded[-1][1])
     got = [o.outputs[0].token_ids for o in fast.generate(ps, sp, use_tqdm=False)]
     assert got == plain
     assert graphs.num_verify_replays > 0 and graphs.num_replays > graphs.num_verify_replays

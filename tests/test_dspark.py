@@ -187,6 +187,13 @@ def test_padded_choice_follows_the_confidences_under_a_flat_cost():
     assert choose_padded([[1.0, 1.0]], 2, 3, lambda n: 1 + n / 64) == [2]  # nearly flat: worth it
 
 
+def test_padded_exploration_takes_the_other_choice_where_there_are_drafts():
+    flat, steep = (lambda n: 1.0), (lambda n: n)  # noqa: E731
+    assert choose_padded([[0.9, 0.8], [0.5]], 1, 3, flat, explore=True) == [0, 0]
+    assert choose_padded([[0.9, 0.8]], 0, 3, steep, explore=True) == [2]
+    assert choose_padded([[], []], 1, 3, flat, explore=True) == [0, 0]  # nothing drafted: nothing to verify
+
+
 def test_step_time_through_one_token_count_keeps_the_measured_time():
     """All samples at one n (a step that always verifies): T(n) there is what was measured, the prior's shape
     elsewhere (the slope cannot be fitted from one point)."""

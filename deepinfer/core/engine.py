@@ -22,8 +22,8 @@ from .kv_cache import BlockPool, blocks_needed
 from .kv_offload import block_mover
 from .prefix_cache import PrefixCache
 from .swa_pool import SwaStatePool, wanted as swa_pool_wanted
-from .speculative import (SpecStats, SpeculativeConfig, StepTime, build_drafter, can_speculate, choose_lengths,
-                          choose_padded, verify_width, wants_hidden)
+from .speculative import (EXPLORE_EVERY, SpecStats, SpeculativeConfig, StepTime, build_drafter, can_speculate,
+                          choose_lengths, choose_padded, verify_width, wants_hidden)
 from .spec_step import launch_acceptance
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
@@ -142,6 +142,7 @@ class Engine:
         # Speculative decoding (core/speculative.py): the drafter, and no overlap (drafting reads the last token).
         self.spec = SpeculativeConfig.parse(config.speculative_config)
         self.drafter, self.spec_stats, self.step_time = None, SpecStats(), StepTime()
+        self._padded_steps = 0  # dynamic steps priced as padded verify graphs (core/speculative.EXPLORE_EVERY)
         if self.spec is not None and self.spec.step_time is not None:
             self.step_time = StepTime.load(self.spec.step_time)
         if self.spec is not None:
@@ -574,8 +575,12 @@ class Engine:
             survival = [list(getattr(s, "draft_survival", None) or [])[:len(s.draft)] for s in rows]
             others = sum(1 for s in self.scheduler.running if not s.draft)
             width = self._padded_verify_width()
-            ks = choose_padded(survival, others, width, self.step_time) if width \
-                else choose_lengths(survival, lambda n: self.step_time(n + others))
+            if width:
+                self._padded_steps += 1
+                ks = choose_padded(survival, others, width, self.step_time,
+                                   explore=self._padded_steps % EXPLORE_EVERY == 0)
+            else:
+                ks = choose_lengths(survival, lambda n: self.step_time(n + others))
             for s, k in zip(rows, ks):
                 del s.draft[k:]
 

@@ -195,17 +195,23 @@ def choose_lengths(survival: list, step_time) -> list:
     return k
 
 
-def choose_padded(survival: list, others: int, width: int, step_time) -> list:
+EXPLORE_EVERY = 64  # padded dynamic steps: one in this many takes the other choice, so T is measured at both
+
+
+def choose_padded(survival: list, others: int, width: int, step_time, explore: bool = False) -> list:
     """Dynamic lengths when the step's verification runs in CUDA graphs that pad every row to ``width`` tokens
     (backends/cuda_graph.py): a row's cost does not depend on its k there, so cutting a row's drafts saves
     nothing and loses its expected accepted tokens. The one choice left is per step: verify every draft,
     (R + sum of every S) / T(R width), or decode plainly, R / T(R), for the step's R rows (``others`` of them
-    without drafts); step_time(n) is T at n computed tokens, padding included."""
+    without drafts); step_time(n) is T at n computed tokens, padding included. ``explore``: take the other
+    choice (where there are drafts), so that both step kinds keep being measured: a fit that only ever saw
+    verify steps (or plain ones) prices the other by the prior's shape alone (EXPLORE_EVERY sets how often)."""
     rows = len(survival) + others
     gain = sum(sum(s) for s in survival)
-    if gain <= 0 or (rows + gain) / step_time(rows * width) <= rows / step_time(rows):
-        return [0] * len(survival)
-    return [len(s) for s in survival]
+    verify = gain > 0 and (rows + gain) / step_time(rows * width) > rows / step_time(rows)
+    if explore and any(survival):
+        verify = not verify
+    return [len(s) for s in survival] if verify else [0] * len(survival)
 
 
 class StepTime:
