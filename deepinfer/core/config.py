@@ -88,6 +88,13 @@ def _gigabytes(inst, attribute, value):
 def _optional_str(inst, attribute, value):
     if value is not None and not isinstance(value, str):
         raise ValueError(f"EngineConfig.{attribute.name}={value!r} is invalid: must be a path (str) or None")
+    if value is not None and "\0" in value:
+        raise ValueError(f"EngineConfig.{attribute.name}={value!r} is invalid: a path holds no NUL byte")
+
+
+def _default_true(value):
+    """None -> True: vLLM's ``enable_prefix_caching: Optional[bool] = None`` means "the default", which is on."""
+    return True if value is None else value
 
 
 def _eplb_config(inst, attribute, value):
@@ -139,7 +146,7 @@ class EngineConfig:
     # A structured-output request whose grammar has not compiled this long after admission fails alone.
     structured_outputs_timeout_s: float = attrs.field(default=10.0, validator=_positive_seconds)
     # Reuse the KV of full blocks whose prefix (tokens, cache_salt) another request computed (core/prefix_cache.py).
-    enable_prefix_caching: bool = attrs.field(default=True, validator=_optional_bool)
+    enable_prefix_caching: bool = attrs.field(default=True, converter=_default_true, validator=_optional_bool)
     # Slower prefix-cache tiers (core/kv_tiers): blocks evicted from device memory go to a host-memory pool of
     # host_cache_gb (0: none) and to cache_dir (None: $DEEPINFER_CACHE_DIR, unset: none), capped at
     # disk_cache_gb, which survives restarts and may be shared by several engines.
