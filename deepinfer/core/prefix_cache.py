@@ -46,10 +46,11 @@ def checkpoint_identity(path, hf_config: dict, load_format: str = "auto") -> str
 
 
 def root_key(identity: str, salt: Optional[str] = None) -> bytes:
-    """The hash block 0 chains from: the engine identity and the request's cache salt."""
+    """The hash block 0 chains from: the engine identity and the request's cache salt (any str: encoded as UTF-8
+    with lone surrogates passed through, which keeps distinct strings distinct and ordinary ones as they were)."""
     h = hashlib.sha256(b"deepinfer-prefix-v1\0" + identity.encode() + b"\0")
     if salt is not None:
-        h.update(b"salt\0" + salt.encode())
+        h.update(b"salt\0" + salt.encode("utf-8", "surrogatepass"))
     return h.digest()
 
 
