@@ -24,9 +24,11 @@ Failures degrade, never raise (from put and get; bad arguments still raise):
 - A corrupt or truncated entry is logged once, counted, deleted and is a miss; a foreign one (another
   identity or format version) is logged once, counted, left alone (its writer may still use it) and is a
   miss; an unreadable one is logged once and is a miss. Logs go to logging.getLogger("deepinfer.kv_tiers").
+- A name that something other than an entry file holds (a directory in an entry's place, a file in its
+  shard directory's) is logged once and stores nothing; the tier carries on with the other names.
 - A directory that cannot be created, written or scanned at start-up, and any write or scan error other than
-  a racing deletion (read-only: EROFS; full: ENOSPC, EDQUOT; EACCES, EIO, ...), disables the tier with one
-  warning: from then on get misses and put stores nothing, and the other tiers carry on.
+  a racing deletion or a blocked name (read-only: EROFS; full: ENOSPC, EDQUOT; EACCES, EIO, ...), disables
+  the tier with one warning: from then on get misses and put stores nothing, and the other tiers carry on.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from deepinfer.core.kv_tiers.payload import Run, check_key, check_payload, check
 log = logging.getLogger("deepinfer.kv_tiers")
 
 _RACES = (errno.ENOENT, errno.ESTALE)  # someone else removed the file or directory first: a miss, not a fault
+# Something that is not a file holds the entry's name (a directory) or its shard's (a file): that name only.
+_BLOCKED = (errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY)
 
 
 @attrs.frozen
@@ -120,7 +124,9 @@ class DiskTier:
         try:
             inode = self._files.publish(key, chunks)
         except OSError as e:
-            if e.errno not in _RACES:
+            if e.errno in _BLOCKED and self._root_is_dir():
+                self._report(self._files.path(key), None, "not a file", f"not stored: {e}")
+            elif e.errno not in _RACES:
                 self._disable(f"writing {key.hex()}: {e}")
             return False
         with self._lock:
@@ -321,6 +327,12 @@ class DiskTier:
                     members = ()
             with self._lock:
                 self._learn(k, inode, members)
+
+    def _root_is_dir(self) -> bool:
+        try:
+            return self.root.is_dir()
+        except OSError:
+            return False
 
     def _report(self, path: Path, inode, kind: str, why: str) -> None:
         with self._lock:

@@ -108,7 +108,7 @@ class EntryFiles:
         top = _scandir_quietly(self.root)
         for in_shard, listing in [(False, top), *((True, _scandir_quietly(e.path)) for e in top if _is_shard(e))]:
             for e in listing:
-                if in_shard and e.name.endswith(ENTRY_SUFFIX) and not e.name.startswith("."):
+                if in_shard and e.name.endswith(ENTRY_SUFFIX) and not e.name.startswith(".") and _is_file(e):
                     try:
                         st = e.stat()
                         files.append((st.st_mtime_ns, st.st_size, e.path, e.inode()))
@@ -154,6 +154,13 @@ def unlink_quietly(path) -> bool:
 
 def _is_shard(e: os.DirEntry) -> bool:
     return len(e.name) == 2 and set(e.name) <= _HEX and e.is_dir(follow_symlinks=False)
+
+
+def _is_file(e: os.DirEntry) -> bool:
+    try:
+        return e.is_file()
+    except OSError:
+        return False
 
 
 def _scandir_quietly(directory) -> list:
