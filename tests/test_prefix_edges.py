@@ -175,3 +175,16 @@ def test_engine_with_directories_for_entries_matches_a_cold_run(tiny, tmp_path):
     llm.engine.pool.allocate(llm.engine.pool.num_free)
     llm.engine.prefix_cache.mover.flush(wait=True)
     assert llm.engine.prefix_cache.mover.store.disk.enabled
+
+
+def test_a_relative_cache_dir_stays_where_it_was_at_start(tmp_path, monkeypatch):
+    """cache_dir / DEEPINFER_CACHE_DIR relative to the working directory at start-up: a later chdir (the
+    mover writes from a background thread at any time) used to send new entries somewhere else."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    tier = DiskTier("kv", 1 << 20, ID)
+    monkeypatch.chdir(tmp_path / "b")
+    assert tier.put(key(1), run(1), members=[key(1)])
+    assert list((tmp_path / "a" / "kv").rglob("*.kvb")) and not (tmp_path / "b" / "kv").exists()
+    assert tier.find(key(1)) is not None

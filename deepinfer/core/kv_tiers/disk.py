@@ -89,7 +89,7 @@ class DiskTier:
             raise ValueError(f"rescan_s={rescan_s!r} must be a number >= 0")
         self.rescan_s, self._clock = rescan_s, clock
         self._scanned_at = clock()
-        self.root = Path(root).expanduser()
+        self.root = Path(root).expanduser().absolute()  # a later chdir must not move the cache
         self.capacity_bytes, self.identity, self.evict_to = capacity_bytes, identity, evict_to
         self.enabled, self.disabled_reason = True, None
         self._files = EntryFiles(self.root)
