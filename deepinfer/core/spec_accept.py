@@ -24,17 +24,20 @@ import torch
 from ..backends.reference.sampling import process_logits
 
 
-def draw_noise(R: int, K: int, V: int, generators: list, default: Optional[torch.Generator], device) -> tuple:
+def draw_noise(R: int, K: int, V: int, generators: list, default: Optional[torch.Generator], device,
+               lens: Optional[list] = None) -> tuple:
     """(u [R, K] float64, e [R, V] float32 > 0): rows whose request has a seed draw from their own generator
-    (one call each, as the sampler does), the rest from one batched draw of ``default``."""
-    u = torch.empty(R, K, dtype=torch.float64, device=device)
+    (one call each, as the sampler does), the rest from one batched draw of ``default``. lens [R] (host ints,
+    each row's own draft count; None: K each): a seeded row draws only its own lens[i] uniforms (its padded
+    ones are never read), so what its generator gives does not depend on its neighbours' draft lengths."""
+    u = torch.ones(R, K, dtype=torch.float64, device=device)
     e = torch.empty(R, V, dtype=torch.float32, device=device)
     seeded = [i for i, g in enumerate(generators) if g is not None]
     if len(seeded) < R:
         u.uniform_(generator=default)
         e.exponential_(generator=default)
     for i in seeded:
-        u[i].uniform_(generator=generators[i])
+        u[i, :K if lens is None else lens[i]].uniform_(generator=generators[i])
         e[i].exponential_(generator=generators[i])
     return u, e.clamp_min_(torch.finfo(torch.float32).tiny)  # exponential_ may return 0
 

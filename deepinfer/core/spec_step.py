@@ -64,7 +64,8 @@ def launch_acceptance(state, sampling_state, ops, generator, max_num_logprobs: i
         logits, best = process_rows(raw, sampling, srows, drafts, lens), None
     noise = None
     if not all_greedy:
-        noise = draw_noise(R, K, V, [sampling.generators[r] for r, _ in rows], generator, dev.device)
+        noise = draw_noise(R, K, V, [sampling.generators[r] for r, _ in rows], generator, dev.device,
+                           [len(batch.drafts[i]) for _, i in rows])
     q = _draft_probs([batch.seqs[i] for _, i in rows], [len(batch.drafts[i]) for _, i in rows], drafts, V,
                      dev.device)
     tokens, acc = accept_batch(logits, drafts, lens, q, greedy, noise, all_greedy=all_greedy, best=best)

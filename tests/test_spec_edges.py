@@ -1,0 +1,58 @@
+"""Speculative decoding at its edges, as a user would probe it: configs that must fail naming the key, and
+requests whose output must not depend on their neighbours (seeded rows among rows that draft more or less)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.core.spec_accept import draw_noise
+from deepinfer.testing.models import build_tiny_hf_model
+
+pytest.importorskip("deepinfer_ngram", reason="the n-gram draft plugin: pip install -e plugins/deepinfer-ngram")
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec_edges_llama")
+    build_tiny_hf_model(d, "llama", seed=3)
+    return str(d)
+
+
+class LengthDrafter:
+    """Drafts its sequence's last token repeated: one for a request with a seed, k for the others, so a
+    verify step mixes rows of different draft lengths."""
+
+    def propose(self, seq, k: int) -> list:
+        return [seq.token_ids[-1]] * (1 if seq.params.seed is not None else k)
+
+
+def _llm(path, **kw):
+    llm = LLM(path, num_kv_blocks=128, block_size=4, seed=0, speculative_config=NGRAM, **kw)
+    llm.engine.drafter = LengthDrafter()
+    return llm
+
+
+def test_seeded_row_draws_only_its_own_drafts_noise():
+    """draw_noise with lens: a seeded row's generator gives the same numbers whatever K its neighbours make."""
+    alone = draw_noise(1, 1, 7, [torch.Generator().manual_seed(4)], None, "cpu", [1])
+    mixed = draw_noise(2, 4, 7, [torch.Generator().manual_seed(4), None], torch.Generator().manual_seed(0),
+                       "cpu", [1, 4])
+    assert torch.equal(alone[0][0, :1], mixed[0][0, :1]) and torch.equal(alone[1][0], mixed[1][0])
+
+
+def test_seeded_sampled_request_is_the_same_beside_rows_with_longer_drafts(llama):
+    """A seeded sampled request's output is the same alone and beside greedy rows that verify more drafts per
+    step (its acceptance uniforms were drawn K = the step's longest draft at a time, so its generator
+    advanced with its neighbours' draft lengths)."""
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    other = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = _llm(llama)
+    prompt, neighbour = [5, 9, 13, 17, 21], [40, 41, 42, 43, 40, 41, 42]
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    both = llm.generate([prompt, neighbour], [seeded, other], use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.spec_stats()["verified_rows"] > 0
+    assert both == alone
