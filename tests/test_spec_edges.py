@@ -56,3 +56,33 @@ def test_seeded_sampled_request_is_the_same_beside_rows_with_longer_drafts(llama
     both = llm.generate([prompt, neighbour], [seeded, other], use_tqdm=False)[0].outputs[0].token_ids
     assert llm.spec_stats()["verified_rows"] > 0
     assert both == alone
+
+
+def test_unknown_method_names_the_key_and_the_draft_stages(llama):
+    with pytest.raises(ValueError, match=r"speculative_config method='nope': unknown stage 'nope'; "
+                                         r"registered draft stages: .*ngram"):
+        LLM(llama, speculative_config={"method": "nope", "num_speculative_tokens": 2})
+
+
+class FailingDrafter:
+    """Raises for the request whose prompt starts with token 5; returns None (not a list) for token 6."""
+
+    def propose(self, seq, k: int) -> list:
+        if seq.token_ids[0] == 5:
+            raise RuntimeError("drafter bug")
+        return None if seq.token_ids[0] == 6 else [seq.token_ids[-1]] * k
+
+
+@pytest.mark.parametrize("first", [5, 6])
+def test_a_failing_drafter_costs_drafts_not_requests(llama, first):
+    """Decision: drafts only save steps, so a drafter that raises (or returns no token list) for one sequence
+    leaves that step without drafts (logged once) and every request still gets plain decoding's output; it
+    used to raise out of LLM.generate and fail the whole batch."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[40, 41, 42, 43, 40, 41, 42], [first, 9, 13, 17]]
+    ref = LLM(llama, num_kv_blocks=128, block_size=4).generate(prompts, greedy, use_tqdm=False)
+    llm = _llm(llama)
+    llm.engine.drafter = FailingDrafter()
+    got = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert all(o.outputs[0].finish_reason == "length" for o in got)

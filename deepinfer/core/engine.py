@@ -559,15 +559,25 @@ class Engine:
             if room > 0:
                 asked.append((seq, room))
         batch = getattr(self.drafter, "propose_batch", None)  # one call for the step (stages/mtp_draft.py)
-        drafts = batch([s for s, _ in asked], [r for _, r in asked]) if batch is not None and asked \
-            else [self.drafter.propose(s, r) for s, r in asked]
+        try:
+            drafts = batch([s for s, _ in asked], [r for _, r in asked]) if batch is not None and asked \
+                else [self.drafter.propose(s, r) for s, r in asked]
+        except Exception:  # drafts only save steps: a failing drafter costs this step its drafts, not its requests
+            if "draft failed" not in self.warned:
+                self.warned.add("draft failed")
+                log.exception("deepinfer: draft stage %r failed; steps it fails in decode without drafts",
+                              self.spec.method)
+            drafts = []
         for (seq, room), draft in zip(asked, drafts):
-            draft = list(draft)[:room]
+            try:
+                draft = list(draft)[:room]
+            except TypeError:  # not a list of tokens (None, ...)
+                draft = [draft]
             if not all(isinstance(t, int) and 0 <= t < vocab for t in draft):
                 if "bad draft" not in self.warned:
                     self.warned.add("bad draft")
-                    log.warning("deepinfer: draft stage %r proposed tokens outside 0..%d (e.g. %r); ignored",
-                                self.spec.method, vocab - 1, draft[:8])
+                    log.warning("deepinfer: draft stage %r proposed something other than token ids in 0..%d "
+                                "(e.g. %r); ignored", self.spec.method, vocab - 1, draft[:8])
                 continue
             seq.draft = draft
         if self.spec.dynamic:  # per request, the drafts worth verifying this step (core/speculative.py)

@@ -151,11 +151,12 @@ def build_drafter(registry, spec: SpeculativeConfig, context: dict, model):
     from .plugins import get_registry
 
     registry = registry or get_registry()
-    entry = registry.get("stage", spec.method)  # an unknown name lists the registered ones
-    if entry.kind != "draft":
+    entry = registry.get("stage", spec.method) if spec.method in registry.names("stage") else None
+    if entry is None or entry.kind != "draft":
         drafts = [n for n in registry.names("stage") if registry.get("stage", n).kind == "draft"]
-        raise ValueError(f"speculative_config method={spec.method!r} is a {entry.kind!r} stage, not a draft stage; "
-                         f"registered draft stages: {', '.join(drafts) or 'none (pip install plugins/deepinfer-ngram)'}")
+        what = f"unknown stage {spec.method!r}" if entry is None else f"a {entry.kind!r} stage, not a draft stage"
+        raise ValueError(f"speculative_config method={spec.method!r}: {what}; registered draft stages: "
+                         f"{', '.join(drafts) or 'none (pip install plugins/deepinfer-ngram)'}")
     limit = getattr(model, "max_draft_tokens", None)
     if limit is not None and spec.num_speculative_tokens > limit:
         raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} exceeds what "
