@@ -153,6 +153,9 @@ class EngineConfig:
     host_cache_gb: float = attrs.field(default=0.0, validator=_gigabytes)
     cache_dir: Optional[str] = attrs.field(default=None, validator=_optional_str)
     disk_cache_gb: float = attrs.field(default=16.0, validator=_gigabytes)
+    # Every block the prefix cache registers also goes to the disk tier (once per block), not only evicted ones,
+    # so a restart finds what a run without memory pressure computed; False: the disk gets evictions only.
+    disk_write_through: bool = attrs.field(default=True, converter=_default_true, validator=_optional_bool)
     # CED's encoder SWA KV at block boundaries, in host memory for swa_cache_ttl_s after its last use, so a hit
     # needs no bounded replay (core/swa_pool.py). Needs a host tier; None: a quarter of host_cache_gb, 0: off.
     swa_cache_gb: Optional[float] = attrs.field(default=None, validator=attrs.validators.optional(_gigabytes))

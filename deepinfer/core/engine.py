@@ -89,7 +89,7 @@ class Engine:
             mover = block_mover(config, model, self.kv_cache, self.cache_identity, self.device)
             per_rank = getattr(self.pool, "prefix_cache", None)  # data-parallel attention: one per rank's blocks
             self.prefix_cache = per_rank(config.block_size, mover) if per_rank is not None \
-                else PrefixCache(self.pool, config.block_size, mover)
+                else PrefixCache(self.pool, config.block_size, mover, config.disk_write_through)
         self.swa_pool = SwaStatePool(model, self.kv_cache, config) if self.prefix_cache is not None \
             and swa_pool_wanted(config, model) else None
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -317,6 +317,8 @@ class Engine:
             for seq in batch.seqs:
                 if seq.cache_root is not None and not seq.finished:
                     self.prefix_cache.commit(seq, seq.num_computed_tokens)
+            if self.prefix_cache.mover is not None:
+                self.prefix_cache.write_through()  # the disk tier's copies of the step's new blocks
             if self.swa_pool is not None:
                 for seq, n in zip(batch.seqs, batch.num_tokens):
                     if seq.swa_restore is not None:
@@ -384,9 +386,10 @@ class Engine:
         extra = getattr(state, "spec_extra", None)
         if extra:
             self._fold_extra(extra, getattr(state, "spec_logprobs", {}), sample_seqs, touched)
-        mover = self.prefix_cache.mover if self.prefix_cache is not None else None
-        if mover is not None and mover.pending:
-            mover.flush()  # blocks evicted to the host/disk tiers whose copies have run
+        if self.prefix_cache is not None and self.prefix_cache.mover is not None:
+            # Blocks evicted to the host/disk tiers whose copies have run, and those written through to the disk;
+            # everything once the engine is idle (a finished generate leaves its blocks on disk).
+            self.prefix_cache.flush(wait=not self.scheduler.has_unfinished())
         self.stats["step_time"] += time.perf_counter() - t0
 
     def _run_stages(self, stages: list, state: StepState) -> dict:

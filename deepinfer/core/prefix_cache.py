@@ -15,6 +15,15 @@ hash, so an eviction hands the mover (hash, block, parent) and chains of evicted
 one tier entry each; a lookup goes on past the device's blocks with the runs the tiers hold and brings
 them back in one batched copy.
 
+Disk write-through (``disk_write_through``, on by default): with a disk tier, every block ``commit`` registers
+is also copied off the device for the disk, so a restart finds what a run without memory pressure computed
+(evictions alone would leave nothing there). The step's new blocks are gathered once, after the commits, in
+stream order behind the kernels that wrote them (``write_through``: a second BlockMover, over the disk tier
+alone, the same views and runs as an eviction); blocks the disk already holds are skipped, and the copied
+runs wait until about MAX_RUN_BYTES of them are pending or the engine goes idle (``flush``), so one chain's
+blocks of successive steps join into one file. The host tier stays write-back (evictions only); with no host
+tier, an eviction skips the blocks the disk already holds.
+
 The per-request policy (the extra keys, which requests may hit, how much of a hit a model can use) is the
 ``prefix_cache`` and ``swa_replay`` stages'; this module is the mechanism the scheduler calls.
 """
@@ -30,6 +39,8 @@ from pathlib import Path
 from typing import Optional
 
 from .kv_cache import BlockPool
+from .kv_offload import MAX_RUN_BYTES, BlockMover
+from .kv_tiers import TieredStore
 
 
 def checkpoint_identity(path, hf_config: dict, load_format: str = "auto") -> str:
@@ -87,14 +98,22 @@ def block_hashes(root: bytes, tokens, block_size: int, have: Optional[list] = No
 
 
 class PrefixCache:
-    def __init__(self, pool: BlockPool, block_size: int, mover=None):
-        """mover: core.kv_offload.BlockMover over the host/disk tiers, or None (device memory only)."""
+    def __init__(self, pool: BlockPool, block_size: int, mover=None, disk_write_through: bool = True):
+        """mover: core.kv_offload.BlockMover over the host/disk tiers, or None (device memory only);
+        disk_write_through: with a disk tier in the mover's store, every registered block goes to the disk too
+        (the module docstring), not only evicted ones."""
         self.pool, self.block_size, self.mover = pool, block_size, mover
         self.block_of: dict = {}  # hash -> block id
         self.hash_of: dict = {}  # block id -> hash
         self.parent_of: dict = {}  # hash -> the hash of the block before it (None: a sequence's first block)
         pool.on_evict = self._evict
-        self.stats = Counter()  # queries, query_tokens, hit_tokens, evictions, registered
+        self.stats = Counter()  # queries, query_tokens, hit_tokens, evictions, registered, written_through
+        disk = getattr(getattr(mover, "store", None), "disk", None)
+        # The disk tier's own mover: the same views and runs as ``mover``, stored in the disk tier only.
+        self.writer = BlockMover(mover.views, TieredStore(None, disk), mover.device) \
+            if disk_write_through and disk is not None else None
+        self._to_write: list = []  # (hash, block, parent hash) registered since the last write_through
+        self._unflushed = 0  # blocks in writer.pending
 
     def lookup(self, seq, max_tokens: int) -> list:
         """Block ids of the longest cached prefix of seq (at most ``max_tokens`` tokens), each with an owner
@@ -156,7 +175,35 @@ class PrefixCache:
                 self.parent_of[h] = hashes[i - 1] if i else None
                 self.pool.mark_cached(b)
                 self.stats["registered"] += 1
+                if self.writer is not None:
+                    self._to_write.append((h, b, self.parent_of[h]))
         seq.num_committed_blocks = n
+
+    def write_through(self) -> None:
+        """Copy the blocks registered since the last call off the device for the disk tier (those it does not
+        hold already): one gather and one copy per view for all of them, in stream order after the kernels
+        queued so far. The engine calls it after a step's commits; an eviction calls it first, so a block is
+        never reused before its copy is queued."""
+        items, self._to_write = self._to_write, []
+        if not items:
+            return
+        held = self.writer.store.disk.held([h for h, _, _ in items])
+        items = [it for it, on_disk in zip(items, held) if not on_disk]
+        if items:
+            self.writer.save(items)
+            self._unflushed += len(items)
+            self.stats["written_through"] += len(items)
+
+    def flush(self, wait: bool = False) -> None:
+        """Store the runs the movers copied off the device: the evicted ones whose copies have run, and the
+        written-through ones once about MAX_RUN_BYTES of them are pending (all of them, waiting for their
+        copies, with ``wait``: the engine is idle)."""
+        if self.mover is not None and self.mover.pending:
+            self.mover.flush(wait)
+        w = self.writer
+        if w is not None and w.pending and (wait or self._unflushed * w.block_bytes >= MAX_RUN_BYTES):
+            w.flush(wait)
+            self._unflushed = sum(len(entry[0]) for entry in w.pending)
 
     def _forget(self, blocks: list) -> list:
         """Drop the hashes of ``blocks``; returns (hash, block, parent hash) of those that had one."""
@@ -169,22 +216,33 @@ class PrefixCache:
         return gone
 
     def _evict(self, blocks: list) -> None:
+        if self._to_write:
+            self.write_through()  # their copies queued before the blocks are reused
         gone = self._forget(blocks)
         self.stats["evictions"] += len(gone)
+        if gone and self.writer is not None and self.mover.store.host is None:  # the disk has the written ones
+            held = self.mover.store.disk.held([h for h, _, _ in gone])
+            gone = [it for it, on_disk in zip(gone, held) if not on_disk]
         if gone and self.mover is not None:
             self.mover.save(gone)  # before the blocks are reused; chains of them become runs
 
     def summary(self) -> dict:
         """Totals since start-up: lookups, their prompt tokens and the tokens hit, blocks registered, evicted,
-        and held now (in use or free)."""
+        and held now (in use or free); runs found in the host and disk tiers, blocks written through to the
+        disk and files this process wrote there."""
         st = self.stats
         q = st["query_tokens"]
+        store = self.mover.store.stats() if self.mover is not None else None
         return {"queries": st["queries"], "query_tokens": q, "hit_tokens": st["hit_tokens"],
                 "hit_rate": st["hit_tokens"] / q if q else 0.0, "blocks_registered": st["registered"],
                 "evictions": st["evictions"], "cached_blocks": len(self.block_of),
                 "cached_free_blocks": self.pool.num_cached_free, "tier_hit_blocks": st["tier_hit_blocks"],
                 "blocks_saved_to_tiers": self.mover.saved if self.mover is not None else 0,
-                "runs_saved_to_tiers": self.mover.runs_saved if self.mover is not None else 0}
+                "runs_saved_to_tiers": self.mover.runs_saved if self.mover is not None else 0,
+                "host_hit_runs": store.host_hits if store is not None else 0,
+                "disk_hit_runs": store.disk_hits if store is not None else 0,
+                "blocks_written_through": st["written_through"],
+                "disk_writes": store.disk.writes if store is not None and store.disk is not None else 0}
 
     def reset(self) -> int:
         """Forget every cached block that no one uses (they return to plain free blocks); returns how many."""
