@@ -86,3 +86,43 @@ def test_a_failing_drafter_costs_drafts_not_requests(llama, first):
     got = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert all(o.outputs[0].finish_reason == "length" for o in got)
+
+
+class ConfidentDrafter:
+    """k copies of the last token with survival 0.5, 0.25, ... (what dynamic lengths read)."""
+
+    def propose(self, seq, k: int) -> list:
+        seq.draft_survival = [0.5 ** (i + 1) for i in range(k)]
+        return [seq.token_ids[-1]] * k
+
+
+class FixedStepTime:
+    def __init__(self, a: float, b: float):
+        self.a, self.b = a, b
+
+    def record(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def __call__(self, tokens: int) -> float:
+        return self.a + self.b * tokens
+
+
+def test_seeded_request_repeats_under_dynamic_lengths(llama):
+    """Dynamic lengths follow measured step times, which change from run to run; a seeded request verifies
+    every draft it has, so its output is the same whatever the step-time curve says (a curve under which
+    drafts are cheap, and one under which they are not), while an unseeded neighbour's drafts are cut."""
+    import attrs
+
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    other = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [[5, 9, 13, 17, 21], [40, 41, 42, 43, 40, 41, 42]]
+    outs, drafted = [], []
+    for a, b in ((1.0, 1e-6), (1e-6, 1.0)):
+        llm = _llm(llama)
+        llm.engine.drafter, llm.engine.step_time = ConfidentDrafter(), FixedStepTime(a, b)
+        llm.engine.spec = attrs.evolve(llm.engine.spec, dynamic=True)
+        got = llm.generate(prompts, [seeded, other], use_tqdm=False)
+        outs.append(got[0].outputs[0].token_ids)
+        drafted.append(llm.spec_stats()["draft_tokens"])
+    assert outs[0] == outs[1]
+    assert drafted[0] > drafted[1] > 0  # the curves did change the (unseeded row's) lengths

@@ -584,16 +584,22 @@ class Engine:
                 continue
             seq.draft = draft
         if self.spec.dynamic:  # per request, the drafts worth verifying this step (core/speculative.py)
-            rows = [s for s in self.scheduler.running if s.draft]
+            # A seeded request verifies every draft it has: lengths chosen by measured step times would make what
+            # its generator draws, and so its output, change from run to run.
+            rows = [s for s in self.scheduler.running if s.draft and s.generator is None]
             survival = [list(getattr(s, "draft_survival", None) or [])[:len(s.draft)] for s in rows]
-            others = sum(1 for s in self.scheduler.running if not s.draft)
+            fixed = [s for s in self.scheduler.running if s.draft and s.generator is not None]
+            others = sum(1 for s in self.scheduler.running if not s.draft) + len(fixed)
             width = self._padded_verify_width()
-            if width:
+            if width and fixed:  # the step verifies in a padded graph anyway: every row's drafts cost nothing more
+                ks = [len(s.draft) for s in rows]
+            elif width:
                 self._padded_steps += 1
                 ks = choose_padded(survival, others, width, self.step_time,
                                    explore=self._padded_steps % EXPLORE_EVERY == 0)
             else:
-                ks = choose_lengths(survival, lambda n: self.step_time(n + others))
+                fixed_tokens = others + sum(len(s.draft) for s in fixed)
+                ks = choose_lengths(survival, lambda n: self.step_time(n + fixed_tokens))
             for s, k in zip(rows, ks):
                 del s.draft[k:]
 
