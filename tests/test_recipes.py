@@ -144,6 +144,7 @@ stages = ["tokenize", "prefix_cache", "swa_replay", "prefill", "forward", "verif
     (GOOD + '[engine]\nmax_num_seqs = -1', r"\[engine\] max_num_seqs = -1 is invalid: must be an int >= 1"),
     (GOOD + '[engine]\ndtype = "fp7"', r"\[engine\] dtype = \"fp7\" is invalid: expected one of"),
     (GOOD + '[cache]\nhost_cache_gb = -2', r"\[cache\] host_cache_gb = -2 is invalid: must be a finite number"),
+    (GOOD + '[cache]\ndisk_write_through = "yes"', r"\[cache\] disk_write_through = \"yes\" is invalid"),
     ('stages = ["tokenize", {name = "swa_replay", mode = "fast"}]',
      r"\[\[stages\]\] #2 \(swa_replay\): swa_replay mode='fast' is invalid: expected one of \('bounded', 'exact'\)"),
     ('stages = [{name = "swa_replay", window = 4}]',

@@ -33,7 +33,7 @@ from .graph import PipelineError
 from .plugins import PluginError, Registry
 
 TOP_KEYS = ("description", "backend", "stages", "engine", "cache", "model", "speculative")
-CACHE_KEYS = ("enable_prefix_caching", "host_cache_gb", "cache_dir", "disk_cache_gb")
+CACHE_KEYS = ("enable_prefix_caching", "host_cache_gb", "cache_dir", "disk_cache_gb", "disk_write_through")
 # [model]: the slow twins a model may have, each with the values it takes (read where the model has them).
 MODEL_KEYS = {"pool_impl": ("gather", "mask")}
 
