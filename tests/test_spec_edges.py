@@ -62,6 +62,8 @@ def test_unknown_method_names_the_key_and_the_draft_stages(llama):
     with pytest.raises(ValueError, match=r"speculative_config method='nope': unknown stage 'nope'; "
                                          r"registered draft stages: .*ngram"):
         LLM(llama, speculative_config={"method": "nope", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"speculative_config method='dspark': the dspark drafter needs a CED"):
+        LLM(llama, speculative_config={"method": "dspark", "num_speculative_tokens": 2})
 
 
 class FailingDrafter:

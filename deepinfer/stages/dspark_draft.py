@@ -52,7 +52,8 @@ class DSparkDraft(Stage):
         from ..models.ced.dspark import load_dspark
 
         if not _is_ced(self.model):
-            raise ValueError(f"the dspark drafter needs a CED target; {type(self.model).__name__} is not one")
+            raise ValueError(f"speculative_config method='dspark': the dspark drafter needs a CED target; "
+                             f"{type(self.model).__name__} is not one")
         where = _directory(self.model_path, self.drafter)
         if where is None:
             raise ValueError("speculative_config method='dspark' needs a drafter directory: pass 'drafter' "
