@@ -22,8 +22,8 @@ from .kv_cache import BlockPool, blocks_needed
 from .kv_offload import block_mover
 from .prefix_cache import PrefixCache
 from .swa_pool import SwaStatePool, wanted as swa_pool_wanted
-from .speculative import (EXPLORE_EVERY, SpecStats, SpeculativeConfig, StepTime, build_drafter, can_speculate,
-                          choose_lengths, choose_padded, verify_width, wants_hidden)
+from .speculative import (EXPLORE_EVERY, SpecStats, SpeculativeConfig, SpeculativeConfigError, StepTime, build_drafter,
+                          can_speculate, choose_lengths, choose_padded, verify_width, wants_hidden)
 from .spec_step import launch_acceptance
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
@@ -150,7 +150,7 @@ class Engine:
                 self.drafter = build_drafter(pipeline.registry, self.spec, context, model)
                 self.overlap = False
             except (ValueError, FileNotFoundError) as exc:
-                if not self.spec.optional:
+                if not self.spec.optional or isinstance(exc, SpeculativeConfigError):
                     raise
                 log.info("speculative decoding off (optional %r drafter unavailable: %s)", self.spec.method, exc)
                 self.spec = None

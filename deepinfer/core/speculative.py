@@ -93,6 +93,11 @@ class SpeculativeConfig:
                    step_time=None if step_time is None else os.fspath(step_time), **flags)
 
 
+class SpeculativeConfigError(ValueError):
+    """speculative_config itself is wrong (a method that is no draft stage, an option the drafter does not take,
+    dynamic without confidences): raised even with ``optional``, which covers a drafter unavailable here."""
+
+
 def can_speculate(params) -> bool:
     """Whether a request's sampling lets drafted tokens be verified in one step (see the module docstring)."""
     return not (params.jump_forward or params.logits_processors or params.bad_words or params.min_tokens
@@ -155,20 +160,41 @@ def build_drafter(registry, spec: SpeculativeConfig, context: dict, model):
     if entry is None or entry.kind != "draft":
         drafts = [n for n in registry.names("stage") if registry.get("stage", n).kind == "draft"]
         what = f"unknown stage {spec.method!r}" if entry is None else f"a {entry.kind!r} stage, not a draft stage"
-        raise ValueError(f"speculative_config method={spec.method!r}: {what}; registered draft stages: "
+        raise SpeculativeConfigError(f"speculative_config method={spec.method!r}: {what}; registered draft stages: "
                          f"{', '.join(drafts) or 'none (pip install plugins/deepinfer-ngram)'}")
     limit = getattr(model, "max_draft_tokens", None)
     if limit is not None and spec.num_speculative_tokens > limit:
         raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} exceeds what "
                          f"{type(model).__name__} can roll back ({limit}: its SWA rings' speculative allowance)")
+    takes = _options(entry.obj, context)
+    unknown = [] if takes is None else sorted(set(spec.options) - takes)
+    if unknown:
+        raise SpeculativeConfigError(
+            f"speculative_config {', '.join(map(repr, unknown))}: not an option of the {spec.method!r} drafter "
+            f"(its options: {', '.join(sorted(takes)) or 'none'})")
     if spec.dynamic and not getattr(entry.obj, "reports_confidence", False):
-        raise ValueError(f"speculative_config dynamic=True needs a drafter that reports confidences (dspark); "
+        raise SpeculativeConfigError(f"speculative_config dynamic=True needs a drafter that reports confidences (dspark); "
                          f"{spec.method!r} does not: use dynamic=False (fixed k)")
     stage = instantiate(StageSpec(spec.method, "draft", entry.obj, entry.plugin, dict(spec.options)),
                         {**context, "num_speculative_tokens": spec.num_speculative_tokens})
     if not callable(getattr(stage, "propose", None)):
         raise ValueError(f"draft stage {spec.method!r} has no propose(seq, k) method")
     return stage
+
+
+def _options(factory, context: dict) -> Optional[set]:
+    """The keyword arguments a drafter factory takes from speculative_config (its signature less the engine
+    context it is given), or None when it takes any (**kwargs, or no signature to read)."""
+    import inspect
+
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return {n for n, p in params.items() if n not in context and n != "num_speculative_tokens"
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def choose_lengths(survival: list, step_time) -> list:
