@@ -130,10 +130,11 @@ def test_seeded_request_repeats_under_dynamic_lengths(llama):
     assert drafted[0] > drafted[1] > 0  # the curves did change the (unseeded row's) lengths
 
 
-@pytest.mark.parametrize("extra, match", [({"bogus": 1}, r"speculative_config 'bogus': not an option of the 'ngram' "
-                                                       r"drafter \(its options: prompt_lookup_max, prompt_lookup_min\)"),
-                                         ({"dynamic": True}, "dynamic=True needs a drafter that reports confidences"),
-                                         ({"method": "nope"}, "method='nope': unknown stage")])
+@pytest.mark.parametrize("extra, match", [
+    ({"bogus": 1}, r"speculative_config 'bogus': not an option of the 'ngram' drafter \(its options: "
+                   r"prompt_lookup_max, prompt_lookup_min\)"),
+    ({"dynamic": True}, "dynamic=True needs a drafter that reports confidences"),
+    ({"method": "nope"}, "method='nope': unknown stage")])
 def test_optional_does_not_hide_a_wrong_config(llama, extra, match):
     """optional turns speculation off where the drafter is unavailable here (tests/test_dspark.py, test_mtp.py);
     a misspelt option, dynamic with a drafter without confidences or an unknown method still fail, naming the

@@ -173,8 +173,8 @@ def build_drafter(registry, spec: SpeculativeConfig, context: dict, model):
             f"speculative_config {', '.join(map(repr, unknown))}: not an option of the {spec.method!r} drafter "
             f"(its options: {', '.join(sorted(takes)) or 'none'})")
     if spec.dynamic and not getattr(entry.obj, "reports_confidence", False):
-        raise SpeculativeConfigError(f"speculative_config dynamic=True needs a drafter that reports confidences (dspark); "
-                         f"{spec.method!r} does not: use dynamic=False (fixed k)")
+        raise SpeculativeConfigError(f"speculative_config dynamic=True needs a drafter that reports confidences "
+                                     f"(dspark); {spec.method!r} does not: use dynamic=False (fixed k)")
     stage = instantiate(StageSpec(spec.method, "draft", entry.obj, entry.plugin, dict(spec.options)),
                         {**context, "num_speculative_tokens": spec.num_speculative_tokens})
     if not callable(getattr(stage, "propose", None)):
