@@ -11,7 +11,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.core.config import EngineConfig
 from deepinfer.core.graph import Pipeline
 from deepinfer.core.kv_tiers.entry_format import read_head
-from deepinfer.testing.compare import NEAR_TIE, assert_same_or_near_tie
+from deepinfer.testing.compare import assert_outputs_match, generated
 from deepinfer.testing.models import build_tiny_hf_model
 
 SP = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -26,15 +26,11 @@ def tiny(tmp_path_factory):
 
 
 def gen(llm, prompts, sp=SP):
-    out = llm.generate(prompts, sp, use_tqdm=False)
-    assert all(o.error is None for o in out), [o.error for o in out]
-    return out
+    return generated(llm, prompts, sp)
 
 
 def same(a, b):
-    for x, y in zip(a, b):
-        assert_same_or_near_tie(x.outputs[0].token_ids, y.outputs[0].token_ids, y.outputs[0].logprobs,
-                                NEAR_TIE["float32"])
+    assert_outputs_match(a, b)
 
 
 def roomy(path, **kw):  # plenty of device blocks: nothing is ever evicted

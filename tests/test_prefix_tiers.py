@@ -9,7 +9,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.testing.ced import build_ced_checkpoint
-from deepinfer.testing.compare import NEAR_TIE, assert_same_or_near_tie
+from deepinfer.testing.compare import assert_outputs_match, generated
 from deepinfer.testing.models import build_tiny_hf_model
 
 SP = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -24,15 +24,11 @@ def tiny(tmp_path_factory):
 
 
 def gen(llm, prompts):
-    out = llm.generate(prompts, SP, use_tqdm=False)
-    assert all(o.error is None for o in out), [o.error for o in out]
-    return out
+    return generated(llm, prompts, SP)
 
 
 def same(a, b):
-    for x, y in zip(a, b):
-        assert_same_or_near_tie(x.outputs[0].token_ids, y.outputs[0].token_ids, y.outputs[0].logprobs,
-                                NEAR_TIE["float32"])
+    assert_outputs_match(a, b)
 
 
 def small(path, **kw):  # 24 blocks: six prompts of 10 blocks each evict one another's

@@ -147,6 +147,20 @@ def assert_greedy_matches(got: Sequence, ref: Sequence, ref_scores: Sequence, bo
             for i, (g, r, s) in enumerate(zip(got, ref, ref_scores))]
 
 
+def generated(llm, prompts, params) -> list:
+    """``llm.generate`` with every request asserted to have finished without an error."""
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert all(o.error is None for o in out), [o.error for o in out]
+    return out
+
+
+def assert_outputs_match(got: Sequence, ref: Sequence, bound: float = NEAR_TIE["float32"]) -> None:
+    """Two runs' RequestOutputs (first completion each): the same greedy tokens, or parted at a near-tie of
+    ``ref``'s logprobs (its requests asked for some)."""
+    assert_greedy_matches([o.outputs[0].token_ids for o in got], [o.outputs[0].token_ids for o in ref],
+                          [o.outputs[0].logprobs for o in ref], bound)
+
+
 def hf_greedy(hf, prompt: Sequence[int], n: int) -> tuple:
     """transformers' greedy continuation of one unpadded prompt for exactly ``n`` steps (its generation_config must
     not stop at EOS) and the logits of each step, [n, V] float32: the reference side of ``assert_greedy_matches``."""
