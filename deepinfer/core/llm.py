@@ -313,7 +313,8 @@ class LLM:
                 **eng.spec_stats.summary()}
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block no request holds (as vLLM's reset_prefix_cache); returns how many."""
+        """Forget every cached device block no request holds (as vLLM's reset_prefix_cache); returns how many.
+        The host and disk tiers keep their entries (a later lookup may still hit there)."""
         cache = self.engine.prefix_cache
         return 0 if cache is None else cache.reset()
 
