@@ -44,12 +44,12 @@ def launch_acceptance(state, sampling_state, ops, generator, max_num_logprobs: i
     rows = [(r, i) for r, i in enumerate(state.sample_rows) if batch.drafts[i]]
     if not rows or state.draft_logits is None:
         return None
-    R, K = len(rows), max(len(batch.drafts[i]) for _, i in rows)
+    ks = [len(batch.drafts[i]) for _, i in rows]  # each drafting row's own draft count
+    R, K = len(rows), max(ks)
     D, V = state.draft_logits.shape
     layout, off = [], 0  # per row: K+1 positions into cat(draft_logits, logits), its K drafts, k, r
-    for r, i in rows:
+    for (r, i), k in zip(rows, ks):
         d = batch.drafts[i]
-        k = len(d)
         layout.append([off + j for j in range(k)] + [D + r] * (K + 1 - k) + d + [0] * (K - k) + [k, r])
         off += k
     dev = to_device(layout, torch.long, state.logits.device)  # one host-to-device copy
@@ -64,10 +64,8 @@ def launch_acceptance(state, sampling_state, ops, generator, max_num_logprobs: i
         logits, best = process_rows(raw, sampling, srows, drafts, lens), None
     noise = None
     if not all_greedy:
-        noise = draw_noise(R, K, V, [sampling.generators[r] for r, _ in rows], generator, dev.device,
-                           [len(batch.drafts[i]) for _, i in rows])
-    q = _draft_probs([batch.seqs[i] for _, i in rows], [len(batch.drafts[i]) for _, i in rows], drafts, V,
-                     dev.device)
+        noise = draw_noise(R, K, V, [sampling.generators[r] for r, _ in rows], generator, dev.device, ks)
+    q = _draft_probs([batch.seqs[i] for _, i in rows], ks, drafts, V, dev.device)
     tokens, acc = accept_batch(logits, drafts, lens, q, greedy, noise, all_greedy=all_greedy, best=best)
     state.next_tokens = state.next_tokens.index_copy(0, srows, tokens[:, 0])
     sampling_state.record_more(srows, tokens[:, 1:])  # the engine's record() counts the first tokens
