@@ -77,7 +77,11 @@ class DecodeGraphs:
         Q = self.verify_width
         if not Q or max(nums) > Q or max(starts) + Q > self.max_len:
             return False
-        return self.covers(len(nums), -(-(max(starts) + Q) // self.block_size))
+        return self.covers(len(nums), self._verify_blocks(starts))
+
+    def _verify_blocks(self, starts: list) -> int:
+        """Blocks the longest row of a verify step spans: positions up to max(starts) + Q (its padding too)."""
+        return -(-(max(starts) + self.verify_width) // self.block_size)
 
     def capture_all(self, progress: bool = True) -> int:
         """Capture every bucket now (at engine start-up); returns the bytes the graphs' pool holds."""
@@ -199,8 +203,7 @@ class DecodeGraphs:
         holds state slot slots[r], block table synced). Returns the final hidden states of every real token,
         rows in order, [sum of lengths, d]: the eager forward's stream layout."""
         Q, n = self.verify_width, len(ids)
-        nb = -(-(max(starts) + Q) // self.block_size)
-        B, NB = _bucket(n, self.batch_buckets), _bucket(nb, self.block_buckets)
+        B, NB = _bucket(n, self.batch_buckets), _bucket(self._verify_blocks(starts), self.block_buckets)
         graph, st, out = self.graphs.get((B, NB, Q)) or self._capture(B, NB, Q)
         keep = fill_verify(st, ids, starts, slots, self.tables.scratch_row, future)
         graph.replay()
