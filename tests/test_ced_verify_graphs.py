@@ -218,7 +218,7 @@ def _eager_ced_graphs(llm, width: int):
 class _PriorOnly(StepTime):
     """T(n) without the measured steps: dynamic lengths then depend on the confidences alone, not on timing."""
 
-    def record(self, tokens: int, seconds: float) -> None:
+    def record(self, tokens: int, seconds: float, rows=None) -> None:
         pass
 
 
@@ -260,6 +260,41 @@ def test_greedy_dspark_through_verify_graphs_equals_plain_decoding(ced, dynamic,
             assert fast.spec_stats()[key] == eager.spec_stats()[key], key
     else:  # eager steps price ragged tokens (choose_lengths), graph steps padded ones: their counts may differ
         assert padded and all(ks in ([len(x) for x in surv], [0] * len(surv)) for surv, ks in padded)
+
+
+class _Frozen(StepTime):
+    """Measured steps fixed in advance (what the engine records is dropped): the explore decisions then depend on
+    these samples alone."""
+
+    def record(self, tokens: int, seconds: float, rows=None) -> None:
+        if not hasattr(self, "_sealed"):
+            super().record(tokens, seconds, rows)
+
+
+@pytest.mark.parametrize("separated", [False, True])
+def test_padded_steps_explore_until_rows_and_tokens_separate(ced, separated, monkeypatch):
+    """Steps measured only as verify steps (tokens = width x rows) cannot price a plain step of the same rows:
+    every padded step then takes the other choice (explore), until a plain step is measured; once the samples
+    separate a row's cost from a token's, exploration falls back to one step in EXPLORE_EVERY."""
+    import deepinfer.core.engine as engine_mod
+
+    kw = dict(num_kv_blocks=64, block_size=BS, device="cpu")
+    fast = LLM(ced, speculative_config={"method": "dspark", "num_speculative_tokens": K, "dynamic": True}, **kw)
+    st = _Frozen()
+    for R in (1, 2, 4) * 4:
+        st.record((K + 1) * R, 0.003 + 0.0004 * R, R)
+    if separated:
+        st.record(4, 0.003 + 0.0001 * 4, 4)
+    st._sealed = True
+    fast.engine.step_time = st
+    _eager_ced_graphs(fast, K + 1)
+    explored = []
+    choose = engine_mod.choose_padded
+    monkeypatch.setattr(engine_mod, "choose_padded", lambda *a, **k: explored.append(k["explore"]) or choose(*a, **k))
+    ps = [[5, 9, 13, 17, 21, 25, 29, 33], [40, 41, 42, 43, 40, 41, 42]]
+    fast.generate(ps, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert st.separates() is separated and len(explored) >= 3
+    assert all(explored) if not separated else not any(explored)  # (fewer than EXPLORE_EVERY steps)
 
 
 def test_ced_engine_asks_for_verify_graphs(ced):

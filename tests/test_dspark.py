@@ -209,7 +209,46 @@ def test_step_time_fits_the_recorded_steps():
     assert st(10) == pytest.approx(0.5 + 0.5 / 64 * 10)  # the prior before enough steps
     for n in range(1, 40, 3):
         st.record(n, 0.02 + 0.001 * n)
-    assert st.coefficients() == pytest.approx((0.02, 0.001), rel=1e-6)
+    assert st.coefficients() == pytest.approx((0.02, 0.0, 0.001), rel=1e-6)
+
+
+def test_step_time_tells_a_rows_cost_from_a_tokens_cost():
+    """Verify steps (R rows x 5 tokens) and plain ones (R x 1) at several R: the fit recovers a + b R + c n, so
+    a plain step of 128 rows is priced as one, not as 128/640 of a verify step (a fit in tokens alone)."""
+    a, b, c = 0.003, 2e-5, 5e-6
+    st = StepTime()
+    for R in (1, 16, 64):
+        st.record(5 * R, a + b * R + c * 5 * R, R)
+    for _ in range(8):
+        st.record(5 * 64, a + b * 64 + c * 320, 64)
+    assert not st.separates()  # every sample a verify step of width 5: tokens follow from rows
+    assert st(128, 128) < 0.8 * (a + b * 128 + c * 128)  # the tokens-alone fit underprices a plain step
+    st.record(128, a + b * 128 + c * 128, 128)  # one plain step
+    assert st.separates()
+    assert st.coefficients() == pytest.approx((a, b, c), rel=1e-6)
+    assert st(128, 128) == pytest.approx(a + b * 128 + c * 128, rel=1e-6)
+    st2 = StepTime()
+    for R in (1, 2, 4, 8, 16, 32, 64, 128):  # ragged steps at one row count: tokens alone, exact at those rows
+        st2.record(R + 7, a + b * 8 + c * (R + 7), 8)
+    assert st2.separates() and st2(50, 8) == pytest.approx(a + b * 8 + c * 50, rel=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(hst.lists(hst.tuples(hst.integers(1, 256), hst.integers(1, 6)), min_size=8, max_size=40),
+       hst.floats(1e-4, 1e-2), hst.floats(0.0, 1e-4), hst.floats(0.0, 1e-4))
+def test_step_time_fit_matches_a_least_squares_oracle(steps, a, b, c):
+    """Against torch.linalg.lstsq on [1, R, n] in float64 (an independent solver) whenever the samples separate
+    rows from tokens and the exact coefficients are non-negative: the fit reproduces every recorded time."""
+    st = StepTime()
+    rows = [(w * R, R) for R, w in steps]
+    for n, R in rows:
+        st.record(n, a + b * R + c * n, R)
+    X = torch.tensor([[1.0, R, n] for n, R in rows], dtype=torch.float64)
+    y = X @ torch.tensor([a, b, c], dtype=torch.float64)
+    if st.separates() and torch.linalg.matrix_rank(X) == 3:
+        sol = torch.linalg.lstsq(X, y.unsqueeze(1)).solution.squeeze(1)
+        fitted = torch.tensor([st(n, R) for n, R in rows], dtype=torch.float64)
+        assert torch.allclose(fitted, X @ sol, rtol=1e-6, atol=1e-9 * float(y.abs().max()))
 
 
 def test_step_time_file_seeds_the_fit_and_bad_files_are_named(tmp_path):
@@ -218,9 +257,11 @@ def test_step_time_file_seeds_the_fit_and_bad_files_are_named(tmp_path):
         st.record(n, 0.02 + 0.001 * n)
     st.save(tmp_path / "t.json")
     again = StepTime.load(tmp_path / "t.json")
-    assert again.coefficients() == pytest.approx((0.02, 0.001), rel=1e-6)
+    assert again.coefficients() == pytest.approx((0.02, 0.0, 0.001), rel=1e-6)
     again.record(100, 10.0)  # refreshed online: a new step moves the fit
-    assert again.coefficients()[1] > 0.01
+    assert again.coefficients()[2] > 0.01
+    (tmp_path / "rows.json").write_text('{"samples": [[5, 0.01, 1], [10, 0.02, 2], [3, 0.01]]}')
+    assert StepTime.load(tmp_path / "rows.json").samples == [(5, 0.01, 1), (10, 0.02, 2), (3, 0.01, None)]
     (tmp_path / "bad.json").write_text('{"samples": [[0, 1.0]]}')
     (tmp_path / "junk.json").write_text("not json")
     for name, match in (("missing.json", "no file"), ("bad.json", "fewer than 1 token"),

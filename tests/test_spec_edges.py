@@ -102,10 +102,10 @@ class FixedStepTime:
     def __init__(self, a: float, b: float):
         self.a, self.b = a, b
 
-    def record(self, tokens: int, seconds: float) -> None:
+    def record(self, tokens: int, seconds: float, rows=None) -> None:
         pass
 
-    def __call__(self, tokens: int) -> float:
+    def __call__(self, tokens: int, rows=None) -> float:
         return self.a + self.b * tokens
 
 

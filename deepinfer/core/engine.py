@@ -34,6 +34,13 @@ from .state import AdmitState, ScheduledBatch, SeqStatus, Sequence, StepState
 log = logging.getLogger(__name__)
 
 
+def _decodes_only(batch) -> bool:
+    """Every row of the step decodes (its last token, plus its drafts): no prefill chunk, whose tokens would
+    price as decode tokens in the step-time curve."""
+    drafts = batch.drafts or [()] * len(batch.seqs)
+    return all(batch.samples) and all(n == 1 + len(d) for n, d in zip(batch.num_tokens, drafts))
+
+
 def _guard_logits(state) -> None:
     """Zero the logits of rows that hold a NaN or +inf or are all -inf (on the device, no host sync) and
     record them in ``state.bad_rows``: the sampler then draws harmlessly and the engine fails those rows."""
@@ -260,8 +267,10 @@ class Engine:
                 self._inflight = launched
             else:
                 self._collect_step(launched, touched)
-                if self.spec is not None and self.spec.dynamic:  # the step-time curve dynamic drafts use
-                    self.step_time.record(self._step_tokens(launched, replays), time.perf_counter() - t0)
+                if self.spec is not None and self.spec.dynamic and _decodes_only(launched.state.batch):
+                    # the step-time curve dynamic drafts use, over the steps they are chosen for
+                    self.step_time.record(self._step_tokens(launched, replays), time.perf_counter() - t0,
+                                          len(launched.state.batch.seqs))
         return self._collect(touched)
 
     @torch.no_grad()
@@ -591,15 +600,20 @@ class Engine:
             fixed = [s for s in self.scheduler.running if s.draft and s.generator is not None]
             others = sum(1 for s in self.scheduler.running if not s.draft) + len(fixed)
             width = self._padded_verify_width()
+            R = len(self.scheduler.running)  # T's rows term: the step's rows whatever their drafts
             if width and fixed:  # the step verifies in a padded graph anyway: every row's drafts cost nothing more
                 ks = [len(s.draft) for s in rows]
             elif width:
                 self._padded_steps += 1
-                ks = choose_padded(survival, others, width, self.step_time,
-                                   explore=self._padded_steps % EXPLORE_EVERY == 0)
+                # Explore every EXPLORE_EVERY steps, and whenever the measured steps do not yet tell a row's cost
+                # from a token's (all verify steps, or all plain): the other kind is what separates them.
+                st = self.step_time
+                unsure = len(getattr(st, "samples", ())) >= 8 and not getattr(st, "separates", lambda: True)()
+                ks = choose_padded(survival, others, width, lambda n: st(n, R),
+                                   explore=unsure or self._padded_steps % EXPLORE_EVERY == 0)
             else:
                 fixed_tokens = others + sum(len(s.draft) for s in fixed)
-                ks = choose_lengths(survival, lambda n: self.step_time(n + fixed_tokens))
+                ks = choose_lengths(survival, lambda n: self.step_time(n + fixed_tokens, R))
             for s, k in zip(rows, ks):
                 del s.draft[k:]
 

@@ -242,64 +242,106 @@ def choose_padded(survival: list, others: int, width: int, step_time, explore: b
 
 
 class StepTime:
-    """T(n): seconds of an engine step over n batched tokens, a + b n fitted (least squares) to the recent
-    steps the engine reports; before enough of them, a prior (one step costs about as much as 64 tokens)."""
+    """T(n, R): seconds of an engine step over n batched tokens in R rows, a + b R + c n fitted (least squares) to
+    the recent decode steps the engine reports; before enough of them, a prior (one step costs about as much as
+    64 tokens). Rows and tokens are separate terms because a speculative step's host work grows with its rows
+    (drafting, folding the accepted tokens) and its device work with its tokens: a fit in tokens alone, over
+    verify steps of R rows x width tokens, prices a plain step of the same R rows at a fraction of what it costs.
+    Samples whose tokens follow from their rows (every one a verify step of one width, or every one plain) do
+    not separate the terms: ``separates()`` is False, the fit is in tokens alone, and the engine then measures
+    the other kind of step next (core/engine.py)."""
 
     def __init__(self, prior_s: float = 0.01, window: int = 256):
         self.prior, self.window, self.samples = prior_s, window, []
-        self._fit = None  # (a, b) of the samples as they are; the scheduler asks T(n) for every slot it admits
+        self._fit = None  # (a, b, c) of the samples as they are; the scheduler asks T for every slot it admits
 
-    def record(self, tokens: int, seconds: float) -> None:
-        self.samples.append((tokens, seconds))
+    def record(self, tokens: int, seconds: float, rows: Optional[int] = None) -> None:
+        self.samples.append((tokens, seconds, rows))
         del self.samples[:-self.window]
         self._fit = None
 
     def save(self, path) -> None:
         """The recorded steps as JSON, for ``speculative_config={"step_time": path}`` in a later engine."""
-        Path(path).write_text(json.dumps({"prior_s": self.prior, "samples": self.samples}))
+        Path(path).write_text(json.dumps({"prior_s": self.prior, "samples": [list(x) for x in self.samples]}))
 
     @classmethod
     def load(cls, path, window: int = 256) -> "StepTime":
-        """A StepTime seeded with the steps a file holds (save's format); refreshed online as steps run."""
+        """A StepTime seeded with the steps a file holds (save's format: [tokens, seconds, rows] per step, rows
+        optional); refreshed online as steps run."""
         try:
             data = json.loads(Path(path).read_text())
-            samples = [(int(n), float(t)) for n, t in data["samples"]]
+            samples = [(int(x[0]), float(x[1]), None if len(x) < 3 or x[2] is None else int(x[2]))
+                       for x in data["samples"]]
             prior = float(data.get("prior_s", 0.01))
         except FileNotFoundError:
             raise ValueError(f"speculative_config step_time: no file {str(path)!r}") from None
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise ValueError(f"speculative_config step_time: {str(path)!r} is not a StepTime.save file "
-                             f"({{'samples': [[tokens, seconds], ...]}}): {exc}") from None
-        if any(n < 1 or not t > 0 for n, t in samples):
+                             f"({{'samples': [[tokens, seconds, rows], ...]}}): {exc}") from None
+        if any(n < 1 or not t > 0 or (r is not None and r < 1) for n, t, r in samples):
             raise ValueError(f"speculative_config step_time: {str(path)!r} holds a step of fewer than 1 token or "
-                             "a time that is not positive")
+                             "row, or a time that is not positive")
         st = cls(prior_s=prior, window=window)
-        for n, t in samples:
-            st.record(n, t)
+        for n, t, r in samples:
+            st.record(n, t, r)
         return st
 
     def coefficients(self) -> tuple:
+        """(a, b, c): T(n, R) = a + b R + c n."""
         if self._fit is None:  # (refit once per recorded step: refitting per call cost ~30 ms a step at 128 rows)
             self._fit = self._least_squares()
         return self._fit
 
+    def _moments(self):
+        n = len(self.samples)
+        mt = sum(t for _, t, _ in self.samples) / n
+        mx = sum(x for x, _, _ in self.samples) / n
+        sxx = sum((x - mx) ** 2 for x, _, _ in self.samples)
+        sxt = sum((x - mx) * (t - mt) for x, t, _ in self.samples)
+        if any(r is None for _, _, r in self.samples):  # steps without rows (recorded so, or an old file)
+            return mt, mx, None, sxx, 0.0, 0.0, sxt, 0.0
+        mr = sum(r for _, _, r in self.samples) / n
+        srr = sum((r - mr) ** 2 for _, _, r in self.samples)
+        sxr = sum((x - mx) * (r - mr) for x, _, r in self.samples)
+        srt = sum((r - mr) * (t - mt) for _, t, r in self.samples)
+        return mt, mx, mr, sxx, srr, sxr, sxt, srt
+
+    def separates(self) -> bool:
+        """Whether the samples tell a step's cost per row from its cost per token: its tokens vary other than
+        as a fixed function of its rows (needs rows recorded)."""
+        if len(self.samples) < 8:
+            return False
+        _, _, mr, sxx, srr, sxr, _, _ = self._moments()
+        if mr is None or sxx == 0:
+            return False
+        resid = sxx - (sxr * sxr / srr if srr > 0 else 0.0)  # tokens' variance left once rows explain what they can
+        return resid > 1e-6 * sxx
+
     def _least_squares(self) -> tuple:
         n = len(self.samples)
-        xs = [x for x, _ in self.samples]
+        if n == 0:
+            return self.prior, 0.0, self.prior / 64
+        mt, mx, mr, sxx, srr, sxr, sxt, srt = self._moments()
+        xs = [x for x, _, _ in self.samples]
         if n < 8 or max(xs) == min(xs):  # the prior's shape (a step costs as much as 64 tokens) ...
-            if not n:
-                return self.prior, self.prior / 64
-            x0, mean = sum(xs) / n, sum(t for _, t in self.samples) / n
-            a = mean / (1 + x0 / 64)  # ... through what was measured: T(x0) = the mean time at the mean x0
-            return a, a / 64
-        mx, my = sum(xs) / n, sum(t for _, t in self.samples) / n
-        b = sum((x - mx) * (t - my) for x, t in self.samples) / sum((x - mx) ** 2 for x in xs)
-        b = max(b, 1e-9)  # more tokens never cost less
-        return max(my - b * mx, 1e-9), b
+            a = mt / (1 + mx / 64)  # ... through what was measured: T(x0) = the mean time at the mean x0
+            return a, 0.0, a / 64
+        if self.separates() and srr > 0:
+            det = sxx * srr - sxr * sxr
+            c = (sxt * srr - srt * sxr) / det
+            b = (srt * sxx - sxt * sxr) / det
+            if b >= 0 and c >= 0:
+                return max(mt - b * mr - c * mx, 1e-9), b, c
+            if c < 0 <= b:  # more tokens never cost less: rows alone
+                b = max(srt / srr, 0.0)
+                return max(mt - b * mr, 1e-9), b, 0.0
+        c = max(sxt / sxx, 0.0)  # tokens alone (rows fixed, unknown, or not separable from tokens)
+        return max(mt - c * mx, 1e-9), 0.0, c
 
-    def __call__(self, tokens: int) -> float:
-        a, b = self.coefficients()
-        return a + b * tokens
+    def __call__(self, tokens: int, rows: Optional[int] = None) -> float:
+        """T at ``tokens`` over ``rows`` (unknown: as many rows as tokens, a plain decode step)."""
+        a, b, c = self.coefficients()
+        return a + b * (tokens if rows is None else rows) + c * tokens
 
 
 @attrs.frozen
