@@ -10,6 +10,8 @@ Targets (``--targets``), each built once per setting and freed before the next:
 - ``demo``: the bundled CED demo model with its DSpark drafter: ``none``, ``dspark:K`` (fixed k) and
   ``dspark:K:dynamic`` (CED.md's per-request lengths from the confidences and the step-time curve).
 - ``llama-tiny``: the same Llama architecture at a few thousand parameters (``--smoke``).
+- ``path``: the CED checkpoint at ``--model`` with its drafter in ``dspark/`` (for a target large enough that
+  decode is memory-bound: ``scripts/train_demo.py --size bench`` then ``scripts/train_dspark.py --target``).
 
 Workload, prompt-lookup friendly: each prompt is a random motif repeated to ``--input-len`` tokens; greedy,
 ignore_eos. At each concurrency C: C requests at once, stepped until every one has its first token and then
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench  # noqa: E402  (the same shapes and builder)
 
 DEFAULT_SETTINGS = {"llama-3.1-8b": ["none", "ngram:2", "ngram:4"], "llama-tiny": ["none", "ngram:2"],
-                    "demo": ["none", "dspark:4", "dspark:4:dynamic"]}
+                    "demo": ["none", "dspark:4", "dspark:4:dynamic"], "path": ["none", "dspark:4", "dspark:4:dynamic"]}
 
 
 def parse_setting(text: str):
@@ -61,6 +63,21 @@ def prompts(rng: random.Random, vocab: int, C: int, n: int, motif: int) -> list:
     return out
 
 
+def text_prompts(rng: random.Random, ids: list, C: int, n: int) -> list:
+    """C windows of n tokens at random offsets of a tokenized text (the model's held-out sample)."""
+    if len(ids) < n + 1:
+        raise ValueError(f"--text-prompts: the text has {len(ids)} tokens, fewer than --input-len {n}")
+    return [ids[o:o + n] for o in (rng.randrange(len(ids) - n) for _ in range(C))]
+
+
+def load_text(model: str) -> list:
+    """The checkpoint's heldout_sample.txt (scripts/train_demo.py) through its tokenizer."""
+    from tokenizers import Tokenizer
+
+    d = Path(model)
+    return Tokenizer.from_file(str(d / "tokenizer.json")).encode((d / "heldout_sample.txt").read_text()).ids
+
+
 def build(target: str, spec, args, concurrencies: list, tmp: Path):
     from deepinfer import LLM
 
@@ -70,6 +87,8 @@ def build(target: str, spec, args, concurrencies: list, tmp: Path):
               num_kv_blocks=blocks, block_size=16, cuda_graph_sizes=sorted(set(concurrencies)))
     if target == "demo":
         return LLM(device=args.device, **kw), None
+    if target == "path":  # a CED checkpoint with its drafter in dspark/ (scripts/train_demo.py --size bench ...)
+        return LLM(args.model, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", **kw), None
     cfg = gpu_bench.SHAPES[target]
     gpu_bench.write_model_dir(tmp, cfg)
     ns = argparse.Namespace(dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device,
@@ -99,7 +118,8 @@ def measure(llm, vocab: int, C: int, args, seed: int) -> dict:
     sp = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
     rids = [f"s{seed}-{C}-{i}" for i in range(C)]
     reqs = [eng.add_request(r, {"prompt_token_ids": p}, sp)
-            for r, p in zip(rids, prompts(rng, vocab, C, args.input_len, args.motif))]
+            for r, p in zip(rids, text_prompts(rng, args.text, C, args.input_len) if args.text is not None
+                            else prompts(rng, vocab, C, args.input_len, args.motif))]
     try:
         while not all(r.first_token_time for r in reqs):
             eng.step()
@@ -158,7 +178,9 @@ def run(args) -> list:
                        "method": spec["method"] if spec else None, "k": spec["num_speculative_tokens"] if spec else 0,
                        "dynamic": bool(spec and spec["dynamic"]), "device": args.device,
                        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                       "input_len": args.input_len, "motif": args.motif, "commit": args.commit,
+                       "input_len": args.input_len, "motif": None if args.text is not None else args.motif,
+                       "prompts": "heldout_text" if args.text is not None else "motif", "model": args.model,
+                       "commit": args.commit,
                        "build_s": round(build_s, 2), "cuda_graphs": llm.engine.decode_graphs is not None,
                        "overlap": llm.engine.overlap, **measure(llm, vocab, C, args, args.seed)}
                 if spec and row.get("verified_rows") and not row["dynamic"] \
@@ -210,7 +232,17 @@ def parse_args(argv=None):
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default="spec_sweep.jsonl")
     ap.add_argument("--smoke", action="store_true", help="CPU, llama-tiny and the demo model, a few steps")
+    ap.add_argument("--model", default=None, help="the checkpoint of target 'path' (default: the bundled demo)")
+    ap.add_argument("--text-prompts", action="store_true",
+                    help="prompts from the model's heldout_sample.txt (CED checkpoints) instead of random motifs")
     args = ap.parse_args(argv)
+    if args.targets and "path" in args.targets and not args.model:
+        ap.error("target 'path' needs --model DIR")
+    args.text = None
+    if args.text_prompts:
+        from deepinfer.models.loader import resolve_model_path
+
+        args.text = load_text(args.model or resolve_model_path(None))
     if args.smoke:
         args.device, args.targets = "cpu", args.targets or ["llama-tiny", "demo"]
         args.concurrency, args.input_len, args.motif = [1, 3], 24, 6

@@ -10,6 +10,12 @@
 #   bash scripts/device_issue15.sh sweep COMMIT  # < 8 min: benchmarks/spec_sweep.py, Llama-3.1-8B shape (random
 #                                          # bf16) none / ngram:2 / ngram:4 and the demo model none / dspark:4 /
 #                                          # dspark:4:dynamic at concurrency 1/16/64/128 -> $OUT/spec_sweep.jsonl
+#   bash scripts/device_issue15.sh big-train   # < 9 min: a CED of the bench size (~2.3B parameters, ~0.9B read
+#                                          # per token: decode memory-bound) trained BIG_MINUTES on the standard
+#                                          # library (scripts/train_demo.py --size bench), then its DSpark drafter
+#                                          # (DSPARK_MINUTES), into /tmp/ced_big (not shipped; logs to $OUT)
+#   bash scripts/device_issue15.sh big-sweep COMMIT   # the next call, warm: spec_sweep on that model (held-out
+#                                          # text prompts) and on the demo, none / dspark:4 / dspark:4:dynamic
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -40,8 +46,30 @@ train)
   echo "train rc=$?"; tail -3 "$OUT/train_dspark.log"
   rm -rf deepinfer/assets/demo/dspark && cp -r "$OUT/dspark" deepinfer/assets/demo/dspark
   bench ;;
+big-train)
+  nvidia-smi -L
+  big=/tmp/ced_big
+  rm -rf "$big"
+  for batch in 32 8; do  # a smaller batch if the first one does not fit
+    timeout $((${BIG_MINUTES:-4} * 60 + 60)) python3 scripts/train_demo.py --out "$big" --size bench \
+      --minutes "${BIG_MINUTES:-4}" --batch $batch --seq-len 512 --lr 6e-4 --device cuda --sample-tokens 32 \
+      > "$OUT/train_big.log" 2>&1 && break
+    echo "train_demo --batch $batch failed:"; tail -3 "$OUT/train_big.log"
+  done
+  grep -E "\[model\]|\[eval\]|\[done\]" "$OUT/train_big.log"
+  cp "$big"/eval.json "$OUT/big_eval.json"; cp "$big"/train_log.jsonl "$OUT/big_train_log.jsonl"
+  timeout $((${DSPARK_MINUTES:-2} * 60 + 90)) python3 scripts/train_dspark.py --target "$big" --out "$big/dspark" \
+    --minutes "${DSPARK_MINUTES:-2}" --device cuda > "$OUT/train_big_dspark.log" 2>&1
+  echo "dspark rc=$?"; tail -2 "$OUT/train_big_dspark.log"
+  cp "$big"/dspark/eval.json "$OUT/big_dspark_eval.json"; cp "$big"/dspark/train_log.jsonl "$OUT/big_dspark_log.jsonl" ;;
+big-sweep)
+  timeout 330 python3 benchmarks/spec_sweep.py --targets path --model /tmp/ced_big --text-prompts --steps 96 \
+    --warmup-steps 32 --budget-s 280 --commit "${2:-?}" --out "$OUT/spec_sweep_big.jsonl" 2>&1 \
+    | tee "$OUT/spec_sweep_big.log" | grep -v -i warn | tail -16
+  timeout 150 python3 benchmarks/spec_sweep.py --targets demo --steps 96 --warmup-steps 32 --budget-s 120 \
+    --commit "${2:-?}" --out "$OUT/spec_sweep_demo.jsonl" 2>&1 | grep -v -i warn | tail -14 ;;
 bench)
   bench ;;
 *)
-  echo "usage: bash scripts/device_issue15.sh train | bench | tests | sweep COMMIT" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue15.sh train | bench | tests | sweep COMMIT | big-train | big-sweep COMMIT" >&2; exit 2 ;;
 esac

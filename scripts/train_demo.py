@@ -392,7 +392,11 @@ def parse_args(argv=None):
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--kl-weight", type=float, default=0.1)
     ap.add_argument("--p0", type=float, default=0.25, help="probability of replay start 0")
-    ap.add_argument("--moe-ffn", type=int, default=96, help="expert width (moe_intermediate_size)")
+    ap.add_argument("--moe-ffn", type=int, default=0, help="expert width (moe_intermediate_size; 0: 96 for the toy "
+                    "size, the size's own otherwise)")
+    ap.add_argument("--size", choices=("toy", "small", "bench"), default="toy",
+                    help="models/ced/config.SIZES: toy is the demo; bench (~0.9B parameters) makes decode "
+                         "memory-bound on a GPU, for the speculative-decoding sweep (issue 15), not shipped")
     ap.add_argument("--bias-update", type=float, default=0.0,
                     help="MoE gate-bias balancing rate (0 = off, gate_bias stays 0)")
     ap.add_argument("--eval-frac", type=float, default=0.1, help="share of the budget kept for evaluation")
@@ -414,7 +418,7 @@ def main(argv=None) -> dict:
     t0 = time.time()
     args = parse_args(argv)
     from deepinfer.models.ced import train as T
-    from deepinfer.models.ced.config import CEDConfig
+    from deepinfer.models.ced.config import SIZES, CEDConfig
     from deepinfer.models.ced.model import CEDForCausalLM
 
     budget = args.minutes * 60.0
@@ -453,13 +457,16 @@ def main(argv=None) -> dict:
         f"tokens ({nbytes(train_docs) / max(1, train_stream.numel()):.2f} bytes/token)")
 
     # Model.
-    cfg = CEDConfig(vocab_size=args.vocab, tie_word_embeddings=True, moe_intermediate_size=args.moe_ffn,
-                    max_position_embeddings=max(4096, N))
+    size = dict(SIZES[args.size])  # toy: CEDConfig's defaults; larger sizes for experiments, not shipped
+    size["max_position_embeddings"] = max(4096, N, size.get("max_position_embeddings", 0))
+    if args.moe_ffn or args.size == "toy":
+        size["moe_intermediate_size"] = args.moe_ffn or 96
+    cfg = CEDConfig(vocab_size=args.vocab, tie_word_embeddings=True, **size)
     model = CEDForCausalLM(cfg)
     model.init_weights(args.seed)
     model.to(dev)
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"[model] CED toy: {n_params:,} parameters, {n_params * 2 / 1e6:.2f} MB in bf16 "
+    log(f"[model] CED {args.size}: {n_params:,} parameters, {n_params * 2 / 1e6:.2f} MB in bf16 "
         f"(d {cfg.hidden_size}, {cfg.num_layers} layers, {cfg.n_routed_experts} experts x {cfg.moe_intermediate_size})")
 
     # Self-check: the batched path against forward_full (float32, two sequences, a random cut).

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train a DSpark drafter (models/ced/dspark.py) for the bundled CED demo model, backbone frozen.
+"""Train a DSpark drafter (models/ced/dspark.py) for the bundled CED demo model (or --target), backbone frozen.
 
     python scripts/train_dspark.py --out deepinfer/assets/demo/dspark --minutes 4 --device cuda   # the H200
     python scripts/train_dspark.py --out /tmp/dspark-smoke --minutes 0.1 --max-files 30 --device cpu
@@ -86,6 +86,8 @@ def losses(net, target, batch, gamma: float):
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--target", default=None, help="a scripts/train_demo.py checkpoint (default: the bundled demo); "
+                    "its drafter then goes in TARGET/dspark to be found by the engine")
     ap.add_argument("--minutes", type=float, default=4.0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seq-len", type=int, default=128)
@@ -106,7 +108,10 @@ def main(argv=None) -> dict:
 
     t_start = time.time()
     torch.manual_seed(args.seed)
-    demo = Path(resolve_model_path(None))
+    demo = Path(args.target) if args.target else Path(resolve_model_path(None))
+    for need in ("tokenizer.json", "heldout_files.txt"):  # written by scripts/train_demo.py
+        if not (demo / need).is_file():
+            raise SystemExit(f"train_dspark: --target {str(demo)!r} has no {need} (a scripts/train_demo.py output)")
     target = LLM(str(demo), device=args.device, dtype="float32", num_kv_blocks=16, enforce_eager=True).engine.model
     target.requires_grad_(False)
     c = target.config
