@@ -10,9 +10,9 @@
 #   bash scripts/device_issue15.sh sweep COMMIT  # < 8 min: benchmarks/spec_sweep.py, Llama-3.1-8B shape (random
 #                                          # bf16) none / ngram:2 / ngram:4 and the demo model none / dspark:4 /
 #                                          # dspark:4:dynamic at concurrency 1/16/64/128 -> $OUT/spec_sweep.jsonl
-#   bash scripts/device_issue15.sh big-train   # < 9 min: a CED of the bench size (~2.3B parameters, ~0.9B read
-#                                          # per token: decode memory-bound) trained BIG_MINUTES on the standard
-#                                          # library (scripts/train_demo.py --size bench), then its DSpark drafter
+#   bash scripts/device_issue15.sh big-train   # < 9 min: a CED with the bench size's weights (1.8B parameters;
+#                                          # narrow attention: decode memory-bound) trained BIG_MINUTES on the standard
+#                                          # library (scripts/train_demo.py --size large), then its DSpark drafter
 #                                          # (DSPARK_MINUTES), into /tmp/ced_big (not shipped; logs to $OUT)
 #   bash scripts/device_issue15.sh big-sweep COMMIT   # the next call, warm: spec_sweep on that model (held-out
 #                                          # text prompts) and on the demo, none / dspark:4 / dspark:4:dynamic
@@ -51,7 +51,7 @@ big-train)
   big=/tmp/ced_big
   rm -rf "$big"
   for batch in 32 8; do  # a smaller batch if the first one does not fit
-    timeout $((${BIG_MINUTES:-4} * 60 + 60)) python3 scripts/train_demo.py --out "$big" --size bench \
+    timeout $((${BIG_MINUTES:-4} * 60 + 60)) python3 scripts/train_demo.py --out "$big" --size large \
       --minutes "${BIG_MINUTES:-4}" --batch $batch --seq-len 512 --lr 6e-4 --device cuda --sample-tokens 32 \
       > "$OUT/train_big.log" 2>&1 && break
     echo "train_demo --batch $batch failed:"; tail -3 "$OUT/train_big.log"

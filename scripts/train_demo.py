@@ -141,6 +141,16 @@ def train_tokenizer(texts, vocab_size: int):
     return tok
 
 
+# The bench size's weights with narrow attention: training bench itself gathers [rows, 512 entries, 512] per
+# layer (its index_topk x head_dim), which outgrows a 140 GB GPU at a useful batch.
+LARGE = dict(hidden_size=2048, num_layers=16, num_encoder_layers=8, num_heads=16, head_dim=128, rope_dim=64,
+             q_lora_rank=1024, out_groups=8, out_group_dim=256, n_win=128, swa_allowance=12,
+             layer_modes=("swa", "swa", "full", "reuse", "reuse", "full", "reuse", "reuse",
+                          "full", "reuse", "reuse", "reuse", "reindex", "reuse", "reuse", "reuse"),
+             index_heads=8, index_head_dim=64, index_topk=64, pool_block=8, pool_blocks=32,
+             n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=512)
+
+
 def write_tokenizer(tok, out: Path, max_len: int) -> dict:
     tok.save(str(out / "tokenizer.json"))
     ids = {name: tok.token_to_id(t) for name, t in (("bos", BOS), ("eos", EOS), ("pad", PAD), ("im_end", IM_END))}
@@ -394,9 +404,10 @@ def parse_args(argv=None):
     ap.add_argument("--p0", type=float, default=0.25, help="probability of replay start 0")
     ap.add_argument("--moe-ffn", type=int, default=0, help="expert width (moe_intermediate_size; 0: 96 for the toy "
                     "size, the size's own otherwise)")
-    ap.add_argument("--size", choices=("toy", "small", "bench"), default="toy",
-                    help="models/ced/config.SIZES: toy is the demo; bench (~0.9B parameters) makes decode "
-                         "memory-bound on a GPU, for the speculative-decoding sweep (issue 15), not shipped")
+    ap.add_argument("--size", choices=("toy", "small", "bench", "large"), default="toy",
+                    help="models/ced/config.SIZES (toy is the demo), or large: the bench size's weights (d 2048, "
+                         "16 layers, 32 experts x 512) with attention and indexer narrow enough to train on one "
+                         "GPU; decode memory-bound there, for the speculative-decoding sweep (issue 15), not shipped")
     ap.add_argument("--bias-update", type=float, default=0.0,
                     help="MoE gate-bias balancing rate (0 = off, gate_bias stays 0)")
     ap.add_argument("--eval-frac", type=float, default=0.1, help="share of the budget kept for evaluation")
@@ -457,7 +468,7 @@ def main(argv=None) -> dict:
         f"tokens ({nbytes(train_docs) / max(1, train_stream.numel()):.2f} bytes/token)")
 
     # Model.
-    size = dict(SIZES[args.size])  # toy: CEDConfig's defaults; larger sizes for experiments, not shipped
+    size = dict(SIZES.get(args.size) or LARGE)  # toy: CEDConfig's defaults; larger sizes for experiments
     size["max_position_embeddings"] = max(4096, N, size.get("max_position_embeddings", 0))
     if args.moe_ffn or args.size == "toy":
         size["moe_intermediate_size"] = args.moe_ffn or 96
