@@ -14,6 +14,8 @@ pushed out of the pool by an allocation of every free block (the engine's evicti
 ``fetch_ms`` is the lookup's time (hashing the prompt, finding the entries, copying them into the pool's
 blocks), the median of ``--repeats`` lookups (``fetch_min_ms`` the fastest, ``fetch_cpu_ms`` the median
 process CPU time, which a busy shared machine inflates less than wall time; torch runs one thread);
+``find_ms``/``find_cpu_ms`` the part of it spent in the store's ``find`` (finding, reading and checking the
+entries: what a tier costs, without the hashing and the scatter into the cache), medians likewise;
 ``entries_read`` the tier entries one lookup reads (host entries or disk files); between two, the blocks are
 evicted again (already stored: nothing new written). ``hash_ms``: hashing the prompt's blocks alone, the
 fastest of five.
@@ -101,14 +103,30 @@ def measure(P: int, tier: str, views, num_blocks: int, bs: int, directory: str, 
         startup_ms = (time.perf_counter() - t0) * 1e3
         pool = BlockPool(num_blocks)
         cache = PrefixCache(pool, bs, BlockMover(views, again, "cpu"))
-    times, cpu = [], []
-    before = cache.mover.store.stats()
+    times, cpu, find_times, find_cpu = [], [], [], []
+    store = cache.mover.store
+    before = store.stats()
+    in_find = [0.0, 0.0]
+    real_find = store.find
+
+    def timed_find(h):
+        t0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return real_find(h)
+        finally:
+            in_find[0] += time.perf_counter() - t0
+            in_find[1] += time.process_time() - c0
+
+    store.find = timed_find
     for r in range(repeats):
         s = _Seq(tokens, root)
+        in_find[:] = [0.0, 0.0]
         t0, c0 = time.perf_counter(), time.process_time()
         hit = cache.lookup(s, P)
         times.append((time.perf_counter() - t0) * 1e3)
         cpu.append((time.process_time() - c0) * 1e3)
+        find_times.append(in_find[0] * 1e3)
+        find_cpu.append(in_find[1] * 1e3)
         assert len(hit) == P // bs, (len(hit), P // bs)
         pool.free(hit)
         evict_all(pool, cache.mover)
@@ -117,7 +135,9 @@ def measure(P: int, tier: str, views, num_blocks: int, bs: int, directory: str, 
     block_bytes = sum(t[:rows].numel() * t.element_size() if dim == 0 else 0 for _, t, dim, rows in views)
     row = {"bench": "tier_fetch", "layout": "ced-bench", "prefix": P, "blocks": P // bs, "tier": tier,
            "fetch_ms": round(statistics.median(times), 2), "fetch_min_ms": round(min(times), 2),
-           "fetch_cpu_ms": round(statistics.median(cpu), 2), "entries_read": entries, "hash_ms": round(hash_ms, 2),
+           "fetch_cpu_ms": round(statistics.median(cpu), 2),
+           "find_ms": round(statistics.median(find_times), 2), "find_cpu_ms": round(statistics.median(find_cpu), 2),
+           "entries_read": entries, "hash_ms": round(hash_ms, 2),
            "views": len(views), "block_bytes": block_bytes, "repeats": repeats}
     if startup_ms is not None:
         row["startup_ms"] = round(startup_ms, 2)
@@ -147,11 +167,11 @@ def main() -> int:
                 f.write(json.dumps(row) + "\n")
             print("row", json.dumps(row), flush=True)
     print(f"\n{'prefix':>7} {'blocks':>6} {'tier':5} {'entries':>7} {'fetch ms':>9} {'min ms':>8} {'cpu ms':>8} "
-          f"{'hash ms':>8} {'startup ms':>10}")
+          f"{'find ms':>8} {'find cpu':>8} {'hash ms':>8} {'startup ms':>10}")
     for r in rows:
         print(f"{r['prefix']:7} {r['blocks']:6} {r['tier']:5} {r['entries_read']:7.0f} {r['fetch_ms']:9.1f} "
-              f"{r['fetch_min_ms']:8.1f} {r['fetch_cpu_ms']:8.1f} {r['hash_ms']:8.2f} "
-              f"{r.get('startup_ms', float('nan')):10.1f}")
+              f"{r['fetch_min_ms']:8.1f} {r['fetch_cpu_ms']:8.1f} {r['find_ms']:8.2f} {r['find_cpu_ms']:8.2f} "
+              f"{r['hash_ms']:8.2f} {r.get('startup_ms', float('nan')):10.1f}")
     return 0
 
 

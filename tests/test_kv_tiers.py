@@ -515,8 +515,8 @@ def test_disk_runs_survive_a_restart_indexed_from_the_file_heads(tmp_path, monke
     DiskTier(tmp_path, 1 << 30, ID).put(key(0), run_payload(0, 10), members=members(0, 10))
     DiskTier(tmp_path, 1 << 30, ID).put(key(50), block(50))  # a plain entry beside it
     reads = []
-    real = files_mod.EntryFiles.read
-    monkeypatch.setattr(files_mod.EntryFiles, "read", lambda self, path: reads.append(path) or real(self, path))
+    real = files_mod.EntryFiles.opened
+    monkeypatch.setattr(files_mod.EntryFiles, "opened", lambda self, path: reads.append(path) or real(self, path))
     again = DiskTier(tmp_path, 1 << 30, ID)
     assert not reads and again.stats().indexed == 10  # start-up read heads only
     for i in (9, 0, 5):

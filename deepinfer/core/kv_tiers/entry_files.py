@@ -16,9 +16,9 @@ Atomicity (several processes may share one directory, on one local file system):
 - A writer killed mid-entry (SIGKILL included) leaves only its temporary file, whose name never reads as an
   entry; the kernel drops its flock, and a scan removes the temporaries it can lock (a live writer's lock
   keeps its file safe from cleaners).
-- Every read checks the checksum, so damage outside this protocol (a bad disk, a power loss: there is no
-  fsync, a manual copy) is a miss too. Shard directories are made with exist_ok and never removed, so a
-  writer's mkdir never races a cleaner's rmdir.
+- Every read checks the checksums (entry_format.py), so damage outside this protocol (a bad disk, a power
+  loss: there is no fsync, a manual copy) is a miss too. Shard directories are made with exist_ok and never
+  removed, so a writer's mkdir never races a cleaner's rmdir.
 
 LRU order lives in the files' mtimes: publish and stamp set them, strictly increasing within a process and by
 the wall clock across processes (file systems keep coarse time, so the process adds its own tie-break).
@@ -26,6 +26,7 @@ the wall clock across processes (file systems keep coarse time, so the process a
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import secrets
@@ -68,16 +69,13 @@ class EntryFiles:
         path.parent.mkdir(parents=True, exist_ok=True)
         return self._write_temp(path.parent, key.hex(), chunks, publish_as=path)[1]
 
-    def read(self, path: Path) -> tuple:
-        """(the whole file as a bytearray, its inode)."""
+    @contextlib.contextmanager
+    def opened(self, path: Path):
+        """(the file open for binary reading, its size, its inode) while the block runs: the inode read from
+        start to end, whatever happens to the name meanwhile."""
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
-            buf = bytearray(st.st_size)
-            with memoryview(buf) as view:
-                n = 0
-                while n < len(buf) and (got := f.readinto(view[n:])):
-                    n += got
-        return (buf if n == len(buf) else buf[:n]), st.st_ino
+            yield f, st.st_size, st.st_ino
 
     def read_head(self, path, parse) -> tuple:
         """(parse(read), inode, size) with ``read(n)`` reading the file's next n bytes: a file's first bytes
