@@ -15,7 +15,8 @@ Targets (``--targets``), each built once per setting and freed before the next:
 
 Workload, prompt-lookup friendly: each prompt is a random motif repeated to ``--input-len`` tokens; greedy,
 ignore_eos. At each concurrency C: C requests at once, stepped until every one has its first token and then
-``--warmup-steps`` more (untimed), then ``--steps`` steps timed. A row gives the measured step rate, the output
+``--warmup-steps`` more (untimed), then ``--steps`` steps timed (with ``--rounds R`` > 1, every setting's engine
+stays alive and each is timed in R blocks of ``--steps``, alternating, so machine drift weighs on all alike). A row gives the measured step rate, the output
 tokens actually emitted (accepted drafts plus one target token per row-step: counted, not derived), the draft
 accounting of those steps (spec_stats deltas), and ``syncs_per_step``: on CUDA, the synchronizing calls
 torch.cuda.set_sync_debug_mode reports over ``--sync-steps`` further steps (benchmarks/profile_decode.py's check;
@@ -109,50 +110,120 @@ def count_syncs(eng, steps: int) -> float | None:
     return len(synchronizing_calls(eng.step, steps)) / steps
 
 
-def measure(llm, vocab: int, C: int, args, seed: int) -> dict:
-    """Steady decode of C requests (see the module docstring)."""
-    from deepinfer import SamplingParams
+class Run:
+    """C requests decoding steadily in one engine: started and warmed, then timed in blocks of steps."""
 
-    eng = llm.engine
-    rng = random.Random(seed * 1009 + C)
-    sp = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
-    rids = [f"s{seed}-{C}-{i}" for i in range(C)]
-    reqs = [eng.add_request(r, {"prompt_token_ids": p}, sp)
-            for r, p in zip(rids, text_prompts(rng, args.text, C, args.input_len) if args.text is not None
-                            else prompts(rng, vocab, C, args.input_len, args.motif))]
-    try:
-        while not all(r.first_token_time for r in reqs):
-            eng.step()
+    def __init__(self, llm, vocab: int, C: int, args, seed: int):
+        from deepinfer import SamplingParams
+
+        self.llm, self.eng, self.C, self.args = llm, llm.engine, C, args
+        rng = random.Random(seed * 1009 + C)
+        sp = SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0)
+        self.rids = [f"s{seed}-{C}-{i}" for i in range(C)]
+        self.reqs = [self.eng.add_request(r, {"prompt_token_ids": p}, sp)
+                     for r, p in zip(self.rids, text_prompts(rng, args.text, C, args.input_len) if args.text is not None
+                                     else prompts(rng, vocab, C, args.input_len, args.motif))]
+        self.seconds, self.steps, self.tokens, self.rates = 0.0, 0, 0, []
+        self.spec = {k: 0 for k in spec_counts(llm)}
+        while not all(r.first_token_time for r in self.reqs):
+            self.eng.step()
         for _ in range(args.warmup_steps):
-            eng.step()
-        errors = [r.error for r in reqs if r.error]
+            self.eng.step()
+        errors = [r.error for r in self.reqs if r.error]
         if errors:
             raise RuntimeError(f"{len(errors)} request(s) failed, first: {errors[0]}")
-        tokens0, spec0 = sum(len(s.output_token_ids) for r in reqs for s in r.seqs), spec_counts(llm)
-        gpu_bench.sync(eng.device)
+
+    def _emitted(self) -> int:
+        return sum(len(s.output_token_ids) for r in self.reqs for s in r.seqs)
+
+    def block(self, steps: int) -> None:
+        """``steps`` timed steps, added to the totals."""
+        tokens0, spec0 = self._emitted(), spec_counts(self.llm)
+        gpu_bench.sync(self.eng.device)
         t0 = time.perf_counter()
-        for _ in range(args.steps):
-            eng.step()
-        gpu_bench.sync(eng.device)
+        for _ in range(steps):
+            self.eng.step()
+        gpu_bench.sync(self.eng.device)
         dt = time.perf_counter() - t0
-        tokens = sum(len(s.output_token_ids) for r in reqs for s in r.seqs) - tokens0
-        spec1 = spec_counts(llm)
-        syncs = count_syncs(eng, args.sync_steps)
+        self.seconds, self.steps, self.tokens = self.seconds + dt, self.steps + steps, self.tokens + self._emitted() - tokens0
+        self.spec = {k: v + spec_counts(self.llm)[k] - spec0[k] for k, v in self.spec.items()}
+        self.rates.append(round(steps / dt, 2))
+
+    def finish(self) -> dict:
+        syncs = count_syncs(self.eng, self.args.sync_steps)
+        for r in self.rids:
+            self.eng.abort(r)
+        while self.eng.has_unfinished():
+            self.eng.step()
+        d, dt, C = self.spec, self.seconds, self.C
+        row = {"concurrency": C, "steps": self.steps, "seconds": round(dt, 4), "step_rate": round(self.steps / dt, 2),
+               "block_step_rates": self.rates, "output_tokens": self.tokens, "output_tok_s": round(self.tokens / dt, 1),
+               "tokens_per_seq_step": round(self.tokens / (self.steps * C), 4), "syncs_per_step": syncs, **d}
+        if d["verified_rows"]:
+            row["acceptance_rate"] = round(d["accepted_tokens"] / max(1, d["draft_tokens"]), 4)
+            row["tokens_per_verified_row"] = round(1 + d["accepted_tokens"] / d["verified_rows"], 4)
+        row["verify_graph_replays"] = getattr(self.eng.decode_graphs, "num_verify_replays", None)
+        return row
+
+
+def measure(llm, vocab: int, C: int, args, seed: int) -> dict:
+    """Steady decode of C requests (see the module docstring)."""
+    run = Run(llm, vocab, C, args, seed)
+    try:
+        run.block(args.steps)
     finally:
-        for r in rids:
-            eng.abort(r)
-        while eng.has_unfinished():
-            eng.step()
-    d = {k: spec1[k] - spec0[k] for k in spec1}
-    row = {"concurrency": C, "steps": args.steps, "seconds": round(dt, 4), "step_rate": round(args.steps / dt, 2),
-           "output_tokens": tokens, "output_tok_s": round(tokens / dt, 1),
-           "tokens_per_seq_step": round(tokens / (args.steps * C), 4), "syncs_per_step": syncs, **d}
-    if d["verified_rows"]:
-        row["acceptance_rate"] = round(d["accepted_tokens"] / max(1, d["draft_tokens"]), 4)
-        row["tokens_per_verified_row"] = round(1 + d["accepted_tokens"] / d["verified_rows"], 4)
-    graphs = eng.decode_graphs
-    row["verify_graph_replays"] = getattr(graphs, "num_verify_replays", None)
+        row = run.finish()
     return row
+
+
+def header(target: str, setting: str, spec, args, llm, build_s: float) -> dict:
+    return {"bench": "benchmarks/spec_sweep.py", "target": target, "setting": setting,
+            "method": spec["method"] if spec else None, "k": spec["num_speculative_tokens"] if spec else 0,
+            "dynamic": bool(spec and spec["dynamic"]), "device": args.device,
+            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "input_len": args.input_len, "motif": None if args.text is not None else args.motif,
+            "prompts": "heldout_text" if args.text is not None else "motif", "model": args.model,
+            "commit": args.commit, "rounds": args.rounds,
+            "build_s": round(build_s, 2), "cuda_graphs": llm.engine.decode_graphs is not None,
+            "overlap": llm.engine.overlap}
+
+
+def emit(rows: list, row: dict, args) -> None:
+    if row.get("method") and row.get("verified_rows") and not row["dynamic"] \
+            and row["draft_tokens"] == row["k"] * row["verified_rows"]:
+        row["tau_formula"] = round(1 + row["k"] * row["acceptance_rate"], 4)  # fixed length: it holds
+    rows.append(row)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    print(f"{row['target']} {row['setting']} C={row['concurrency']}: {row['step_rate']} steps/s, "
+          f"{row['output_tok_s']} tok/s, {row['tokens_per_seq_step']} tok/seq-step, syncs/step {row['syncs_per_step']}",
+          flush=True)
+
+
+def run_interleaved(args, target: str, settings: list, rows: list, t_start: float) -> None:
+    """Every setting's engine alive at once; at each C, ``--rounds`` rounds of ``--steps`` timed steps in each
+    engine in turn (the order rotating), so that a machine whose speed drifts during the run (other work on the
+    host, clocks) weighs on every setting alike; totals over the rounds, and each block's rate."""
+    built = []
+    for setting in settings:
+        spec = parse_setting(setting)
+        with tempfile.TemporaryDirectory() as d:
+            t_build = time.perf_counter()
+            llm, vocab = build(target, spec, args, args.concurrency, Path(d))
+            built.append((setting, spec, llm, vocab or llm.engine.model.vocab_size, time.perf_counter() - t_build))
+    for C in args.concurrency:
+        if time.perf_counter() - t_start > args.budget_s:
+            print(f"budget spent: {target} C={C} skipped", flush=True)
+            continue
+        runs = [Run(llm, vocab, C, args, args.seed) for _, _, llm, vocab, _ in built]
+        for r in range(args.rounds):
+            for i in range(len(runs)):
+                runs[(i + r) % len(runs)].block(args.steps)
+        for (setting, spec, llm, _, build_s), run in zip(built, runs):
+            emit(rows, {**header(target, setting, spec, args, llm, build_s), **run.finish()}, args)
+    del built
+    gpu_bench.free_memory(args.device)
 
 
 def run(args) -> list:
@@ -160,6 +231,9 @@ def run(args) -> list:
     t_start = time.perf_counter()
     for target in args.targets:
         settings = args.settings or DEFAULT_SETTINGS[target]
+        if args.rounds > 1:
+            run_interleaved(args, target, settings, rows, t_start)
+            continue
         for setting in settings:
             if time.perf_counter() - t_start > args.budget_s:
                 print(f"budget spent: {target} {setting} skipped", flush=True)
@@ -174,24 +248,8 @@ def run(args) -> list:
                 if time.perf_counter() - t_start > args.budget_s:
                     print(f"budget spent: {target} {setting} C={C} skipped", flush=True)
                     continue
-                row = {"bench": "benchmarks/spec_sweep.py", "target": target, "setting": setting,
-                       "method": spec["method"] if spec else None, "k": spec["num_speculative_tokens"] if spec else 0,
-                       "dynamic": bool(spec and spec["dynamic"]), "device": args.device,
-                       "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                       "input_len": args.input_len, "motif": None if args.text is not None else args.motif,
-                       "prompts": "heldout_text" if args.text is not None else "motif", "model": args.model,
-                       "commit": args.commit,
-                       "build_s": round(build_s, 2), "cuda_graphs": llm.engine.decode_graphs is not None,
-                       "overlap": llm.engine.overlap, **measure(llm, vocab, C, args, args.seed)}
-                if spec and row.get("verified_rows") and not row["dynamic"] \
-                        and row["draft_tokens"] == row["k"] * row["verified_rows"]:
-                    row["tau_formula"] = round(1 + row["k"] * row["acceptance_rate"], 4)  # fixed length: it holds
-                rows.append(row)
-                if args.out:
-                    with open(args.out, "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                print(f"{target} {setting} C={C}: {row['step_rate']} steps/s, {row['output_tok_s']} tok/s, "
-                      f"{row['tokens_per_seq_step']} tok/seq-step, syncs/step {row['syncs_per_step']}", flush=True)
+                emit(rows, {**header(target, setting, spec, args, llm, build_s),
+                            **measure(llm, vocab, C, args, args.seed)}, args)
             del llm
             gpu_bench.free_memory(args.device)
     return rows
@@ -225,6 +283,9 @@ def parse_args(argv=None):
     ap.add_argument("--motif", type=int, default=24, help="prompts repeat a random motif of this many tokens")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--warmup-steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="> 1: every setting's engine alive at once, timed in this many alternating blocks of --steps "
+                         "(settings compared under the same machine drift; needs memory for all of them)")
     ap.add_argument("--sync-steps", type=int, default=8)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--budget-s", type=float, default=420.0, help="no new measurement starts after this")

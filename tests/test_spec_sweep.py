@@ -24,6 +24,18 @@ def test_smoke_sweep_rows_add_up(tmp_path):
     assert sum(r["draft_tokens"] for r in spec) > 0 and all("tau_formula" not in r or not r["dynamic"] for r in spec)
 
 
+def test_interleaved_rounds_add_up_per_setting(tmp_path):
+    """--rounds 2: every setting's engine alive at once, two timed blocks each; a row's totals are its blocks'."""
+    pytest.importorskip("deepinfer_ngram", reason="the n-gram draft plugin: pip install -e plugins/deepinfer-ngram")
+    out = tmp_path / "rows.jsonl"
+    assert spec_sweep.main(["--smoke", "--targets", "llama-tiny", "--rounds", "2", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["setting"], r["concurrency"]) for r in rows} == {(s, c) for s in ("none", "ngram:2") for c in (1, 3)}
+    for r in rows:
+        assert r["steps"] == 2 * 4 and len(r["block_step_rates"]) == 2 and r["rounds"] == 2
+        assert r["output_tokens"] == r["steps"] * r["concurrency"] + r["accepted_tokens"], r
+
+
 def test_bad_setting_names_the_problem():
     with pytest.raises(ValueError, match="METHOD:K"):
         spec_sweep.parse_setting("ngram")
