@@ -221,10 +221,10 @@ def test_step_time_tells_a_rows_cost_from_a_tokens_cost():
         st.record(5 * R, a + b * R + c * 5 * R, R)
     for _ in range(8):
         st.record(5 * 64, a + b * 64 + c * 320, 64)
-    assert not st.separates()  # every sample a verify step of width 5: tokens follow from rows
+    assert not st.separates() and st.needs_other_kind()  # every sample a verify step of width 5
     assert st(128, 128) < 0.8 * (a + b * 128 + c * 128)  # the tokens-alone fit underprices a plain step
     st.record(128, a + b * 128 + c * 128, 128)  # one plain step
-    assert st.separates()
+    assert st.separates() and not st.needs_other_kind()
     assert st.coefficients() == pytest.approx((a, b, c), rel=1e-6)
     assert st(128, 128) == pytest.approx(a + b * 128 + c * 128, rel=1e-6)
     st2 = StepTime()
@@ -262,6 +262,8 @@ def test_step_time_file_seeds_the_fit_and_bad_files_are_named(tmp_path):
     assert again.coefficients()[2] > 0.01
     (tmp_path / "rows.json").write_text('{"samples": [[5, 0.01, 1], [10, 0.02, 2], [3, 0.01]]}')
     assert StepTime.load(tmp_path / "rows.json").samples == [(5, 0.01, 1), (10, 0.02, 2), (3, 0.01, None)]
+    old = StepTime.load(tmp_path / "t.json")  # an older file's samples (no rows) never force exploration
+    assert len(old.samples) >= 8 and not old.separates() and not old.needs_other_kind()
     (tmp_path / "bad.json").write_text('{"samples": [[0, 1.0]]}')
     (tmp_path / "junk.json").write_text("not json")
     for name, match in (("missing.json", "no file"), ("bad.json", "fewer than 1 token"),

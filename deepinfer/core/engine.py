@@ -608,7 +608,7 @@ class Engine:
                 # Explore every EXPLORE_EVERY steps, and whenever the measured steps do not yet tell a row's cost
                 # from a token's (all verify steps, or all plain): the other kind is what separates them.
                 st = self.step_time
-                unsure = len(getattr(st, "samples", ())) >= 8 and not getattr(st, "separates", lambda: True)()
+                unsure = getattr(st, "needs_other_kind", lambda: False)()  # (a user's T may not have it)
                 ks = choose_padded(survival, others, width, lambda n: st(n, R),
                                    explore=unsure or self._padded_steps % EXPLORE_EVERY == 0)
             else:

@@ -317,6 +317,12 @@ class StepTime:
         resid = sxx - (sxr * sxr / srr if srr > 0 else 0.0)  # tokens' variance left once rows explain what they can
         return resid > 1e-6 * sxx
 
+    def needs_other_kind(self) -> bool:
+        """Enough steps with their rows recorded, yet tokens a fixed function of rows on all of them: a step of the
+        other kind (plain among verify steps, or the reverse) is what would separate the terms. (Samples without
+        rows, from an old file, never ask for it: they age out of the window.)"""
+        return len(self.samples) >= 8 and all(r is not None for _, _, r in self.samples) and not self.separates()
+
     def _least_squares(self) -> tuple:
         n = len(self.samples)
         if n == 0:
