@@ -44,6 +44,47 @@ def _on_device(lists: list, device) -> list:
     return out
 
 
+class Upload:
+    """The step's host index lists on the device in one host-to-device copy. While forward_engine lays the
+    step out (its passes, every compression ratio's plan, the entry rows), each piece ``add``s its lists; the
+    first ``get`` copies them all at once (one pinned int64 buffer, ``_on_device``) and hands out [len] views.
+    An ``add`` after that copy is a bug in the layout (it would need a second copy) and raises."""
+
+    def __init__(self, device):
+        self.device, self.lists, self.views = device, [], None
+
+    def add(self, *lists) -> int:
+        """Register lists; returns the index of the first (the others follow it)."""
+        if self.views is not None:
+            raise RuntimeError("Upload.add after the step's lists were copied: lay the whole step out first")
+        self.lists += lists
+        return len(self.lists) - len(lists)
+
+    def get(self, i: int) -> torch.Tensor:
+        if self.views is None:
+            self.views = _on_device(self.lists, self.device)
+        return self.views[i]
+
+
+class _Uploaded:
+    """Device attributes served by the step's Upload on first read: ``_dev`` maps each to its list index."""
+
+    _up: Upload
+    _dev: dict
+
+    def __getattr__(self, name):
+        dev = self.__dict__.get("_dev")
+        if dev is None or name not in dev:
+            raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+        t = self._up.get(dev[name])
+        setattr(self, name, t)
+        return t
+
+    def _register(self, up: Upload, named: dict) -> None:
+        first = up.add(*named.values())
+        self._up, self._dev = up, {k: first + i for i, k in enumerate(named)}
+
+
 class Shared:
     """What every layer of a pass (``pos`` [n] its queries' positions) reads alike, built on the first layer's
     call and kept for the step (``_kept``): a layer adds no host loop over rows and no host-to-device copy."""
@@ -66,14 +107,20 @@ class Shared:
                                                             device=self.pos.device))
 
 
-class Pass(Shared):
+class Pass(_Uploaded, Shared):
     """One part of the step (encoder, decoder, or the decoder's prompt-scoring pass): which tokens query,
     where their SWA keys live (``score``: the scoring rings) and where their window is cut. Built from the
-    metadata's host lists; decode_path.DecodePass is the same contract on the device alone. The queries that
-    write the rings and each ratio's entry rows are built once (``Shared``); so is each ratio's compression
-    plan, in ``meta.cache`` (``_compress_chunk``)."""
+    metadata's host lists, whose device copies come with the step's one copy (``up``, an Upload; without one
+    the pass copies its own); decode_path.DecodePass is the same contract on the device alone. The queries
+    that write the rings and each ratio's entry rows are built once (``Shared``); so is each ratio's
+    compression plan, in ``meta.cache`` (``_compress_chunk``).
 
-    def __init__(self, meta, lo: list, hi: list, device, cut: list, score: bool = False):
+    ``ring`` (the pass's rings' slots, and the scratch state slot where the rings have one): each row's last
+    that-many queries (``last_queries``) and every query's ring write slot (``ring_dst``: its own ring slot
+    for those, the scratch slot for the rest) come with the same copy."""
+
+    def __init__(self, meta, lo: list, hi: list, device, cut: list, score: bool = False, up: Upload = None,
+                 ring: tuple = None):
         self.meta, self.device = meta, device
         self.rows, self.local, pos = [], [], []
         self.lo, self.cut, self.score = lo, cut, score  # [R] first queried position, SWA cut
@@ -94,46 +141,88 @@ class Pass(Shared):
             qs.append(qs[-1] + k)
         tok = [qs[r] + (p - meta.starts[r]) if p >= meta.starts[r] else -1 for r, p in zip(self.rows, pos)]
         early = [i for i, t in enumerate(tok) if t < 0]
-        late = [i for i, t in enumerate(tok) if t >= 0] if early else []
         slots = list(meta.state_slots)
         # Per query: its row, position, token, replay cut, first fresh position, offset of that position's row,
-        # and ring (state slot); one host-to-device copy for all of them.
+        # and ring (state slot); copied with the step's other lists.
         per_query = [[per_row[r] for r in self.rows] for per_row in (cut, lo, self.lstart, slots)]
-        (self.rows_t, self.pos, self.tok, self.cut_t, self.lo_t, self.lstart_t, self.ring_slot, early_t,
-         late_t) = _on_device([self.rows, pos, tok, *per_query, early, late], device)
-        self.early = self.late = None  # [E], [n - E] queries before / inside their row's chunk (when E > 0)
-        if early:
-            self.early, self.late = early_t, late_t
+        named = dict(rows_t=self.rows, pos=pos, tok=tok, cut_t=per_query[0], lo_t=per_query[1],
+                     lstart_t=per_query[2], ring_slot=per_query[3])
+        if early:  # [E], [n - E] queries before / inside their row's chunk (None when E = 0)
+            named.update(early=early, late=[i for i, t in enumerate(tok) if t >= 0])
+        else:
+            self.early = self.late = None
+        self.ring_size = self.scratch = None
+        if ring is not None:
+            self.ring_size, self.scratch = ring
+            keep = self._last(self.ring_size)
+            self.has_last = bool(keep)
+            named.update(keep=keep, keep_slot=[slots[self.rows[i]] for i in keep], keep_pos=[pos[i] for i in keep])
+            if self.scratch is not None:
+                dst = [self.scratch] * n
+                for i in keep:
+                    dst[i] = slots[self.rows[i]]
+                named["ring_dst"] = dst
+        self._register(up if up is not None else Upload(device), named)
         self._kept = {}
+
+    def _last(self, size: int) -> list:
+        """Each row's last ``size`` queries (indices into the pass)."""
+        keep = []
+        for r in range(len(self.lstart)):
+            n_r = (self.lstart[r + 1] if r + 1 < len(self.lstart) else self.n) - self.lstart[r]
+            keep += range(self.lstart[r] + max(0, n_r - size), self.lstart[r] + n_r)
+        return keep
 
     def last_queries(self, size: int):
         """(queries, their state slots, their positions): each row's last ``size`` queries, or None."""
-        return self._once(("last", size), lambda: _last_queries(self, size, self.meta, self.device))
+        if size == self.ring_size:  # (copied with the step)
+            return (self.keep, self.keep_slot, self.keep_pos) if self.has_last else None
+        return self._once(("last", size), lambda: _last_queries(self, size, self.device))
 
     def compress(self, model, layer, xs, cache) -> None:
         _compress_chunk(model, layer, xs, self.meta, cache, self.device)
 
     def entry_slots(self, m: int, cache) -> torch.Tensor:
-        return self._once(("slots", m), lambda: _row_slots(m, cache, self.meta, self.device))
+        return _row_slots(m, cache, self.meta, self.device)
+
+    def _fused_swa(self, layer, x, ops) -> bool:
+        """The SWA key as one op (``Ops.ced_swa_kv``, decode_path's): on CUDA (where the ops' kernels run), for
+        the generation rings (they have a scratch slot), and not in batch-invariant mode (the fused CED ops then
+        run the composition, which layer.swa_kv runs cheaper here)."""
+        return "ring_dst" in self._dev and layer._kernels(x) is not None and not getattr(ops, "batch_invariant",
+                                                                                         False)
 
     def swa_kv(self, layer, x, cache, ops):
-        """The queries' SWA keys [n, D] (written to the rings by ``write_ring``, after attention)."""
-        return layer.swa_kv(x, self.pos)
+        """The queries' SWA keys [n, D] (written to the rings by ``write_ring``, after attention: a chunk longer
+        than the rings' allowance would overwrite keys its first queries still read). Fused (``_fused_swa``):
+        one kernel from the projection y, its ring write sent to the scratch slot; ``write_ring`` runs it
+        again on y with the real slots, so the ring holds the codes of the very keys attention read."""
+        if not self._fused_swa(layer, x, ops):
+            return layer.swa_kv(x, self.pos)
+        y = layer.swa_proj(x)  # [n, D]
+        self._kept[("swa_y", layer.i)] = y
+        return layer.swa_kv_rows(y, self.pos, cache.rings(self.score)[layer.i], self.scratch_slots(), ops)
+
+    def scratch_slots(self) -> torch.Tensor:
+        """[n] the scratch state slot: where each query's ring write before attention goes."""
+        return self._once("scratch", lambda: torch.full((self.n,), self.scratch, dtype=torch.long,
+                                                        device=self.device))
 
     def write_ring(self, layer, kv, cache, ops) -> None:
+        y = self._kept.pop(("swa_y", layer.i), None)
+        if y is not None:  # each row's last ring-many queries to their rings, the rest to the scratch slot
+            layer.swa_kv_rows(y, self.pos, cache.rings(self.score)[layer.i], self.ring_dst, ops)
+            return
         last = self.last_queries(cache.rings(self.score)[layer.i][0].shape[1])
         if last is not None:
             idx, slots, pos = last
             cache.ring_write(layer.i, slots, pos, kv[idx], quantize=ops.quantize_kv, score=self.score)
 
 
-def _last_queries(P: Pass, size: int, meta, device):
+def _last_queries(P: Pass, size: int, device):
     """(queries, their state slots, their positions): each row's last ``size`` queries of pass P, or None
-    when there is none."""
-    keep = []
-    for r in range(len(meta.starts)):
-        n_r = (P.lstart[r + 1] if r + 1 < len(P.lstart) else P.n) - P.lstart[r]
-        keep += range(P.lstart[r] + max(0, n_r - size), P.lstart[r] + n_r)
+    when there is none (a size the step's copy did not hold: a copy of its own)."""
+    keep = P._last(size)
     if not keep:
         return None
     idx = to_device(keep, torch.long, device)
@@ -149,24 +238,41 @@ def _keep_encoder_outputs(enc: Pass, h_enc, cache) -> None:
         cache.henc[slots, pos % size] = h_enc[enc.tok[idx]].to(cache.henc.dtype)
 
 
+class _Lists(_Uploaded):
+    """Named host lists of the step, on the device with its one copy (``Upload``)."""
+
+    def __init__(self, up: Upload, **named):
+        self._register(up, named)
+
+
 def _block_table(meta, device) -> torch.Tensor:
-    """[R, NB] the rows' block ids on the device: the metadata's, or padded from its host lists."""
+    """[R, NB] the rows' block ids on the device: the metadata's, or padded from its host lists (with the
+    step's copy where the layout registered them, ``_plan_step``)."""
     if meta.block_table is not None:
         return meta.block_table
+    if "ced_block_table" not in meta.cache:
+        _register_block_table(meta, Upload(device))
+    nb, lists = meta.cache["ced_block_table"]
+    return lists.bt.view(-1, nb)
+
+
+def _register_block_table(meta, up: Upload) -> None:
     nb = max([len(t) for t in meta.block_tables] + [1])
-    return to_device([(list(t) + [0] * nb)[:nb] for t in meta.block_tables], torch.long, device)
+    flat = [b for t in meta.block_tables for b in (list(t) + [0] * nb)[:nb]]
+    meta.cache["ced_block_table"] = (nb, _Lists(up, bt=flat))
 
 
-class _Compression:
-    """Where every full layer of ratio m reads and writes in this step (no layer changes it, so a pass builds
+class _Compression(_Uploaded):
+    """Where every full layer of ratio m reads and writes in this step (no layer changes it, so the step builds
     it once): the groups completing in the step, each row's taken from its compressor tail (the pending
     inputs of its last incomplete group, ``size`` slots) followed by its chunk; the entries' ids and cache
     rows; the tail slots the chunk's last tokens go to. A prefix hit's shared blocks are never rewritten
-    (``write_floors``). Per layer: one gather of the groups, one ``entries`` call, one cache write, one tail
-    write, whatever the number of rows."""
+    (``write_floors``). Per layer: one gather of the groups, the projections and one ``ced_compress_write`` per
+    kind (``CEDLayer.entries_to_cache``, decode_path's: one kernel each on the nvidia backend), one tail write,
+    whatever the number of rows. Its index lists come with the step's one copy (``up``)."""
 
-    def __init__(self, meta, m: int, size: int, cache, device):
-        self.m = m
+    def __init__(self, meta, m: int, size: int, cache, device, up: Upload = None):
+        self.m, self.device, self.block_size, self.meta = m, device, cache.block_size, meta
         floors = meta.write_floors or [0] * len(meta.starts)
         slots = meta.state_slots
         tail_slot, tail_pos, tail_at = [], [], []  # pending rows read (m > 1), and where each row's begin
@@ -194,12 +300,18 @@ class _Compression:
                 keep_src += [qs + p - a for p in keep]
             qs += k
         self.identity = n_tail == 0 and src == list(range(qs))  # the groups are xs itself
-        (self.tail_slot, self.tail_pos, self.src, self.ids, id_rows_t, self.keep_slot, self.keep_pos,
-         self.keep_src) = _on_device([tail_slot, tail_pos, src, ids, id_rows, keep_slot, keep_pos, keep_src], device)
         self.n_tail, self.n_entries, self.n_keep = n_tail, len(ids), len(keep_slot)
-        if ids:  # each entry's cache row: its block (from the row's block table) and its place in it
-            per = cache.block_size // m
-            self.rows = _block_table(meta, device)[id_rows_t, self.ids // per] * per + self.ids % per
+        self._register(up if up is not None else Upload(device),
+                       dict(tail_slot=tail_slot, tail_pos=tail_pos, src=src, ids=ids, id_rows=id_rows,
+                            keep_slot=keep_slot, keep_pos=keep_pos, keep_src=keep_src))
+        self._rows = None
+
+    def rows(self) -> torch.Tensor:
+        """[n_entries] each entry's cache row: its block (from the row's block table) and its place in it."""
+        if self._rows is None:
+            per = self.block_size // self.m
+            self._rows = _block_table(self.meta, self.device)[self.id_rows, self.ids // per] * per + self.ids % per
+        return self._rows
 
     def run(self, model, layer, xs, cache) -> None:
         """xs [T, d]: the normed input of all the step's tokens."""
@@ -208,15 +320,15 @@ class _Compression:
             src = xs
             if self.n_tail:
                 src = torch.cat([store[self.tail_slot, self.tail_pos], xs], dim=0)
-            e, k = layer.entries(src if self.identity else src[self.src], self.ids)
-            cache.write_entries(layer.i, self.rows, e, k, quantize=model_ops(model).quantize_kv)
+            layer.entries_to_cache(src if self.identity else src[self.src], self.ids, self.rows(), cache,
+                                   model_ops(model))
         if self.n_keep:  # (after the tails were read: a row's kept tokens may take its old tail's slots)
             store[self.keep_slot, self.keep_pos] = xs[self.keep_src].to(store.dtype)
 
 
 def _compress_chunk(model, layer, xs, meta, cache, device):
     """Compress the groups completing in this step for every row; xs [T, d] normed input of all tokens. The
-    plan is the step's (``meta.cache``): every full layer of the same ratio shares it."""
+    plan is the step's (``meta.cache``, laid out by ``_plan_step``): every full layer of the same ratio shares it."""
     size = cache.pending[layer.i].shape[1] if layer.m > 1 else 0
     key = ("ced_compression", layer.m, size, cache.block_size)
     if key not in meta.cache:
@@ -224,16 +336,55 @@ def _compress_chunk(model, layer, xs, meta, cache, device):
     meta.cache[key].run(model, layer, xs, cache)
 
 
+class _RowSlots(_Uploaded):
+    """Cache rows of every row's entries of ratio m complete after this step: [R, Jmax] int64 (a row's ids
+    past its own count repeat its last entry's row; queries never see them). One per step and ratio: every
+    pass and layer of that ratio reads it."""
+
+    def __init__(self, meta, m: int, cache, device, up: Upload = None):
+        self.meta, self.m, self.per, self.device = meta, m, cache.block_size // m, device
+        J = [(a + k) // m for a, k in zip(meta.starts, meta.nums)]
+        self.jmax = max(J) if J else None
+        if J:
+            self._register(up if up is not None else Upload(device), dict(last=[max(j - 1, 0) for j in J]))
+        self._slots = None
+
+    def slots(self) -> torch.Tensor:
+        if self._slots is None:
+            if self.jmax is None:
+                self._slots = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+            else:
+                jj = torch.minimum(torch.arange(self.jmax, device=self.device)[None, :], self.last[:, None])
+                self._slots = _block_table(self.meta, self.device).gather(1, jj // self.per) * self.per \
+                    + jj % self.per
+        return self._slots
+
+
 def _row_slots(m, cache, meta, device):
-    """Cache rows of every row's entries complete after this step: [R, Jmax] int64 (a row's ids past its own
-    count repeat its last entry's row; queries never see them)."""
-    J = [(a + k) // m for a, k in zip(meta.starts, meta.nums)]
-    if not J:
-        return torch.zeros(0, 0, dtype=torch.long, device=device)
-    per = cache.block_size // m
-    (last,) = _on_device([[max(j - 1, 0) for j in J]], device)
-    jj = torch.minimum(torch.arange(max(J), device=device)[None, :], last[:, None])  # [R, Jmax]
-    return _block_table(meta, device).gather(1, jj // per) * per + jj % per
+    """The step's ``_RowSlots`` of ratio m (laid out by ``_plan_step``), its [R, Jmax] cache rows."""
+    key = ("ced_row_slots", m, cache.block_size)
+    if key not in meta.cache:
+        meta.cache[key] = _RowSlots(meta, m, cache, device)
+    return meta.cache[key].slots()
+
+
+def _plan_step(model, meta, cache, device, up: Upload) -> None:
+    """Lay out what the step's full layers read alike, before any layer runs, so its index lists join the
+    step's one copy: every (ratio, tail size)'s compression plan, every ratio's entry rows, and the block table
+    where the metadata has none on the device."""
+    if meta.block_table is None and "ced_block_table" not in meta.cache:
+        _register_block_table(meta, up)
+    for layer in model.layers:
+        if layer.mode != "full":
+            continue
+        m = layer.m
+        size = cache.pending[layer.i].shape[1] if m > 1 else 0
+        key = ("ced_compression", m, size, cache.block_size)
+        if key not in meta.cache:
+            meta.cache[key] = _Compression(meta, m, size, cache, device, up)
+        key = ("ced_row_slots", m, cache.block_size)
+        if key not in meta.cache:
+            meta.cache[key] = _RowSlots(meta, m, cache, device, up)
 
 
 INDEX_CHUNK = 1 << 24  # most (query, entry) scores one indexer call computes; longer passes go in chunks
@@ -344,7 +495,19 @@ def finish(h, pending):
     return h + (routed if shared is None else routed + shared)
 
 
+def _rings(cache, score: bool):
+    """(slots per ring, scratch state slot or None) of the generation (or scoring) rings, or None if there are none."""
+    rings = cache.rings(score)
+    if not rings:
+        return None
+    codes = next(iter(rings.values()))[0]
+    return codes.shape[1], (None if score else cache.scratch_slot)
+
+
 def forward_engine(model, input_ids, meta, cache):
+    """input_ids [T] the step's tokens (rows' chunks in order) -> hidden [T, d]. One host-to-device copy for
+    the whole step's index lists (``Upload``: the passes, the compression plans, the entry rows); each
+    layer's MoE output rides on the next layer's norm (``layer_engine``'s defer), as in a decode step."""
     c = model.config
     device = input_ids.device
     stats = model.counters
@@ -355,29 +518,43 @@ def forward_engine(model, input_ids, meta, cache):
         from . import decode_path  # every row one token that samples, or a verify graph's Q: no host list needed
 
         return decode_path.forward_decode(model, input_ids, meta, cache)
-    h = model.embed(input_ids)  # [T, d]
-    ctx: dict = {}
+    up = Upload(device)
     ends = [a + k for a, k in zip(meta.starts, meta.nums)]
     # The encoder's SWA cut: 0, or where a prefix hit's replay starts (its window state was not cached).
-    enc = Pass(meta, list(meta.starts), ends, device, cut=list(meta.swa_cuts or [0] * len(meta.starts)))
-    for layer in model.layers[: c.num_encoder_layers]:
-        h = layer_engine(model, layer, h, enc, None, cache, ctx, stats)
-    h_enc = h
-    if cache.henc is not None:
-        _keep_encoder_outputs(enc, h_enc, cache)
+    enc = Pass(meta, list(meta.starts), ends, device, cut=list(meta.swa_cuts or [0] * len(meta.starts)), up=up,
+               ring=_rings(cache, False))
     restored = meta.enc_restored or [False] * len(meta.starts)
     lo = [s if back else max(a, s) for a, s, back in zip(meta.starts, meta.replay_starts, restored)]
     # The decoder's cut: its replay start, or a prefix hit's replay start if later (its rings start there).
-    dec = Pass(meta, lo, ends, device, cut=[max(s, c) for s, c in zip(meta.replay_starts, enc.cut)])
+    dec = Pass(meta, lo, ends, device, cut=[max(s, c) for s, c in zip(meta.replay_starts, enc.cut)], up=up,
+               ring=_rings(cache, False))
+    # Prompt scoring (ReplayStart rows): the decoder again over positions < score_end, as exact replay runs it.
+    score_ends = [min(b, getattr(s, "score_end", 0)) for b, s in zip(ends, meta.replay_starts)]
+    sc = None
+    if scoring or any(e > a for e, a in zip(score_ends, meta.starts)):
+        sc = Pass(meta, list(meta.starts), score_ends, device, cut=[0] * len(meta.starts), score=True, up=up,
+                  ring=_rings(cache, True))
+    _plan_step(model, meta, cache, device, up)
+    h = model.embed(input_ids)  # [T, d]
+    ctx: dict = {}
+    pending = None  # each layer's MoE output, added by the next layer's norm op (layer_engine's defer)
+    for layer in model.layers[: c.num_encoder_layers]:
+        h, pending = layer_engine(model, layer, h, enc, None, cache, ctx, stats, pending, defer=True)
+    h = h_enc = finish(h, pending)
+    if cache.henc is not None:
+        _keep_encoder_outputs(enc, h_enc, cache)
     hd = h_enc[dec.tok.clamp(min=0)]
     if dec.early is not None:  # a restored row's positions before its chunk: the snapshot's encoder outputs
         e = dec.early
         hd[e] = cache.henc[dec.ring_slot[e], dec.pos[e] % cache.henc.shape[1]].to(hd.dtype)
     kept = []  # the last capture_last decoder layers' outputs (a DSpark drafter reads them)
+    pending = None
     for layer in model.layers[c.num_encoder_layers:]:
-        hd = layer_engine(model, layer, hd, dec, h_enc, cache, ctx, stats)
+        hd, pending = layer_engine(model, layer, hd, dec, h_enc, cache, ctx, stats, pending, defer=True)
         if layer.i >= c.num_layers - getattr(model, "capture_last", 0):
+            hd, pending = finish(hd, pending), None
             kept.append(hd)
+    hd = finish(hd, pending)
     out = torch.zeros_like(h_enc)
     place = dec.tok if dec.early is None else dec.tok[dec.late]
     pick = slice(None) if dec.early is None else dec.late
@@ -385,13 +562,11 @@ def forward_engine(model, input_ids, meta, cache):
     if kept:
         model.captured_hidden = h_enc.new_zeros(h_enc.shape[0], len(kept) * h_enc.shape[1])
         model.captured_hidden[place] = torch.cat(kept, dim=-1)[pick]
-    # Prompt scoring (ReplayStart rows): the decoder again over positions < score_end, as exact replay runs it.
-    score_ends = [min(b, getattr(s, "score_end", 0)) for b, s in zip(ends, meta.replay_starts)]
-    if scoring or any(e > a for e, a in zip(score_ends, meta.starts)):
-        sc = Pass(meta, list(meta.starts), score_ends, device, cut=[0] * len(meta.starts), score=True)
+    if sc is not None:
         sctx = {k: v for k, v in ctx.items() if k[0] == "kv"}  # the entries the generation pass wrote
         hs = h_enc[sc.tok]
+        pending = None
         for layer in model.layers[c.num_encoder_layers:]:
-            hs = layer_engine(model, layer, hs, sc, h_enc, cache, sctx, stats)
-        out[sc.tok] = hs
+            hs, pending = layer_engine(model, layer, hs, sc, h_enc, cache, sctx, stats, pending, defer=True)
+        out[sc.tok] = finish(hs, pending)
     return out

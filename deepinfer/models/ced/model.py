@@ -88,9 +88,19 @@ class CEDLayer(nn.Module):
     def swa_kv_to_ring(self, x, pos, ring, ring_slot, ops):
         """swa_kv, also written to the ring ``ring`` (quantized) at [ring_slot, pos % ring size]: one op
         (``Ops.ced_swa_kv``, one kernel on the nvidia backend) for a decode step's queries."""
+        return self.swa_kv_rows(self.swa_proj(x), pos, ring, ring_slot, ops)
+
+    def swa_proj(self, x):
+        """x [T, d] (normed) -> the SWA projection W_kv x [T, D] (what ``swa_kv_rows`` takes)."""
+        return F.linear(x, self.wkv)
+
+    def swa_kv_rows(self, y, pos, ring, ring_slot, ops):
+        """swa_kv_to_ring from the projection y = swa_proj(x): a prefill runs it twice on the same y (a row-wise
+        op: the same bits each time), before attention with the ring writes sent to a scratch slot and after it
+        with the real ones (engine_path.Pass.swa_kv)."""
         c = self.c
-        return ops.ced_swa_kv(F.linear(x, self.wkv), self.kv_norm, c.rms_norm_eps, pos, c.rope_dim, c.rope_theta,
-                              c.swa_kv_format, c.fake_quant, ring, ring_slot)
+        return ops.ced_swa_kv(y, self.kv_norm, c.rms_norm_eps, pos, c.rope_dim, c.rope_theta, c.swa_kv_format,
+                              c.fake_quant, ring, ring_slot)
 
     def entries(self, x, entry_ids=None):
         """Compressed KV and indexer K of complete groups of x [G*m, d] (normed); entry_ids [G] (default 0..G-1)

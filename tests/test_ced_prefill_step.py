@@ -1,0 +1,167 @@
+"""Host work of a CED prefill step (engine_path.forward_engine) on the nvidia backend's CUDA dispatch, run on the CPU
+under Triton's interpreter with the dispatch CUDA tensors get (``on_cuda``: CEDLayer._kernels returns the ops, as
+benchmarks/ced_decode_op_count.as_on_cuda does). A prefix hit whose encoder state the encoder-SWA pool restores:
+- its index lists reach the device in one host-to-device copy (engine_path.Upload), and it runs no op that
+  would wait for the device on CUDA (a scalar read, nonzero, boolean-mask indexing, unique);
+- its SWA keys run the decode step's one-kernel op (before attention with the ring writes on the scratch slot,
+  after it with the real ones), its compression the fused compress-write, its residual adds ride on the norms'
+  kernel; and it leaves the rings, the encoder outputs and the paged entries as the composition leaves them,
+  with the same hidden states;
+- in batch-invariant mode the SWA key is the composition (no fused CED op runs)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from deepinfer.testing.kernels import skip_module_without_kernels
+
+skip_module_without_kernels()
+
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.models.ced import engine_path, functional as fn, model as ced_model  # noqa: E402
+from deepinfer.testing.ced import REPLAY_CONFIG, build_ced_checkpoint  # noqa: E402
+
+PREFIX = 40  # a block boundary (block_size 4): the encoder-SWA pool snapshots the state there
+SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
+           "is_nonzero", "equal", "masked_scatter"}
+
+
+@contextlib.contextmanager
+def on_cuda():
+    """CPU tensors dispatched as CUDA ones are (benchmarks/ced_decode_op_count.as_on_cuda, kept here so the test
+    does not import a benchmark): the layers take the ops' kernels, functional its fused ones."""
+    kernels, fused, fake = ced_model.CEDLayer._kernels, fn._fused, fn.fake
+
+    def fake_on_cuda(x, fmt, on, ops=None):
+        if on and ops is not None:
+            return ops.dequantize_kv(*ops.quantize_kv(x, fmt), fmt, dtype=x.dtype)
+        return fake(x, fmt, on, ops)
+
+    ced_model.CEDLayer._kernels = lambda self, x: ced_model.ops_of(self, x.device)
+    fn._fused = lambda ops, name, *ts: getattr(ops, name, None) if ops is not None else None
+    fn.fake = fake_on_cuda
+    try:
+        yield
+    finally:
+        ced_model.CEDLayer._kernels, fn._fused, fn.fake = kernels, fused, fake
+
+
+class Syncs(TorchDispatchMode):
+    """Ops that would make the host wait for the device on CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        bool_index = name in ("index", "index_put", "index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []) if i is not None)
+        if name in SYNCING or bool_index or (name == "repeat_interleave" and "output_size" not in (kwargs or {})):
+            self.seen[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def ced(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ced_prefill_step")
+    cfg = build_ced_checkpoint(d, seed=5, **REPLAY_CONFIG)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, cfg.vocab_size, (PREFIX + 12,), generator=g).tolist()
+    return str(d), cfg, ids[:PREFIX + 1], ids[:PREFIX] + ids[PREFIX + 1:]
+
+
+def hit_step(ced, monkeypatch, fused: bool = True, invariant: bool = False, dtype: str = "float32"):
+    """Serve the prefix, then the hit; returns what the hit's prefill forward saw and left behind."""
+    path, cfg, first, hit = ced
+    llm = LLM(path, backend="nvidia", device="cpu", dtype=dtype, num_kv_blocks=64, block_size=4, max_num_seqs=2,
+              host_cache_gb=0.01, enable_prefix_caching=True)
+    ops = llm.engine.ops
+    ops.batch_invariant = invariant
+    if not fused:  # the composition (the path before the fused SWA key): the equivalence's oracle
+        monkeypatch.setattr(engine_path.Pass, "_fused_swa", lambda self, layer, x, ops: False)
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    got = {}
+    inner = engine_path.forward_engine
+    real_copy = engine_path.to_device
+
+    def copy(*a, **k):
+        if got.get("inside"):
+            got["copies"] += 1
+        return real_copy(*a, **k)
+
+    def forward(model, input_ids, meta, cache):
+        if not got.get("armed") or "out" in got:
+            return inner(model, input_ids, meta, cache)
+        got["copies"], got["calls"] = 0, collections.Counter(ops.kernel_calls)
+        syncs = Syncs()
+        got["inside"] = True
+        with syncs:
+            out = inner(model, input_ids, meta, cache)
+        got["inside"] = False
+        got["syncs"], got["out"], got["calls"] = syncs.seen, out.clone(), ops.kernel_calls - got["calls"]
+        slot = meta.state_slots[0]
+        got["ring"] = {l: (c[slot].clone(), s[slot].clone()) for l, (c, s) in cache.ring.items()}
+        got["henc"] = cache.henc[slot].clone()
+        got["kv"] = {l: (c.clone(), s.clone()) for l, (c, s) in cache.kv.items()}
+        got["meta"] = (list(meta.starts), list(meta.nums), list(meta.enc_restored), list(meta.write_floors))
+        return out
+
+    monkeypatch.setattr(engine_path, "forward_engine", forward)
+    monkeypatch.setattr(engine_path, "to_device", copy)
+    with on_cuda():
+        llm.generate([first], sp, use_tqdm=False)
+        got["armed"] = True
+        llm.generate([hit], sp, use_tqdm=False)
+    assert llm.cache_stats()["swa_restores"] >= 1
+    starts, nums, restored, floors = got["meta"]
+    assert starts == [PREFIX] and nums[0] > 1 and restored == [True] and floors == [PREFIX], got["meta"]
+    monkeypatch.undo()
+    return got
+
+
+def test_a_hit_step_copies_once_and_never_waits(ced, monkeypatch):
+    got = hit_step(ced, monkeypatch)
+    assert got["copies"] == 1, got["copies"]
+    assert not got["syncs"], dict(got["syncs"])
+    L, E = REPLAY_CONFIG["num_layers"], REPLAY_CONFIG["num_encoder_layers"]
+    calls = got["calls"]
+    assert calls["ced_swa_kv"] == 2 * L  # each layer's SWA key: before attention, then its ring write
+    assert calls["ced_compress_write"] > 0 and calls["ced_add_rms_norm"] >= L - 2
+    # (each layer's MoE output added by the next layer's norm kernel: every layer but the encoder's and
+    # the decoder's last)
+    assert calls["ced_add_rms_norm"] == L + (E - 1) + (L - E - 1), dict(calls)
+
+
+def test_the_fused_prefill_leaves_the_composition_state(ced, monkeypatch):
+    fused = hit_step(ced, monkeypatch)
+    comp = hit_step(ced, monkeypatch, fused=False)
+    assert fused["calls"]["ced_swa_kv"] > 0 and comp["calls"]["ced_swa_kv"] == 0
+    for l in comp["ring"]:
+        for a, b in zip(fused["ring"][l], comp["ring"][l]):
+            assert torch.equal(a, b), f"ring of layer {l}"
+    for l in comp["kv"]:
+        for a, b in zip(fused["kv"][l], comp["kv"][l]):
+            assert torch.equal(a, b), f"entries of layer {l}"
+    assert torch.equal(fused["henc"], comp["henc"])
+    torch.testing.assert_close(fused["out"], comp["out"], rtol=1e-5, atol=1e-5)
+
+
+def test_batch_invariant_prefill_runs_the_composition(ced, monkeypatch):
+    got = hit_step(ced, monkeypatch, invariant=True)
+    calls = got["calls"]
+    assert got["copies"] == 1 and not got["syncs"]
+    assert not any(calls[k] for k in ("ced_swa_kv", "ced_add_rms_norm", "ced_compress_write")), dict(calls)
+
+
+def test_upload_refuses_a_list_after_the_copy():
+    up = engine_path.Upload("cpu")
+    i = up.add([1, 2], [3])
+    assert up.get(i + 1).tolist() == [3] and up.get(i).tolist() == [1, 2]
+    with pytest.raises(RuntimeError, match="after the step's lists were copied"):
+        up.add([4])
