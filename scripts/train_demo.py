@@ -468,7 +468,7 @@ def main(argv=None) -> dict:
         f"tokens ({nbytes(train_docs) / max(1, train_stream.numel()):.2f} bytes/token)")
 
     # Model.
-    size = dict(SIZES.get(args.size) or LARGE)  # toy: CEDConfig's defaults; larger sizes for experiments
+    size = dict(SIZES[args.size] if args.size in SIZES else LARGE)  # toy: CEDConfig's defaults (an empty dict)
     size["max_position_embeddings"] = max(4096, N, size.get("max_position_embeddings", 0))
     if args.moe_ffn or args.size == "toy":
         size["moe_intermediate_size"] = args.moe_ffn or 96

@@ -8,6 +8,7 @@ import concurrent.futures
 import json
 import re
 import sys
+import threading
 from fractions import Fraction
 
 import pytest
@@ -160,12 +161,25 @@ def test_bad_grammars_fail_alone_among_good_ones(llm, caplog):
         (None, None), (SO(regex="[0-9]{2}"), None), (SO(choice=["A", "B"]), None),
     ]
     # Every grammar but the slow one is compiled (or has failed) before the run, so on a busy machine only the
-    # slow one can miss the 0.02 s limit.
+    # slow one can miss the 0.02 s limit; and the slow one's compilation is held until the run is over (else a
+    # machine slow enough at prefill would have it done by its first sampling step, which then serves it).
     comp = next(st for st in slow.engine.stages["step"] if st.name == "grammar").compiler
     for so, err in cases:
         if so is not None and so.json != {"enum": words} and not (err and "not supported" in err):
             concurrent.futures.wait([comp.submit(so)], timeout=60)
-    outs = slow.generate([PROMPTS[i % 4] for i in range(len(cases))], [sp(so) for so, _ in cases], use_tqdm=False)
+    release, compile_ = threading.Event(), comp._compile
+
+    def held(key):
+        if key == SO(json={"enum": words}).key:
+            release.wait(60)
+        return compile_(key)
+
+    comp._compile = held
+    try:
+        outs = slow.generate([PROMPTS[i % 4] for i in range(len(cases))], [sp(so) for so, _ in cases],
+                             use_tqdm=False)
+    finally:
+        release.set()
     for (so, err), o in zip(cases, outs):
         c = o.outputs[0]
         if err is None:
