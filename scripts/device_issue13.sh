@@ -28,7 +28,7 @@ check)
   tests="tests/test_disk_format.py tests/test_kv_tiers.py tests/test_prefix_tiers.py tests/test_prefix_edges.py
     tests/test_disk_write_through.py tests/test_swa_pool.py tests/test_ced_decode_path.py tests/test_triton_ced.py
     tests/test_triton_ced_fused.py tests/test_triton_ced_glue.py tests/test_ced_verify_graphs.py tests/test_dspark.py
-    tests/test_spec_edges.py tests/test_ced_host_work.py"
+    tests/test_spec_edges.py tests/test_ced_host_work.py tests/test_ced_prefill_step.py"
   timeout -s INT 200 python3 -m pytest -n 8 --dist loadfile -p no:cacheprovider -q -rfE --junitxml="$OUT/check_tests.xml" \
     $(ls $tests 2>/dev/null) 2>&1 | tee "$OUT/check_tests.log" | grep -v -i "warn" | tail -12
   timeout 60 python3 benchmarks/profile_prefill.py --shape ced-bench --prefix 16384 --out "$OUT/profile_prefill" \
