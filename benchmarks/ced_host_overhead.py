@@ -11,7 +11,8 @@ Python. Two cases, each a row:
   a prefix-cache hit whose encoder state is restored, computed in one prefill step (engine_path.forward_engine);
 - ``decode``: B sequences decoding, one steady step (decode_path.forward_decode) at each ``--batches`` size.
 Per case: ``ops`` (aten ops per forward that are not views or allocations, about one kernel launch each on
-CUDA; Triton launches counted once each), ``forward_ms`` (the model's forward, median of ``--repeats``),
+CUDA; Triton launches counted once each), ``copies`` (host-to-device copies of the CED paths' index lists per
+forward, ``to_device`` calls in models/ced), ``forward_ms`` (the model's forward, median of ``--repeats``),
 ``step_ms`` (the whole engine step: schedule, forward, sample, bookkeeping) and the top Python functions by
 cumulative time under cProfile. Default: the reference backend on the CPU, timed. ``--cuda-path`` (with
 TRITON_INTERPRET=1): the nvidia backend's CUDA dispatch, interpreted, counted only (its times are the
@@ -46,7 +47,8 @@ from deepinfer.models.ced.config import SIZES  # noqa: E402
 from deepinfer.testing.ced import build_ced_checkpoint  # noqa: E402
 
 COLUMNS = (("label", "label", "{}"), ("case", "case", "{}"), ("batch", "batch", "{}"), ("chunk", "chunk", "{}"),
-           ("path", "path", "{}"), ("ops/step", "ops", "{}"), ("forward ms", "forward_ms", "{:.2f}"),
+           ("path", "path", "{}"), ("ops/step", "ops", "{}"), ("h2d copies", "copies", "{}"),
+           ("forward ms", "forward_ms", "{:.2f}"),
            ("step ms", "step_ms", "{:.2f}"), ("us/op", "us_per_op", "{:.1f}"))
 
 
@@ -60,7 +62,8 @@ class Probe:
     def __call__(self, *a):
         if self.mode == "count":
             self.counter = opc.OpCounter()
-            with self.counter, self.counter.triton_launches() if self.cuda_path else contextlib.nullcontext():
+            with self.counter, self.counter.triton_launches() if self.cuda_path else contextlib.nullcontext(), \
+                    count_copies() as self.copies:
                 return self.inner(*a)
         if self.mode == "profile":
             self.prof.enable()
@@ -83,14 +86,37 @@ class Probe:
         setattr(self.module, self.name, self.inner)
 
 
+@contextlib.contextmanager
+def count_copies():
+    """Host-to-device copies of the CED paths' host lists (``to_device`` in engine_path and the cache), counted."""
+    from deepinfer.models.ced import cache as ced_cache
+
+    seen = [0]
+    saved = [(m, m.to_device) for m in (engine_path, ced_cache)]
+
+    def wrap(f):
+        def counted(*a, **k):
+            seen[0] += 1
+            return f(*a, **k)
+        return counted
+
+    for m, f in saved:
+        m.to_device = wrap(f)
+    try:
+        yield seen
+    finally:
+        for m, f in saved:
+            m.to_device = f
+
+
 def measure(probe: Probe, run, repeats: int) -> dict:
     """run() drives the engine through one probed forward (or more: every call counts): ops, times, profile."""
     probe.mode = "count"
     run()
-    ops = sum(probe.counter.ops.values())
+    ops, copies = sum(probe.counter.ops.values()), probe.copies[0]
     top = probe.counter.ops.most_common(12)
     if probe.cuda_path:  # interpreted kernels: their times mean nothing
-        return {"ops": ops, "top_ops": [[f"{w}:{o}", n] for (w, o), n in top]}
+        return {"ops": ops, "copies": copies, "top_ops": [[f"{w}:{o}", n] for (w, o), n in top]}
     probe.mode, probe.times, steps = "time", [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -104,7 +130,7 @@ def measure(probe: Probe, run, repeats: int) -> dict:
                    reverse=True)[:16]
     probe.mode = None
     fwd = statistics.median(probe.times)
-    return {"ops": ops, "forward_ms": 1e3 * fwd, "step_ms": 1e3 * statistics.median(steps),
+    return {"ops": ops, "copies": copies, "forward_ms": 1e3 * fwd, "step_ms": 1e3 * statistics.median(steps),
             "us_per_op": 1e6 * fwd / max(ops, 1), "top_ops": [[f"{w}:{o}", n] for (w, o), n in top],
             "top_functions": [[name, round(1e3 * ct, 3), nc] for ct, name, nc in funcs]}
 

@@ -4,8 +4,9 @@ long cached prefix and a short fresh suffix, the case whose TTFT the per-step ov
     python benchmarks/profile_prefill.py --shape ced-bench --prefix 16384 --out $OUT/profile_prefill  # device
 
 Prints and writes (``OUT.txt``, ``OUT.jsonl``): the hit's wall time; under torch.profiler the top ops by
-self CPU time and by device time, the number of kernel launches and of synchronising CUDA calls; under
-cProfile the top Python functions by cumulative time.
+self CPU time and by device time, the number of kernel launches, of host-to-device copies and of synchronising
+CUDA calls (the whole request's, and those of the model's forward alone: ``forward``); under cProfile the top
+Python functions by cumulative time.
 """
 
 from __future__ import annotations
@@ -28,6 +29,39 @@ import gpu_bench  # noqa: E402
 import prefix_bench  # noqa: E402
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ")
+
+
+def forward_only(llm, prompt: list) -> dict:
+    """One more hit with only the model's forward calls watched: torch's sync debug mode counts the synchronising
+    CUDA calls they make (warnings), the profiler their host-to-device copies and kernel launches."""
+    import warnings
+
+    model = llm.engine.model
+    inner = model.forward
+    seen = {"syncs": 0, "h2d": 0, "launches": 0}
+
+    def watched(*a, **k):
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with warnings.catch_warnings(record=True) as caught, torch.profiler.profile(activities=acts) as prof:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = inner(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                seen["syncs"] += sum("synchroniz" in str(w.message).lower() for w in caught)
+        ev = prof.key_averages()
+        seen["h2d"] += sum(e.count for e in ev if e.key.startswith("Memcpy HtoD"))
+        seen["launches"] += sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                   "cudaLaunchKernelExC"))
+        return out
+
+    model.forward = watched
+    try:
+        prefix_bench.ttft(llm, prompt, "forward")
+    finally:
+        del model.forward
+    return seen
 
 
 def main() -> int:
@@ -63,7 +97,12 @@ def main() -> int:
         ev = prof.key_averages()
         launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
         syncs = {e.key: e.count for e in ev if any(e.key.startswith(s.strip()) for s in SYNCS)}
-        say(f"kernel launches {launches}; synchronising calls {syncs}")
+        h2d = sum(e.count for e in ev if e.key.startswith("Memcpy HtoD"))
+        say(f"kernel launches {launches}; synchronising calls {syncs} (the whole request: ttft's own "
+            f"synchronize, the sampled token's read); host-to-device copies {h2d}")
+        fwd = forward_only(llm, prefix + sfx())
+        say(f"inside the model's forward: synchronising calls {fwd['syncs']}, host-to-device copies {fwd['h2d']}, "
+            f"kernel launches {fwd['launches']}")
         say(ev.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
         say(ev.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
         pr = cProfile.Profile()
@@ -76,7 +115,8 @@ def main() -> int:
         pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(40)
         say(s.getvalue())
         row = {"bench": "profile_prefill", "shape": args.shape, "prefix": args.prefix, "suffix": args.suffix,
-               "hit_ms": [round(w * 1e3, 2) for w in walls], "kernel_launches": launches, "syncs": syncs}
+               "hit_ms": [round(w * 1e3, 2) for w in walls], "kernel_launches": launches, "syncs": syncs,
+               "h2d_copies": h2d, "forward": fwd}
     Path(args.out + ".txt").write_text(report.getvalue())
     Path(args.out + ".jsonl").write_text(json.dumps(row) + "\n")
     return 0
