@@ -398,7 +398,10 @@ def test_ced_engine_greedy_tokens_match_reference(tmp_path):
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         if backend == "nvidia":
             calls = llm.engine.ops.kernel_calls
-            assert calls["ced_sparse_attention"] > 0 and calls["ced_indexer_topk"] > 0 and calls["quantize_kv"] > 0
+            assert calls["ced_sparse_attention"] > 0 and calls["ced_indexer_topk"] > 0
+            # the low-bit caches written by a kernel: the fused SWA-key and compress-write ones on CUDA (prefill
+            # and decode), the quantizer where the fused ops are not taken (the interpreter on the CPU)
+            assert calls["quantize_kv"] + calls["ced_swa_kv"] + calls["ced_compress_write"] > 0, calls
     assert tokens["nvidia"] == tokens["reference"]
 
 
