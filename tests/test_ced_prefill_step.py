@@ -129,8 +129,15 @@ def hit_step(ced, monkeypatch, fused: bool = True, invariant: bool = False, dtyp
     return got
 
 
-def test_a_hit_step_copies_once_and_never_waits(ced, monkeypatch):
-    got = hit_step(ced, monkeypatch)
+@pytest.fixture(scope="module")
+def fused_hit(ced):
+    """The fused hit step, run once for the tests that read it (each run is ~80 s under the interpreter)."""
+    with pytest.MonkeyPatch.context() as mp:
+        return hit_step(ced, mp)
+
+
+def test_a_hit_step_copies_once_and_never_waits(fused_hit):
+    got = fused_hit
     assert got["copies"] == 1, got["copies"]
     assert not got["syncs"], dict(got["syncs"])
     L, E = REPLAY_CONFIG["num_layers"], REPLAY_CONFIG["num_encoder_layers"]
@@ -142,8 +149,8 @@ def test_a_hit_step_copies_once_and_never_waits(ced, monkeypatch):
     assert calls["ced_add_rms_norm"] == L + (E - 1) + (L - E - 1), dict(calls)
 
 
-def test_the_fused_prefill_leaves_the_composition_state(ced, monkeypatch):
-    fused = hit_step(ced, monkeypatch)
+def test_the_fused_prefill_leaves_the_composition_state(ced, fused_hit, monkeypatch):
+    fused = fused_hit
     comp = hit_step(ced, monkeypatch, fused=False)
     assert fused["calls"]["ced_swa_kv"] > 0 and comp["calls"]["ced_swa_kv"] == 0
     for l in comp["ring"]:

@@ -251,6 +251,25 @@ def test_step_time_fit_matches_a_least_squares_oracle(steps, a, b, c):
         assert torch.allclose(fitted, X @ sol, rtol=1e-6, atol=1e-9 * float(y.abs().max()))
 
 
+def test_step_time_running_sums_follow_the_window():
+    """The fit from the running sums (steps added and dropped one at a time, over many windows) equals the fit of
+    a fresh StepTime holding only the window's steps."""
+    import random
+
+    rng = random.Random(5)
+    st = StepTime(window=64)
+    for _ in range(1000):
+        R = rng.randint(1, 128)
+        n = R * rng.choice((1, 5))
+        st.record(n, 0.002 + 3e-5 * R + 4e-6 * n + rng.uniform(0, 1e-4), R)
+    fresh = StepTime(window=64)
+    for x in st.samples:
+        fresh.record(*x)
+    assert len(st.samples) == 64
+    assert st.coefficients() == pytest.approx(fresh.coefficients(), rel=1e-9, abs=1e-15)
+    assert st.separates() == fresh.separates() is True
+
+
 def test_step_time_file_seeds_the_fit_and_bad_files_are_named(tmp_path):
     st = StepTime()
     for n in range(1, 40, 3):
