@@ -82,7 +82,9 @@ def load_text(model: str) -> list:
 def build(target: str, spec, args, concurrencies: list, tmp: Path):
     from deepinfer import LLM
 
-    max_len = args.input_len + args.warmup_steps * 8 + (args.steps + args.sync_steps + 4) * 6 + 64
+    # room for every timed step of every round (at most k + 1 <= 6 tokens a step): a request that reached
+    # max_model_len would finish inside a timed block (an H200 run's third rounds ran 2-4x slower so)
+    max_len = args.input_len + args.warmup_steps * 8 + (args.steps * args.rounds + args.sync_steps + 4) * 6 + 64
     blocks = max(concurrencies) * (-(-max_len // 16) + 1) + 64
     kw = dict(speculative_config=spec, max_model_len=max_len, max_num_seqs=max(concurrencies),
               num_kv_blocks=blocks, block_size=16, cuda_graph_sizes=sorted(set(concurrencies)))
