@@ -396,6 +396,7 @@ class Engine:
         if extra:
             self._fold_extra(extra, getattr(state, "spec_logprobs", {}), sample_seqs, touched)
         if self.prefix_cache is not None and self.prefix_cache.mover is not None:
+            self.prefix_cache.write_through()  # the blocks finishing sequences committed as they were folded
             # Blocks evicted to the host/disk tiers whose copies have run, and those written through to the disk;
             # everything once the engine is idle (a finished generate leaves its blocks on disk).
             self.prefix_cache.flush(wait=not self.scheduler.has_unfinished())
@@ -504,6 +505,10 @@ class Engine:
             reason = "length"
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
+            if self.prefix_cache is not None and seq.cache_root is not None:
+                # The blocks its last steps filled: launch-time commits miss those whose tokens were still
+                # pending then (overlap scheduling), and no later launch comes for a finished sequence.
+                self.prefix_cache.commit(seq, seq.num_computed_tokens)
             self.scheduler.finish(seq)
 
     def _jump_forward(self, seq, touched: dict) -> None:
