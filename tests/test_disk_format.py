@@ -6,7 +6,6 @@ tensors and padding round-trip bit for bit; another identity is refused before t
 from __future__ import annotations
 
 import io
-import logging
 import struct
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 
 import deepinfer.core.kv_tiers.entry_format as fmt
 from deepinfer.core.kv_tiers import DiskTier
+from deepinfer.testing.equivalence.tiers import assert_same_payload, tier_warnings
 
 ID = "demo-model|bfloat16|layout-1"
 CHUNK = 3 * fmt.ALIGN  # small chunks (patched in): a few KB of payload spans many of them
@@ -33,21 +33,6 @@ def run_payload(n: int) -> dict:
     return {"kv": torch.randint(0, 256, (n, 37), dtype=torch.uint8, generator=g),
             "scale": torch.randn(n, 5, generator=g).to(torch.bfloat16),
             "idx": torch.randint(-9, 9, (n, 3), dtype=torch.int64, generator=g)}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a is not None and list(a) == list(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        assert torch.equal(bits(a[name]), bits(b[name])), name
-
-
-def warnings_of(caplog) -> list:
-    return [r.getMessage() for r in caplog.records if r.name == "deepinfer.kv_tiers" and r.levelno >= logging.WARNING]
 
 
 @pytest.fixture
@@ -73,7 +58,7 @@ def test_chunks_spanning_tensors_round_trip(tmp_path, small_chunks):
     again = DiskTier(tmp_path, 1 << 30, ID, pin_memory=False)
     run = again.find(key(5))
     assert run is not None and run.position == 4 and run.members == members(24)
-    assert_same(run.payload, payload)
+    assert_same_payload(run.payload, payload)
     assert all(t.is_contiguous() for t in run.payload.values())
 
 
@@ -104,9 +89,9 @@ def test_a_flipped_byte_anywhere_is_a_logged_miss_and_deleted(tmp_path, small_ch
         else:
             assert not path.exists() and after.corrupt == before.corrupt + 1, pos
         path.write_bytes(data)
-        assert_same(tier.find(key(1)).payload, payload)  # the intact file reads again
-    assert_same(tier.find(key(3)).payload, payload)
-    assert warnings_of(caplog)  # one line per damaged file (a name and inode: a new file may reuse one)
+        assert_same_payload(tier.find(key(1)).payload, payload)  # the intact file reads again
+    assert_same_payload(tier.find(key(3)).payload, payload)
+    assert tier_warnings(caplog)  # one line per damaged file (a name and inode: a new file may reuse one)
     # the payload's damage is found by its chunk's crc32; the head's by its sha256 (or before: the prefix)
     assert "checksum mismatch" in reasons and any(r.startswith("head checksum") for r in reasons), reasons
 
@@ -119,7 +104,7 @@ def test_a_file_cut_short_anywhere_is_a_logged_miss_and_deleted(tmp_path, small_
     path.write_bytes(data + b"\0")  # one byte too many is damage too
     assert tier.find(key(1)) is None and not path.exists()
     assert tier.stats().corrupt == len(_positions(len(data), start)) + 1 and tier.stats().foreign == 0
-    assert warnings_of(caplog) and all("corrupt" in m for m in warnings_of(caplog))
+    assert tier_warnings(caplog) and all("corrupt" in m for m in tier_warnings(caplog))
 
 
 def test_a_version_2_file_is_foreign_and_kept(tmp_path, caplog):
@@ -130,9 +115,9 @@ def test_a_version_2_file_is_foreign_and_kept(tmp_path, caplog):
     again = DiskTier(tmp_path, 1 << 30, ID, pin_memory=False)
     assert again.find(key(1)) is None and again.get(key(1)) is None
     assert path.exists() and again.stats().foreign == 2 and again.stats().corrupt == 0
-    assert len(warnings_of(caplog)) == 1 and "format version 2" in warnings_of(caplog)[0]
+    assert len(tier_warnings(caplog)) == 1 and "format version 2" in tier_warnings(caplog)[0]
     assert again.put(key(1), payload, members=members(24))  # a write replaces it
-    assert_same(again.find(key(1)).payload, payload)
+    assert_same_payload(again.find(key(1)).payload, payload)
 
 
 class _Counting(io.BytesIO):
@@ -154,7 +139,7 @@ def test_another_identity_is_refused_before_the_payload_is_read(tmp_path):
     f = _Counting(data)
     got, held = fmt.read_entry(f, len(data), key(1), ID)
     assert held == members(24) and f.tell() == len(data) and f.payload_reads >= 1
-    assert_same(got, payload)
+    assert_same_payload(got, payload)
 
 
 def test_chunk_sums_cover_the_padding(tmp_path, small_chunks):
@@ -192,8 +177,8 @@ def test_pinning_that_fails_falls_back_to_pageable_memory_with_one_warning(tmp_p
     monkeypatch.setattr(torch, "empty", empty)
     pinning = DiskTier(tmp_path, 1 << 30, ID, pin_memory=True)
     for _ in range(2):
-        assert_same(pinning.find(key(1)).payload, payload)
+        assert_same_payload(pinning.find(key(1)).payload, payload)
     assert calls[0] is True and not any(calls[1:])  # one try, then pageable memory only
     assert pinning.stats().corrupt == 0 and pinning.stats().hits == 2
-    msgs = warnings_of(caplog)
+    msgs = tier_warnings(caplog)
     assert len(msgs) == 1 and "pinned memory failed" in msgs[0]

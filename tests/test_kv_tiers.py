@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import logging
 import math
 import os
 import struct
@@ -25,8 +24,8 @@ import deepinfer.core.kv_tiers.entry_files as files_mod
 from deepinfer.core.kv_tiers import DiskTier, HostTier, TieredStore
 from deepinfer.core.kv_tiers.entry_format import FORMAT_VERSION, PREFIX_BYTES
 from deepinfer.core.kv_tiers.payload import DTYPES
+from deepinfer.testing.equivalence.tiers import assert_same_payload, tier_warnings
 
-LOGGER = "deepinfer.kv_tiers"
 ID = "demo-model|bfloat16|layout-1"
 
 
@@ -37,21 +36,6 @@ def key(i: int) -> bytes:
 def block(i: int, n: int = 64) -> dict:
     """A payload whose bytes depend on i; all blocks of one n have one size."""
     return {"k": torch.full((2, n), i, dtype=torch.int32), "v": torch.arange(n, dtype=torch.float32) + i}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a is not None and list(a) == list(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        assert torch.equal(bits(a[name]), bits(b[name])), name
-
-
-def warnings_of(caplog) -> list:
-    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
 
 
 def entry_files(root) -> list:
@@ -87,7 +71,7 @@ def payloads(draw):
 def test_host_round_trip_is_bit_exact(payload):
     tier = HostTier(1 << 20, pin_memory=False)
     assert tier.put(key(1), payload)
-    assert_same(tier.get(key(1)), payload)
+    assert_same_payload(tier.get(key(1)), payload)
 
 
 def test_host_lru_order_and_byte_cap():
@@ -153,7 +137,7 @@ def test_disk_round_trip_is_bit_exact_and_survives_a_restart(payload):
     with tempfile.TemporaryDirectory() as d:
         assert DiskTier(d, 1 << 20, ID).put(key(7), payload)
         again = DiskTier(d, 1 << 20, ID)  # a new process's view of the directory
-        assert_same(again.get(key(7)), payload)
+        assert_same_payload(again.get(key(7)), payload)
         assert again.stats().entries == 1 and not temp_files(d)
 
 
@@ -223,7 +207,7 @@ def test_corrupt_or_truncated_entry_is_a_logged_miss_and_removed(tmp_path, caplo
     _damage(path, how)
     assert tier.get(key(0)) is None
     assert not path.exists() and tier.stats().corrupt == 1
-    assert len(warnings_of(caplog)) == 1 and "corrupt" in warnings_of(caplog)[0]
+    assert len(tier_warnings(caplog)) == 1 and "corrupt" in tier_warnings(caplog)[0]
     assert tier.put(key(0), block(0)) and tier.get(key(0)) is not None  # the name is usable again
 
 
@@ -249,7 +233,7 @@ def test_foreign_entry_is_a_miss_logged_once_and_kept(tmp_path, caplog, how):
     tier = DiskTier(tmp_path, 1 << 20, ID)
     assert tier.get(key(0)) is None and tier.get(key(0)) is None
     assert tier.stats().foreign == 2 and tier.stats().misses == 2 and len(entry_files(tmp_path)) == 1
-    assert len(warnings_of(caplog)) == 1 and "foreign" in warnings_of(caplog)[0]
+    assert len(tier_warnings(caplog)) == 1 and "foreign" in tier_warnings(caplog)[0]
 
 
 def test_other_files_in_the_directory_are_left_alone(tmp_path):
@@ -317,8 +301,8 @@ def test_writer_killed_mid_entry_leaves_nothing_valid(tmp_path, caplog):
     fresh = DiskTier(tmp_path, 1 << 30, ID)  # start-up removes the dead writer's temporary
     assert not temp_files(tmp_path)
     assert fresh.put(key(5), block(5, n=4096))
-    assert_same(reader.get(key(5)), block(5, n=4096))
-    assert not warnings_of(caplog)
+    assert_same_payload(reader.get(key(5)), block(5, n=4096))
+    assert not tier_warnings(caplog)
 
 
 def _payload_for(i: int) -> dict:
@@ -339,7 +323,7 @@ def _busy_worker(directory: str, worker: str, capacity: str) -> None:
             got = tier.get(key(j))
             if got is not None:
                 try:
-                    assert_same(got, _payload_for(j))
+                    assert_same_payload(got, _payload_for(j))
                 except AssertionError:
                     bad += 1
             if r % 3 == 1:
@@ -378,7 +362,7 @@ def test_two_processes_share_a_directory(tmp_path, capacity):
     check = DiskTier(tmp_path, 1 << 30, ID)
     for path in entry_files(tmp_path):
         i = int.from_bytes(bytes.fromhex(path.stem)[:4], "little")
-        assert_same(check.get(key(i)), _payload_for(i))
+        assert_same_payload(check.get(key(i)), _payload_for(i))
     assert check.stats().corrupt == 0
     if capacity == 6000:
         assert sum(r["evictions"] for r in reports) > 0
@@ -394,7 +378,7 @@ def test_unusable_directory_disables_the_tier_with_one_warning(tmp_path, caplog)
     tier = DiskTier(tmp_path / "file" / "cache", 1 << 20, ID)
     assert not tier.enabled and not tier.stats().enabled
     assert not tier.put(key(0), block(0)) and tier.get(key(0)) is None and not tier.contains(key(0))
-    assert len(warnings_of(caplog)) == 1 and "disabled" in warnings_of(caplog)[0]
+    assert len(tier_warnings(caplog)) == 1 and "disabled" in tier_warnings(caplog)[0]
 
 
 def _raise(code):
@@ -408,7 +392,7 @@ def test_read_only_directory_at_start_disables_the_tier(tmp_path, caplog, monkey
     tier = DiskTier(tmp_path, 1 << 20, ID)
     assert not tier.enabled and "Read-only" in tier.disabled_reason and not temp_files(tmp_path)
     assert not tier.put(key(0), block(0))
-    assert len(warnings_of(caplog)) == 1
+    assert len(tier_warnings(caplog)) == 1
 
 
 @pytest.mark.parametrize("where, code", [("_write_chunks", errno.ENOSPC), ("_write_chunks", errno.EDQUOT),
@@ -425,11 +409,11 @@ def test_write_fault_disables_the_tier_with_one_warning(tmp_path, caplog, monkey
     store.put(key(1), block(1))  # the host tier takes it; the disk write fails
     store.put(key(2), block(2))
     assert not tier.enabled and os.strerror(code) in tier.disabled_reason
-    assert len(warnings_of(caplog)) == 1 and "disabled" in warnings_of(caplog)[0]
+    assert len(tier_warnings(caplog)) == 1 and "disabled" in tier_warnings(caplog)[0]
     assert not temp_files(tmp_path) and len(entry_files(tmp_path)) == 1
-    assert_same(store.get(key(1)), block(1)) and store.get(key(0)) is None  # disk off: its entries go unseen
+    assert_same_payload(store.get(key(1)), block(1)) and store.get(key(0)) is None  # disk off: its entries go unseen
     monkeypatch.undo()
-    assert_same(DiskTier(tmp_path, 1 << 20, ID).get(key(0)), block(0))  # the directory itself is intact
+    assert_same_payload(DiskTier(tmp_path, 1 << 20, ID).get(key(0)), block(0))  # the directory itself is intact
 
 
 def test_write_racing_a_deletion_is_a_failed_put_not_a_fault(tmp_path, monkeypatch):
@@ -447,21 +431,21 @@ def test_store_host_then_disk_with_promotion_and_ttl(tmp_path):
     store.put(key(0), block(0))  # global KV: both tiers
     store.put(key(1), block(1), host_ttl=120, to_disk=False)  # encoder SWA KV: host only, with a TTL
     assert store.disk.contains(key(0)) and not store.disk.contains(key(1))
-    assert_same(store.get(key(1)), block(1))
+    assert_same_payload(store.get(key(1)), block(1))
     now[0] = 120.0
     assert store.get(key(1)) is None and not store.contains(key(1))
     # A restart: the host pool is empty, the disk entry is found there and promoted.
     again = TieredStore(HostTier(1 << 20, pin_memory=False), DiskTier(tmp_path, 1 << 20, ID))
-    assert_same(again.get(key(0)), block(0))
+    assert_same_payload(again.get(key(0)), block(0))
     assert again.host.contains(key(0))
-    assert_same(again.get(key(0)), block(0))
+    assert_same_payload(again.get(key(0)), block(0))
     s = again.stats()
     assert (s.host_hits, s.disk_hits, s.misses, s.disk.hits) == (1, 1, 0, 1)
     assert again.evict(key(0)) and not again.contains(key(0)) and again.get(key(0)) is None
     assert again.stats().misses == 1
     host_only = TieredStore(HostTier(1 << 20, pin_memory=False), None)
     host_only.put(key(3), block(3))
-    assert_same(host_only.get(key(3)), block(3)) and host_only.stats().disk is None
+    assert_same_payload(host_only.get(key(3)), block(3)) and host_only.stats().disk is None
 
 
 # -- runs: consecutive blocks of a chain as one entry, found from any member
@@ -480,7 +464,7 @@ def run_payload(first: int, n: int) -> dict:
 def assert_block(run, i: int) -> None:
     """run holds block i at its position: the run's row equals block(i), built independently."""
     assert run is not None and run.members[run.position] == key(i)
-    assert_same({name: t[run.position] for name, t in run.payload.items()}, block(i))
+    assert_same_payload({name: t[run.position] for name, t in run.payload.items()}, block(i))
 
 
 def test_host_runs_are_found_from_any_member_and_dropped_whole():
@@ -496,7 +480,7 @@ def test_host_runs_are_found_from_any_member_and_dropped_whole():
     assert all(tier.find(key(i)) is None for i in range(20, 30))  # evicting a run drops every member
     assert tier.stats().entries == 2 and tier.stats().bytes == 2 * size and tier.stats().evictions == 1
     assert tier.evict(key(40)) and tier.find(key(45)) is None
-    assert_same(tier.get(key(0)), run_payload(0, 10))  # get by the run's key returns the whole run
+    assert_same_payload(tier.get(key(0)), run_payload(0, 10))  # get by the run's key returns the whole run
 
 
 def test_bad_runs_are_named():
@@ -522,7 +506,7 @@ def test_disk_runs_survive_a_restart_indexed_from_the_file_heads(tmp_path, monke
     for i in (9, 0, 5):
         assert_block(again.find(key(i)), i)
     assert len(reads) == 3 and again.find(key(10)) is None and again.find(key(50)) is None
-    assert_same(again.get(key(50)), block(50))
+    assert_same_payload(again.get(key(50)), block(50))
 
 
 def test_a_live_reader_learns_other_processes_runs_at_its_next_scan(tmp_path):
@@ -627,4 +611,4 @@ def test_run_writer_killed_mid_entry_leaves_nothing_any_member_finds(tmp_path, c
         child.wait()
     fresh = DiskTier(tmp_path, 1 << 30, ID)
     assert not temp_files(tmp_path) and fresh.stats().indexed == 0 and fresh.find(key(5)) is None
-    assert not warnings_of(caplog)
+    assert not tier_warnings(caplog)

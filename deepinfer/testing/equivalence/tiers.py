@@ -8,6 +8,7 @@ names, dtypes, shapes and raw bytes of what comes back.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import attrs
@@ -50,6 +51,20 @@ def tier_cases(draw, max_tensors: int = 4) -> TierCase:
 def raw_bytes(t: torch.Tensor) -> bytes:
     """A tensor's bytes in row-major order (the oracle's own view, independent of kv_tiers.payload)."""
     return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def assert_same_payload(got, want: dict) -> None:
+    """got (a tier's ``get``) holds want's tensors in want's order: the same names, dtypes, shapes and bytes
+    (NaN payloads included)."""
+    assert got is not None and list(got) == list(want), (None if got is None else list(got), list(want))
+    for name, t in want.items():
+        assert (got[name].dtype, tuple(got[name].shape)) == (t.dtype, tuple(t.shape)), name
+        assert raw_bytes(got[name]) == raw_bytes(t), name
+
+
+def tier_warnings(caplog) -> list:
+    """The warning (and worse) lines the kv tiers logged (``deepinfer.kv_tiers``)."""
+    return [r.getMessage() for r in caplog.records if r.name == "deepinfer.kv_tiers" and r.levelno >= logging.WARNING]
 
 
 def check_tier(make: Callable, case: TierCase) -> None:
