@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.ced import decode_path, functional as fn, model as ced_model
+from deepinfer.testing.ced import as_on_cuda
 from deepinfer.models.ced.config import SIZES
 from deepinfer.testing.ced import build_ced_checkpoint
 
@@ -133,27 +134,6 @@ def _phase_targets():
 TOP_LEVEL = {"norm"}
 PHASES = ("norm", "qkv", "compression", "entry_rows", "indexer", "pool", "attention", "out_proj", "moe", "router",
           "experts", "expert_load", "ring_write", "other")
-
-
-@contextlib.contextmanager
-def as_on_cuda():
-    """CPU tensors dispatched as CUDA ones are (for the interpreted nvidia backend): CEDLayer._kernels returns
-    the model's ops, and functional's fused rms / rope and fake quantisation take them."""
-    kernels, fused, fake = ced_model.CEDLayer._kernels, getattr(fn, "_fused", None), fn.fake  # (before the
-    # fused kernels there was no _fused: then only fake quantisation changes, so before/after runs compare)
-
-    def fake_on_cuda(x, fmt, on, ops=None):
-        if on and ops is not None:
-            return ops.dequantize_kv(*ops.quantize_kv(x, fmt), fmt, dtype=x.dtype)
-        return fake(x, fmt, on, ops)
-
-    ced_model.CEDLayer._kernels = lambda self, x: ced_model.ops_of(self, x.device)
-    fn._fused = lambda ops, name, *ts: getattr(ops, name, None) if ops is not None else None
-    fn.fake = fake_on_cuda
-    try:
-        yield
-    finally:
-        ced_model.CEDLayer._kernels, fn._fused, fn.fake = kernels, fused, fake
 
 
 def count_step(batch: int, dtype: str, cuda_path: bool = False) -> dict:

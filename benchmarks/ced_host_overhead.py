@@ -39,12 +39,12 @@ sys.path.append(str(HERE.parent))
 
 import torch  # noqa: E402
 
-import ced_decode_op_count as opc  # noqa: E402  (TOY widths, the op counter, the CUDA dispatch on the CPU)
+import ced_decode_op_count as opc  # noqa: E402  (TOY widths, the op counter)
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.bench import append_jsonl, format_table, machine_info  # noqa: E402
 from deepinfer.models.ced import decode_path, engine_path  # noqa: E402
 from deepinfer.models.ced.config import SIZES  # noqa: E402
-from deepinfer.testing.ced import build_ced_checkpoint  # noqa: E402
+from deepinfer.testing.ced import as_on_cuda, build_ced_checkpoint  # noqa: E402
 
 COLUMNS = (("label", "label", "{}"), ("case", "case", "{}"), ("batch", "batch", "{}"), ("chunk", "chunk", "{}"),
            ("path", "path", "{}"), ("ops/step", "ops", "{}"), ("h2d copies", "copies", "{}"),
@@ -202,7 +202,7 @@ def main() -> int:
     ov = dict(opc.TOY, num_layers=b["num_layers"], num_encoder_layers=b["num_encoder_layers"],
               layer_modes=b["layer_modes"], max_position_embeddings=args.prefix + 256)
     rows = []
-    with tempfile.TemporaryDirectory() as d, opc.as_on_cuda() if args.cuda_path else contextlib.nullcontext():
+    with tempfile.TemporaryDirectory() as d, as_on_cuda() if args.cuda_path else contextlib.nullcontext():
         cfg = build_ced_checkpoint(d, seed=0, **ov)
         llm = LLM(d, dtype=args.dtype, device="cpu", block_size=16, num_kv_blocks=args.prefix // 16 * 3 + 64,
                   max_num_seqs=max(args.batches + [1]), host_cache_gb=0.05, max_model_len=args.prefix + 256,

@@ -1,6 +1,6 @@
 """Host work of a CED prefill step (engine_path.forward_engine) on the nvidia backend's CUDA dispatch, run on the CPU
-under Triton's interpreter with the dispatch CUDA tensors get (``on_cuda``: CEDLayer._kernels returns the ops, as
-benchmarks/ced_decode_op_count.as_on_cuda does). A prefix hit whose encoder state the encoder-SWA pool restores:
+under Triton's interpreter with the dispatch CUDA tensors get (deepinfer.testing.ced.as_on_cuda: CEDLayer._kernels
+returns the ops). A prefix hit whose encoder state the encoder-SWA pool restores:
 - its index lists reach the device in one host-to-device copy (engine_path.Upload), and it runs no op that
   would wait for the device on CUDA (a scalar read, nonzero, boolean-mask indexing, unique);
 - its SWA keys run the decode step's one-kernel op (before attention with the ring writes on the scratch slot,
@@ -12,7 +12,6 @@ benchmarks/ced_decode_op_count.as_on_cuda does). A prefix hit whose encoder stat
 from __future__ import annotations
 
 import collections
-import contextlib
 
 import pytest
 import torch
@@ -27,32 +26,12 @@ if not __import__("deepinfer.backends.nvidia.ops", fromlist=["INTERPRET"]).INTER
     pytest.skip("runs the CUDA dispatch on the CPU under TRITON_INTERPRET=1", allow_module_level=True)
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
-from deepinfer.models.ced import engine_path, functional as fn, model as ced_model  # noqa: E402
-from deepinfer.testing.ced import REPLAY_CONFIG, build_ced_checkpoint  # noqa: E402
+from deepinfer.models.ced import engine_path  # noqa: E402
+from deepinfer.testing.ced import REPLAY_CONFIG, as_on_cuda, build_ced_checkpoint  # noqa: E402
 
 PREFIX = 40  # a block boundary (block_size 4): the encoder-SWA pool snapshots the state there
 SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
            "is_nonzero", "equal", "masked_scatter"}
-
-
-@contextlib.contextmanager
-def on_cuda():
-    """CPU tensors dispatched as CUDA ones are (benchmarks/ced_decode_op_count.as_on_cuda, kept here so the test
-    does not import a benchmark): the layers take the ops' kernels, functional its fused ones."""
-    kernels, fused, fake = ced_model.CEDLayer._kernels, fn._fused, fn.fake
-
-    def fake_on_cuda(x, fmt, on, ops=None):
-        if on and ops is not None:
-            return ops.dequantize_kv(*ops.quantize_kv(x, fmt), fmt, dtype=x.dtype)
-        return fake(x, fmt, on, ops)
-
-    ced_model.CEDLayer._kernels = lambda self, x: ced_model.ops_of(self, x.device)
-    fn._fused = lambda ops, name, *ts: getattr(ops, name, None) if ops is not None else None
-    fn.fake = fake_on_cuda
-    try:
-        yield
-    finally:
-        ced_model.CEDLayer._kernels, fn._fused, fn.fake = kernels, fused, fake
 
 
 class Syncs(TorchDispatchMode):
@@ -118,7 +97,7 @@ def hit_step(ced, monkeypatch, fused: bool = True, invariant: bool = False, dtyp
 
     monkeypatch.setattr(engine_path, "forward_engine", forward)
     monkeypatch.setattr(engine_path, "to_device", copy)
-    with on_cuda():
+    with as_on_cuda():
         llm.generate([first], sp, use_tqdm=False)
         got["armed"] = True
         llm.generate([hit], sp, use_tqdm=False)

@@ -9,6 +9,7 @@ sizes small enough for a CPU test; ``block_sizes_for`` draws engine block sizes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -106,3 +107,27 @@ def block_sizes_for(overrides: dict, max_blocks_of_ratio: int = 4):
     c = CEDConfig(**overrides)
     m = math.lcm(c.encoder_ratio, c.decoder_ratio)
     return st.integers(1, max_blocks_of_ratio).map(lambda k: k * m)
+
+
+@contextlib.contextmanager
+def as_on_cuda():
+    """CPU tensors dispatched as CUDA ones are (for the nvidia backend under Triton's interpreter): CEDLayer._kernels
+    returns the model's ops, and functional's fused ops and fake quantisation take them. Used to count or check
+    the CUDA dispatch's launches and copies on the CPU (benchmarks/ced_decode_op_count.py,
+    tests/test_ced_prefill_step.py)."""
+    from ..models.ced import functional as fn, model as ced_model
+
+    kernels, fused, fake = ced_model.CEDLayer._kernels, fn._fused, fn.fake
+
+    def fake_on_cuda(x, fmt, on, ops=None):
+        if on and ops is not None:
+            return ops.dequantize_kv(*ops.quantize_kv(x, fmt), fmt, dtype=x.dtype)
+        return fake(x, fmt, on, ops)
+
+    ced_model.CEDLayer._kernels = lambda self, x: ced_model.ops_of(self, x.device)
+    fn._fused = lambda ops, name, *ts: getattr(ops, name, None) if ops is not None else None
+    fn.fake = fake_on_cuda
+    try:
+        yield
+    finally:
+        ced_model.CEDLayer._kernels, fn._fused, fn.fake = kernels, fused, fake
