@@ -326,8 +326,6 @@ class Engine:
             for seq in batch.seqs:
                 if seq.cache_root is not None and not seq.finished:
                     self.prefix_cache.commit(seq, seq.num_computed_tokens)
-            if self.prefix_cache.mover is not None:
-                self.prefix_cache.write_through()  # the disk tier's copies of the step's new blocks
             if self.swa_pool is not None:
                 for seq, n in zip(batch.seqs, batch.num_tokens):
                     if seq.swa_restore is not None:
@@ -396,7 +394,9 @@ class Engine:
         if extra:
             self._fold_extra(extra, getattr(state, "spec_logprobs", {}), sample_seqs, touched)
         if self.prefix_cache is not None and self.prefix_cache.mover is not None:
-            self.prefix_cache.write_through()  # the blocks finishing sequences committed as they were folded
+            # The disk tier's copies of the blocks committed since the last collection: at the launches (this
+            # step's, and the next one's under overlap scheduling) and by sequences that just finished.
+            self.prefix_cache.write_through()
             # Blocks evicted to the host/disk tiers whose copies have run, and those written through to the disk;
             # everything once the engine is idle (a finished generate leaves its blocks on disk).
             self.prefix_cache.flush(wait=not self.scheduler.has_unfinished())

@@ -17,11 +17,11 @@ them back in one batched copy.
 
 Disk write-through (``disk_write_through``, on by default): with a disk tier, every block ``commit`` registers
 is also copied off the device for the disk, so a restart finds what a run without memory pressure computed
-(evictions alone would leave nothing there). The step's new blocks are gathered once, after the commits, in
-stream order behind the kernels that wrote them (``write_through``: a second BlockMover, over the disk tier
-alone, the same views and runs as an eviction); blocks the disk already holds are skipped, and the copied
-runs wait until about MAX_RUN_BYTES of them are pending or the engine goes idle (``flush``), so one chain's
-blocks of successive steps join into one file. The host tier stays write-back (evictions only); with no host
+(evictions alone would leave nothing there). The blocks committed since the last collection are gathered
+once as the engine collects a step, in stream order behind the kernels that wrote them (``write_through``: a
+second BlockMover, over the disk tier alone, the same views and runs as an eviction); blocks the disk already
+holds are skipped, and the copied runs wait until about MAX_RUN_BYTES of them are pending or the engine goes
+idle (``flush``), so one chain's blocks of successive steps join into one file. The host tier stays write-back (evictions only); with no host
 tier, an eviction skips the blocks the disk already holds.
 
 The per-request policy (the extra keys, which requests may hit, how much of a hit a model can use) is the
@@ -182,8 +182,8 @@ class PrefixCache:
     def write_through(self) -> None:
         """Copy the blocks registered since the last call off the device for the disk tier (those it does not
         hold already): one gather and one copy per view for all of them, in stream order after the kernels
-        queued so far. The engine calls it after a step's commits; an eviction calls it first, so a block is
-        never reused before its copy is queued."""
+        queued so far. The engine calls it as it collects a step; an eviction calls it first, so a block is never
+        reused before its copy is queued."""
         items, self._to_write = self._to_write, []
         if not items:
             return
