@@ -142,13 +142,10 @@ def train_tokenizer(texts, vocab_size: int):
 
 
 # The bench size's weights with narrow attention: training bench itself gathers [rows, 512 entries, 512] per
-# layer (its index_topk x head_dim), which outgrows a 140 GB GPU at a useful batch.
-LARGE = dict(hidden_size=2048, num_layers=16, num_encoder_layers=8, num_heads=16, head_dim=128, rope_dim=64,
-             q_lora_rank=1024, out_groups=8, out_group_dim=256, n_win=128, swa_allowance=12,
-             layer_modes=("swa", "swa", "full", "reuse", "reuse", "full", "reuse", "reuse",
-                          "full", "reuse", "reuse", "reuse", "reindex", "reuse", "reuse", "reuse"),
-             index_heads=8, index_head_dim=64, index_topk=64, pool_block=8, pool_blocks=32,
-             n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=512)
+# layer (its index_topk x head_dim), which outgrows a 140 GB GPU at a useful batch. (max_position_embeddings:
+# the training length's, not bench's 65536.)
+LARGE_NARROWER = dict(head_dim=128, out_group_dim=256, index_heads=8, index_head_dim=64, index_topk=64,
+                      pool_blocks=32, max_position_embeddings=0)
 
 
 def write_tokenizer(tok, out: Path, max_len: int) -> dict:
@@ -468,7 +465,8 @@ def main(argv=None) -> dict:
         f"tokens ({nbytes(train_docs) / max(1, train_stream.numel()):.2f} bytes/token)")
 
     # Model.
-    size = dict(SIZES[args.size] if args.size in SIZES else LARGE)  # toy: CEDConfig's defaults (an empty dict)
+    # toy: CEDConfig's defaults (an empty dict); large: bench's, narrower
+    size = dict(SIZES[args.size]) if args.size in SIZES else dict(SIZES["bench"], **LARGE_NARROWER)
     size["max_position_embeddings"] = max(4096, N, size.get("max_position_embeddings", 0))
     if args.moe_ffn or args.size == "toy":
         size["moe_intermediate_size"] = args.moe_ffn or 96
