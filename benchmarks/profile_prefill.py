@@ -33,8 +33,8 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 
 def forward_only(llm, prompt: list) -> dict:
     """One more hit with only the model's forward calls watched: torch's sync debug mode counts the synchronising
-    CUDA calls they make (warnings), the profiler their host-to-device copies and kernel launches."""
-    import warnings
+    CUDA calls they make (deepinfer.testing.syncs), the profiler their host-to-device copies and kernel launches."""
+    from deepinfer.testing.syncs import synchronizing_calls
 
     model = llm.engine.model
     inner = model.forward
@@ -42,19 +42,14 @@ def forward_only(llm, prompt: list) -> dict:
 
     def watched(*a, **k):
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with warnings.catch_warnings(record=True) as caught, torch.profiler.profile(activities=acts) as prof:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                out = inner(*a, **k)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-                seen["syncs"] += sum("synchroniz" in str(w.message).lower() for w in caught)
+        out = []
+        with torch.profiler.profile(activities=acts) as prof:
+            seen["syncs"] += len(synchronizing_calls(lambda: out.append(inner(*a, **k)), 1))
         ev = prof.key_averages()
         seen["h2d"] += sum(e.count for e in ev if e.key.startswith("Memcpy HtoD"))
         seen["launches"] += sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
                                                                    "cudaLaunchKernelExC"))
-        return out
+        return out[0]
 
     model.forward = watched
     try:
