@@ -13,7 +13,8 @@ time from submitting the request until its first token (TTFT, the engine stepped
 - ``host``: evicted to the host pool (``host_cache_gb``) by filling the pool, then found there;
 - ``disk``: a fresh engine on the same ``cache_dir`` (a restart, then two unrelated requests sharing a prefix
   of the same length, a miss and a hit, as a restarted server would have served, so the measured hit pays no
-  first-request compilation), nothing of the measured prefix in device or host memory.
+  first-request compilation), nothing of the measured prefix in device or host memory; it hits the prefix of
+  every round in turn (``--repeats`` + 1 disk reads, the warm-up round's prefix included).
 For CED, ``device`` and ``host`` hit a prefix that an earlier request crossed mid-chunk (bounded replay), and
 ``device+swa`` / ``host+swa`` one that an earlier request ended at (P + 1 tokens), whose encoder window state
 the encoder-SWA pool (core/swa_pool.py) restores. ``fetch_ms``: time spent in the prefix-cache lookup
@@ -31,7 +32,11 @@ counters) and the TTFT, for swa_replay mode "bounded" and "exact".
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
 import json
+import pstats
 import random
 import statistics
 import sys
@@ -114,6 +119,25 @@ def ttft(llm, prompt: list, rid: str) -> float:
     return dt
 
 
+@contextlib.contextmanager
+def profiled(args, name):
+    """cProfile what runs inside into ``--profile-dir``/prefix_NAME.txt (top functions by cumulative time);
+    nothing without --profile-dir or with name None."""
+    if not args.profile_dir or name is None:
+        yield
+        return
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+        (Path(args.profile_dir) / f"prefix_{name}.txt").write_text(text.getvalue())
+
+
 def evict_device(llm) -> None:
     """Push every free cached block out of device memory (to the host/disk tiers) by filling the pool."""
     pool = llm.engine.pool
@@ -132,11 +156,14 @@ def tiers(args, path, cfg, P: int, vocab: int, rows: list) -> None:
     spent = timed_lookups(llm)
     times: dict = {t: [] for t in ("cold", "device", "host") + (("device+swa", "host+swa") if swa else ())}
     fetch: dict = {t: [] for t in times}
+    written = []  # every round's prefix, on disk too (write-through): the restarted engine hits each
     for r in range(args.repeats + 1):  # the first round warms up kernels and allocator
         prefix, ended = gpu_bench.random_ids(rng, vocab, P), gpu_bench.random_ids(rng, vocab, P)
+        written.append(prefix)
         sfx = lambda: gpu_bench.random_ids(rng, vocab, args.suffix)  # noqa: E731
         got = {"cold": ttft(llm, prefix + sfx(), f"cold{P}-{r}")}
-        got["device"] = ttft(llm, prefix + sfx(), f"dev{P}-{r}")
+        with profiled(args, f"{P}_device" if r == args.repeats else None):
+            got["device"] = ttft(llm, prefix + sfx(), f"dev{P}-{r}")
         if swa:
             ttft(llm, ended + sfx()[:1], f"end{P}-{r}")  # ends at P + 1: its state at P is snapshotted
             got["device+swa"] = ttft(llm, ended + sfx(), f"devswa{P}-{r}")
@@ -149,7 +176,6 @@ def tiers(args, path, cfg, P: int, vocab: int, rows: list) -> None:
         if r:
             for k, v in got.items():
                 times[k].append(v)
-    last_prefix = prefix
     evict_device(llm)  # the last prefix goes to disk too (write-through)
     del llm
     if torch.cuda.is_available():
@@ -159,8 +185,12 @@ def tiers(args, path, cfg, P: int, vocab: int, rows: list) -> None:
     ttft(fresh, other + gpu_bench.random_ids(rng, vocab, args.suffix), f"warm{P}")  # disk hit compiles nothing
     ttft(fresh, other + gpu_bench.random_ids(rng, vocab, args.suffix), f"warmhit{P}")
     spent = timed_lookups(fresh)
-    times["disk"] = [ttft(fresh, last_prefix + gpu_bench.random_ids(rng, vocab, args.suffix), f"disk{P}")]
-    fetch["disk"] = [sum(spent)]
+    times["disk"], fetch["disk"] = [], []
+    for i, pre in enumerate(written):  # each a disk read: the restarted engine has none of them in memory
+        del spent[:]
+        with profiled(args, f"{P}_disk" if i == len(written) - 1 else None):
+            times["disk"].append(ttft(fresh, pre + gpu_bench.random_ids(rng, vocab, args.suffix), f"disk{P}-{i}"))
+        fetch["disk"].append(sum(spent))
     stats = fresh.cache_stats()
     disk_reads = fresh.engine.prefix_cache.mover.store.stats().disk_hits  # runs read: the warm-up requests miss or hit the device
     cold = statistics.median(times["cold"])
@@ -171,7 +201,8 @@ def tiers(args, path, cfg, P: int, vocab: int, rows: list) -> None:
             extra["disk_tier_hit_blocks"] = stats["tier_hit_blocks"]
             extra["disk_entries_read"] = disk_reads
         emit(rows, {"bench": "prefix_ttft", "model": args.model, "prefix": P, "suffix": args.suffix, "tier": tier,
-                     "ttft_s": round(med, 5), "speedup": round(cold / med, 2), "repeats": len(ts), **extra})
+                     "ttft_s": round(med, 5), "speedup": round(cold / med, 2), "repeats": len(ts),
+                     "all_s": [round(t, 5) for t in ts], **extra})
     del fresh
 
 
@@ -234,6 +265,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (the demo model on the CPU)")
     ap.add_argument("--kv-gb", type=float, default=None, help="KV cache size (default: the engine's sizing)")
+    ap.add_argument("--profile-dir", default=None, help="cProfile the last device hit and the last disk hit here")
     ap.add_argument("--skip", nargs="*", default=[], choices=["tiers", "agent", "replay"])
     ap.add_argument("--out", default="prefix_bench.jsonl")
     args = ap.parse_args()

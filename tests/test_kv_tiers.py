@@ -539,8 +539,10 @@ def test_store_puts_in_each_tier_only_the_blocks_it_lacks(tmp_path):
     for i in (*range(10), *range(100, 106)):
         assert_block(store.find(key(i)), i)
     fresh = TieredStore(HostTier(1 << 20, pin_memory=False), DiskTier(tmp_path, 1 << 30, ID))
-    assert_block(fresh.find(key(7)), 7)  # a disk hit, promoted whole to host memory
-    assert fresh.host.find(key(2)).members == members(0, 10) and fresh.stats().disk_hits == 1
+    assert_block(fresh.find(key(7)), 7)  # a disk hit, not promoted: its blocks go back to the device
+    assert fresh.host.find(key(2)) is None and fresh.stats().disk_hits == 1
+    assert_block(fresh.find(key(2)), 2)  # read from disk again
+    assert fresh.stats().disk_hits == 2
 
 
 def _run_writer(directory: str, worker: str) -> None:

@@ -105,6 +105,15 @@ class BlockMover:
         self._pending_at: dict = {}  # member -> (index in pending, position)
         self.saved = self.loaded = self.runs_saved = 0
 
+    def warm_pinned(self, runs: int = 2) -> None:
+        """Pin, once at start-up, the host memory that ``runs`` full runs read from disk take (per view, the
+        tensor a disk read allocates), and free it: torch's caching host allocator keeps it (by power-of-two
+        size), so the first disk hits of a restarted engine reuse it instead of pinning memory on the
+        request's path (~0.7 ms per MB on the H200's host, most of a 16K-token CED run's lookup)."""
+        held = [torch.empty((self.max_run_blocks, *self._block_shapes[name]), dtype=t.dtype, pin_memory=True)
+                for _ in range(runs) for name, t, _, _ in self.views]
+        del held
+
     def _index(self, blocks: list, rows: int, device) -> torch.Tensor:
         """The rows of ``blocks`` along a view's block dim, block after block."""
         b = torch.tensor(blocks, dtype=torch.long)
@@ -269,4 +278,7 @@ def block_mover(config, model, cache, identity: str, device):
     disk = DiskTier(directory, int(config.disk_cache_gb * 2**30), identity) if directory else None
     if host is None and disk is None:
         return None
-    return BlockMover(paged_kv_views(model, cache, config.block_size), TieredStore(host, disk), device)
+    mover = BlockMover(paged_kv_views(model, cache, config.block_size), TieredStore(host, disk), device)
+    if disk is not None and disk.enabled and disk.pins:
+        mover.warm_pinned()
+    return mover

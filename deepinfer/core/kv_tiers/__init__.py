@@ -12,7 +12,7 @@ to an identity string (model + dtype + cache layout): the disk tier serves only 
 - entry_files.py  the directory's files: atomic publication, reads, stamps, scans
 - disk.py         DiskTier: one file per entry, LRU by mtime, shared by processes, a member index rebuilt
                   from the files' heads at start-up, faults degrade to "no disk tier" with one warning
-- store.py        TieredStore: host then disk, disk hits promoted, writes through (runs: what a tier lacks)
+- store.py        TieredStore: host then disk (get promotes disk hits, find does not), writes through (runs: what a tier lacks)
 
 The modules' docstrings state the file format, the atomicity argument and the failure behaviour.
 """

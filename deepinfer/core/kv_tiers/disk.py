@@ -256,6 +256,11 @@ class DiskTier:
                 log.warning("KV disk tier: pinned memory failed, reading into pageable memory: %s", e)
         return torch.empty(shape, dtype=dtype)
 
+    @property
+    def pins(self) -> bool:
+        """Whether reads go into pinned memory (until pinning fails once)."""
+        return self._pin
+
     def _holds(self, key: bytes, members: tuple) -> bool:
         """Whether key's file looks like this identity's complete entry holding at least ``members`` (head and
         size, not the checksum); the index learns its members."""
