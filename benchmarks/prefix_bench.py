@@ -14,7 +14,8 @@ time from submitting the request until its first token (TTFT, the engine stepped
 - ``disk``: a fresh engine on the same ``cache_dir`` (a restart, then two unrelated requests sharing a prefix
   of the same length, a miss and a hit, as a restarted server would have served, so the measured hit pays no
   first-request compilation), nothing of the measured prefix in device or host memory; it hits the prefix of
-  every round in turn (``--repeats`` + 1 disk reads, the warm-up round's prefix included).
+  every round in turn (``--repeats`` + 1 disk reads, the warm-up round's prefix included; with
+  ``--profile-dir`` the last one is profiled instead of timed, as is one more device hit).
 For CED, ``device`` and ``host`` hit a prefix that an earlier request crossed mid-chunk (bounded replay), and
 ``device+swa`` / ``host+swa`` one that an earlier request ended at (P + 1 tokens), whose encoder window state
 the encoder-SWA pool (core/swa_pool.py) restores. ``fetch_ms``: time spent in the prefix-cache lookup
@@ -133,7 +134,9 @@ def profiled(args, name):
     finally:
         prof.disable()
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+        st = pstats.Stats(prof, stream=text).sort_stats("cumulative")
+        st.print_stats(45)
+        st.print_stats("kv_tiers|kv_offload|prefix_cache|swa_pool|engine.py|scheduler", 40)  # the cache's own part
         Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
         (Path(args.profile_dir) / f"prefix_{name}.txt").write_text(text.getvalue())
 
@@ -162,8 +165,7 @@ def tiers(args, path, cfg, P: int, vocab: int, rows: list) -> None:
         written.append(prefix)
         sfx = lambda: gpu_bench.random_ids(rng, vocab, args.suffix)  # noqa: E731
         got = {"cold": ttft(llm, prefix + sfx(), f"cold{P}-{r}")}
-        with profiled(args, f"{P}_device" if r == args.repeats else None):
-            got["device"] = ttft(llm, prefix + sfx(), f"dev{P}-{r}")
+        got["device"] = ttft(llm, prefix + sfx(), f"dev{P}-{r}")
         if swa:
             ttft(llm, ended + sfx()[:1], f"end{P}-{r}")  # ends at P + 1: its state at P is snapshotted
             got["device+swa"] = ttft(llm, ended + sfx(), f"devswa{P}-{r}")
@@ -176,6 +178,9 @@ def tiers(args, path, cfg, P: int, vocab: int, rows: list) -> None:
         if r:
             for k, v in got.items():
                 times[k].append(v)
+    if args.profile_dir:  # one more device hit, profiled and not timed
+        with profiled(args, f"{P}_device"):
+            ttft(llm, prefix + gpu_bench.random_ids(rng, vocab, args.suffix), f"devprof{P}")
     evict_device(llm)  # the last prefix goes to disk too (write-through)
     del llm
     if torch.cuda.is_available():
@@ -188,8 +193,11 @@ def tiers(args, path, cfg, P: int, vocab: int, rows: list) -> None:
     times["disk"], fetch["disk"] = [], []
     for i, pre in enumerate(written):  # each a disk read: the restarted engine has none of them in memory
         del spent[:]
-        with profiled(args, f"{P}_disk" if i == len(written) - 1 else None):
-            times["disk"].append(ttft(fresh, pre + gpu_bench.random_ids(rng, vocab, args.suffix), f"disk{P}-{i}"))
+        if args.profile_dir and i == len(written) - 1:  # the last one profiled, not timed
+            with profiled(args, f"{P}_disk"):
+                ttft(fresh, pre + gpu_bench.random_ids(rng, vocab, args.suffix), f"diskprof{P}")
+            continue
+        times["disk"].append(ttft(fresh, pre + gpu_bench.random_ids(rng, vocab, args.suffix), f"disk{P}-{i}"))
         fetch["disk"].append(sum(spent))
     stats = fresh.cache_stats()
     disk_reads = fresh.engine.prefix_cache.mover.store.stats().disk_hits  # runs read: the warm-up requests miss or hit the device

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .triton_norm import cast_rne, to_f32
+from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -42,8 +43,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     M = x2.shape[0]
     if M == 0 or F == 0:
         return out
-    BLOCK = min(1024, triton.next_power_of_2(F))
-    grid = (M, triton.cdiv(F, BLOCK))
+    BLOCK = min(1024, next_pow2(F))
+    grid = (M, cdiv(F, BLOCK))
     _silu_and_mul_kernel[grid](x2, o2, x2.stride(0), o2.stride(0), F, BLOCK=BLOCK,
                                num_warps=4 if BLOCK >= 512 else 1)
     return out

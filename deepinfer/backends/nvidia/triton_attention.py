@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .triton_norm import cast_rne, to_f32
+from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
@@ -244,11 +245,11 @@ def launch_config(G: int, D: int, Dv: int) -> dict:
     """Tile sizes of the decode kernel. The query heads of one KV head fill the MMA's M side (at least 16
     rows, the smallest tensor-core tile; up to 32, then more head tiles); BLOCK_N keys per step. Chosen by
     reading ptxas' register/spill report for sm_90 (no spills at D 64/128/256 in bf16 and float32)."""
-    BLOCK_D = triton.next_power_of_2(max(D, 16))
-    BLOCK_DV = triton.next_power_of_2(max(Dv, 16))
+    BLOCK_D = next_pow2(max(D, 16))
+    BLOCK_DV = next_pow2(max(Dv, 16))
     big = max(BLOCK_D, BLOCK_DV)
     return {
-        "BLOCK_G": max(16, min(triton.next_power_of_2(G), 32 if big <= 128 else 16)),
+        "BLOCK_G": max(16, min(next_pow2(G), 32 if big <= 128 else 16)),
         "BLOCK_D": BLOCK_D,
         "BLOCK_DV": BLOCK_DV,
         "BLOCK_N": 16 if INTERPRET else (64 if big <= 128 else (32 if big <= 256 else 16)),
@@ -261,7 +262,7 @@ def choose_splits(rows: int, kv_heads: int, head_tiles: int, max_ctx: int, devic
     """Context splits so the grid fills the GPU: about 4 programs per SM, each split at least one tile.
     Depends on shapes only (rows, heads, the block table's width), never on values."""
     programs = max(1, rows * kv_heads * head_tiles)
-    want = triton.cdiv(4 * sm_count(device), programs)
+    want = cdiv(4 * sm_count(device), programs)
     most = max(1, max_ctx // block_n)
     return int(max(1, min(want, most, 64)))
 
@@ -293,7 +294,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         sinks = sinks.contiguous()
     cfg = launch_config(G, D, Dv)
     BLOCK_G, BLOCK_D, BLOCK_DV = cfg["BLOCK_G"], cfg["BLOCK_D"], cfg["BLOCK_DV"]
-    num_gt = triton.cdiv(G, BLOCK_G)
+    num_gt = cdiv(G, BLOCK_G)
     if block_n is None:
         block_n = cfg["BLOCK_N"]
     max_ctx = block_table.shape[1] * block_size
@@ -325,14 +326,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         NUM_GT=num_gt, DIRECT=S == 1, BLOCK_SIZE=int(block_size),
         BLOCK_G=BLOCK_G, BLOCK_N=block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         HAS_WINDOW=window is not None, HAS_SINKS=has_sinks, DOT_PRECISION=dot_precision,
-        INTERP_LOOP=INTERPRET, MAX_TILES=triton.cdiv(max_ctx, block_n) + 1 if INTERPRET else 0,
+        INTERP_LOOP=INTERPRET, MAX_TILES=cdiv(max_ctx, block_n) + 1 if INTERPRET else 0,
         num_warps=num_warps,
     )
     if S > 1:
         _merge_kernel[(B, H)](
             mid_m, mid_l, mid_o, sinks_arg, out,
             out.stride(0), out.stride(1), H, Dv, S,
-            BLOCK_S=triton.next_power_of_2(S), BLOCK_DV=BLOCK_DV, HAS_SINKS=has_sinks,
+            BLOCK_S=next_pow2(S), BLOCK_DV=BLOCK_DV, HAS_SINKS=has_sinks,
             num_warps=4,
         )
     return out

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .triton_norm import cast_rne, to_f32  # noqa: F401  (cast_rne: the stores' rounding, as the other kernels)
+from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
@@ -70,14 +71,14 @@ def k_splits(dtype: torch.dtype, K: int, N: int, nb: int = 1) -> tuple:
     _mm_combine_kernel; many rows: one program walking the splits in order into one total), so a row's bits do
     not depend on M."""
     cfg = INTERP_MM if INTERPRET else MM_CONFIG[dtype]
-    kb = triton.cdiv(max(K, 1), cfg["BLOCK_K"])
+    kb = cdiv(max(K, 1), cfg["BLOCK_K"])
     width = cfg["BLOCK_N"] if INTERPRET else mm_config(dtype, N, 1)["BLOCK_N"]  # the decode band's tile width
-    programs = triton.cdiv(N, width) * max(nb, 1)
+    programs = cdiv(N, width) * max(nb, 1)
     if programs >= SPLIT_BELOW:
         return 1, kb
-    want = max(1, min(triton.cdiv(SPLIT_TARGET, programs), kb // SPLIT_MIN_KB))
-    per = triton.cdiv(kb, want)
-    return triton.cdiv(kb, per), per
+    want = max(1, min(cdiv(SPLIT_TARGET, programs), kb // SPLIT_MIN_KB))
+    per = cdiv(kb, want)
+    return cdiv(kb, per), per
 
 
 @triton.jit
@@ -197,10 +198,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias=None, alpha=1.0, beta=1.0) -> 
         x = bias.expand(nb, M, N) if has_bias else out  # broadcast by strides (0 along expanded dims)
         cfg = INTERP_MM if INTERPRET else mm_config(a.dtype, N, M)
         S, per = k_splits(a.dtype, K, N, nb)
-        kb = triton.cdiv(K, cfg["BLOCK_K"])
+        kb = cdiv(K, cfg["BLOCK_K"])
         mode = 0 if S == 1 else (1 if M <= SPLIT_ROWS else 2)
         p = torch.empty(nb, S, M, N, dtype=torch.float32, device=a.device) if mode == 1 else out
-        tiles = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
+        tiles = (cdiv(M, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"]))
         flags = dict(HAS_BIAS=has_bias, SCALED=alpha != 1, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
         _mm_kernel[(*tiles, nb * (S if mode == 1 else 1))](
             A, Bm, out, x, p, M, N, K, kb, S, *A.stride(), *Bm.stride(), *out.stride(), *x.stride(),
@@ -290,7 +291,7 @@ def row_block(n: int) -> tuple:
     1024 lanes."""
     if INTERPRET:
         return 2, ROW_BLOCK
-    lanes = min(ROW_BLOCK, max(32, triton.next_power_of_2(max(n, 1))))
+    lanes = min(ROW_BLOCK, max(32, next_pow2(max(n, 1))))
     return max(1, 2048 // lanes) if lanes < ROW_BLOCK else 1, lanes
 
 
@@ -309,14 +310,14 @@ def _reduce(x, dim, keepdim, dtype, mean: bool):
             inner *= size
         v = x.reshape(-1, n, inner)
         out = torch.empty(v.shape[0], inner, dtype=out_dtype, device=x.device)
-        _col_sum_kernel[(v.shape[0], triton.cdiv(inner, COL_BLOCK))](
+        _col_sum_kernel[(v.shape[0], cdiv(inner, COL_BLOCK))](
             v, out, n, inner, *v.stride(), 1.0 / n if mean else 1.0, BLOCK=COL_BLOCK, N_I=_i(n))
     else:
         rows, kept = _as_rows(x, dims)
         R, n = rows.shape
         out = torch.empty(R, dtype=out_dtype, device=x.device)
         per, lanes = row_block(n)
-        _row_sum_kernel[(triton.cdiv(R, per),)](rows, out, R, n, rows.stride(0), 1.0 / n if mean else 1.0,
+        _row_sum_kernel[(cdiv(R, per),)](rows, out, R, n, rows.stride(0), 1.0 / n if mean else 1.0,
                                                 ROWS=per, BLOCK=lanes, N_I=_i(n))
     if keepdim:
         shape = [1 if d in dims else x.shape[d] for d in range(x.dim())]

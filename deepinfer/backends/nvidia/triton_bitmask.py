@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from deepinfer.backends.nvidia.host_math import cdiv
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 BLOCK = 1024
@@ -41,5 +42,5 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     R, V = rows.numel(), logits.shape[1]
     if R == 0 or V == 0:
         return
-    grid = (R, triton.cdiv(V, BLOCK))
+    grid = (R, cdiv(V, BLOCK))
     _bitmask_kernel[grid](logits, bitmask, rows.to(torch.int64), V, bitmask.shape[1], logits.stride(0), BLOCK=BLOCK)

@@ -39,6 +39,7 @@ import triton.language as tl
 from .triton_attention import LOG2E, _dot, _merge_kernel, finish_softmax, sm_count
 from .triton_fp4 import GROUPS, e4m3_value, e8m0_value, fp4_tile, mma_operand
 from .triton_norm import cast_rne
+from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 RING_FMT = "fp8_e4m3_pow2"
@@ -182,7 +183,7 @@ def launch_config(H: int, D: int, dtype: torch.dtype) -> dict:
     accumulator fits the registers), BLOCK_N keys per step. Chosen from ptxas' sm_90 spill report: none in
     bf16 up to D = 512 (the bench latent, where q's operand fragment alone takes 128 registers per thread) and
     float32 at D = 128. BLOCK_N = 16 is safe only because mma_operand keeps the operands' kWidth at 2."""
-    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_D = next_pow2(D)
     if INTERPRET:
         BLOCK_N, num_warps = 16, 4
     elif dtype == torch.float32:  # no tensor cores: keep the FMA products small
@@ -190,14 +191,14 @@ def launch_config(H: int, D: int, dtype: torch.dtype) -> dict:
     else:
         BLOCK_N = 64 if BLOCK_D <= 64 else (32 if BLOCK_D <= 256 else 16)
         num_warps = 4 if BLOCK_D <= 64 else 8
-    return {"BLOCK_H": max(16, min(triton.next_power_of_2(H), 64 if BLOCK_D <= 128 else 16)), "BLOCK_D": BLOCK_D,
+    return {"BLOCK_H": max(16, min(next_pow2(H), 64 if BLOCK_D <= 128 else 16)), "BLOCK_D": BLOCK_D,
             "BLOCK_N": BLOCK_N, "num_warps": num_warps}
 
 
 def choose_splits(rows: int, head_tiles: int, tiles: int, device: torch.device) -> int:
     """Key splits so the grid fills the GPU (about 4 programs per SM), each split at least one tile.
     Depends on shapes only."""
-    want = triton.cdiv(4 * sm_count(device), max(1, rows * head_tiles))
+    want = cdiv(4 * sm_count(device), max(1, rows * head_tiles))
     return int(max(1, min(want, tiles, 16)))
 
 
@@ -235,8 +236,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         entry_slots = entry_slots.contiguous()
     cfg = launch_config(H, D, q.dtype)
     BLOCK_H, BLOCK_N, BLOCK_D = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["BLOCK_D"]
-    num_ht = triton.cdiv(H, BLOCK_H)
-    win_tiles, sel_tiles = triton.cdiv(window, BLOCK_N), triton.cdiv(K, BLOCK_N) if has_entries else 0
+    num_ht = cdiv(H, BLOCK_H)
+    win_tiles, sel_tiles = cdiv(window, BLOCK_N), cdiv(K, BLOCK_N) if has_entries else 0
     S = num_splits if num_splits is not None else choose_splits(T, num_ht, max(win_tiles, sel_tiles), q.device)
     S = max(1, int(S))
     if S > 1:
@@ -257,13 +258,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         out.stride(0), out.stride(1),
         float(scale) * LOG2E, H, D, K, rc.shape[1], S, window,
         BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        WIN_TILES=triton.cdiv(win_tiles, S), SEL_TILES=triton.cdiv(sel_tiles, S),
+        WIN_TILES=cdiv(win_tiles, S), SEL_TILES=cdiv(sel_tiles, S),
         GROUP=GROUPS.get(entry_fmt, 16), E8M0=entry_fmt == "mxfp4", HAS_ENTRIES=has_entries,
         HAS_SINKS=has_sinks, DIRECT=S == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"],
     )
     if S > 1:
         _merge_kernel[(T, H)](mid_m, mid_l, mid_o, sinks_arg, out, out.stride(0), out.stride(1), H, D, S,
-                              BLOCK_S=triton.next_power_of_2(S), BLOCK_DV=BLOCK_D, HAS_SINKS=has_sinks,
+                              BLOCK_S=next_pow2(S), BLOCK_DV=BLOCK_D, HAS_SINKS=has_sinks,
                               num_warps=4)
     return out

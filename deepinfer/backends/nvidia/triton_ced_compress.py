@@ -28,6 +28,7 @@ import triton.language as tl
 from .triton_ced_fused import INTERPRET, SUPPORTED_DTYPES, _exp, _rms_row, _rope_row
 from .triton_fp4 import GROUPS, fp4_dequant, fp4_quant
 from .triton_norm import cast_rne, to_f32
+from deepinfer.backends.nvidia.host_math import next_pow2
 
 MAX_C = 4096
 MAX_M = 16
@@ -79,7 +80,7 @@ def supports(v, z, m: int, weight, fmt: str, store, rows, entry_ids) -> bool:
         return False
     C = v.shape[1]
     if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= MAX_M or v.shape[0] % m \
-            or not 0 < C <= MAX_C or C % GROUPS[fmt] or triton.next_power_of_2(C) < GROUPS[fmt]:
+            or not 0 < C <= MAX_C or C % GROUPS[fmt] or next_pow2(C) < GROUPS[fmt]:
         return False
     if m > 1 and (z is None or z.shape != v.shape or z.dtype != v.dtype or z.stride(1) != 1):
         return False
@@ -115,7 +116,7 @@ def compress_write(v: torch.Tensor, z: Optional[torch.Tensor], m: int, weight: O
     if R and (R % 2 or R > C or inv_freq.dtype != torch.float32):
         raise ValueError(f"compress_write: inv_freq must be float32 [R/2] with R <= C={C}, got "
                          f"{inv_freq.dtype} {tuple(inv_freq.shape)}")
-    BLOCK = triton.next_power_of_2(C)
+    BLOCK = next_pow2(C)
     _compress_write_kernel[(G,)](
         v, z if z is not None else v, weight if weight is not None else v, entry_ids.contiguous(),
         rows.contiguous(), inv_freq.contiguous() if R else v, codes, scales,

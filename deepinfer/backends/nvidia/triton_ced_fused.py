@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .triton_norm import cast_rne, to_f32
+from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
@@ -169,7 +170,7 @@ def supports_rms(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.dim() < 1 or x.dtype not in SUPPORTED_DTYPES or weight.dtype not in SUPPORTED_DTYPES:
         return False
     N = x.shape[-1]
-    return weight.dim() == 1 and weight.shape[0] == N and 0 < N and triton.next_power_of_2(N) <= MAX_BLOCK \
+    return weight.dim() == 1 and weight.shape[0] == N and 0 < N and next_pow2(N) <= MAX_BLOCK \
         and weight.device == x.device
 
 
@@ -186,7 +187,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     o2 = out.view(-1, N)
     if x2.shape[0]:
-        BLOCK = triton.next_power_of_2(N)
+        BLOCK = next_pow2(N)
         _ced_rms_kernel[(x2.shape[0],)](x2, w, o2, x2.stride(0), o2.stride(0), N, float(eps), BLOCK=BLOCK,
                                         num_warps=1 if INTERPRET else min(16, max(1, BLOCK // 512)),
                                         enable_fp_fusion=False)  # x * rstd, then * w: two roundings, as torch
@@ -212,7 +213,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     h, out = torch.empty_like(x), torch.empty_like(x)
     if T:
         e = extra if extra is not None else residual
-        BLOCK = triton.next_power_of_2(N)
+        BLOCK = next_pow2(N)
         w = weight if weight.is_contiguous() else weight.contiguous()
         _ced_add_rms_kernel[(T,)](x, residual, e, w, h, out, x.stride(0), residual.stride(0), e.stride(0),
                                   h.stride(0), out.stride(0), N, float(eps), BLOCK=BLOCK, HAS_EXTRA=extra is not None,
@@ -235,8 +236,8 @@ def swiglu(gu: torch.Tensor, limit: float) -> torch.Tensor:
     T, F = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(T, F, dtype=gu.dtype, device=gu.device)
     if T and F:
-        BLOCK = min(1024, triton.next_power_of_2(F))
-        _ced_swiglu_kernel[(T, triton.cdiv(F, BLOCK))](gu, out, gu.stride(0), out.stride(0), F, float(limit),
+        BLOCK = min(1024, next_pow2(F))
+        _ced_swiglu_kernel[(T, cdiv(F, BLOCK))](gu, out, gu.stride(0), out.stride(0), F, float(limit),
                                                        BLOCK=BLOCK, num_warps=1 if INTERPRET else 4,
                                                        enable_fp_fusion=False)
     return out
@@ -246,7 +247,7 @@ def supports_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int) -> bool:
     if x.dim() < 2 or x.dtype not in SUPPORTED_DTYPES or isinstance(rope_dim, bool) or not isinstance(rope_dim, int):
         return False
     D = x.shape[-1]
-    if not 0 < rope_dim <= D or rope_dim % 2 or triton.next_power_of_2(max(1, D - rope_dim)) > MAX_BLOCK:
+    if not 0 < rope_dim <= D or rope_dim % 2 or next_pow2(max(1, D - rope_dim)) > MAX_BLOCK:
         return False
     return pos.dim() == 1 and pos.shape[0] == x.shape[0] and pos.dtype in (torch.int32, torch.int64) \
         and pos.device == x.device
@@ -254,11 +255,11 @@ def supports_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int) -> bool:
 
 def launch_config(M: int, half: int, keep: int) -> dict:
     """A tile of BLOCK_M rows (heads) of one token: about 4096 elements of the copied part at most."""
-    block_r = triton.next_power_of_2(half)
-    block_p = triton.next_power_of_2(keep) if keep else 0
+    block_r = next_pow2(half)
+    block_p = next_pow2(keep) if keep else 0
     widest = max(2 * block_r, block_p)
     return {"BLOCK_R": block_r, "BLOCK_P": block_p,
-            "BLOCK_M": max(1, min(triton.next_power_of_2(M), (256 if INTERPRET else 4096) // widest)),
+            "BLOCK_M": max(1, min(next_pow2(M), (256 if INTERPRET else 4096) // widest)),
             "num_warps": 1 if INTERPRET else 4}
 
 
@@ -279,7 +280,7 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bo
         o3 = out.view(T, M, D)
         cfg = launch_config(M, R // 2, D - R)
         inv = inv_freq if inv_freq.is_contiguous() else inv_freq.contiguous()
-        _ced_rope_kernel[(T, triton.cdiv(M, cfg["BLOCK_M"]))](
+        _ced_rope_kernel[(T, cdiv(M, cfg["BLOCK_M"]))](
             x3, o3, pos if pos.is_contiguous() else pos.contiguous(), inv,
             x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), M, D, R // 2,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_P=cfg["BLOCK_P"], INVERSE=bool(inverse),

@@ -38,6 +38,7 @@ import triton.language as tl
 from .triton_attention import _dot
 from .triton_fp4 import GROUPS, fp4_tile, mma_operand
 from .triton_norm import cast_rne, to_f32
+from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -177,14 +178,14 @@ def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
     if allowed is not None and allowed.stride(1) != 1:
         allowed = allowed.contiguous()
     if block is None:
-        block = 32 if INTERPRET else min(4096, max(128, triton.next_power_of_2(J)))
-    num_tiles = triton.cdiv(J, block)
-    block_k = min(triton.next_power_of_2(k), 16 if INTERPRET else 1024)
+        block = 32 if INTERPRET else min(4096, max(128, next_pow2(J)))
+    num_tiles = cdiv(J, block)
+    block_k = min(next_pow2(k), 16 if INTERPRET else 1024)
     al = allowed.view(torch.uint8) if allowed is not None else scores
     _topk_kernel[(Tq,)](scores, num_visible.contiguous(), al, out, scores.stride(0),
                         al.stride(0) if allowed is not None else 0, out.stride(0), J, k,
                         HAS_ALLOWED=allowed is not None, BLOCK=block, NUM_TILES=num_tiles, BLOCK_K=block_k,
-                        NUM_KT=triton.cdiv(k, block_k), num_warps=8 if block >= 2048 else 4)
+                        NUM_KT=cdiv(k, block_k), num_warps=8 if block >= 2048 else 4)
     return out
 
 
@@ -207,7 +208,7 @@ def supports(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, scales
 
 def launch_config(nh: int, dh: int) -> dict:
     """The score kernel's tiles: all heads on the MMA's M side (at least 16 rows), BLOCK_J keys per program."""
-    return {"BLOCK_H": max(16, triton.next_power_of_2(nh)), "BLOCK_D": max(32, triton.next_power_of_2(dh)),
+    return {"BLOCK_H": max(16, next_pow2(nh)), "BLOCK_D": max(32, next_pow2(dh)),
             "BLOCK_J": 16 if INTERPRET else (64 if dh <= 128 else 32), "num_warps": 4}
 
 
@@ -237,7 +238,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, sc
         if entry_slots.stride(1) != 1:
             entry_slots = entry_slots.contiguous()
         cfg = launch_config(nh, dh)
-        _score_kernel[(Tq, triton.cdiv(J, cfg["BLOCK_J"]))](
+        _score_kernel[(Tq, cdiv(J, cfg["BLOCK_J"]))](
             q, weights, codes, scales, entry_slots, q_rows.contiguous(), num_visible.contiguous(), scores,
             q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), codes.stride(0), scales.stride(0),
             entry_slots.stride(0), scores.stride(0), nh, dh, J,

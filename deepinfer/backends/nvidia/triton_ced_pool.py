@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .triton_ced_indexer import topk_select
+from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 
@@ -99,7 +100,7 @@ def entry_rows(table: torch.Tensor, q_rows: torch.Tensor, ids: torch.Tensor, cou
         ids_c = ids if ids.stride(-1) == 1 or K <= 1 else ids.contiguous()
         _entry_rows_kernel[(Tq,)](table, q_rows.contiguous(), ids_c, out, cnt if count else out,
                                   table.stride(0), ids_c.stride(0), out.stride(0), K,
-                                  BLOCK_K=max(1, triton.next_power_of_2(K)), COUNT=count)
+                                  BLOCK_K=max(1, next_pow2(K)), COUNT=count)
     return (out, cnt) if count else out
 
 
@@ -131,12 +132,12 @@ def pool_candidates(scores: torch.Tensor, num_visible: torch.Tensor, block: int,
     nvis = num_visible.contiguous()
     bmax = torch.empty(Tq, nb, dtype=torch.float32, device=dev)
     nbv = torch.empty(Tq, dtype=torch.int32, device=dev)
-    bp = triton.next_power_of_2(block)
-    bb = max(1, min(triton.next_power_of_2(nb), (16 if INTERPRET else 4096) // bp))
-    _block_max_kernel[(Tq, triton.cdiv(nb, bb))](scores, nvis, bmax, nbv, scores.stride(0), bmax.stride(0), J, nb,
+    bp = next_pow2(block)
+    bb = max(1, min(next_pow2(nb), (16 if INTERPRET else 4096) // bp))
+    _block_max_kernel[(Tq, cdiv(nb, bb))](scores, nvis, bmax, nbv, scores.stride(0), bmax.stride(0), J, nb,
                                                 BLOCK=block, BLOCK_B=bb, BLOCK_P=bp)
     kept = topk_select(bmax, nbv, keep)
-    br = max(1, min(triton.next_power_of_2(keep), (16 if INTERPRET else 4096) // bp))
-    _expand_kernel[(Tq, triton.cdiv(keep, br))](kept, nvis, out, kept.stride(0), out.stride(0), J, keep,
+    br = max(1, min(next_pow2(keep), (16 if INTERPRET else 4096) // bp))
+    _expand_kernel[(Tq, cdiv(keep, br))](kept, nvis, out, kept.stride(0), out.stride(0), J, keep,
                                                BLOCK=block, BLOCK_R=br, BLOCK_P=bp)
     return out

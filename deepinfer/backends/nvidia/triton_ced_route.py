@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from deepinfer.backends.nvidia.host_math import next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
@@ -106,12 +107,12 @@ def _launch(rows, gate, top_k, renormalize, scaling, bias):
     w = torch.empty(T, top_k, dtype=torch.float32, device=rows.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=rows.device)
     if T:
-        BE = triton.next_power_of_2(E)
-        bd = max(16, min(triton.next_power_of_2(rows.shape[1]), (1024 if INTERPRET else 8192) // BE))
+        BE = next_pow2(E)
+        bd = max(16, min(next_pow2(rows.shape[1]), (1024 if INTERPRET else 8192) // BE))
         _route_kernel[(T,)](rows, gate if gate is not None else rows, bias if bias is not None else rows, w, ids,
                             rows.stride(0), gate.stride(0) if gate is not None else 0, w.stride(0), ids.stride(0),
                             E, rows.shape[1], float(scaling), K=top_k, BLOCK_E=BE,
-                            BLOCK_K=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None,
+                            BLOCK_K=next_pow2(top_k), HAS_BIAS=bias is not None,
                             RENORM=bool(renormalize), FROM_HIDDEN=gate is not None, BLOCK_D=bd,
                             DIN_I=rows.shape[1] if INTERPRET else 0,
                             num_warps=1 if INTERPRET or (E <= 256 and gate is None) else 4)

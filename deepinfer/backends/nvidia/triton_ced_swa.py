@@ -23,6 +23,7 @@ import triton.language as tl
 from .triton_ced_fused import INTERPRET, SUPPORTED_DTYPES, _rms_row, _rope_row
 from .triton_kvquant import FMT, GROUP, fp8_pow2_dequant, fp8_pow2_quant
 from .triton_norm import cast_rne, to_f32
+from deepinfer.backends.nvidia.host_math import next_pow2
 
 MAX_D = 4096
 
@@ -87,7 +88,7 @@ def swa_kv_ring(y, weight, eps, pos, inv_freq, ring, ring_slot, fake: bool = Tru
     kv = torch.empty_like(y)
     if T:
         codes, scales = ring
-        BLOCK = max(32, triton.next_power_of_2(D))
+        BLOCK = max(32, next_pow2(D))
         _swa_kv_ring_kernel[(T,)](y, weight, pos.contiguous(), ring_slot.contiguous(), inv_freq.contiguous(), kv,
                                   codes, scales, y.stride(0), kv.stride(0), codes.stride(0), codes.stride(1),
                                   scales.stride(0), scales.stride(1), D, R // 2, codes.shape[1], float(eps),

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .triton_kvquant import as_rows, block_g
 from .triton_norm import cast_rne, to_f32
+from deepinfer.backends.nvidia.host_math import cdiv
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
@@ -219,7 +220,7 @@ def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         return codes, scales
     c2, s2 = codes.view(-1, C // 2), scales.view(-1, NG)
     BG = block_g(NG)
-    _quant_kernel[(M, triton.cdiv(NG, BG))](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), NG,
+    _quant_kernel[(M, cdiv(NG, BG))](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), NG,
                                             BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4",
                                             num_warps=4 if BG >= 8 else 1)
     return codes, scales
@@ -244,7 +245,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str,
         return out
     o2 = out.view(-1, C)
     BG = block_g(NG)
-    _dequant_kernel[(M, triton.cdiv(NG, BG))](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), NG,
+    _dequant_kernel[(M, cdiv(NG, BG))](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), NG,
                                               BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4",
                                               num_warps=4 if BG >= 8 else 1)
     return out

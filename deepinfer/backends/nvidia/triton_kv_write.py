@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .triton_norm import cast_rne, to_f32
+from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -77,11 +78,11 @@ def supports(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def launch_config(Hk: int, Dk: int, Dv: int) -> dict:
     """A tile of heads x channels of about 2048 elements per tensor."""
-    block_d = triton.next_power_of_2(max(Dk, Dv))
+    block_d = next_pow2(max(Dk, Dv))
     return {
-        "BLOCK_DK": triton.next_power_of_2(Dk),
-        "BLOCK_DV": triton.next_power_of_2(Dv),
-        "BLOCK_H": max(1, min(triton.next_power_of_2(Hk), (64 if INTERPRET else 2048) // block_d)),
+        "BLOCK_DK": next_pow2(Dk),
+        "BLOCK_DV": next_pow2(Dv),
+        "BLOCK_H": max(1, min(next_pow2(Hk), (64 if INTERPRET else 2048) // block_d)),
         "num_warps": 1 if INTERPRET else 4,
     }
 
@@ -99,7 +100,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     k = k if k.stride(2) == 1 else k.contiguous()
     v = v if v.stride(2) == 1 else v.contiguous()
     cfg = launch_config(Hk, Dk, v.shape[2])
-    grid = (T, triton.cdiv(Hk, cfg["BLOCK_H"]))
+    grid = (T, cdiv(Hk, cfg["BLOCK_H"]))
     _write_kv_kernel[grid](
         k, v, k_cache, v_cache, slots,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

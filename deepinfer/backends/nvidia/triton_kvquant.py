@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .triton_norm import cast_rne, to_f32
+from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 GROUP = 32
@@ -115,7 +116,7 @@ def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, stride_c, stride_s, stride_o
 
 def block_g(ng: int) -> int:
     """Scale groups per program of the (de)quantisation kernels (this module's and triton_fp4's)."""
-    return max(1, min(32, triton.next_power_of_2(ng)))
+    return max(1, min(32, next_pow2(ng)))
 
 
 def as_rows(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -145,7 +146,7 @@ def quantize_fp8_pow2(x: torch.Tensor, check_finite: bool = False) -> tuple[torc
         return codes, scales
     c2, s2 = codes.view(-1, C), scales.view(-1, NG)
     BG = block_g(NG)
-    _quant_kernel[(M, triton.cdiv(NG, BG))](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), NG,
+    _quant_kernel[(M, cdiv(NG, BG))](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), NG,
                                             BLOCK_G=BG, GROUP_SIZE=GROUP, num_warps=4 if BG >= 8 else 1)
     return codes, scales
 
@@ -166,6 +167,6 @@ def dequantize_fp8_pow2(codes: torch.Tensor, scales: torch.Tensor,
         return out
     o2 = out.view(-1, C)
     BG = block_g(NG)
-    _dequant_kernel[(M, triton.cdiv(NG, BG))](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), NG,
+    _dequant_kernel[(M, cdiv(NG, BG))](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), NG,
                                               BLOCK_G=BG, GROUP_SIZE=GROUP, num_warps=4 if BG >= 8 else 1)
     return out

@@ -47,6 +47,7 @@ import triton.language as tl
 from ..reference.moe import FP8, SCALE_BLOCK, _check_experts, check_scales
 from .triton_attention import sm_count
 from .triton_norm import cast_rne, to_f32
+from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
@@ -302,7 +303,7 @@ def launch_config(num_pairs: int, num_experts: int, F: int, d: int, device: torc
         cfg = dict(BLOCK_M=BM, BN1=32, BK1=32, BN2=32, BK2=32, warps1=warps, warps2=warps)
     elif BM <= 32:
         active = min(num_pairs, num_experts)
-        BN1 = 64 if active * triton.cdiv(F, 64) >= 2 * sm_count(device) else 32
+        BN1 = 64 if active * cdiv(F, 64) >= 2 * sm_count(device) else 32
         cfg = dict(BLOCK_M=BM, BN1=BN1, BK1=128, BN2=64, BK2=128, warps1=4, warps2=4)
     else:
         warps = 8 if BM >= 128 else 4
@@ -315,7 +316,7 @@ def launch_config(num_pairs: int, num_experts: int, F: int, d: int, device: torc
 def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Rows of the padded layout for any routing: cdiv(N, BLOCK_M) + min(E + 1, N) blocks (one partial
     block per non-empty bucket, bucket E holding out-of-range ids)."""
-    return (triton.cdiv(num_pairs, block_m) + min(num_experts + 1, num_pairs)) * block_m
+    return (cdiv(num_pairs, block_m) + min(num_experts + 1, num_pairs)) * block_m
 
 
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
@@ -329,11 +330,11 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
     if flat.stride(0) != 1:
         flat = flat.contiguous()
     N, E = flat.numel(), num_experts
-    EB = triton.next_power_of_2(E + 2)
+    EB = next_pow2(E + 2)
     S = 16 if INTERPRET else (64 if EB <= 512 else 32)  # sub-tile: [S, S] and [S] x EB work per step
     target = 4 if INTERPRET else 128  # chunks (programs); each program reads every chunk's histogram
-    CHUNK = S * triton.cdiv(triton.cdiv(max(N, 1), S), target)
-    C = triton.cdiv(max(N, 1), CHUNK)
+    CHUNK = S * cdiv(cdiv(max(N, 1), S), target)
+    C = cdiv(max(N, 1), CHUNK)
     dev = flat.device
     sorted_ids = torch.empty(max_rows(N, E, block_m), dtype=torch.int32, device=dev)
     starts = torch.empty(E + 2, dtype=torch.int32, device=dev)
@@ -414,10 +415,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     s13_strides = s13.stride() if fp8 else (0, 0, 0)
     s2_strides = s2.stride() if fp8 else (0, 0, 0)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    EB = triton.next_power_of_2(E + 2)
+    EB = next_pow2(E + 2)
 
     act = torch.empty(rows, F, dtype=x.dtype, device=dev)  # [padded rows, F]
-    n1 = triton.cdiv(F, cfg["BN1"])
+    n1 = cdiv(F, cfg["BN1"])
     _gemm1_swiglu_kernel[(rows // BM * n1,)](
         x, w13, s13, act, sorted_ids, starts, counts,
         x.stride(0), x.stride(1), *w13.stride(), *s13_strides, act.stride(0),
@@ -427,7 +428,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         num_warps=cfg["warps1"], num_stages=cfg["stages1"],
     )
     out_pairs = torch.empty(N, d, dtype=x.dtype, device=dev)  # [T * k, d] weighted expert outputs
-    n2 = triton.cdiv(d, cfg["BN2"])
+    n2 = cdiv(d, cfg["BN2"])
     _gemm2_kernel[(rows // BM * n2,)](
         act, w2, s2, rw, out_pairs, sorted_ids, starts, counts,
         act.stride(0), *w2.stride(), *s2_strides, out_pairs.stride(0),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from deepinfer.backends.nvidia.host_math import next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
@@ -70,7 +71,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
     if x.dim() < 1 or x.dtype not in SUPPORTED_DTYPES or weight.dtype not in SUPPORTED_DTYPES:
         return False
     N = x.shape[-1]
-    if weight.dim() != 1 or weight.shape[0] != N or N == 0 or triton.next_power_of_2(N) > MAX_BLOCK:
+    if weight.dim() != 1 or weight.shape[0] != N or N == 0 or next_pow2(N) > MAX_BLOCK:
         return False
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         return False
@@ -97,7 +98,7 @@ def _launch(x, residual, weight, eps):
         r2 = h2 = x2  # unused
         h = None
     if M:
-        BLOCK = triton.next_power_of_2(N)
+        BLOCK = next_pow2(N)
         num_warps = min(16, max(1, BLOCK // 512))
         _rms_norm_kernel[(M,)](
             x2, r2, w, o2, h2,

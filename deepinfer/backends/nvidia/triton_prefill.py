@@ -45,6 +45,7 @@ import triton.language as tl
 
 from .triton_attention import LOG2E, finish_softmax
 from .triton_norm import cast_rne, to_f32
+from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
@@ -262,11 +263,11 @@ def _prefill_kernel(
 def split_head_dim(D: int) -> tuple:
     """(BLOCK_D1, BLOCK_D2): D as one power-of-two block, or as two (192 = 128 + 64) where two waste less
     of the MMA's K side than padding to the next power of two. BLOCK_D2 = 0: one block."""
-    p = triton.next_power_of_2(max(D, 16))
+    p = next_pow2(max(D, 16))
     if D == p or D <= 16:
         return p, 0
     first = p // 2
-    rest = triton.next_power_of_2(max(D - first, 16))
+    rest = next_pow2(max(D - first, 16))
     return (first, rest) if first + rest < p else (p, 0)
 
 
@@ -280,7 +281,7 @@ def launch_config(D: int, Dv: int, dtype: torch.dtype) -> dict:
     small tiles. Numbers read from ptxas for sm_90 (tests/test_triton_prefill.py compiles these configs
     and checks that no loop spills). Under the interpreter, tiny tiles so that small tests cross edges."""
     d1, d2 = split_head_dim(D)
-    dv = triton.next_power_of_2(max(Dv, 16))
+    dv = next_pow2(max(Dv, 16))
     cfg = {"BLOCK_D1": d1, "BLOCK_D2": d2, "BLOCK_DV": dv}
     if INTERPRET:
         return {**cfg, "BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
@@ -414,7 +415,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         if v < least or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= {least}, got {v}")
     # Every row holds cdiv(n_b * G, bm) tiles; both bounds below hold, from shapes alone.
-    tiles = min(B * triton.cdiv(int(max_q) * G, bm), triton.cdiv(T * G, bm) + B)
+    tiles = min(B * cdiv(int(max_q) * G, bm), cdiv(T * G, bm) + B)
     scan = 16 if INTERPRET else 128
     has_sinks = sinks is not None
     # MLA: V is the first Dv channels of K's own rows; when those are exactly K's first tile, reuse it.
@@ -432,8 +433,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_D1=cfg["BLOCK_D1"], BLOCK_D2=cfg["BLOCK_D2"], BLOCK_DV=cfg["BLOCK_DV"], SCAN=scan,
         HAS_WINDOW=window is not None, HAS_SINKS=has_sinks, V_FROM_K=v_from_k,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        INTERP_LOOP=INTERPRET, SCAN_ITERS=triton.cdiv(B, scan) if INTERPRET else 0,
-        MAX_TILES=triton.cdiv(block_table.shape[1] * int(block_size), bn) + 1 if INTERPRET else 0,
+        INTERP_LOOP=INTERPRET, SCAN_ITERS=cdiv(B, scan) if INTERPRET else 0,
+        MAX_TILES=cdiv(block_table.shape[1] * int(block_size), bn) + 1 if INTERPRET else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

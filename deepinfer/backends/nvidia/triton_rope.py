@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .triton_norm import cast_rne, to_f32
+from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -110,12 +111,12 @@ def supports(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_
 
 def launch_config(H: int, Hk: int, half: int, Dq: int, Dk: int, R: int) -> dict:
     """A tile of heads x rotary pairs of about 2048 elements (at most 16 per thread with 4 warps)."""
-    block_r = triton.next_power_of_2(half)
+    block_r = next_pow2(half)
     return {
         "BLOCK_R": block_r,
-        "BLOCK_H": max(1, min(triton.next_power_of_2(max(H, Hk)), (64 if INTERPRET else 2048) // block_r)),
-        "BLOCK_PQ": triton.next_power_of_2(Dq - R) if Dq > R else 0,
-        "BLOCK_PK": triton.next_power_of_2(Dk - R) if Dk > R else 0,
+        "BLOCK_H": max(1, min(next_pow2(max(H, Hk)), (64 if INTERPRET else 2048) // block_r)),
+        "BLOCK_PQ": next_pow2(Dq - R) if Dq > R else 0,
+        "BLOCK_PK": next_pow2(Dk - R) if Dk > R else 0,
         "num_warps": 1 if INTERPRET else 4,
     }
 
@@ -139,8 +140,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     k = k if k.stride(2) == 1 else k.contiguous()
     cs = cos_sin_cache if cos_sin_cache.stride(1) == 1 else cos_sin_cache.contiguous()
     cfg = launch_config(H, Hk, R // 2, Dq, Dk, R)
-    nqt = triton.cdiv(H, cfg["BLOCK_H"])
-    grid = (T, nqt + triton.cdiv(Hk, cfg["BLOCK_H"]))
+    nqt = cdiv(H, cfg["BLOCK_H"])
+    grid = (T, nqt + cdiv(Hk, cfg["BLOCK_H"]))
     _rope_kernel[grid](
         q, k, q_out, k_out, positions, cs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),

@@ -1,0 +1,13 @@
+"""Launch-size arithmetic for host code. Triton 3.6 made ``triton.cdiv`` and ``triton.next_power_of_2``
+constexpr functions whose host calls go through a wrapper (~3 us each: a CED prefill step made ~800 of
+them); these are the plain integer versions, equal to Triton's on every int >= 0 (tests/test_host_math.py)."""
+
+
+def cdiv(x: int, d: int) -> int:
+    """ceil(x / d) for ints, d > 0."""
+    return (x + d - 1) // d
+
+
+def next_pow2(n: int) -> int:
+    """The least power of two >= n, for an int n >= 0 (0 for 0, as triton.next_power_of_2)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
