@@ -183,6 +183,22 @@ def test_runs_are_capped_and_a_lookup_crosses_from_run_to_run(tmp_path):
     assert len(rig.serve(a)) == 10
 
 
+def test_a_large_eviction_is_gathered_in_pieces_of_max_gather_bytes(tmp_path, monkeypatch):
+    from deepinfer.core import kv_offload
+
+    rig = Rig(num_blocks=12, host_bytes=1 << 20, directory=str(tmp_path), max_run_blocks=3)
+    monkeypatch.setattr(kv_offload, "MAX_GATHER_BYTES", 2 * rig.mover.block_bytes)  # one 3-block run is over it
+    gathers = []
+    inner = rig.mover._save_runs
+    monkeypatch.setattr(rig.mover, "_save_runs", lambda runs: (gathers.append(len(runs)), inner(runs)))
+    a, b = list(range(100, 113)), list(range(200, 211))  # 6 and 5 blocks
+    rig.serve(a)
+    rig.serve(b)
+    rig.evict()
+    assert sum(gathers) == 4 and max(gathers) == 1  # runs 3+3 and 3+2, one run per gather
+    assert rig.mover.saved == 11 and len(rig.serve(a)) == 6 and len(rig.serve(b)) == 5  # bytes checked
+
+
 def test_evictions_of_one_chain_between_two_flushes_are_joined_into_one_run(tmp_path):
     rig = Rig(num_blocks=10, host_bytes=1 << 20, directory=str(tmp_path), max_run_blocks=8)
     a = list(range(100, 121))  # 10 blocks, freed in chain order: evicted oldest (first) block first

@@ -12,7 +12,7 @@ any stretch of its blocks is a slice along dim 0 and a load is one copy per view
 Leaving the device (``save``): when the pool evicts a batch of cached blocks, ``chain_runs`` groups them into
 runs (a block whose parent block is in the batch continues its parent's run; at most ``max_run_blocks``
 blocks per run), their rows are gathered and copied to pinned host memory without blocking, in stream order
-before any later kernel overwrites the blocks (one gather and one copy per view for the whole batch); the
+before any later kernel overwrites the blocks (one gather and one copy per view per MAX_GATHER_BYTES); the
 runs wait in ``pending`` until the engine, which has waited for its step anyway, stores them (``flush``,
 which first joins runs that successive evictions cut from one chain).
 Coming back: ``fetch`` finds the runs covering a list of hashes (a run may start before the first hash or go
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 MAX_RUN_BYTES = 16 << 20  # a run's payload at most (fewer blocks when a tier is small: see BlockMover)
 MAX_RUN_BLOCKS = 1024  # and at most this many blocks (a disk header lists them: 32 bytes each)
+MAX_GATHER_BYTES = 256 << 20  # device memory one gather of evicted blocks may take (save)
 
 
 def paged_kv_views(model, cache, block_size: int) -> list:
@@ -121,8 +122,19 @@ class BlockMover:
 
     def save(self, items: list) -> None:
         """items: (hash, block id, parent hash or None) of blocks about to be reused: group them into runs and
-        copy them off the device now, one gather and one copy per view for all of them."""
-        runs = chain_runs(items, self.max_run_blocks)
+        copy them off the device now, one gather and one copy per view for each MAX_GATHER_BYTES of them (the
+        gather's device buffer: evicting a whole 40 GB pool must not need 40 GB more)."""
+        batch, size = [], 0
+        for run in chain_runs(items, self.max_run_blocks):
+            if batch and size + len(run) * self.block_bytes > MAX_GATHER_BYTES:
+                self._save_runs(batch)
+                batch, size = [], 0
+            batch.append(run)
+            size += len(run) * self.block_bytes
+        if batch:
+            self._save_runs(batch)
+
+    def _save_runs(self, runs: list) -> None:
         blocks = [b for run in runs for _, b, _ in run]
         cuda = self.device.type == "cuda"
         payloads = [{} for _ in runs]
@@ -271,14 +283,16 @@ def block_mover(config, model, cache, identity: str, device):
     disk_cache_gb), or None when it asks for none."""
     import os
 
-    from .kv_tiers import DiskTier, HostTier, TieredStore
+    from .kv_tiers import DiskTier, DiskWrites, HostTier, TieredStore
 
     directory = config.cache_dir or os.environ.get("DEEPINFER_CACHE_DIR") or None
     host = HostTier(int(config.host_cache_gb * 2**30)) if config.host_cache_gb > 0 else None
     disk = DiskTier(directory, int(config.disk_cache_gb * 2**30), identity) if directory else None
     if host is None and disk is None:
         return None
-    mover = BlockMover(paged_kv_views(model, cache, config.block_size), TieredStore(host, disk), device)
+    # The engine never writes a file itself: runs reach the disk through a background queue (disk_writes.py).
+    store = TieredStore(host, disk, DiskWrites(disk) if disk is not None else None)
+    mover = BlockMover(paged_kv_views(model, cache, config.block_size), store, device)
     if disk is not None and disk.enabled and disk.pins:
         mover.warm_pinned()
     return mover

@@ -238,6 +238,9 @@ class LLM:
                         if bar is not None:
                             bar.update(1)
             self._stash(self.engine.sync())  # a step may still be in flight (overlap scheduling): leave none behind
+            drain = getattr(self.engine.prefix_cache, "drain", None)  # (None: no caching, or per-rank pools)
+            if drain is not None and not self.engine.scheduler.has_unfinished():
+                drain()  # the disk tier's background writes: a restarted engine finds what this computed
         finally:
             if bar is not None:
                 bar.close()

@@ -21,8 +21,9 @@ is also copied off the device for the disk, so a restart finds what a run withou
 once as the engine collects a step, in stream order behind the kernels that wrote them (``write_through``: a
 second BlockMover, over the disk tier alone, the same views and runs as an eviction); blocks the disk already
 holds are skipped, and the copied runs wait until about MAX_RUN_BYTES of them are pending or the engine goes
-idle (``flush``), so one chain's blocks of successive steps join into one file. The host tier stays write-back (evictions only); with no host
-tier, an eviction skips the blocks the disk already holds.
+idle (``flush``), so one chain's blocks of successive steps join into one file; the files are written by a
+background thread (kv_tiers/disk_writes.py), never inside a step, and ``drain`` waits for them. The host tier
+stays write-back (evictions only); with no host tier, an eviction skips the blocks the disk already holds.
 
 The per-request policy (the extra keys, which requests may hit, how much of a hit a model can use) is the
 ``prefix_cache`` and ``swa_replay`` stages'; this module is the mechanism the scheduler calls.
@@ -110,7 +111,8 @@ class PrefixCache:
         self.stats = Counter()  # queries, query_tokens, hit_tokens, evictions, registered, written_through
         disk = getattr(getattr(mover, "store", None), "disk", None)
         # The disk tier's own mover: the same views and runs as ``mover``, stored in the disk tier only.
-        self.writer = BlockMover(mover.views, TieredStore(None, disk), mover.device) \
+        writes = getattr(getattr(mover, "store", None), "writes", None)  # the background queue, shared
+        self.writer = BlockMover(mover.views, TieredStore(None, disk, writes), mover.device) \
             if disk_write_through and disk is not None else None
         self._to_write: list = []  # (hash, block, parent hash) registered since the last write_through
         self._unflushed = 0  # blocks in writer.pending
@@ -187,7 +189,7 @@ class PrefixCache:
         items, self._to_write = self._to_write, []
         if not items:
             return
-        held = self.writer.store.disk.held([h for h, _, _ in items])
+        held = self.writer.store.disk_held([h for h, _, _ in items])
         items = [it for it, on_disk in zip(items, held) if not on_disk]
         if items:
             self.writer.save(items)
@@ -205,6 +207,13 @@ class PrefixCache:
             w.flush(wait)
             self._unflushed = sum(len(entry[0]) for entry in w.pending)
 
+    def drain(self) -> None:
+        """Store everything copied off the device and wait until the disk tier has written it (a restarted
+        engine then finds it): LLM.generate calls it before it returns; the engine's own steps never wait."""
+        self.flush(wait=True)
+        if self.mover is not None:
+            self.mover.store.drain()
+
     def _forget(self, blocks: list) -> list:
         """Drop the hashes of ``blocks``; returns (hash, block, parent hash) of those that had one."""
         gone = []
@@ -221,7 +230,7 @@ class PrefixCache:
         gone = self._forget(blocks)
         self.stats["evictions"] += len(gone)
         if gone and self.writer is not None and self.mover.store.host is None:  # the disk has the written ones
-            held = self.mover.store.disk.held([h for h, _, _ in gone])
+            held = self.mover.store.disk_held([h for h, _, _ in gone])
             gone = [it for it, on_disk in zip(gone, held) if not on_disk]
         if gone and self.mover is not None:
             self.mover.save(gone)  # before the blocks are reused; chains of them become runs

@@ -12,16 +12,18 @@ to an identity string (model + dtype + cache layout): the disk tier serves only 
 - entry_files.py  the directory's files: atomic publication, reads, stamps, scans
 - disk.py         DiskTier: one file per entry, LRU by mtime, shared by processes, a member index rebuilt
                   from the files' heads at start-up, faults degrade to "no disk tier" with one warning
+- disk_writes.py  DiskWrites: runs queued for the disk tier, written by a background thread, served while queued
 - store.py        TieredStore: host then disk (get promotes disk hits, find does not), writes through (runs: what a tier lacks)
 
 The modules' docstrings state the file format, the atomicity argument and the failure behaviour.
 """
 
 from deepinfer.core.kv_tiers.disk import DiskStats, DiskTier
+from deepinfer.core.kv_tiers.disk_writes import DiskWrites
 from deepinfer.core.kv_tiers.entry_format import FORMAT_VERSION, EntryCorrupt, EntryForeign
 from deepinfer.core.kv_tiers.host import HostStats, HostTier
 from deepinfer.core.kv_tiers.payload import Run
 from deepinfer.core.kv_tiers.store import StoreStats, TieredStore
 
-__all__ = ["DiskStats", "DiskTier", "EntryCorrupt", "EntryForeign", "FORMAT_VERSION", "HostStats", "HostTier",
+__all__ = ["DiskStats", "DiskTier", "DiskWrites", "EntryCorrupt", "EntryForeign", "FORMAT_VERSION", "HostStats", "HostTier",
            "Run", "StoreStats", "TieredStore"]

@@ -4,7 +4,9 @@ get looks in the host tier, then on disk, and promotes a disk hit to the host ti
 see its docstring); put writes through to both
 (to_disk=False keeps an entry in host memory only: CED's encoder SWA KV, with a TTL). Either tier may be None.
 
-Runs (payload.py) go in through put_run and come out through find, the same way. put_run stores in each tier
+Runs (payload.py) go in through put_run and come out through find, the same way; with ``writes``
+(disk_writes.py) a run reaches the disk through a background thread, and find and disk_held see it while it
+is queued. put_run stores in each tier
 only the stretches of the run that tier does not hold yet (each stretch a run of its own, keyed by its first
 block), so a chain whose head came back from a tier and whose tail is new adds the tail, and never replaces
 a longer run that starts at the same block.
@@ -17,6 +19,7 @@ import threading
 import attrs
 
 from deepinfer.core.kv_tiers.disk import DiskStats, DiskTier
+from deepinfer.core.kv_tiers.disk_writes import DiskWrites
 from deepinfer.core.kv_tiers.host import HostStats, HostTier
 from deepinfer.core.kv_tiers.payload import Run, check_key, check_run, run_slice
 
@@ -31,8 +34,10 @@ class StoreStats:
 
 
 class TieredStore:
-    def __init__(self, host: HostTier | None, disk: DiskTier | None):
-        self.host, self.disk = host, disk
+    def __init__(self, host: HostTier | None, disk: DiskTier | None, writes: DiskWrites | None = None):
+        """writes: runs go to the disk through this background queue (disk_writes.py; stores over one disk
+        tier share it) instead of being written by the caller."""
+        self.host, self.disk, self.writes = host, disk, writes
         self._lock = threading.Lock()
         self._host_hits = self._disk_hits = self._misses = 0
 
@@ -66,9 +71,26 @@ class TieredStore:
         run = self.host.find(member) if self.host is not None else None
         tier = "host"
         if run is None and self.disk is not None:
-            run, tier = self.disk.find(member), "disk"
+            run, tier = self.writes.find(member) if self.writes is not None else None, "disk"
+            if run is None:
+                run = self.disk.find(member)
         self._count(run is not None, tier)
         return run
+
+    def disk_held(self, members) -> list:
+        """For each hash, whether the disk tier holds it or it is queued for the disk (DiskTier.held)."""
+        members = list(members)
+        if self.disk is None:
+            return [False] * len(members)
+        queued = self.writes.held(members) if self.writes is not None else [False] * len(members)
+        rest = [m for m, q in zip(members, queued) if not q]
+        on_disk = iter(self.disk.held(rest) if rest else [])
+        return [q or next(on_disk) for q in queued]
+
+    def drain(self) -> None:
+        """Wait for the runs queued for the disk to be written."""
+        if self.writes is not None:
+            self.writes.drain()
 
     def _count(self, hit: bool, tier: str) -> None:
         with self._lock:
@@ -85,7 +107,8 @@ class TieredStore:
         for tier in (self.host, self.disk):
             if tier is None:
                 continue
-            held = tier.held(members)
+            held = tier.held(members) if tier is self.host else self.disk_held(members)
+            put = self.writes.put if tier is self.disk and self.writes is not None else tier.put
             i = 0
             while i < len(members):
                 if held[i]:
@@ -94,8 +117,8 @@ class TieredStore:
                 j = i
                 while j < len(members) and not held[j]:
                     j += 1
-                tier.put(members[i], payload if j - i == len(members) else run_slice(payload, i, j),
-                         members=members[i:j])
+                put(members[i], payload if j - i == len(members) else run_slice(payload, i, j),
+                    members=members[i:j])
                 i = j
 
     def contains(self, key: bytes) -> bool:
@@ -104,6 +127,7 @@ class TieredStore:
 
     def evict(self, key: bytes) -> bool:
         """Drop key from every tier; whether any held it."""
+        self.drain()  # (a queued write of key would land after the eviction)
         dropped = [t.evict(key) for t in (self.host, self.disk) if t is not None]
         return any(dropped)
 
