@@ -8,6 +8,8 @@ sequence's blocks)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from deepinfer import LLM, SamplingParams
@@ -47,6 +49,33 @@ def stored_members(directory) -> list:
         with open(f, "rb") as fh:
             out += read_head(fh.read)[1]
     return out
+
+
+def test_write_through_is_skipped_while_the_disk_queue_is_full_and_evictions_store_those_blocks(tiny, tmp_path):
+    llm = LLM(tiny, num_kv_blocks=24, block_size=4, max_num_seqs=1, device="cpu", cache_dir=str(tmp_path))
+    writes = llm.engine.prefix_cache.writer.store.writes
+    block = llm.engine.prefix_cache.writer.block_bytes
+    writes.max_pending_bytes = 3 * block  # nothing more than 3 blocks may wait for the disk
+    gate = threading.Event()
+    inner = writes.disk.put
+    writes.disk.put = lambda *a, **k: (gate.wait(60), inner(*a, **k))[1]  # the disk stalls until told (or a minute)
+    try:
+        cold = gen(roomy(tiny, enable_prefix_caching=False), PROMPTS[:1])
+        engine = llm.engine
+        engine.add_request("a", {"prompt_token_ids": list(PROMPTS[0])}, SP)
+        while engine.has_unfinished():
+            engine.step()  # never waits for the stalled disk
+        st = llm.cache_stats()
+        assert st["write_through_skipped"] > 0 and writes.pending_bytes <= 3 * block
+    finally:
+        gate.set()
+    llm.engine.prefix_cache.drain()
+    gen(llm, PROMPTS[1:])  # other prompts evict the first one's blocks: the skipped ones reach the disk now
+    llm.engine.prefix_cache.drain()
+    restarted = roomy(tiny, cache_dir=str(tmp_path))
+    out = gen(restarted, PROMPTS[:1])
+    assert out[0].num_cached_tokens == 36
+    same(out, cold)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -185,12 +185,20 @@ class PrefixCache:
         """Copy the blocks registered since the last call off the device for the disk tier (those it does not
         hold already): one gather and one copy per view for all of them, in stream order after the kernels
         queued so far. The engine calls it as it collects a step; an eviction calls it first, so a block is never
-        reused before its copy is queued."""
+        reused before its copy is queued. Blocks that would take the disk's write queue past its cap are
+        skipped (counted in ``write_through_skipped``)."""
         items, self._to_write = self._to_write, []
         if not items:
             return
         held = self.writer.store.disk_held([h for h, _, _ in items])
         items = [it for it, on_disk in zip(items, held) if not on_disk]
+        writes = self.writer.store.writes
+        if items and writes is not None and writes.pending_bytes + (self._unflushed + len(items)) \
+                * self.writer.block_bytes > writes.max_pending_bytes:
+            # The disk is behind: write-through is best effort and never makes a step wait for the disk (the
+            # device still holds these blocks; an eviction stores them in the tiers then).
+            self.stats["write_through_skipped"] += len(items)
+            return
         if items:
             self.writer.save(items)
             self._unflushed += len(items)
@@ -251,6 +259,7 @@ class PrefixCache:
                 "host_hit_runs": store.host_hits if store is not None else 0,
                 "disk_hit_runs": store.disk_hits if store is not None else 0,
                 "blocks_written_through": st["written_through"],
+                "write_through_skipped": st["write_through_skipped"],
                 "disk_writes": store.disk.writes if store is not None and store.disk is not None else 0}
 
     def reset(self) -> int:
