@@ -22,6 +22,7 @@ from .kv_cache import BlockPool, blocks_needed
 from .kv_offload import block_mover
 from .prefix_cache import PrefixCache
 from .swa_pool import SwaStatePool, wanted as swa_pool_wanted
+from .draft_gate import DraftGate
 from .speculative import (EXPLORE_EVERY, SpecStats, SpeculativeConfig, SpeculativeConfigError, StepTime, build_drafter,
                           can_speculate, choose_lengths, choose_padded, verify_width, wants_hidden)
 from .spec_step import launch_acceptance
@@ -149,6 +150,8 @@ class Engine:
         # Speculative decoding (core/speculative.py): the drafter, and no overlap (drafting reads the last token).
         self.spec = SpeculativeConfig.parse(config.speculative_config)
         self.drafter, self.spec_stats, self.step_time = None, SpecStats(), StepTime()
+        # dynamic: whether a step drafts at all, from measured drafting and plain steps (core/draft_gate.py)
+        self.draft_gate = DraftGate() if self.spec is not None and self.spec.dynamic else None
         self._padded_steps = 0  # dynamic steps priced as padded verify graphs (core/speculative.EXPLORE_EVERY)
         if self.spec is not None and self.spec.step_time is not None:
             self.step_time = StepTime.load(self.spec.step_time)
@@ -269,8 +272,10 @@ class Engine:
                 self._collect_step(launched, touched)
                 if self.spec is not None and self.spec.dynamic and _decodes_only(launched.state.batch):
                     # the step-time curve dynamic drafts use, over the steps they are chosen for
-                    self.step_time.record(self._step_tokens(launched, replays), time.perf_counter() - t0,
-                                          len(launched.state.batch.seqs))
+                    b, dt = launched.state.batch, time.perf_counter() - t0
+                    self.step_time.record(self._step_tokens(launched, replays), dt, len(b.seqs))
+                    if self.draft_gate is not None:
+                        self.draft_gate.record_step(any(b.drafts or ()), len(b.seqs), dt)
         return self._collect(touched)
 
     @torch.no_grad()
@@ -564,11 +569,15 @@ class Engine:
     def _propose_drafts(self) -> None:
         """Ask the drafter for the next step's drafts of every decoding sequence that may speculate."""
         k, vocab = self.spec.num_speculative_tokens, self.model.vocab_size
+        gate = self.draft_gate
+        drafting = gate.open(len(self.scheduler.running)) if gate is not None and self.scheduler.running else True
         asked = []  # (sequence, drafts it may take)
         for seq in self.scheduler.running:
             seq.draft = []
             if seq.status is not SeqStatus.RUNNING or seq.draining or seq.pending \
                     or seq.num_tokens - seq.num_computed_tokens != 1 or not can_speculate(seq.params):
+                continue
+            if not drafting and seq.generator is None:  # (a seeded request drafts whatever the gate says)
                 continue
             room = min(k, self.max_model_len - seq.num_tokens - 1)
             if seq.params.max_tokens is not None:
@@ -679,7 +688,17 @@ class Engine:
                 state.spec_logprobs[r] = list(zip(tops, [tok_lp[x] for x in at], [ranks[x] for x in at]))
             drafted.append(k)
             accepts.append(accepted)
+            if k:
+                seq.num_drafts += 1
+                seq.num_draft_tokens += k
+                seq.num_accepted_tokens += accepted
+                per_pos = seq.num_accepted_tokens_per_pos
+                per_pos.extend([0] * (k - len(per_pos)))
+                for p in range(accepted):
+                    per_pos[p] += 1
             seq.num_computed_tokens -= k - accepted  # the rejected drafts' KV is overwritten later
             if accepted:
                 state.spec_extra[r] = emitted[1:]
         self.spec_stats.record_many(drafted, accepts)
+        if self.draft_gate is not None:
+            self.draft_gate.record_accepted(sum(1 for k in drafted if k), sum(accepts))

@@ -312,8 +312,9 @@ class LLM:
         eng = self.engine
         if eng.spec is None:
             return {"enabled": False}
+        gate = {} if eng.draft_gate is None else {"draft_gate_closed_steps": eng.draft_gate.closed}
         return {"enabled": True, "method": eng.spec.method, "num_speculative_tokens": eng.spec.num_speculative_tokens,
-                **eng.spec_stats.summary()}
+                **eng.spec_stats.summary(), **gate}
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached device block no request holds (as vLLM's reset_prefix_cache); returns how many.

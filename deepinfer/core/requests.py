@@ -27,6 +27,22 @@ class Request:
         return self.error is not None or all(s.finished for s in self.seqs)
 
 
+def spec_metrics(seqs) -> dict:
+    """Speculative decoding's counts over a request's sequences, named as vLLM's: verify steps with drafts,
+    drafts, accepted drafts, accepted drafts per position, and the mean acceptance length 1 + accepted / drafts
+    (zeros without speculation)."""
+    per_pos: list = []
+    for s in seqs:
+        per_pos.extend([0] * (len(s.num_accepted_tokens_per_pos) - len(per_pos)))
+        for p, n in enumerate(s.num_accepted_tokens_per_pos):
+            per_pos[p] += n
+    drafts = sum(s.num_drafts for s in seqs)
+    accepted = sum(s.num_accepted_tokens for s in seqs)
+    return {"num_drafts": drafts, "num_draft_tokens": sum(s.num_draft_tokens for s in seqs),
+            "num_accepted_tokens": accepted, "num_accepted_tokens_per_pos": per_pos,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
+
+
 def request_output(req: Request) -> RequestOutput:
     """The RequestOutput users read (built only for finished and streamed requests: it is per-sequence Python)."""
     prompt = req.prompt if isinstance(req.prompt, str) else None
@@ -44,7 +60,7 @@ def request_output(req: Request) -> RequestOutput:
                                       cumulative_logprob=cum, logprobs=s.logprobs, finish_reason=s.finish_reason,
                                       stop_reason=s.stop_reason))
     metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-               "num_preemptions": sum(s.num_preemptions for s in req.seqs)}
+               "num_preemptions": sum(s.num_preemptions for s in req.seqs), **spec_metrics(req.seqs)}
     return RequestOutput(req.request_id, prompt, req.prompt_token_ids, comps, req.finished,
                          prompt_logprobs=req.seqs[0].prompt_logprobs, metrics=metrics,
                          num_cached_tokens=max(s.num_cached_tokens for s in req.seqs))

@@ -434,7 +434,12 @@ class SpecStats:
     def summary(self) -> dict:
         rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
         per_pos = [round(self.accepted_at[i] / self.proposed_at[i], 4) for i in sorted(self.proposed_at)]
-        return {"verified_rows": self.steps, "draft_tokens": self.draft_tokens,
+        width = max(self.proposed_at, default=-1) + 1
+        return {"num_drafts": self.steps, "num_draft_tokens": self.draft_tokens,  # vLLM's names
+                "num_accepted_tokens": self.accepted_tokens,
+                "num_accepted_tokens_per_pos": [self.accepted_at[i] for i in range(width)],
+                "mean_acceptance_length": round(1 + self.accepted_tokens / self.steps, 4) if self.steps else 0.0,
+                "verified_rows": self.steps, "draft_tokens": self.draft_tokens,
                 "accepted_tokens": self.accepted_tokens, "acceptance_rate": round(rate, 4),
                 "acceptance_by_position": per_pos,
                 "tokens_per_verified_row": round(self.emitted_tokens / self.steps, 4) if self.steps else 0.0}

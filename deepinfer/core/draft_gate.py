@@ -1,0 +1,113 @@
+"""Whether a dynamic speculative step drafts at all.
+
+The per-row choice (core/speculative.py: choose_lengths, choose_padded) is made after the drafter has run,
+when its forward is spent: it weighs verifying against decoding plainly with the drafts already paid for. At
+high concurrency, or with a drafter whose drafts are rarely accepted, a step that drafts and verifies can emit
+fewer tokens per second than a step that does neither, and only a choice made before drafting can take the
+plain step. The gate makes it per step, from what the engine measured: the wall time of its recent drafting
+steps and of its recent plain steps against their rows (each a line T(R) = a + b R, StepLine, robust to a
+stray slow step), and the drafts accepted per verified row (an exponential average). It drafts iff
+R (1 + g) / T_draft(R) > R / T_plain(R).
+
+Both kinds keep being measured: the first WARM steps draft, then one step in EXPLORE_FIRST decodes plainly
+until WARM plain steps are in; from then on an open gate decodes plainly one step in EXPLORE_EVERY, and a
+closed one drafts one step in EXPLORE_CLOSED (so a drafter that starts to pay is noticed within a few dozen
+steps). A seeded
+request drafts whatever the gate says (the engine's choice of lengths never depends on timing for it).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from typing import Optional
+
+from .speculative import EXPLORE_EVERY
+
+WARM = 8
+EXPLORE_FIRST = 4
+EXPLORE_CLOSED = 16  # a closed gate drafts once in this many steps: drafting's time and gain stay current
+GAIN_ALPHA = 0.1
+WINDOW = 32
+
+
+class StepLine:
+    """T(R) = a + b R over the last WINDOW steps of one kind, least squares with the steps far off the first
+    fit dropped (a step that a page fault or another process made 5x slower must not shut the gate for
+    good); the median time while R has not varied."""
+
+    def __init__(self):
+        self.samples: deque = deque(maxlen=WINDOW)
+        self._fit = None
+
+    def record(self, rows: int, seconds: float) -> None:
+        self.samples.append((rows, seconds))
+        self._fit = None
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @staticmethod
+    def _line(pts) -> Optional[tuple]:
+        n = len(pts)
+        mr = sum(r for r, _ in pts) / n
+        mt = sum(t for _, t in pts) / n
+        srr = sum((r - mr) ** 2 for r, _ in pts)
+        if srr <= 1e-9 * max(1.0, mr * mr):
+            return None
+        b = max(sum((r - mr) * (t - mt) for r, t in pts) / srr, 0.0)
+        return mt - b * mr, b
+
+    def coefficients(self) -> tuple:
+        if self._fit is None:
+            pts = list(self.samples)
+            line = self._line(pts)
+            if line is None:
+                self._fit = (statistics.median(t for _, t in pts), 0.0)
+            else:
+                res = [abs(t - (line[0] + line[1] * r)) for r, t in pts]
+                cut = 3 * statistics.median(res) + 1e-12
+                kept = [p for p, e in zip(pts, res) if e <= cut]
+                line = self._line(kept) if len(kept) >= 2 else None
+                self._fit = line if line is not None else (statistics.median(t for _, t in kept or pts), 0.0)
+        return self._fit
+
+    def __call__(self, rows: int) -> float:
+        a, b = self.coefficients()
+        return max(a + b * rows, 1e-9)
+
+
+class DraftGate:
+    def __init__(self, explore_every: int = EXPLORE_EVERY, explore_closed: int = EXPLORE_CLOSED):
+        self.explore_every, self.explore_closed = explore_every, explore_closed
+        self.drafting, self.plain = StepLine(), StepLine()  # seconds against rows
+        self.gain: Optional[float] = None  # accepted drafts per verified row, averaged
+        self.decisions = 0
+        self.closed = 0  # steps the gate sent to plain decoding
+
+    def record_step(self, drafted: bool, rows: int, seconds: float) -> None:
+        """A decode-only step of ``rows`` rows took ``seconds``, drafting and verifying or plainly."""
+        (self.drafting if drafted else self.plain).record(rows, seconds)
+
+    def record_accepted(self, verified_rows: int, accepted: int) -> None:
+        if verified_rows:
+            g = accepted / verified_rows
+            self.gain = g if self.gain is None else (1 - GAIN_ALPHA) * self.gain + GAIN_ALPHA * g
+
+    def worth(self, rows: int) -> bool:
+        """Whether drafting pays at ``rows`` rows by the fits as they are (no exploration)."""
+        return rows * (1 + (self.gain or 0.0)) / self.drafting(rows) > rows / self.plain(rows)
+
+    def open(self, rows: int) -> bool:
+        """This step's choice for ``rows`` decoding rows: draft (True) or decode plainly."""
+        self.decisions += 1
+        if len(self.drafting) < WARM or self.gain is None:
+            choice = True
+        elif len(self.plain) < WARM:
+            choice = self.decisions % EXPLORE_FIRST != 0
+        else:
+            choice = self.worth(rows)
+            if self.decisions % (self.explore_every if choice else self.explore_closed) == 0:
+                choice = not choice
+        self.closed += not choice
+        return choice

@@ -1,0 +1,151 @@
+"""Dynamic speculation's step gate (core/draft_gate.py: draft at all this step, or decode plainly) and the
+speculative accounting named as vLLM's (llm.spec_stats(), RequestOutput.metrics)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.core import draft_gate as dg
+from deepinfer.core.draft_gate import DraftGate
+from deepinfer.testing.models import build_tiny_hf_model
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def fed(gate: DraftGate, t_draft, t_plain, gain: float, rows=(4, 64), each: int = 8) -> DraftGate:
+    """A gate that has seen ``each`` steps of each kind at each of ``rows``, timed exactly by t_draft / t_plain."""
+    for r in rows:
+        for _ in range(each):
+            gate.record_step(True, r, t_draft(r))
+            gate.record_step(False, r, t_plain(r))
+    gate.record_accepted(10, round(gain * 10))
+    return gate
+
+
+def test_the_first_steps_draft_then_plain_steps_are_measured():
+    gate = DraftGate()
+    assert all(gate.open(8) for _ in range(dg.WARM))  # nothing measured: draft (and measure drafting)
+    for _ in range(dg.WARM):
+        gate.record_step(True, 8, 0.01)
+    gate.record_accepted(8, 8)
+    choices = [gate.open(8) for _ in range(4 * dg.EXPLORE_FIRST)]
+    assert choices.count(False) == 4  # one plain step in EXPLORE_FIRST until WARM plain steps are in
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(st.floats(1e-4, 1e-2), st.floats(0, 1e-4), st.floats(1e-4, 1e-2), st.floats(0, 1e-4),
+       st.floats(0, 4), st.integers(1, 256))
+def test_the_choice_is_the_better_tokens_per_second(ad, bd, ap, bp, gain, rows):
+    gate = fed(DraftGate(), lambda r: ad + bd * r, lambda r: ap + bp * r, gain)
+    g = round(gain * 10) / 10
+    drafting = rows * (1 + g) / (ad + bd * rows)
+    plain = rows / (ap + bp * rows)
+    if abs(drafting - plain) > 1e-6 * max(drafting, plain):  # (a tie is either way)
+        assert gate.worth(rows) == (drafting > plain)
+
+
+def test_an_open_gate_explores_plain_steps_and_a_closed_one_drafting_steps():
+    closed = fed(DraftGate(explore_every=64, explore_closed=16), lambda r: 0.010, lambda r: 0.004, 1.0)
+    closed.decisions = 0  # plain wins: 2 / 10 ms < 1 / 4 ms
+    choices = [closed.open(32) for _ in range(64)]
+    assert choices.count(True) == 4 and all(choices[i] for i in range(15, 64, 16)) and closed.closed == 60
+    opened = fed(DraftGate(explore_every=64, explore_closed=16), lambda r: 0.010, lambda r: 0.004, 3.0)
+    opened.decisions = 0  # drafting wins: 4 / 10 ms > 1 / 4 ms
+    choices = [opened.open(32) for _ in range(128)]
+    assert choices.count(False) == 2 and not choices[63] and not choices[127]
+
+
+def test_a_stray_slow_step_does_not_shut_the_gate():
+    gate = fed(DraftGate(), lambda r: 0.010 + 1e-4 * r, lambda r: 0.004 + 1e-4 * r, 1.5)
+    assert gate.worth(16)  # 2.5 / 11.6 ms > 1 / 5.6 ms
+    for _ in range(3):
+        gate.record_step(True, 16, 0.5)  # a page fault, another process: 40x slower
+    assert gate.worth(16) and gate.drafting(16) == pytest.approx(0.0116, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    d = tmp_path_factory.mktemp("draft_gate_llama")
+    build_tiny_hf_model(d, "llama", seed=3)
+    return str(d)
+
+
+class ConfidentDrafter:
+    def propose(self, seq, k: int) -> list:
+        seq.draft_survival = [0.9 ** (i + 1) for i in range(k)]
+        return [seq.token_ids[-1]] * k
+
+
+class Gate(DraftGate):
+    def __init__(self, decision: bool):
+        super().__init__()
+        self.decision, self.asked = decision, 0
+
+    def open(self, rows: int) -> bool:
+        self.asked += 1
+        return self.decision
+
+
+def test_a_closed_gate_drafts_only_for_seeded_requests_and_keeps_their_output(llama):
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    other = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 9, 13, 17, 21], [40, 41, 42, 43, 40, 41, 42]]
+    runs = {}
+    for decision in (True, False):
+        llm = LLM(llama, num_kv_blocks=128, block_size=4, seed=0, speculative_config=NGRAM)
+        eng = llm.engine
+        eng.drafter, eng.draft_gate = ConfidentDrafter(), Gate(decision)
+        eng.spec = attrs.evolve(eng.spec, dynamic=True)
+        runs[decision] = (llm.generate(prompts, [seeded, other], use_tqdm=False), eng.draft_gate.asked)
+    (open_out, asked), (closed_out, _) = runs[True], runs[False]
+    assert asked > 0
+    assert open_out[0].outputs[0].token_ids == closed_out[0].outputs[0].token_ids  # seeded: the same tokens
+    assert closed_out[0].metrics["num_drafts"] > 0 and closed_out[1].metrics["num_drafts"] == 0
+    assert open_out[1].metrics["num_drafts"] > 0
+    assert open_out[1].outputs[0].token_ids == closed_out[1].outputs[0].token_ids  # greedy: exact either way
+
+
+class ScriptDrafter:
+    """Drafts the reference continuation (every draft right) or its successor token (every draft wrong)."""
+
+    def __init__(self, reference: dict, right: bool, vocab: int):
+        self.reference, self.right, self.vocab = reference, right, vocab
+
+    def propose(self, seq, k: int) -> list:
+        ref = self.reference[tuple(seq.prompt_token_ids)]
+        nxt = ref[len(seq.output_token_ids):len(seq.output_token_ids) + k]
+        return nxt if self.right else [(t + 1) % self.vocab for t in nxt]
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_accounting_named_as_vllm_per_request_and_engine_wide(llama, right):
+    sp = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    prompts = [[5, 9, 13, 17, 21], [40, 41, 42, 43, 40, 41, 42], [7, 8, 9]]
+    plain = LLM(llama, num_kv_blocks=128, block_size=4).generate(prompts, sp, use_tqdm=False)
+    reference = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
+    llm = LLM(llama, num_kv_blocks=128, block_size=4, speculative_config=NGRAM)
+    llm.engine.drafter = ScriptDrafter(reference, right, llm.engine.model.vocab_size)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    total = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+    for o in outs:
+        m = o.metrics
+        assert m["num_drafts"] > 0 and sum(m["num_accepted_tokens_per_pos"]) == m["num_accepted_tokens"]
+        if right:  # every draft stands; the tokens emitted are the verify steps' bonus plus the accepted
+            assert m["num_accepted_tokens"] == m["num_draft_tokens"]
+            assert m["mean_acceptance_length"] == pytest.approx(1 + m["num_draft_tokens"] / m["num_drafts"])
+            assert m["num_accepted_tokens_per_pos"][0] == m["num_drafts"]
+        else:
+            assert m["num_accepted_tokens"] == 0 and m["mean_acceptance_length"] == 1.0
+            assert m["num_accepted_tokens_per_pos"] == [0] * len(m["num_accepted_tokens_per_pos"])
+        per_pos = m["num_accepted_tokens_per_pos"]
+        assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # a position stands only after the one before
+        for k in total:
+            total[k] += m[k]
+    stats = llm.spec_stats()
+    assert {k: stats[k] for k in total} == total
+    assert sum(stats["num_accepted_tokens_per_pos"]) == stats["num_accepted_tokens"]
