@@ -40,6 +40,7 @@ import io
 import json
 import pstats
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -221,6 +222,7 @@ def tiers(args, path, cfg, P: int, vocab: int, rows: list) -> None:
                      "all_s": [round(t, 5) for t in ts], **extra})
     del fresh, spent
     release()
+    shutil.rmtree(cache_dir, ignore_errors=True)
 
 
 def agent(args, path, cfg, vocab: int, rows: list) -> None:
