@@ -12,8 +12,7 @@ R (1 + g) / T_draft(R) > R / T_plain(R).
 Both kinds keep being measured: the first WARM steps draft, then one step in EXPLORE_FIRST decodes plainly
 until WARM plain steps are in; from then on an open gate decodes plainly one step in EXPLORE_EVERY, and a
 closed one drafts one step in EXPLORE_CLOSED (so a drafter that starts to pay is noticed within a few dozen
-steps). A seeded
-request drafts whatever the gate says (the engine's choice of lengths never depends on timing for it).
+steps). A seeded request drafts whatever the gate says (the engine's choices never depend on timing for it).
 """
 
 from __future__ import annotations
