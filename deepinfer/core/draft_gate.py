@@ -6,7 +6,7 @@ high concurrency, or with a drafter whose drafts are rarely accepted, a step tha
 fewer tokens per second than a step that does neither, and only a choice made before drafting can take the
 plain step. The gate makes it per step, from what the engine measured: the wall time of its recent drafting
 steps and of its recent plain steps against their rows (each a line T(R) = a + b R, StepLine, robust to a
-stray slow step), and the drafts accepted per verified row (an exponential average). It drafts iff
+stray slow step), and the drafts accepted per row of a drafting step (an exponential average). It drafts iff
 R (1 + g) / T_draft(R) > R / T_plain(R).
 
 Both kinds keep being measured: the first WARM steps draft, then one step in EXPLORE_FIRST decodes plainly
@@ -80,17 +80,19 @@ class DraftGate:
     def __init__(self, explore_every: int = EXPLORE_EVERY, explore_closed: int = EXPLORE_CLOSED):
         self.explore_every, self.explore_closed = explore_every, explore_closed
         self.drafting, self.plain = StepLine(), StepLine()  # seconds against rows
-        self.gain: Optional[float] = None  # accepted drafts per verified row, averaged
+        self.gain: Optional[float] = None  # accepted drafts per row of a drafting step, averaged
         self.decisions = 0
         self.closed = 0  # steps the gate sent to plain decoding
 
     def record_step(self, drafted: bool, rows: int, seconds: float) -> None:
-        """A decode-only step of ``rows`` rows took ``seconds``, drafting and verifying or plainly."""
+        """A decode-only step of ``rows`` rows took ``seconds``, with the drafter run (whatever lengths were then
+        verified) or plainly."""
         (self.drafting if drafted else self.plain).record(rows, seconds)
 
-    def record_accepted(self, verified_rows: int, accepted: int) -> None:
-        if verified_rows:
-            g = accepted / verified_rows
+    def record_accepted(self, rows: int, accepted: int) -> None:
+        """A drafting step's rows and the drafts accepted over them."""
+        if rows:
+            g = accepted / rows
             self.gain = g if self.gain is None else (1 - GAIN_ALPHA) * self.gain + GAIN_ALPHA * g
 
     def worth(self, rows: int) -> bool:

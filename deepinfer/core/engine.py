@@ -23,6 +23,7 @@ from .kv_offload import block_mover
 from .prefix_cache import PrefixCache
 from .swa_pool import SwaStatePool, wanted as swa_pool_wanted
 from .draft_gate import DraftGate
+from .survival_calibration import SurvivalCalibration
 from .speculative import (EXPLORE_EVERY, SpecStats, SpeculativeConfig, SpeculativeConfigError, StepTime, build_drafter,
                           can_speculate, choose_lengths, choose_padded, verify_width, wants_hidden)
 from .spec_step import launch_acceptance
@@ -152,7 +153,10 @@ class Engine:
         self.drafter, self.spec_stats, self.step_time = None, SpecStats(), StepTime()
         # dynamic: whether a step drafts at all, from measured drafting and plain steps (core/draft_gate.py)
         self.draft_gate = DraftGate() if self.spec is not None and self.spec.dynamic else None
+        # and the drafter's predicted survival scaled to what verification found (core/survival_calibration.py)
+        self.survival_cal = SurvivalCalibration() if self.draft_gate is not None else None
         self._padded_steps = 0  # dynamic steps priced as padded verify graphs (core/speculative.EXPLORE_EVERY)
+        self._drafter_ran = True  # whether the last step's drafts were asked for (the gate was open)
         if self.spec is not None and self.spec.step_time is not None:
             self.step_time = StepTime.load(self.spec.step_time)
         if self.spec is not None:
@@ -273,9 +277,10 @@ class Engine:
                 if self.spec is not None and self.spec.dynamic and _decodes_only(launched.state.batch):
                     # the step-time curve dynamic drafts use, over the steps they are chosen for
                     b, dt = launched.state.batch, time.perf_counter() - t0
-                    self.step_time.record(self._step_tokens(launched, replays), dt, len(b.seqs))
+                    if self._drafter_ran:  # (a step the gate kept plain paid no drafter: not a length choice's)
+                        self.step_time.record(self._step_tokens(launched, replays), dt, len(b.seqs))
                     if self.draft_gate is not None:
-                        self.draft_gate.record_step(any(b.drafts or ()), len(b.seqs), dt)
+                        self.draft_gate.record_step(self._drafter_ran, len(b.seqs), dt)
         return self._collect(touched)
 
     @torch.no_grad()
@@ -571,6 +576,7 @@ class Engine:
         k, vocab = self.spec.num_speculative_tokens, self.model.vocab_size
         gate = self.draft_gate
         drafting = gate.open(len(self.scheduler.running)) if gate is not None and self.scheduler.running else True
+        self._drafter_ran = drafting
         asked = []  # (sequence, drafts it may take)
         for seq in self.scheduler.running:
             seq.draft = []
@@ -611,6 +617,8 @@ class Engine:
             # its generator draws, and so its output, change from run to run.
             rows = [s for s in self.scheduler.running if s.draft and s.generator is None]
             survival = [list(getattr(s, "draft_survival", None) or [])[:len(s.draft)] for s in rows]
+            if self.survival_cal is not None:
+                survival = [self.survival_cal.apply(sv) for sv in survival]
             fixed = [s for s in self.scheduler.running if s.draft and s.generator is not None]
             others = sum(1 for s in self.scheduler.running if not s.draft) + len(fixed)
             width = self._padded_verify_width()
@@ -688,6 +696,8 @@ class Engine:
                 state.spec_logprobs[r] = list(zip(tops, [tok_lp[x] for x in at], [ranks[x] for x in at]))
             drafted.append(k)
             accepts.append(accepted)
+            if k and self.survival_cal is not None and getattr(seq, "draft_survival", None):
+                self.survival_cal.record(list(seq.draft_survival)[:k], accepted)
             if k:
                 seq.num_drafts += 1
                 seq.num_draft_tokens += k
@@ -700,5 +710,5 @@ class Engine:
             if accepted:
                 state.spec_extra[r] = emitted[1:]
         self.spec_stats.record_many(drafted, accepts)
-        if self.draft_gate is not None:
-            self.draft_gate.record_accepted(sum(1 for k in drafted if k), sum(accepts))
+        if self.draft_gate is not None:  # accepted drafts per row of the step, verified or not (the gate's g)
+            self.draft_gate.record_accepted(len(state.sample_rows), sum(accepts))
