@@ -44,3 +44,47 @@ def test_calibrated_survival_is_a_survival(history, survival):
     got = cal.apply(sorted(survival, reverse=True))
     assert len(got) == len(survival) and all(0 <= g <= 1 for g in got)
     assert all(a >= b for a, b in zip(got, got[1:]))
+
+
+def test_the_engine_calibrates_only_on_steps_that_verify_every_draft(tmp_path):
+    """With a step-time curve that makes every draft too dear, the length choice cuts all of them; one ragged
+    step in CALIBRATE_EVERY still verifies every draft, and only those steps reach the calibration."""
+    import attrs
+
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.core.draft_gate import DraftGate
+    from deepinfer.core.survival_calibration import CALIBRATE_EVERY
+    from deepinfer.testing.models import build_tiny_hf_model
+
+    class Confident:
+        def propose(self, seq, k):
+            seq.draft_survival = [0.5 ** (i + 1) for i in range(k)]
+            return [seq.token_ids[-1]] * k
+
+    class Dear:  # a step's time in proportion to its tokens: a draft (S <= 1) never raises tokens per second
+        def record(self, *a, **k):
+            pass
+
+        def __call__(self, tokens, rows=None):
+            return max(float(tokens), 1e-3)
+
+    class Open(DraftGate):
+        def open(self, rows):
+            return True
+
+    build_tiny_hf_model(tmp_path, "llama", seed=3)
+    llm = LLM(str(tmp_path), num_kv_blocks=128, block_size=4, speculative_config={"method": "ngram",
+                                                                                   "num_speculative_tokens": 3})
+    eng = llm.engine
+    eng.drafter, eng.step_time, eng.draft_gate = Confident(), Dear(), Open()
+    eng.survival_cal = SurvivalCalibration()
+    eng.spec = attrs.evolve(eng.spec, dynamic=True)
+    seen = []
+    inner = eng.survival_cal.record
+    eng.survival_cal.record = lambda s, a: (seen.append(len(s)), inner(s, a))
+    llm.generate([[5, 9, 13, 17, 21]], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+                 use_tqdm=False)
+    stats = llm.spec_stats()
+    assert seen and set(seen) == {3}  # full lengths only
+    assert stats["num_drafts"] == len(seen)  # every verified row was an exploration step's
+    assert len(seen) <= 40 // CALIBRATE_EVERY + 1

@@ -23,7 +23,7 @@ from .kv_offload import block_mover
 from .prefix_cache import PrefixCache
 from .swa_pool import SwaStatePool, wanted as swa_pool_wanted
 from .draft_gate import DraftGate
-from .survival_calibration import SurvivalCalibration
+from .survival_calibration import CALIBRATE_EVERY, SurvivalCalibration
 from .speculative import (EXPLORE_EVERY, SpecStats, SpeculativeConfig, SpeculativeConfigError, StepTime, build_drafter,
                           can_speculate, choose_lengths, choose_padded, verify_width, wants_hidden)
 from .spec_step import launch_acceptance
@@ -157,6 +157,7 @@ class Engine:
         self.survival_cal = SurvivalCalibration() if self.draft_gate is not None else None
         self._padded_steps = 0  # dynamic steps priced as padded verify graphs (core/speculative.EXPLORE_EVERY)
         self._drafter_ran = True  # whether the last step's drafts were asked for (the gate was open)
+        self._length_steps, self._full_lengths = 0, True  # ragged dynamic steps; whether this one cut no draft
         if self.spec is not None and self.spec.step_time is not None:
             self.step_time = StepTime.load(self.spec.step_time)
         if self.spec is not None:
@@ -623,6 +624,7 @@ class Engine:
             others = sum(1 for s in self.scheduler.running if not s.draft) + len(fixed)
             width = self._padded_verify_width()
             R = len(self.scheduler.running)  # T's rows term: the step's rows whatever their drafts
+            self._full_lengths = True  # this step verifies every draft: an unbiased sample for the calibration
             if width and fixed:  # the step verifies in a padded graph anyway: every row's drafts cost nothing more
                 ks = [len(s.draft) for s in rows]
             elif width:
@@ -635,7 +637,12 @@ class Engine:
                                    explore=unsure or self._padded_steps % EXPLORE_EVERY == 0)
             else:
                 fixed_tokens = others + sum(len(s.draft) for s in fixed)
-                ks = choose_lengths(survival, lambda n: self.step_time(n + fixed_tokens, R))
+                self._length_steps += 1
+                if self._length_steps % CALIBRATE_EVERY:
+                    ks = choose_lengths(survival, lambda n: self.step_time(n + fixed_tokens, R))
+                    self._full_lengths = False
+                else:  # one step in CALIBRATE_EVERY verifies every draft, so the calibration sees what the cut
+                    ks = [len(s.draft) for s in rows]  # slots would have done, not only the slots kept
             for s, k in zip(rows, ks):
                 del s.draft[k:]
 
@@ -696,7 +703,7 @@ class Engine:
                 state.spec_logprobs[r] = list(zip(tops, [tok_lp[x] for x in at], [ranks[x] for x in at]))
             drafted.append(k)
             accepts.append(accepted)
-            if k and self.survival_cal is not None and getattr(seq, "draft_survival", None):
+            if k and self._full_lengths and self.survival_cal is not None and getattr(seq, "draft_survival", None):
                 self.survival_cal.record(list(seq.draft_survival)[:k], accepted)
             if k:
                 seq.num_drafts += 1
