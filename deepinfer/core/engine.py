@@ -706,13 +706,9 @@ class Engine:
             if k and self._full_lengths and self.survival_cal is not None and getattr(seq, "draft_survival", None):
                 self.survival_cal.record(list(seq.draft_survival)[:k], accepted)
             if k:
-                seq.num_drafts += 1
-                seq.num_draft_tokens += k
-                seq.num_accepted_tokens += accepted
-                per_pos = seq.num_accepted_tokens_per_pos
-                per_pos.extend([0] * (k - len(per_pos)))
-                for p in range(accepted):
-                    per_pos[p] += 1
+                if seq.spec_stats is None:
+                    seq.spec_stats = SpecStats()
+                seq.spec_stats.record(k, accepted)
             seq.num_computed_tokens -= k - accepted  # the rejected drafts' KV is overwritten later
             if accepted:
                 state.spec_extra[r] = emitted[1:]

@@ -7,6 +7,7 @@ from typing import Optional
 
 from ..outputs import CompletionOutput, RequestOutput
 from .params import SamplingParams
+from .speculative import SpecStats
 
 
 class Request:
@@ -28,19 +29,12 @@ class Request:
 
 
 def spec_metrics(seqs) -> dict:
-    """Speculative decoding's counts over a request's sequences, named as vLLM's: verify steps with drafts,
-    drafts, accepted drafts, accepted drafts per position, and the mean acceptance length 1 + accepted / drafts
-    (zeros without speculation)."""
-    per_pos: list = []
+    """Speculative decoding's counts over a request's sequences, named as vLLM's (SpecStats.vllm_counts)."""
+    total = SpecStats()
     for s in seqs:
-        per_pos.extend([0] * (len(s.num_accepted_tokens_per_pos) - len(per_pos)))
-        for p, n in enumerate(s.num_accepted_tokens_per_pos):
-            per_pos[p] += n
-    drafts = sum(s.num_drafts for s in seqs)
-    accepted = sum(s.num_accepted_tokens for s in seqs)
-    return {"num_drafts": drafts, "num_draft_tokens": sum(s.num_draft_tokens for s in seqs),
-            "num_accepted_tokens": accepted, "num_accepted_tokens_per_pos": per_pos,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
+        if s.spec_stats is not None:
+            total.add(s.spec_stats)
+    return total.vllm_counts()
 
 
 def request_output(req: Request) -> RequestOutput:

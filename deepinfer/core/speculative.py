@@ -431,14 +431,29 @@ class SpecStats:
                 reach += hist[p + 1]
                 counts[p] += reach
 
+    def add(self, other: "SpecStats") -> None:
+        """Count ``other``'s steps too (a request's sequences summed)."""
+        self.steps += other.steps
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        self.emitted_tokens += other.emitted_tokens
+        self.accepted_at.update(other.accepted_at)
+        self.proposed_at.update(other.proposed_at)
+
+    def vllm_counts(self) -> dict:
+        """The counts under vLLM's names: verify steps with drafts, drafts, accepted drafts, accepted drafts per
+        position, and the mean acceptance length 1 + accepted / drafts (zeros without speculation)."""
+        width = max(self.proposed_at, default=-1) + 1
+        return {"num_drafts": self.steps, "num_draft_tokens": self.draft_tokens,
+                "num_accepted_tokens": self.accepted_tokens,
+                "num_accepted_tokens_per_pos": [self.accepted_at[i] for i in range(width)],
+                "mean_acceptance_length": 1 + self.accepted_tokens / self.steps if self.steps else 0.0}
+
     def summary(self) -> dict:
         rate = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
         per_pos = [round(self.accepted_at[i] / self.proposed_at[i], 4) for i in sorted(self.proposed_at)]
-        width = max(self.proposed_at, default=-1) + 1
-        return {"num_drafts": self.steps, "num_draft_tokens": self.draft_tokens,  # vLLM's names
-                "num_accepted_tokens": self.accepted_tokens,
-                "num_accepted_tokens_per_pos": [self.accepted_at[i] for i in range(width)],
-                "mean_acceptance_length": round(1 + self.accepted_tokens / self.steps, 4) if self.steps else 0.0,
+        vllm = self.vllm_counts()
+        return {**vllm, "mean_acceptance_length": round(vllm["mean_acceptance_length"], 4),
                 "verified_rows": self.steps, "draft_tokens": self.draft_tokens,
                 "accepted_tokens": self.accepted_tokens, "acceptance_rate": round(rate, 4),
                 "acceptance_by_position": per_pos,

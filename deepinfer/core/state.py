@@ -54,12 +54,7 @@ class Sequence:
     draft_context: Any = None  # the target's hidden states a drafter conditions on (stages/dspark_draft.py)
     draft_survival: Any = None  # [len(draft)] predicted probability that drafts 1..i all stand (dynamic lengths)
     draft_state: Any = None  # a drafter's own per-sequence state, fed by its observe() (stages/mtp_draft.py: MTP KV)
-    # Speculative accounting, as vLLM names it (RequestOutput.metrics): steps that verified drafts of this
-    # sequence, the drafts, those accepted, and per draft position how often it was accepted.
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list = attrs.field(factory=list)
+    spec_stats: Any = None  # a SpecStats of this sequence's verified steps (RequestOutput.metrics), once it has one
     wait_for: Optional["Sequence"] = None  # a sibling (n > 1) waits for this one to compute the shared prompt
     state_slot: int = -1  # per-sequence state (SWA rings, compressor tails) while it holds KV; scheduler-owned
     # Tokens sampled by launched steps but not yet collected (engine-owned): each a negative reference into the
