@@ -3,6 +3,7 @@ machine it avoids OpenMP spin-waits that cost 5-10x. Triton's interpreter on mac
 
 import os
 
+import pytest
 import torch
 from hypothesis import settings
 
@@ -17,3 +18,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def spec_llama(tmp_path_factory):
+    """A tiny random Llama checkpoint (seed 3) for the speculative-decoding tests, built once per process."""
+    from deepinfer.testing.models import build_tiny_hf_model
+
+    d = tmp_path_factory.mktemp("spec_llama")
+    build_tiny_hf_model(d, "llama", seed=3)
+    return str(d)

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from deepinfer import LLM, SamplingParams
 from deepinfer.core import draft_gate as dg
 from deepinfer.core.draft_gate import DraftGate
-from deepinfer.testing.models import build_tiny_hf_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
@@ -67,13 +66,6 @@ def test_a_stray_slow_step_does_not_shut_the_gate():
     assert gate.worth(16) and gate.drafting(16) == pytest.approx(0.0116, rel=1e-6)
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    d = tmp_path_factory.mktemp("draft_gate_llama")
-    build_tiny_hf_model(d, "llama", seed=3)
-    return str(d)
-
-
 class ConfidentDrafter:
     def propose(self, seq, k: int) -> list:
         seq.draft_survival = [0.9 ** (i + 1) for i in range(k)]
@@ -90,13 +82,13 @@ class Gate(DraftGate):
         return self.decision
 
 
-def test_a_closed_gate_drafts_only_for_seeded_requests_and_keeps_their_output(llama):
+def test_a_closed_gate_drafts_only_for_seeded_requests_and_keeps_their_output(spec_llama):
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     other = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 9, 13, 17, 21], [40, 41, 42, 43, 40, 41, 42]]
     runs = {}
     for decision in (True, False):
-        llm = LLM(llama, num_kv_blocks=128, block_size=4, seed=0, speculative_config=NGRAM)
+        llm = LLM(spec_llama, num_kv_blocks=128, block_size=4, seed=0, speculative_config=NGRAM)
         eng = llm.engine
         eng.drafter, eng.draft_gate = ConfidentDrafter(), Gate(decision)
         eng.spec = attrs.evolve(eng.spec, dynamic=True)
@@ -122,12 +114,12 @@ class ScriptDrafter:
 
 
 @pytest.mark.parametrize("right", [True, False])
-def test_accounting_named_as_vllm_per_request_and_engine_wide(llama, right):
+def test_accounting_named_as_vllm_per_request_and_engine_wide(spec_llama, right):
     sp = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     prompts = [[5, 9, 13, 17, 21], [40, 41, 42, 43, 40, 41, 42], [7, 8, 9]]
-    plain = LLM(llama, num_kv_blocks=128, block_size=4).generate(prompts, sp, use_tqdm=False)
+    plain = LLM(spec_llama, num_kv_blocks=128, block_size=4).generate(prompts, sp, use_tqdm=False)
     reference = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
-    llm = LLM(llama, num_kv_blocks=128, block_size=4, speculative_config=NGRAM)
+    llm = LLM(spec_llama, num_kv_blocks=128, block_size=4, speculative_config=NGRAM)
     llm.engine.drafter = ScriptDrafter(reference, right, llm.engine.model.vocab_size)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]

@@ -8,18 +8,10 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.core.spec_accept import draw_noise
-from deepinfer.testing.models import build_tiny_hf_model
 
 pytest.importorskip("deepinfer_ngram", reason="the n-gram draft plugin: pip install -e plugins/deepinfer-ngram")
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    d = tmp_path_factory.mktemp("spec_edges_llama")
-    build_tiny_hf_model(d, "llama", seed=3)
-    return str(d)
 
 
 class LengthDrafter:
@@ -44,13 +36,13 @@ def test_seeded_row_draws_only_its_own_drafts_noise():
     assert torch.equal(alone[0][0, :1], mixed[0][0, :1]) and torch.equal(alone[1][0], mixed[1][0])
 
 
-def test_seeded_sampled_request_is_the_same_beside_rows_with_longer_drafts(llama):
+def test_seeded_sampled_request_is_the_same_beside_rows_with_longer_drafts(spec_llama):
     """A seeded sampled request's output is the same alone and beside greedy rows that verify more drafts per
     step (its acceptance uniforms were drawn K = the step's longest draft at a time, so its generator
     advanced with its neighbours' draft lengths)."""
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
     other = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    llm = _llm(llama)
+    llm = _llm(spec_llama)
     prompt, neighbour = [5, 9, 13, 17, 21], [40, 41, 42, 43, 40, 41, 42]
     alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
     both = llm.generate([prompt, neighbour], [seeded, other], use_tqdm=False)[0].outputs[0].token_ids
@@ -58,12 +50,12 @@ def test_seeded_sampled_request_is_the_same_beside_rows_with_longer_drafts(llama
     assert both == alone
 
 
-def test_unknown_method_names_the_key_and_the_draft_stages(llama):
+def test_unknown_method_names_the_key_and_the_draft_stages(spec_llama):
     with pytest.raises(ValueError, match=r"speculative_config method='nope': unknown stage 'nope'; "
                                          r"registered draft stages: .*ngram"):
-        LLM(llama, speculative_config={"method": "nope", "num_speculative_tokens": 2})
+        LLM(spec_llama, speculative_config={"method": "nope", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match=r"speculative_config method='dspark': the dspark drafter needs a CED"):
-        LLM(llama, speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+        LLM(spec_llama, speculative_config={"method": "dspark", "num_speculative_tokens": 2})
 
 
 class FailingDrafter:
@@ -76,14 +68,14 @@ class FailingDrafter:
 
 
 @pytest.mark.parametrize("first", [5, 6])
-def test_a_failing_drafter_costs_drafts_not_requests(llama, first):
+def test_a_failing_drafter_costs_drafts_not_requests(spec_llama, first):
     """Decision: drafts only save steps, so a drafter that raises (or returns no token list) for one sequence
     leaves that step without drafts (logged once) and every request still gets plain decoding's output; it
     used to raise out of LLM.generate and fail the whole batch."""
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[40, 41, 42, 43, 40, 41, 42], [first, 9, 13, 17]]
-    ref = LLM(llama, num_kv_blocks=128, block_size=4).generate(prompts, greedy, use_tqdm=False)
-    llm = _llm(llama)
+    ref = LLM(spec_llama, num_kv_blocks=128, block_size=4).generate(prompts, greedy, use_tqdm=False)
+    llm = _llm(spec_llama)
     llm.engine.drafter = FailingDrafter()
     got = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
@@ -109,7 +101,7 @@ class FixedStepTime:
         return self.a + self.b * tokens
 
 
-def test_seeded_request_repeats_under_dynamic_lengths(llama):
+def test_seeded_request_repeats_under_dynamic_lengths(spec_llama):
     """Dynamic lengths follow measured step times, which change from run to run; a seeded request verifies
     every draft it has, so its output is the same whatever the step-time curve says (a curve under which
     drafts are cheap, and one under which they are not), while an unseeded neighbour's drafts are cut."""
@@ -120,7 +112,7 @@ def test_seeded_request_repeats_under_dynamic_lengths(llama):
     prompts = [[5, 9, 13, 17, 21], [40, 41, 42, 43, 40, 41, 42]]
     outs, drafted = [], []
     for a, b in ((1.0, 1e-6), (1e-6, 1.0)):
-        llm = _llm(llama)
+        llm = _llm(spec_llama)
         llm.engine.drafter, llm.engine.step_time = ConfidentDrafter(), FixedStepTime(a, b)
         llm.engine.spec = attrs.evolve(llm.engine.spec, dynamic=True)
         got = llm.generate(prompts, [seeded, other], use_tqdm=False)
@@ -135,9 +127,9 @@ def test_seeded_request_repeats_under_dynamic_lengths(llama):
                    r"prompt_lookup_max, prompt_lookup_min\)"),
     ({"dynamic": True}, "dynamic=True needs a drafter that reports confidences"),
     ({"method": "nope"}, "method='nope': unknown stage")])
-def test_optional_does_not_hide_a_wrong_config(llama, extra, match):
+def test_optional_does_not_hide_a_wrong_config(spec_llama, extra, match):
     """optional turns speculation off where the drafter is unavailable here (tests/test_dspark.py, test_mtp.py);
     a misspelt option, dynamic with a drafter without confidences or an unknown method still fail, naming the
     key (they used to leave speculation off silently, with an info line)."""
     with pytest.raises(ValueError, match=match):
-        LLM(llama, num_kv_blocks=64, block_size=4, speculative_config={**NGRAM, "optional": True, **extra})
+        LLM(spec_llama, num_kv_blocks=64, block_size=4, speculative_config={**NGRAM, "optional": True, **extra})

@@ -11,7 +11,6 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.core.speculative import SpeculativeConfig, accept_row
 from deepinfer.testing.ced import REPLAY_CONFIG, build_ced_checkpoint
 from deepinfer.testing.compare import NEAR_TIE, assert_same_or_near_tie
-from deepinfer.testing.models import build_tiny_hf_model
 
 pytest.importorskip("deepinfer_ngram", reason="the n-gram draft plugin: pip install -e plugins/deepinfer-ngram")
 
@@ -23,13 +22,6 @@ def prompts(vocab: int) -> list:
     g = torch.Generator().manual_seed(5)
     motif = torch.randint(3, vocab, (6,), generator=g).tolist()
     return [motif * 4 + [7, 8], torch.randint(3, vocab, (23,), generator=g).tolist(), motif[:3] * 3]
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    d = tmp_path_factory.mktemp("spec_llama")
-    build_tiny_hf_model(d, "llama", seed=3)
-    return str(d)
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +45,8 @@ def attrs_of(sp):
 
 
 @pytest.mark.parametrize("which", ["llama", "ced"])
-def test_greedy_speculation_reproduces_plain_decoding(which, llama, ced):
-    ref, got, fast = greedy_runs(llama if which == "llama" else ced, NGRAM)
+def test_greedy_speculation_reproduces_plain_decoding(which, spec_llama, ced):
+    ref, got, fast = greedy_runs(spec_llama if which == "llama" else ced, NGRAM)
     for i, (a, b) in enumerate(zip(got, ref)):
         assert a.error is None, a.error
         assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids, b.outputs[0].logprobs,
@@ -66,13 +58,13 @@ def test_greedy_speculation_reproduces_plain_decoding(which, llama, ced):
 
 
 @pytest.mark.parametrize("penalties", [False, True])
-def test_penalties_and_logprobs_under_speculation_match_plain_decoding(llama, penalties):
+def test_penalties_and_logprobs_under_speculation_match_plain_decoding(spec_llama, penalties):
     """Penalties count each draft before the next position; logprobs are each token's own position's."""
     pen = dict(presence_penalty=0.05, frequency_penalty=0.02, repetition_penalty=1.01) if penalties else {}
     sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=3, **pen)
     ps = prompts(512)
-    ref = LLM(llama, num_kv_blocks=128, block_size=4).generate(ps, sp, use_tqdm=False)
-    fast = LLM(llama, num_kv_blocks=128, block_size=4, speculative_config=NGRAM)
+    ref = LLM(spec_llama, num_kv_blocks=128, block_size=4).generate(ps, sp, use_tqdm=False)
+    fast = LLM(spec_llama, num_kv_blocks=128, block_size=4, speculative_config=NGRAM)
     got = fast.generate(ps, sp, use_tqdm=False)
     st = fast.spec_stats()
     assert st["accepted_tokens"] > 0, st  # drafts stood, so the counts after them matter
@@ -88,25 +80,25 @@ def test_penalties_and_logprobs_under_speculation_match_plain_decoding(llama, pe
             assert a.logprobs[j][t].rank == b.logprobs[j][t].rank
 
 
-def test_seeded_sampling_with_speculation_repeats(llama):
+def test_seeded_sampling_with_speculation_repeats(spec_llama):
     sp = SamplingParams(max_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=1234, ignore_eos=True)
     runs = []
     for _ in range(2):
-        llm = LLM(llama, num_kv_blocks=128, block_size=4, speculative_config=NGRAM)
+        llm = LLM(spec_llama, num_kv_blocks=128, block_size=4, speculative_config=NGRAM)
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts(512), sp, use_tqdm=False)])
     assert runs[0] == runs[1]
     assert llm.spec_stats()["draft_tokens"] > 0
 
 
-def test_requests_that_cannot_speculate_decode_one_token_at_a_time(llama):
-    llm = LLM(llama, num_kv_blocks=128, block_size=4, speculative_config=NGRAM)
+def test_requests_that_cannot_speculate_decode_one_token_at_a_time(spec_llama):
+    llm = LLM(spec_llama, num_kv_blocks=128, block_size=4, speculative_config=NGRAM)
     out = llm.generate(prompts(512)[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                                                         logit_bias={5: 0.5}), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 12 and llm.spec_stats()["draft_tokens"] == 0
 
 
-def test_max_tokens_is_never_exceeded(llama):
-    llm = LLM(llama, num_kv_blocks=128, block_size=4, speculative_config={**NGRAM, "num_speculative_tokens": 4})
+def test_max_tokens_is_never_exceeded(spec_llama):
+    llm = LLM(spec_llama, num_kv_blocks=128, block_size=4, speculative_config={**NGRAM, "num_speculative_tokens": 4})
     for n in (1, 2, 5, 9):
         out = llm.generate(prompts(512)[:1], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
                            use_tqdm=False)[0]
@@ -154,31 +146,31 @@ def test_greedy_acceptance_keeps_drafts_while_they_are_the_argmax():
 # ----------------------------------------------------------------------------------------------------------
 # Configuration errors name what was wrong.
 
-def test_bad_speculative_configs_fail_clearly(llama, ced):
+def test_bad_speculative_configs_fail_clearly(spec_llama, ced):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        LLM(llama, num_kv_blocks=64, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+        LLM(spec_llama, num_kv_blocks=64, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="lacks 'method'"):
         SpeculativeConfig.parse({"num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="dynamic=True"):
-        LLM(llama, num_kv_blocks=64, block_size=4, speculative_config={**NGRAM, "dynamic": True})
+        LLM(spec_llama, num_kv_blocks=64, block_size=4, speculative_config={**NGRAM, "dynamic": True})
     with pytest.raises(ValueError, match="unknown stage 'eagle'.*ngram"):
-        LLM(llama, num_kv_blocks=64, block_size=4, speculative_config={**NGRAM, "method": "eagle"})
+        LLM(spec_llama, num_kv_blocks=64, block_size=4, speculative_config={**NGRAM, "method": "eagle"})
     with pytest.raises(ValueError, match="'sample' stage, not a draft stage"):
-        LLM(llama, num_kv_blocks=64, block_size=4, speculative_config={**NGRAM, "method": "sampler"})
+        LLM(spec_llama, num_kv_blocks=64, block_size=4, speculative_config={**NGRAM, "method": "sampler"})
     with pytest.raises(ValueError, match="can roll back \\(2"):
         LLM(ced, num_kv_blocks=64, block_size=4, speculative_config={**NGRAM, "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="prompt_lookup_min=3 is larger"):
-        LLM(llama, num_kv_blocks=64, block_size=4, speculative_config={**NGRAM, "prompt_lookup_min": 3,
+        LLM(spec_llama, num_kv_blocks=64, block_size=4, speculative_config={**NGRAM, "prompt_lookup_min": 3,
                                                                         "prompt_lookup_max": 2})
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the NVIDIA backend needs a GPU")
 @pytest.mark.parametrize("which", ["llama", "ced"])
-def test_greedy_speculation_on_the_gpu(which, llama, ced):
+def test_greedy_speculation_on_the_gpu(which, spec_llama, ced):
     """Drafted rows run eagerly beside CUDA-graph decode steps; greedy output stays plain decoding's."""
     kw = dict(device="cuda", dtype="float32", backend="nvidia", enforce_eager=False)
-    ref, got, fast = greedy_runs(llama if which == "llama" else ced, NGRAM, **kw)
+    ref, got, fast = greedy_runs(spec_llama if which == "llama" else ced, NGRAM, **kw)
     for i, (a, b) in enumerate(zip(got, ref)):
         assert a.error is None, a.error
         assert_same_or_near_tie(a.outputs[0].token_ids, b.outputs[0].token_ids, b.outputs[0].logprobs,

@@ -46,7 +46,7 @@ def test_calibrated_survival_is_a_survival(history, survival):
     assert all(a >= b for a, b in zip(got, got[1:]))
 
 
-def test_the_engine_calibrates_only_on_steps_that_verify_every_draft(tmp_path):
+def test_the_engine_calibrates_only_on_steps_that_verify_every_draft(spec_llama):
     """With a step-time curve that makes every draft too dear, the length choice cuts all of them; one ragged
     step in CALIBRATE_EVERY still verifies every draft, and only those steps reach the calibration."""
     import attrs
@@ -54,7 +54,6 @@ def test_the_engine_calibrates_only_on_steps_that_verify_every_draft(tmp_path):
     from deepinfer import LLM, SamplingParams
     from deepinfer.core.draft_gate import DraftGate
     from deepinfer.core.survival_calibration import CALIBRATE_EVERY
-    from deepinfer.testing.models import build_tiny_hf_model
 
     class Confident:
         def propose(self, seq, k):
@@ -72,8 +71,7 @@ def test_the_engine_calibrates_only_on_steps_that_verify_every_draft(tmp_path):
         def open(self, rows):
             return True
 
-    build_tiny_hf_model(tmp_path, "llama", seed=3)
-    llm = LLM(str(tmp_path), num_kv_blocks=128, block_size=4, speculative_config={"method": "ngram",
+    llm = LLM(spec_llama, num_kv_blocks=128, block_size=4, speculative_config={"method": "ngram",
                                                                                    "num_speculative_tokens": 3})
     eng = llm.engine
     eng.drafter, eng.step_time, eng.draft_gate = Confident(), Dear(), Open()
