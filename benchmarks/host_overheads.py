@@ -11,7 +11,6 @@ One JSONL row per measurement ({"what", "us" or "ms", ...}) and a table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -19,6 +18,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from deepinfer.bench import append_jsonl
 
 MB = 1 << 20
 
@@ -133,9 +134,7 @@ def main() -> int:
     args = ap.parse_args()
     nbytes = int(args.mb * MB)
     rows = rows_cpu(nbytes) + (rows_cuda(nbytes) if torch.cuda.is_available() else [])
-    with open(args.out, "a") as f:
-        for r in rows:
-            f.write(json.dumps({"bench": "host_overheads", **r}) + "\n")
+    append_jsonl(args.out, [{"bench": "host_overheads", **r} for r in rows])
     for r in rows:
         val = f"{r['ms']:.3f} ms" if "ms" in r else (f"{r['us']:.2f} us" if "us" in r else r.get("error", ""))
         print(f"{r['what']:48} {val}")
