@@ -16,6 +16,9 @@
 #                                          # (DSPARK_MINUTES), into /tmp/ced_big (not shipped; logs to $OUT)
 #   bash scripts/device_issue15.sh big-sweep COMMIT   # the next call, warm: spec_sweep on that model (held-out
 #                                          # text prompts) and on the demo, none / dspark:4 / dspark:4:dynamic
+#   bash scripts/device_issue15.sh gate COMMIT   # < 9 min: the gate's and calibration's tests with the speculative
+#                                          # GPU tests, where a speculative step goes (profile_spec_step.py), and the demo
+#                                          # sweep in 3 alternating rounds (none / fixed / dynamic, C = 1/16/64/128)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -68,8 +71,17 @@ big-sweep)
     | tee "$OUT/spec_sweep_big.log" | grep -v -i warn | tail -16
   timeout 150 python3 benchmarks/spec_sweep.py --targets demo --steps 96 --warmup-steps 32 --budget-s 120 \
     --commit "${2:-?}" --out "$OUT/spec_sweep_demo.jsonl" 2>&1 | grep -v -i warn | tail -14 ;;
+gate)
+  nvidia-smi -L
+  timeout 220 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_draft_gate.py tests/test_survival_calibration.py \
+    tests/test_dspark.py tests/test_ced_verify_graphs.py tests/test_spec_edges.py tests/test_speculative.py 2>&1 | tail -4
+  timeout 100 python3 benchmarks/profile_spec_step.py --concurrency 1 16 64 --commit "${2:-?}" \
+    --out "$OUT/spec_profile.jsonl" 2>&1 | grep -v -i warn | tail -50
+  timeout 250 python3 benchmarks/spec_sweep.py --targets demo --rounds 3 --steps 32 --warmup-steps 64 \
+    --concurrency 1 16 64 128 --budget-s 190 --commit "${2:-?}" --out "$OUT/spec_sweep_gate.jsonl" 2>&1 \
+    | grep -v -i warn | tail -14 ;;
 bench)
   bench ;;
 *)
-  echo "usage: bash scripts/device_issue15.sh train | bench | tests | sweep COMMIT | big-train | big-sweep COMMIT" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue15.sh train | bench | tests | sweep COMMIT | big-train | big-sweep COMMIT | gate COMMIT" >&2; exit 2 ;;
 esac
