@@ -49,3 +49,32 @@ def test_graph_logits_match_the_full_forward(tmp_path):
         full = llm.engine.model.forward_full(torch.tensor(tokens, device="cuda"))
     for pos, logits in seen:
         assert_logits_close(logits, full[pos], factor=MODEL_FACTOR, what=f"position {pos}")
+
+
+def test_no_garbage_collection_inside_a_capture(tmp_path):
+    """An unreachable engine collected mid-capture destroys its graphs inside another capture, which fails it
+    (seen on the H200 as a cuBLAS error while a second engine captured): the collector must not run there."""
+    import gc
+
+    build_tiny_hf_model(tmp_path, "llama")
+    kw = dict(device="cuda", num_kv_blocks=64, block_size=4, enforce_eager=False)
+    ran_while_capturing = []
+
+    def watch(phase, info):
+        if phase == "start":
+            ran_while_capturing.append(torch.cuda.is_current_stream_capturing())
+
+    old = LLM(str(tmp_path), **kw)
+    old.engine.self_ref = old  # a cycle: only the collector frees it
+    del old
+    threshold = gc.get_threshold()
+    gc.callbacks.append(watch)
+    gc.set_threshold(1)  # the collector would run at nearly every allocation, inside the captures too
+    try:
+        llm = LLM(str(tmp_path), **kw)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(watch)
+    assert llm.engine.decode_graphs.graphs and ran_while_capturing and not any(ran_while_capturing)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

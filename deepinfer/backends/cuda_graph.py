@@ -25,6 +25,7 @@ don't cover.
 
 from __future__ import annotations
 
+import gc
 from typing import Optional
 
 import torch
@@ -88,6 +89,7 @@ class DecodeGraphs:
         keys = [(b, nb) for b in self.batch_buckets for nb in self.block_buckets]
         if self.verify_width:
             keys += [(b, nb, self.verify_width) for b, nb in keys]
+        gc.collect()  # an earlier engine's graphs freed now, not during a capture (_record)
         before = torch.cuda.memory_allocated(self.device)
         bar = None
         if progress:
@@ -176,8 +178,16 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = forward()
+        # No garbage collection inside the capture: collecting an unreachable engine destroys its graphs and
+        # events, CUDA calls a global-mode capture forbids (the capture fails, e.g. as a cuBLAS error mid-model).
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = forward()
+        finally:
+            if enabled:
+                gc.enable()
         self.graphs[key] = (graph, st, out)
         return self.graphs[key]
 
