@@ -141,3 +141,53 @@ def test_accounting_named_as_vllm_per_request_and_engine_wide(spec_llama, right)
     stats = llm.spec_stats()
     assert {k: stats[k] for k in total} == total
     assert sum(stats["num_accepted_tokens_per_pos"]) == stats["num_accepted_tokens"]
+
+
+class Scripted(DraftGate):
+    """Opens on a repeating pattern of steps, so drafting and plain steps follow each other both ways."""
+
+    def __init__(self, pattern):
+        super().__init__()
+        self.pattern, self.asked = pattern, 0
+
+    def open(self, rows: int) -> bool:
+        self.asked += 1
+        return self.pattern[(self.asked - 1) % len(self.pattern)]
+
+
+@pytest.mark.parametrize("pattern", [(False,), (True, False, False, True, True, False)])
+def test_plain_steps_of_a_dynamic_engine_overlap_and_change_nothing(pattern):
+    """Under overlap scheduling a step the gate keeps plain stays in flight while the next one launches (as
+    plain decoding does), a drafting step first collects it, and the drafter's context is the collected
+    step's own: tokens and every acceptance count equal those of the same engine without overlap."""
+    prompts = [[5, 9, 13, 17, 21, 5, 9, 13], [40, 41, 42, 43, 40, 41, 42], list(range(60, 90))]
+    lengths = (9, 14, 20)  # rows leave at different steps: a later launch has fewer rows than the one collected
+    sp = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    spec = {"method": "dspark", "num_speculative_tokens": 4, "dynamic": True}
+    runs = {}
+    for overlap in (False, True):
+        llm = LLM(speculative_config=spec, overlap_scheduling=overlap, num_kv_blocks=64, block_size=16)
+        eng = llm.engine
+        assert eng._overlap_plain is overlap
+        eng.draft_gate = Scripted(pattern)
+        in_flight, step = [], eng.step
+
+        def counting(step=step, eng=eng, in_flight=in_flight):
+            out = step()
+            in_flight.append(eng._inflight is not None)
+            return out
+
+        eng.step = counting
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        assert all(o.error is None for o in outs)
+        runs[overlap] = ([o.outputs[0].token_ids for o in outs], [o.metrics for o in outs], sum(in_flight),
+                         len(eng.draft_gate.plain), llm.spec_stats())
+    (tok0, met0, flight0, plain0, st0), (tok1, met1, flight1, plain1, st1) = runs[False], runs[True]
+    assert tok1 == tok0 and [len(t) for t in tok0] == list(lengths)
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+    assert [{k: m[k] for k in keys} for m in met1] == [{k: m[k] for k in keys} for m in met0]
+    assert st1["num_accepted_tokens"] == st0["num_accepted_tokens"]
+    assert flight0 == 0 and flight1 > 0  # plain steps stayed in flight only with overlap
+    assert plain0 > 0 and plain1 > 0  # and were timed for the gate both ways
+    if True in pattern:
+        assert st0["num_accepted_tokens"] > 0  # the drafter's context mattered: drafts stood

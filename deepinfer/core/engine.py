@@ -68,6 +68,7 @@ class _Launched:
         self.event = None
         self.collected = False
         self.spec = None  # core.spec_step.SpecLaunch of a verify step
+        self.captured_hidden = None  # the model's kept hidden states of this step (a drafter's context)
 
 
 class Engine:
@@ -157,12 +158,17 @@ class Engine:
         self.survival_cal = SurvivalCalibration() if self.draft_gate is not None else None
         self._padded_steps = 0  # dynamic steps priced as padded verify graphs (core/speculative.EXPLORE_EVERY)
         self._drafter_ran = True  # whether the last step's drafts were asked for (the gate was open)
+        self._overlap_plain = False  # whether a plain step of a dynamic engine runs under overlap scheduling
         self._length_steps, self._full_lengths = 0, True  # ragged dynamic steps; whether this one cut no draft
         if self.spec is not None and self.spec.step_time is not None:
             self.step_time = StepTime.load(self.spec.step_time)
         if self.spec is not None:
             try:
                 self.drafter = build_drafter(pipeline.registry, self.spec, context, model)
+                # A step the gate keeps plain may still overlap the next launch with its collection (a drafter
+                # that observes every step's hidden states, MTP, reads them at collection: never).
+                self._overlap_plain = self.overlap and self.draft_gate is not None \
+                    and not hasattr(self.drafter, "observe")
                 self.overlap = False
             except (ValueError, FileNotFoundError) as exc:
                 if not self.spec.optional or isinstance(exc, SpeculativeConfigError):
@@ -261,18 +267,27 @@ class Engine:
         # work does not grow with the number of idle requests).
         touched: dict = {r.request_id: r for r in self._to_report if not r.reported_done}
         self._to_report = []
+        t_call = time.perf_counter()
         prev, self._inflight = self._inflight, None
         if prev is not None and any(s.pending and s.params.needs_output_tokens for s in prev.sample_seqs):
             self._collect_step(prev, touched)  # bad words / logits processors read the output tokens on the host
             prev = None
+        drafting = self._drafting() if self.drafter is not None else False
+        if prev is not None and drafting:
+            self._collect_step(prev, touched)  # the drafter reads the last tokens (a gate-closed step was in flight)
+            prev = None
         t0 = time.perf_counter()
         replays = self.decode_graphs.num_verify_replays if self.decode_graphs is not None else 0
         launched = self._launch(touched, prev)  # may collect prev itself, once the forward is queued
+        steady = prev is not None  # a plain step in flight was collected by this call: one overlapped period
         if prev is not None and not prev.collected:
             self._collect_step(prev, touched)
         if launched is not None:
-            if self.overlap:
+            if self.overlap or (self._overlap_plain and not drafting):
                 self._inflight = launched
+                if self.draft_gate is not None and steady and _decodes_only(launched.state.batch):
+                    # under overlap a plain step costs the period between launches: this call's wall time
+                    self.draft_gate.record_step(False, len(launched.state.batch.seqs), time.perf_counter() - t_call)
             else:
                 self._collect_step(launched, touched)
                 if self.spec is not None and self.spec.dynamic and _decodes_only(launched.state.batch):
@@ -348,6 +363,8 @@ class Engine:
             end_step()  # e.g. close the step's expert-load record (no host sync)
         launched = _Launched(state, sample_seqs)
         launched.spec = spec
+        if self.drafter is not None:  # this step's kept hidden states: a later launch replaces the model's
+            launched.captured_hidden = getattr(self.model, "captured_hidden", None)
         S = len(sample_seqs)
         if S:
             # Publish the tokens: on the device for the next step's inputs, and copied to the host without
@@ -385,7 +402,7 @@ class Engine:
             if launched.spec is not None:
                 self._accept_drafts(state, launched.spec)
             if getattr(self.model, "capture_last", 0) and self.drafter is not None:
-                self._keep_draft_context(state, sample_seqs)
+                self._keep_draft_context(state, sample_seqs, launched.captured_hidden)
             if hasattr(self.drafter, "observe"):
                 self._show_hidden(state)
             failed = self._run_stages(self.stages["step"][self._n_device_stages:], state)
@@ -572,12 +589,19 @@ class Engine:
             live = [x for n, x in enumerate(live) if n not in failed and len(x[1]) > j]
             j += 1
 
+    def _drafting(self) -> bool:
+        """Whether this step runs the drafter: the gate's choice (core/draft_gate.py; always, without one), and
+        whatever it says when a seeded request runs (it drafts every step: its output never depends on timing).
+        Sets ``_drafter_ran`` to the gate's choice."""
+        gate, running = self.draft_gate, self.scheduler.running
+        self._drafter_ran = gate.open(len(running)) if gate is not None and running else True
+        return self._drafter_ran or any(s.generator is not None for s in running)
+
     def _propose_drafts(self) -> None:
-        """Ask the drafter for the next step's drafts of every decoding sequence that may speculate."""
+        """Ask the drafter for the next step's drafts of every decoding sequence that may speculate (of the
+        seeded ones only where the gate chose plain decoding: ``_drafting``)."""
         k, vocab = self.spec.num_speculative_tokens, self.model.vocab_size
-        gate = self.draft_gate
-        drafting = gate.open(len(self.scheduler.running)) if gate is not None and self.scheduler.running else True
-        self._drafter_ran = drafting
+        drafting = self._drafter_ran
         asked = []  # (sequence, drafts it may take)
         for seq in self.scheduler.running:
             seq.draft = []
@@ -663,10 +687,10 @@ class Engine:
             return len(launched.sample_seqs) * g.verify_width
         return launched.state.batch.total_tokens
 
-    def _keep_draft_context(self, state: StepState, sample_seqs: list) -> None:
+    def _keep_draft_context(self, state: StepState, sample_seqs: list, captured) -> None:
         """Each sampling row's target hidden states at the position that produced its last token (the last
         accepted one for a verified row), for a drafter that conditions on them."""
-        captured, index = getattr(self.model, "captured_hidden", None), state.inputs.sample_index
+        index = state.inputs.sample_index
         if captured is None:
             return
         back = getattr(state, "spec_rollback", {})
