@@ -73,8 +73,9 @@ big-sweep)
     --commit "${2:-?}" --out "$OUT/spec_sweep_demo.jsonl" 2>&1 | grep -v -i warn | tail -14 ;;
 gate)
   nvidia-smi -L
-  timeout 220 python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_draft_gate.py tests/test_survival_calibration.py \
-    tests/test_dspark.py tests/test_ced_verify_graphs.py tests/test_spec_edges.py tests/test_speculative.py 2>&1 | tail -4
+  timeout 220 python3 -m pytest -q -n 4 -p no:cacheprovider -rfE --tb=short tests/test_draft_gate.py \
+    tests/test_survival_calibration.py tests/test_dspark.py tests/test_dspark_graphs.py tests/test_ced_verify_graphs.py \
+    tests/test_spec_edges.py tests/test_speculative.py tests/test_cuda_graphs.py 2>&1 | grep -v -i warn | tail -30
   timeout 100 python3 benchmarks/profile_spec_step.py --concurrency 1 16 64 --commit "${2:-?}" \
     --out "$OUT/spec_profile.jsonl" 2>&1 | grep -v -i warn | tail -50
   timeout 250 python3 benchmarks/spec_sweep.py --targets demo --rounds 3 --steps 32 --warmup-steps 64 \

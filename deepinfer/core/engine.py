@@ -182,6 +182,10 @@ class Engine:
                 self.graph_bytes = self.decode_graphs.capture_all(progress=log.isEnabledFor(logging.INFO))
             log.info("CUDA graphs: %d captured (batch sizes %s), %.2f GiB", len(self.decode_graphs.graphs),
                      list(self.decode_graphs.batch_buckets), self.graph_bytes / 2**30)
+            capture = getattr(self.drafter, "capture_graphs", None)  # a drafter's own graphs (stages/dspark_draft.py)
+            if capture is not None:
+                with torch.no_grad():  # (drafting runs outside kernel_mode: _propose_drafts)
+                    capture(list(self.decode_graphs.batch_buckets), self.spec.num_speculative_tokens)
 
     # Admission.
     def add_request(self, request_id: str, prompt, params: SamplingParams, stream: bool = False,

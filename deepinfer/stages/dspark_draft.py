@@ -47,6 +47,7 @@ class DSparkDraft(Stage):
     generator: Optional[torch.Generator] = None  # engine-wide, for unseeded sampled rows
     drafter: Optional[str] = None  # the drafter's directory; None: <model_path>/dspark
     drafter_net: object = attrs.field(default=None, init=False)
+    graphs: object = attrs.field(default=None, init=False)  # models/ced/dspark_graphs.DraftGraphs, CUDA only
 
     def __attrs_post_init__(self) -> None:
         from ..models.ced.dspark import load_dspark
@@ -87,15 +88,28 @@ class DSparkDraft(Stage):
         if not ready:
             return drafts
         rows = [seqs[i] for i in ready]
-        gens = [s.generator if getattr(s, "generator", None) is not None else self.generator for s in rows]
-        tokens, q, survival = self.drafter_net.draft_batch(
-            [s.draft_context for s in rows], [s.token_ids[-1] for s in rows], [ks[i] for i in ready], self.model,
-            [s.params.greedy for s in rows], gens)
+        contexts, anchors = [s.draft_context for s in rows], [s.token_ids[-1] for s in rows]
+        wanted = [ks[i] for i in ready]
+        greedy = [s.params.greedy for s in rows]
+        if self.graphs is not None and self.graphs.covers(contexts, greedy, wanted):
+            (tokens, survival), q = self.graphs.draft(contexts, anchors, wanted), None
+        else:
+            gens = [s.generator if getattr(s, "generator", None) is not None else self.generator for s in rows]
+            tokens, q, survival = self.drafter_net.draft_batch(contexts, anchors, wanted, self.model, greedy, gens)
         for r, (i, s) in enumerate(zip(ready, rows)):
             drafts[i] = tokens[r]
             s.draft_probs = None if s.params.greedy else q[r, :len(tokens[r])]
             s.draft_survival = survival[r]
         return drafts
+
+    def capture_graphs(self, buckets: list, k: int) -> None:
+        """Capture greedy drafting for these batch sizes (the engine's decode buckets; CUDA, at start-up)."""
+        from ..models.ced.dspark_graphs import DraftGraphs
+
+        if next(self.drafter_net.parameters()).device.type != "cuda" or not buckets:
+            return
+        self.graphs = DraftGraphs(self.drafter_net, self.model, buckets, k, self.model.embed.weight.dtype)
+        self.graphs.capture()
 
     @staticmethod
     def locate(model, model_path, drafter) -> Optional[Path]:

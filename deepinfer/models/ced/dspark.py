@@ -166,25 +166,33 @@ class DSpark(nn.Module):
         dev = self.anchor.weight.device
         prev = to_device(anchors, torch.long, dev)  # [B]
         base, conf = self(torch.stack(list(contexts)).to(dev), prev, target)  # [B, P, V], [B, P]
+        if K == 0:
+            return [[] for _ in ks], None if all(greedy) else base.new_zeros(B, 0, base.shape[-1]), [[] for _ in ks]
+        sampled = [(b, gens[b], ks[b]) for b in range(B) if not greedy[b]]
+        tokens, survival, qs = self.chain(base, conf, prev, K, sampled)
+        host = torch.cat([tokens.double(), survival.double()], 1).tolist()  # the one copy
+        return ([[int(t) for t in row[:k]] for row, k in zip(host, ks)], None if all(greedy) else qs,
+                [row[K:K + k] for row, k in zip(host, ks)])
+
+    def chain(self, base, conf, prev, K: int, sampled=(), keep_q: bool = True) -> tuple:
+        """The Markov chain over K positions from base logits [B, P, V] and the anchors prev [B]: (tokens [B, K],
+        survival [B, K], q [B, K, V] or None without keep_q); greedy rows take the argmax, each (row, generator,
+        k) of ``sampled`` draws its first k positions from its own generator (the call ``draft`` makes). No host
+        sync for greedy rows (dspark_graphs.py captures it)."""
+        dev = prev.device
         qs, tokens = [], []
-        sampled = [b for b in range(B) if not greedy[b]]
         for j in range(K):
             q = (base[:, j] + self.markov(prev)).softmax(dim=-1)  # [B, V]
             t = q.argmax(dim=-1)
-            for b in sampled:  # sampled rows: each from its own generator, the call draft makes
-                if j < ks[b]:
-                    g = gens[b]
+            for b, g, k in sampled:
+                if j < k:
                     t[b] = torch.multinomial(q[b].to(g.device if g is not None else "cpu").double(), 1,
                                              generator=g)[0].to(dev)
             qs.append(q)
             tokens.append(t)
             prev = t
-        if K == 0:
-            return [[] for _ in ks], None if all(greedy) else base.new_zeros(B, 0, base.shape[-1]), [[] for _ in ks]
         survival = torch.cumprod(torch.sigmoid(conf[:, :K]), dim=1)  # [B, K] S_i = c_1 ... c_i
-        host = torch.cat([torch.stack(tokens, 1).double(), survival.double()], 1).tolist()  # the one copy
-        return ([[int(t) for t in row[:k]] for row, k in zip(host, ks)], None if all(greedy) else torch.stack(qs, 1),
-                [row[K:K + k] for row, k in zip(host, ks)])
+        return torch.stack(tokens, 1), survival, torch.stack(qs, 1) if keep_q else None
 
 
 def load_dspark(path, device, dtype=torch.float32) -> DSpark:

@@ -1,0 +1,80 @@
+"""Greedy DSpark drafting in CUDA graphs: the drafter's forward and its Markov chain, one graph per batch bucket.
+
+On a small target a speculative step is host time: the drafter's eager forward (~60 kernel launches) cost as
+much as the verify step itself on the H200 (benchmarks/profile_spec_step.py). Captured, a step's drafting is
+two input copies, one replay and the one host copy of the drafts and survivals the eager path already made.
+
+Only all-greedy batches of at most the largest bucket replay (a sampled row draws from its own generator on the
+host's schedule and needs its q rows kept: the eager ``DSpark.draft_batch``); the graph computes what
+``draft_batch`` computes for greedy rows, with the same kernels, so the drafts are the same. Captured at engine
+start-up (``capture``), after the target's decode graphs, never during serving.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+
+class DraftGraphs:
+    def __init__(self, net, target, buckets, k: int, context_dtype: torch.dtype):
+        self.net, self.target = net, target
+        self.K = min(k, net.config.positions)
+        self.buckets = sorted(set(buckets))
+        self.context_dtype = context_dtype  # the target's kept hidden states' dtype (copied in unconverted)
+        self.graphs: dict = {}  # bucket -> (graph, context buffer, anchor buffer, output buffer)
+        self.pool = None
+        self.replays = 0
+
+    def capture(self) -> None:
+        gc.collect()
+        for B in self.buckets:
+            self._capture(B)
+
+    def _capture(self, B: int) -> None:
+        net, dev = self.net, self.net.anchor.weight.device
+        width = net.config.target_layers * net.config.target_hidden
+        ctx = torch.zeros(B, width, dtype=self.context_dtype, device=dev)
+        anchors = torch.zeros(B, dtype=torch.long, device=dev)
+
+        def run():
+            base, conf = net(ctx, anchors, self.target)
+            tokens, survival, _ = net.chain(base, conf, anchors, self.K, keep_q=False)
+            return torch.cat([tokens.double(), survival.double()], 1)  # [B, 2K]: one copy to the host
+
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side), torch.no_grad():
+            run()  # warm-up outside the capture (allocator, lazy inits)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        enabled = gc.isenabled()
+        gc.disable()  # (as backends/cuda_graph.py: a collection inside a capture can fail it)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
+                out = run()
+        finally:
+            if enabled:
+                gc.enable()
+        self.graphs[B] = (graph, ctx, anchors, out)
+
+    def covers(self, contexts: list, greedy: list, ks: list) -> bool:
+        return bool(contexts) and all(greedy) and len(contexts) <= self.buckets[-1] and max(ks) <= self.K \
+            and all(c.dtype == self.context_dtype for c in contexts)
+
+    def draft(self, contexts: list, anchors: list, ks: list) -> tuple:
+        """(tokens [B] host lists, survival [B] host lists), row b's first ks[b] of each: what
+        ``DSpark.draft_batch`` returns for greedy rows (its q is None then)."""
+        n = len(contexts)
+        B = next(b for b in self.buckets if b >= n)
+        graph, ctx, anc, out = self.graphs[B]
+        torch.stack(list(contexts), out=ctx[:n])
+        anc[:n].copy_(torch.tensor(anchors, dtype=torch.long), non_blocking=False)
+        graph.replay()
+        self.replays += 1
+        K = self.K
+        host = out[:n].tolist()  # the one synchronising copy
+        return [[int(t) for t in row[:k]] for row, k in zip(host, ks)], [row[K:K + k] for row, k in zip(host, ks)]
