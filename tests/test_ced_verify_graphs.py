@@ -225,8 +225,9 @@ class _PriorOnly(StepTime):
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_greedy_dspark_through_verify_graphs_equals_plain_decoding(ced, dynamic, monkeypatch):
     """Greedy output equals plain decoding; the drafts, read from the kept hidden states the graphs return,
-    are accepted as often as with eager verification (fixed lengths); dynamic lengths through padded graphs
-    take every draft of the step's rows or none (core/speculative.choose_padded)."""
+    are accepted as often as with eager verification (fixed lengths); dynamic steps through padded graphs
+    verify every draft the rows have (the gate chose drafting; cutting one saves nothing there), and steps
+    that verify eagerly may cut them."""
     from deepinfer.backends.cuda_graph import DecodeGraphs
 
     ps = [[5, 9, 13, 17, 21, 25, 29, 33], [40, 41, 42, 43, 40, 41, 42], list(range(60, 63))]
@@ -244,12 +245,22 @@ def test_greedy_dspark_through_verify_graphs_equals_plain_decoding(ced, dynamic,
     run = DecodeGraphs.run_verify
     monkeypatch.setattr(DecodeGraphs, "run_verify", lambda self, ids, *a, **k: lengths.extend(map(len, ids))
                         or run(self, ids, *a, **k))
-    import deepinfer.core.engine as engine_mod
+    eng, cuts = fast.engine, []  # (padded verify graph, drafts proposed, drafts kept) per drafting row and step
+    proposed: dict = {}
+    propose_batch, propose_drafts = eng.drafter.propose_batch, eng._propose_drafts
 
-    padded = []  # dynamic: the per-step choices made for padded verify graphs (all of a row's drafts, or none)
-    choose = engine_mod.choose_padded
-    monkeypatch.setattr(engine_mod, "choose_padded", lambda surv, *a, **k: padded.append(
-        (surv, choose(surv, *a, **k))) or padded[-1][1])
+    def spy_batch(seqs, ks):
+        out = propose_batch(seqs, ks)
+        proposed.update({s.seq_id: len(d) for s, d in zip(seqs, out)})
+        return out
+
+    def spy_drafts():
+        proposed.clear()
+        padded = bool(eng._padded_verify_width())
+        propose_drafts()
+        cuts.extend((padded, proposed[s.seq_id], len(s.draft)) for s in eng.scheduler.running if s.seq_id in proposed)
+
+    eng.drafter.propose_batch, eng._propose_drafts = spy_batch, spy_drafts
     got = [o.outputs[0].token_ids for o in fast.generate(ps, sp, use_tqdm=False)]
     assert got == plain
     assert graphs.num_verify_replays > 0 and graphs.num_replays > graphs.num_verify_replays
@@ -258,43 +269,8 @@ def test_greedy_dspark_through_verify_graphs_equals_plain_decoding(ced, dynamic,
     if not dynamic:
         for key in ("draft_tokens", "accepted_tokens"):
             assert fast.spec_stats()[key] == eager.spec_stats()[key], key
-    else:  # eager steps price ragged tokens (choose_lengths), graph steps padded ones: their counts may differ
-        assert padded and all(ks in ([len(x) for x in surv], [0] * len(surv)) for surv, ks in padded)
-
-
-class _Frozen(StepTime):
-    """Measured steps fixed in advance (what the engine records is dropped): the explore decisions then depend on
-    these samples alone."""
-
-    def record(self, tokens: int, seconds: float, rows=None) -> None:
-        if not hasattr(self, "_sealed"):
-            super().record(tokens, seconds, rows)
-
-
-@pytest.mark.parametrize("separated", [False, True])
-def test_padded_steps_explore_until_rows_and_tokens_separate(ced, separated, monkeypatch):
-    """Steps measured only as verify steps (tokens = width x rows) cannot price a plain step of the same rows:
-    every padded step then takes the other choice (explore), until a plain step is measured; once the samples
-    separate a row's cost from a token's, exploration falls back to one step in EXPLORE_EVERY."""
-    import deepinfer.core.engine as engine_mod
-
-    kw = dict(num_kv_blocks=64, block_size=BS, device="cpu")
-    fast = LLM(ced, speculative_config={"method": "dspark", "num_speculative_tokens": K, "dynamic": True}, **kw)
-    st = _Frozen()
-    for R in (1, 2, 4) * 4:
-        st.record((K + 1) * R, 0.003 + 0.0004 * R, R)
-    if separated:
-        st.record(4, 0.003 + 0.0001 * 4, 4)
-    st._sealed = True
-    fast.engine.step_time = st
-    _eager_ced_graphs(fast, K + 1)
-    explored = []
-    choose = engine_mod.choose_padded
-    monkeypatch.setattr(engine_mod, "choose_padded", lambda *a, **k: explored.append(k["explore"]) or choose(*a, **k))
-    ps = [[5, 9, 13, 17, 21, 25, 29, 33], [40, 41, 42, 43, 40, 41, 42]]
-    fast.generate(ps, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    assert st.separates() is separated and len(explored) >= 3
-    assert all(explored) if not separated else not any(explored)  # (fewer than EXPLORE_EVERY steps)
+    else:
+        assert any(p for p, _, _ in cuts) and all(kept == n for p, n, kept in cuts if p)
 
 
 def test_ced_engine_asks_for_verify_graphs(ced):

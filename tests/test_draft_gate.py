@@ -191,3 +191,19 @@ def test_plain_steps_of_a_dynamic_engine_overlap_and_change_nothing(pattern):
     assert plain0 > 0 and plain1 > 0  # and were timed for the gate both ways
     if True in pattern:
         assert st0["num_accepted_tokens"] > 0  # the drafter's context mattered: drafts stood
+
+
+def test_steps_measured_at_the_rows_asked_for_price_them_not_the_line():
+    """Drafting steps that cost a line up to 64 rows and 2.4x the 64-row step at 128 (as on the H200): once
+    LOCAL steps at 128 are in, T_draft(128) is their median and the gate closes there while drafting still
+    pays at 64; before, the line (which dropped the 128-row steps as outliers) kept it open."""
+    gate = fed(DraftGate(), lambda r: 0.003 + 4e-5 * r, lambda r: 0.001 + 2.2e-5 * r, gain=2.0, rows=(1, 16, 64),
+               each=8)
+    gate.drafting.samples = dg.deque(list(gate.drafting.samples)[-(dg.WINDOW - dg.LOCAL):], maxlen=dg.WINDOW)
+    assert gate.worth(64) and gate.worth(128)  # by the line: 3 tokens for 2.2x the time at 128
+    for _ in range(dg.LOCAL):
+        gate.record_step(True, 128, 2.4 * (0.003 + 4e-5 * 64))
+    assert gate.drafting(128) == pytest.approx(2.4 * (0.003 + 4e-5 * 64), rel=1e-9)
+    assert gate.worth(64) and not gate.worth(128)
+    assert gate.drafting(110) == pytest.approx(gate.drafting(128))  # within NEAR of 110: the same steps
+    assert gate.drafting(16) == pytest.approx(0.003 + 4e-5 * 16, rel=1e-6)  # elsewhere: the line

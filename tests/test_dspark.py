@@ -132,7 +132,7 @@ def test_the_demo_drafter_is_small_trained_and_speeds_acceptance():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as hst  # noqa: E402
 
-from deepinfer.core.speculative import SpeculativeConfig, StepTime, choose_lengths, choose_padded  # noqa: E402
+from deepinfer.core.speculative import SpeculativeConfig, StepTime, choose_lengths  # noqa: E402
 
 
 def _survivals():
@@ -155,43 +155,6 @@ def test_chosen_lengths_are_optimal(survival, a, b):
     got = choose_lengths(survival, T)
     assert all(0 <= k <= len(s) for k, s in zip(got, survival))
     assert value(got) >= best * (1 - 1e-9)
-
-
-@settings(max_examples=150, deadline=None)
-@given(_survivals(), hst.integers(0, 3), hst.integers(2, 6), hst.floats(0.1, 10.0), hst.floats(0.001, 2.0))
-def test_padded_choice_is_optimal(survival, others, width, a, b):
-    """Verify graphs pad every row to ``width``: the step costs T(R width) if any row verifies a draft, else
-    T(R); choose_padded's lengths are worth as much as the best of every allocation."""
-    import itertools
-
-    T = lambda n: a + b * n  # noqa: E731
-    R = len(survival) + others
-
-    def value(ks):
-        cost = T(R * width) if any(ks) else T(R)
-        return (R + sum(sum(s[:k]) for s, k in zip(survival, ks))) / cost
-
-    best = max(value(ks) for ks in itertools.product(*[range(len(s) + 1) for s in survival]))
-    got = choose_padded(survival, others, width, T)
-    assert got in ([len(s) for s in survival], [0] * len(survival))
-    assert value(got) >= best * (1 - 1e-9)
-
-
-def test_padded_choice_follows_the_confidences_under_a_flat_cost():
-    flat = lambda n: 1.0  # noqa: E731
-    assert choose_padded([[0.9, 0.8], [0.5]], 1, 3, flat) == [2, 1]
-    assert choose_padded([[0.0, 0.0], [0.0]], 1, 3, flat) == [0, 0]
-    steep = lambda n: n  # noqa: E731  (a verify step of width 3 costs 3 decode steps: drafts must repay it)
-    assert choose_padded([[0.9, 0.8]], 0, 3, steep) == [0]
-    assert choose_padded([[1.0, 1.0]], 0, 3, steep) == [0]  # 3 tokens for 3x the time: no gain
-    assert choose_padded([[1.0, 1.0]], 2, 3, lambda n: 1 + n / 64) == [2]  # nearly flat: worth it
-
-
-def test_padded_exploration_takes_the_other_choice_where_there_are_drafts():
-    flat, steep = (lambda n: 1.0), (lambda n: n)  # noqa: E731
-    assert choose_padded([[0.9, 0.8], [0.5]], 1, 3, flat, explore=True) == [0, 0]
-    assert choose_padded([[0.9, 0.8]], 0, 3, steep, explore=True) == [2]
-    assert choose_padded([[], []], 1, 3, flat, explore=True) == [0, 0]  # nothing drafted: nothing to verify
 
 
 def test_step_time_through_one_token_count_keeps_the_measured_time():
@@ -221,10 +184,10 @@ def test_step_time_tells_a_rows_cost_from_a_tokens_cost():
         st.record(5 * R, a + b * R + c * 5 * R, R)
     for _ in range(8):
         st.record(5 * 64, a + b * 64 + c * 320, 64)
-    assert not st.separates() and st.needs_other_kind()  # every sample a verify step of width 5
+    assert not st.separates()  # every sample a verify step of width 5
     assert st(128, 128) < 0.8 * (a + b * 128 + c * 128)  # the tokens-alone fit underprices a plain step
     st.record(128, a + b * 128 + c * 128, 128)  # one plain step
-    assert st.separates() and not st.needs_other_kind()
+    assert st.separates()
     assert st.coefficients() == pytest.approx((a, b, c), rel=1e-6)
     assert st(128, 128) == pytest.approx(a + b * 128 + c * 128, rel=1e-6)
     st2 = StepTime()
@@ -281,8 +244,8 @@ def test_step_time_file_seeds_the_fit_and_bad_files_are_named(tmp_path):
     assert again.coefficients()[2] > 0.01
     (tmp_path / "rows.json").write_text('{"samples": [[5, 0.01, 1], [10, 0.02, 2], [3, 0.01]]}')
     assert StepTime.load(tmp_path / "rows.json").samples == [(5, 0.01, 1), (10, 0.02, 2), (3, 0.01, None)]
-    old = StepTime.load(tmp_path / "t.json")  # an older file's samples (no rows) never force exploration
-    assert len(old.samples) >= 8 and not old.separates() and not old.needs_other_kind()
+    old = StepTime.load(tmp_path / "t.json")  # an older file's samples (no rows): a fit in tokens alone
+    assert len(old.samples) >= 8 and not old.separates()
     (tmp_path / "bad.json").write_text('{"samples": [[0, 1.0]]}')
     (tmp_path / "junk.json").write_text("not json")
     for name, match in (("missing.json", "no file"), ("bad.json", "fewer than 1 token"),

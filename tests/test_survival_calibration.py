@@ -71,8 +71,9 @@ def test_the_engine_calibrates_only_on_steps_that_verify_every_draft(spec_llama)
         def open(self, rows):
             return True
 
-    llm = LLM(spec_llama, num_kv_blocks=128, block_size=4, speculative_config={"method": "ngram",
-                                                                                   "num_speculative_tokens": 3})
+    # eager: ragged verification, where lengths are cut per row (a padded verify graph verifies all or none)
+    llm = LLM(spec_llama, num_kv_blocks=128, block_size=4, enforce_eager=True,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     eng = llm.engine
     eng.drafter, eng.step_time, eng.draft_gate = Confident(), Dear(), Open()
     eng.survival_cal = SurvivalCalibration()

@@ -1,13 +1,17 @@
 """Whether a dynamic speculative step drafts at all.
 
-The per-row choice (core/speculative.py: choose_lengths, choose_padded) is made after the drafter has run,
+The per-row choice (core/speculative.py: choose_lengths) is made after the drafter has run,
 when its forward is spent: it weighs verifying against decoding plainly with the drafts already paid for. At
 high concurrency, or with a drafter whose drafts are rarely accepted, a step that drafts and verifies can emit
 fewer tokens per second than a step that does neither, and only a choice made before drafting can take the
 plain step. The gate makes it per step, from what the engine measured: the wall time of its recent drafting
 steps and of its recent plain steps against their rows (each a line T(R) = a + b R, StepLine, robust to a
-stray slow step), and the drafts accepted per row of a drafting step (an exponential average). It drafts iff
-R (1 + g) / T_draft(R) > R / T_plain(R).
+stray slow step; the median of the steps measured at about R rows where there are enough of them), and the
+drafts accepted per row of a drafting step (an exponential average). It drafts iff
+R (1 + g) / T_draft(R) > R / T_plain(R). When the step then verifies in a padded CUDA graph (every row padded to
+k + 1 tokens, whatever its drafts), the gate's choice is the step's: every draft is verified, as cutting one
+saves no device time, and a second all-or-nothing choice from the fitted T(n, R) only second-guessed the
+measured one after the drafter had run (core/engine.py, _propose_drafts).
 
 Both kinds keep being measured: the first WARM steps draft, then one step in EXPLORE_FIRST decodes plainly
 until WARM plain steps are in; from then on an open gate decodes plainly one step in EXPLORE_EVERY, and a
@@ -21,13 +25,13 @@ import statistics
 from collections import deque
 from typing import Optional
 
-from .speculative import EXPLORE_EVERY
-
 WARM = 8
 EXPLORE_FIRST = 4
+EXPLORE_EVERY = 64  # an open gate decodes plainly once in this many steps: plain steps' time stays current
 EXPLORE_CLOSED = 16  # a closed gate drafts once in this many steps: drafting's time and gain stay current
 GAIN_ALPHA = 0.1
 WINDOW = 32
+LOCAL, NEAR = 4, 0.25  # this many steps within this fraction of the rows asked for: their median, not the line
 
 
 class StepLine:
@@ -72,6 +76,13 @@ class StepLine:
         return self._fit
 
     def __call__(self, rows: int) -> float:
+        """The median of the steps at about ``rows`` rows (within NEAR) when LOCAL of them are in the window, else
+        the line's value. A step's time need not be linear in its rows (a drafting step at 128 rows cost 2.4x
+        one at 64 on the H200), and a line fitted mostly at other row counts then misprices this one: worse,
+        its outlier cut dropped the few steps measured here."""
+        near = [t for r, t in self.samples if abs(r - rows) <= NEAR * rows]
+        if len(near) >= LOCAL:
+            return max(statistics.median(near), 1e-9)
         a, b = self.coefficients()
         return max(a + b * rows, 1e-9)
 

@@ -24,8 +24,8 @@ from .prefix_cache import PrefixCache
 from .swa_pool import SwaStatePool, wanted as swa_pool_wanted
 from .draft_gate import DraftGate
 from .survival_calibration import CALIBRATE_EVERY, SurvivalCalibration
-from .speculative import (EXPLORE_EVERY, SpecStats, SpeculativeConfig, SpeculativeConfigError, StepTime, build_drafter,
-                          can_speculate, choose_lengths, choose_padded, verify_width, wants_hidden)
+from .speculative import (SpecStats, SpeculativeConfig, SpeculativeConfigError, StepTime, build_drafter, can_speculate,
+                          choose_lengths, verify_width, wants_hidden)
 from .spec_step import launch_acceptance
 from .params import SamplingParams, completion_seed
 from .scheduler import Scheduler
@@ -156,7 +156,6 @@ class Engine:
         self.draft_gate = DraftGate() if self.spec is not None and self.spec.dynamic else None
         # and the drafter's predicted survival scaled to what verification found (core/survival_calibration.py)
         self.survival_cal = SurvivalCalibration() if self.draft_gate is not None else None
-        self._padded_steps = 0  # dynamic steps priced as padded verify graphs (core/speculative.EXPLORE_EVERY)
         self._drafter_ran = True  # whether the last step's drafts were asked for (the gate was open)
         self._overlap_plain = False  # whether a plain step of a dynamic engine runs under overlap scheduling
         self._length_steps, self._full_lengths = 0, True  # ragged dynamic steps; whether this one cut no draft
@@ -641,7 +640,11 @@ class Engine:
                                 "(e.g. %r); ignored", self.spec.method, vocab - 1, draft[:8])
                 continue
             seq.draft = draft
-        if self.spec.dynamic:  # per request, the drafts worth verifying this step (core/speculative.py)
+        self._full_lengths = True  # this step verifies every draft: an unbiased sample for the calibration
+        # Dynamic: per request, the drafts worth verifying this step (core/speculative.py). Not where the step
+        # verifies in a padded CUDA graph: every row's drafts cost nothing more there, and the gate
+        # (core/draft_gate.py) already chose drafting over a plain step from measured step times.
+        if self.spec.dynamic and not self._padded_verify_width():
             # A seeded request verifies every draft it has: lengths chosen by measured step times would make what
             # its generator draws, and so its output, change from run to run.
             rows = [s for s in self.scheduler.running if s.draft and s.generator is None]
@@ -650,33 +653,20 @@ class Engine:
                 survival = [self.survival_cal.apply(sv) for sv in survival]
             fixed = [s for s in self.scheduler.running if s.draft and s.generator is not None]
             others = sum(1 for s in self.scheduler.running if not s.draft) + len(fixed)
-            width = self._padded_verify_width()
             R = len(self.scheduler.running)  # T's rows term: the step's rows whatever their drafts
-            self._full_lengths = True  # this step verifies every draft: an unbiased sample for the calibration
-            if width and fixed:  # the step verifies in a padded graph anyway: every row's drafts cost nothing more
-                ks = [len(s.draft) for s in rows]
-            elif width:
-                self._padded_steps += 1
-                # Explore every EXPLORE_EVERY steps, and whenever the measured steps do not yet tell a row's cost
-                # from a token's (all verify steps, or all plain): the other kind is what separates them.
-                st = self.step_time
-                unsure = getattr(st, "needs_other_kind", lambda: False)()  # (a user's T may not have it)
-                ks = choose_padded(survival, others, width, lambda n: st(n, R),
-                                   explore=unsure or self._padded_steps % EXPLORE_EVERY == 0)
-            else:
-                fixed_tokens = others + sum(len(s.draft) for s in fixed)
-                self._length_steps += 1
-                if self._length_steps % CALIBRATE_EVERY:
-                    ks = choose_lengths(survival, lambda n: self.step_time(n + fixed_tokens, R))
-                    self._full_lengths = False
-                else:  # one step in CALIBRATE_EVERY verifies every draft, so the calibration sees what the cut
-                    ks = [len(s.draft) for s in rows]  # slots would have done, not only the slots kept
+            fixed_tokens = others + sum(len(s.draft) for s in fixed)
+            self._length_steps += 1
+            if self._length_steps % CALIBRATE_EVERY:
+                ks = choose_lengths(survival, lambda n: self.step_time(n + fixed_tokens, R))
+                self._full_lengths = False
+            else:  # one step in CALIBRATE_EVERY verifies every draft, so the calibration sees what the cut
+                ks = [len(s.draft) for s in rows]  # slots would have done, not only the slots kept
             for s, k in zip(rows, ks):
                 del s.draft[k:]
 
     def _padded_verify_width(self) -> int:
         """Q when this step's verification would run in a CUDA graph padding every row to Q tokens (its cost then
-        does not depend on the rows' draft lengths: core/speculative.choose_padded), else 0 (eager, ragged)."""
+        does not depend on the rows' draft lengths), else 0 (eager, ragged)."""
         g, running = self.decode_graphs, self.scheduler.running
         if g is None or not g.verify_width or not running \
                 or any(s.num_tokens - s.num_computed_tokens != 1 for s in running):  # a prefill chunk: eager

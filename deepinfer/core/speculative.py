@@ -222,25 +222,6 @@ def choose_lengths(survival: list, step_time) -> list:
     return k
 
 
-EXPLORE_EVERY = 64  # padded dynamic steps: one in this many takes the other choice, so T is measured at both
-
-
-def choose_padded(survival: list, others: int, width: int, step_time, explore: bool = False) -> list:
-    """Dynamic lengths when the step's verification runs in CUDA graphs that pad every row to ``width`` tokens
-    (backends/cuda_graph.py): a row's cost does not depend on its k there, so cutting a row's drafts saves
-    nothing and loses its expected accepted tokens. The one choice left is per step: verify every draft,
-    (R + sum of every S) / T(R width), or decode plainly, R / T(R), for the step's R rows (``others`` of them
-    without drafts); step_time(n) is T at n computed tokens, padding included. ``explore``: take the other
-    choice (where there are drafts), so that both step kinds keep being measured: a fit that only ever saw
-    verify steps (or plain ones) prices the other by the prior's shape alone (EXPLORE_EVERY sets how often)."""
-    rows = len(survival) + others
-    gain = sum(sum(s) for s in survival)
-    verify = gain > 0 and (rows + gain) / step_time(rows * width) > rows / step_time(rows)
-    if explore and any(survival):
-        verify = not verify
-    return [len(s) for s in survival] if verify else [0] * len(survival)
-
-
 class StepTime:
     """T(n, R): seconds of an engine step over n batched tokens in R rows, a + b R + c n fitted (least squares) to
     the recent decode steps the engine reports; before enough of them, a prior (one step costs about as much as
@@ -248,8 +229,7 @@ class StepTime:
     (drafting, folding the accepted tokens) and its device work with its tokens: a fit in tokens alone, over
     verify steps of R rows x width tokens, prices a plain step of the same R rows at a fraction of what it costs.
     Samples whose tokens follow from their rows (every one a verify step of one width, or every one plain) do
-    not separate the terms: ``separates()`` is False, the fit is in tokens alone, and the engine then measures
-    the other kind of step next (core/engine.py)."""
+    not separate the terms: ``separates()`` is False and the fit is in tokens alone."""
 
     def __init__(self, prior_s: float = 0.01, window: int = 256):
         self.prior, self.window, self.samples = prior_s, window, []
@@ -333,12 +313,6 @@ class StepTime:
             return False
         resid = sxx - (sxr * sxr / srr if srr > 1e-9 * max(1.0, self._sums[5]) else 0.0)
         return resid > 1e-6 * sxx  # tokens' variance left once rows explain what they can
-
-    def needs_other_kind(self) -> bool:
-        """Enough steps with their rows recorded, yet tokens a fixed function of rows on all of them: a step of the
-        other kind (plain among verify steps, or the reverse) is what would separate the terms. (Samples without
-        rows, from an old file, never ask for it: they age out of the window.)"""
-        return len(self.samples) >= 8 and not self._no_rows and not self.separates()
 
     def _least_squares(self) -> tuple:
         n = len(self.samples)

@@ -16,6 +16,8 @@ import gc
 
 import torch
 
+from ...layout import to_device
+
 
 class DraftGraphs:
     def __init__(self, net, target, buckets, k: int, context_dtype: torch.dtype):
@@ -72,7 +74,7 @@ class DraftGraphs:
         B = next(b for b in self.buckets if b >= n)
         graph, ctx, anc, out = self.graphs[B]
         torch.stack(list(contexts), out=ctx[:n])
-        anc[:n].copy_(torch.tensor(anchors, dtype=torch.long), non_blocking=False)
+        anc[:n].copy_(to_device(anchors, torch.long, anc.device))  # (pinned: a pageable copy syncs)
         graph.replay()
         self.replays += 1
         K = self.K
