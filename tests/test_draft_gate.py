@@ -155,7 +155,7 @@ class Scripted(DraftGate):
         return self.pattern[(self.asked - 1) % len(self.pattern)]
 
 
-@pytest.mark.parametrize("pattern", [(False,), (True, False, False, True, True, False)])
+@pytest.mark.parametrize("pattern", [(False,), (True, False), (True, False, False, True, True, False)])
 def test_plain_steps_of_a_dynamic_engine_overlap_and_change_nothing(pattern):
     """Under overlap scheduling a step the gate keeps plain stays in flight while the next one launches (as
     plain decoding does), a drafting step first collects it, and the drafter's context is the collected
@@ -188,7 +188,8 @@ def test_plain_steps_of_a_dynamic_engine_overlap_and_change_nothing(pattern):
     assert [{k: m[k] for k in keys} for m in met1] == [{k: m[k] for k in keys} for m in met0]
     assert st1["num_accepted_tokens"] == st0["num_accepted_tokens"]
     assert flight0 == 0 and flight1 > 0  # plain steps stayed in flight only with overlap
-    assert plain0 > 0 and plain1 > 0  # and were timed for the gate both ways
+    assert plain0 > 0 and plain1 > 0  # and were timed for the gate both ways (a lone plain step between drafting
+    # ones too: it is collected by the drafting step's call, and was never timed when only calls were)
     if True in pattern:
         assert st0["num_accepted_tokens"] > 0  # the drafter's context mattered: drafts stood
 

@@ -69,6 +69,7 @@ class _Launched:
         self.collected = False
         self.spec = None  # core.spec_step.SpecLaunch of a verify step
         self.captured_hidden = None  # the model's kept hidden states of this step (a drafter's context)
+        self.plain_launch_s = None  # a dynamic engine's overlapped plain step: its launch's seconds (the gate's)
 
 
 class Engine:
@@ -270,27 +271,25 @@ class Engine:
         # work does not grow with the number of idle requests).
         touched: dict = {r.request_id: r for r in self._to_report if not r.reported_done}
         self._to_report = []
-        t_call = time.perf_counter()
         prev, self._inflight = self._inflight, None
         if prev is not None and any(s.pending and s.params.needs_output_tokens for s in prev.sample_seqs):
-            self._collect_step(prev, touched)  # bad words / logits processors read the output tokens on the host
+            self._collect_prev(prev, touched)  # bad words / logits processors read the output tokens on the host
             prev = None
         drafting = self._drafting() if self.drafter is not None else False
         if prev is not None and drafting:
-            self._collect_step(prev, touched)  # the drafter reads the last tokens (a gate-closed step was in flight)
+            self._collect_prev(prev, touched)  # the drafter reads the last tokens (a gate-closed step was in flight)
             prev = None
         t0 = time.perf_counter()
         replays = self.decode_graphs.num_verify_replays if self.decode_graphs is not None else 0
         launched = self._launch(touched, prev)  # may collect prev itself, once the forward is queued
-        steady = prev is not None  # a plain step in flight was collected by this call: one overlapped period
+        launch_s = time.perf_counter() - t0
         if prev is not None and not prev.collected:
-            self._collect_step(prev, touched)
+            self._collect_prev(prev, touched)
         if launched is not None:
             if self.overlap or (self._overlap_plain and not drafting):
                 self._inflight = launched
-                if self.draft_gate is not None and steady and _decodes_only(launched.state.batch):
-                    # under overlap a plain step costs the period between launches: this call's wall time
-                    self.draft_gate.record_step(False, len(launched.state.batch.seqs), time.perf_counter() - t_call)
+                if self.draft_gate is not None and _decodes_only(launched.state.batch):
+                    launched.plain_launch_s = launch_s  # timed for the gate when collected (_collect_prev)
             else:
                 self._collect_step(launched, touched)
                 if self.spec is not None and self.spec.dynamic and _decodes_only(launched.state.batch):
@@ -308,8 +307,18 @@ class Engine:
         touched: dict = {}
         prev, self._inflight = self._inflight, None
         if prev is not None:
-            self._collect_step(prev, touched)
+            self._collect_prev(prev, touched)
         return self._collect(touched)
+
+    def _collect_prev(self, prev, touched: dict) -> None:
+        """Collect a step that was left in flight. A plain step of a dynamic engine (overlapped) is timed for the
+        gate as its launch plus its collection, waiting included: over steady overlapped steps these add up to
+        the wall time, and a lone plain step between drafting steps is measured too."""
+        t = time.perf_counter()
+        self._collect_step(prev, touched)
+        if prev.plain_launch_s is not None:
+            rows = len(prev.state.batch.seqs)
+            self.draft_gate.record_step(False, rows, prev.plain_launch_s + time.perf_counter() - t)
 
     def _launch(self, touched: dict, prev=None):
         if self.drafter is not None:
@@ -335,7 +344,7 @@ class Engine:
                 # A constrain stage needs the tokens of the step in flight: collect it now that this step's
                 # forward is queued, so its grammar masks are filled while the device runs the forward.
                 t1 = time.perf_counter()
-                self._collect_step(prev, touched)
+                self._collect_prev(prev, touched)
                 t0 += time.perf_counter() - t1
             for i, msg in self._run_stages(stages[k:], state).items():
                 failed.setdefault(i, msg)
