@@ -208,3 +208,16 @@ def test_steps_measured_at_the_rows_asked_for_price_them_not_the_line():
     assert gate.worth(64) and not gate.worth(128)
     assert gate.drafting(110) == pytest.approx(gate.drafting(128))  # within NEAR of 110: the same steps
     assert gate.drafting(16) == pytest.approx(0.003 + 4e-5 * 16, rel=1e-6)  # elsewhere: the line
+
+
+def test_the_gain_is_the_mean_over_the_last_rows_not_the_last_steps():
+    """One request's accepted count swings 0..k from step to step: g is accepted / rows over at least GAIN_ROWS
+    recent rows, so a few bad steps at one row cannot shut the gate, while a many-row step counts by its rows."""
+    gate = DraftGate()
+    for _ in range(dg.GAIN_ROWS):
+        gate.record_accepted(1, 3)
+    for _ in range(6):
+        gate.record_accepted(1, 0)  # six bad steps in a row
+    assert gate.gain == pytest.approx((3 * (dg.GAIN_ROWS - 6)) / dg.GAIN_ROWS, rel=1e-12)
+    gate.record_accepted(4 * dg.GAIN_ROWS, 4 * dg.GAIN_ROWS)  # one step of many rows: its own mean, alone
+    assert gate.gain == pytest.approx(1.0, rel=1e-12) and len(gate._accepted) == 1

@@ -7,7 +7,7 @@ fewer tokens per second than a step that does neither, and only a choice made be
 plain step. The gate makes it per step, from what the engine measured: the wall time of its recent drafting
 steps and of its recent plain steps against their rows (each a line T(R) = a + b R, StepLine, robust to a
 stray slow step; the median of the steps measured at about R rows where there are enough of them), and the
-drafts accepted per row of a drafting step (an exponential average). It drafts iff
+drafts accepted per row over the last drafting steps' rows (GAIN_ROWS of them at least). It drafts iff
 R (1 + g) / T_draft(R) > R / T_plain(R). When the step then verifies in a padded CUDA graph (every row padded to
 k + 1 tokens, whatever its drafts), the gate's choice is the step's: every draft is verified, as cutting one
 saves no device time, and a second all-or-nothing choice from the fitted T(n, R) only second-guessed the
@@ -29,7 +29,11 @@ WARM = 8
 EXPLORE_FIRST = 4
 EXPLORE_EVERY = 64  # an open gate decodes plainly once in this many steps: plain steps' time stays current
 EXPLORE_CLOSED = 16  # a closed gate drafts once in this many steps: drafting's time and gain stay current
-GAIN_ALPHA = 0.1
+# g over the last steps' rows, at least this many of them: one row's accepted count swings 0..k, and an
+# average over few (an exponential one of per-step means was) shut the gate at one request on a run of bad
+# drafts, which a closed gate's rare drafting steps then took long to undo (H200, 2d57f48: 0.92x plain
+# decoding where drafting ran 1.24x)
+GAIN_ROWS = 128
 WINDOW = 32
 LOCAL, NEAR = 4, 0.25  # this many steps within this fraction of the rows asked for: their median, not the line
 
@@ -91,7 +95,9 @@ class DraftGate:
     def __init__(self, explore_every: int = EXPLORE_EVERY, explore_closed: int = EXPLORE_CLOSED):
         self.explore_every, self.explore_closed = explore_every, explore_closed
         self.drafting, self.plain = StepLine(), StepLine()  # seconds against rows
-        self.gain: Optional[float] = None  # accepted drafts per row of a drafting step, averaged
+        self.gain: Optional[float] = None  # accepted drafts per row of the recent drafting steps' rows
+        self._accepted: deque = deque()  # (rows, accepted) of recent drafting steps, GAIN_ROWS rows at least
+        self._rows = self._sum = 0
         self.decisions = 0
         self.closed = 0  # steps the gate sent to plain decoding
 
@@ -103,8 +109,12 @@ class DraftGate:
     def record_accepted(self, rows: int, accepted: int) -> None:
         """A drafting step's rows and the drafts accepted over them."""
         if rows:
-            g = accepted / rows
-            self.gain = g if self.gain is None else (1 - GAIN_ALPHA) * self.gain + GAIN_ALPHA * g
+            self._accepted.append((rows, accepted))
+            self._rows, self._sum = self._rows + rows, self._sum + accepted
+            while self._rows - self._accepted[0][0] >= GAIN_ROWS:
+                r, a = self._accepted.popleft()
+                self._rows, self._sum = self._rows - r, self._sum - a
+            self.gain = self._sum / self._rows
 
     def worth(self, rows: int) -> bool:
         """Whether drafting pays at ``rows`` rows by the fits as they are (no exploration)."""
