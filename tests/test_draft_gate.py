@@ -41,8 +41,9 @@ def test_the_first_steps_draft_then_plain_steps_are_measured():
 def test_the_choice_is_the_better_tokens_per_second(ad, bd, ap, bp, gain, rows):
     gate = fed(DraftGate(), lambda r: ad + bd * r, lambda r: ap + bp * r, gain)
     g = round(gain * 10) / 10
-    drafting = rows * (1 + g) / (ad + bd * rows)
-    plain = rows / (ap + bp * rows)
+    at = next((r for r in (4, 64) if abs(r - rows) <= dg.NEAR * rows), rows)  # a fed row count near: its times
+    drafting = rows * (1 + g) / (ad + bd * at)
+    plain = rows / (ap + bp * at)
     if abs(drafting - plain) > 1e-6 * max(drafting, plain):  # (a tie is either way)
         assert gate.worth(rows) == (drafting > plain)
 
@@ -50,11 +51,11 @@ def test_the_choice_is_the_better_tokens_per_second(ad, bd, ap, bp, gain, rows):
 def test_an_open_gate_explores_plain_steps_and_a_closed_one_drafting_steps():
     closed = fed(DraftGate(explore_every=64, explore_closed=16), lambda r: 0.010, lambda r: 0.004, 1.0)
     closed.decisions = 0  # plain wins: 2 / 10 ms < 1 / 4 ms
-    choices = [closed.open(32) for _ in range(64)]
+    choices = [closed.open(64) for _ in range(64)]
     assert choices.count(True) == 4 and all(choices[i] for i in range(15, 64, 16)) and closed.closed == 60
     opened = fed(DraftGate(explore_every=64, explore_closed=16), lambda r: 0.010, lambda r: 0.004, 3.0)
     opened.decisions = 0  # drafting wins: 4 / 10 ms > 1 / 4 ms
-    choices = [opened.open(32) for _ in range(128)]
+    choices = [opened.open(64) for _ in range(128)]
     assert choices.count(False) == 2 and not choices[63] and not choices[127]
 
 
@@ -221,3 +222,19 @@ def test_the_gain_is_the_mean_over_the_last_rows_not_the_last_steps():
     assert gate.gain == pytest.approx((3 * (dg.GAIN_ROWS - 6)) / dg.GAIN_ROWS, rel=1e-12)
     gate.record_accepted(4 * dg.GAIN_ROWS, 4 * dg.GAIN_ROWS)  # one step of many rows: its own mean, alone
     assert gate.gain == pytest.approx(1.0, rel=1e-12) and len(gate._accepted) == 1
+
+
+def test_a_row_count_not_yet_measured_both_ways_is_measured_first():
+    """Past the warm-up, at rows where fewer than LOCAL steps of a kind are in, the gate takes that kind (a line
+    through other row counts is a guess); then it chooses by the measured steps there."""
+    gate = fed(DraftGate(explore_every=10**9, explore_closed=10**9), lambda r: 0.002 + 1e-4 * r,
+               lambda r: 0.001, gain=2.0, rows=(1,), each=dg.WINDOW // 2)
+    assert gate.open(1)  # 3 tokens / 2.1 ms > 1 / 1 ms
+    choices = []
+    for _ in range(2 * dg.LOCAL + 2):
+        c = gate.open(16)
+        choices.append(c)
+        gate.record_step(c, 16, 0.002 + 1e-4 * 16 if c else 0.0015)
+    assert choices[:dg.LOCAL] == [False] * dg.LOCAL  # plain steps of 16 rows first: none measured
+    assert choices[dg.LOCAL:2 * dg.LOCAL] == [True] * dg.LOCAL  # then drafting ones (the window's are at 1 row)
+    assert all(choices[2 * dg.LOCAL:])  # 3 / 3.6 ms > 1 / 1.5 ms

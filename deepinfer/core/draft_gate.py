@@ -14,9 +14,11 @@ saves no device time, and a second all-or-nothing choice from the fitted T(n, R)
 measured one after the drafter had run (core/engine.py, _propose_drafts).
 
 Both kinds keep being measured: the first WARM steps draft, then one step in EXPLORE_FIRST decodes plainly
-until WARM plain steps are in; from then on an open gate decodes plainly one step in EXPLORE_EVERY, and a
-closed one drafts one step in EXPLORE_CLOSED (so a drafter that starts to pay is noticed within a few dozen
-steps). A seeded request drafts whatever the gate says (the engine's choices never depend on timing for it).
+until WARM plain steps are in; at a row count where fewer than LOCAL steps of a kind were measured (within
+NEAR), the step is of that kind (a line through other row counts guessed wrong: on the H200 one fitted at one
+request priced a plain step of 16 rows as one of 1, and shut the gate where drafting ran 1.18x plain); from
+then on an open gate decodes plainly one step in EXPLORE_EVERY, and a closed one drafts one step in
+EXPLORE_CLOSED (so a drafter that starts to pay is noticed within a few dozen steps). A seeded request drafts whatever the gate says (the engine's choices never depend on timing for it).
 """
 
 from __future__ import annotations
@@ -79,6 +81,10 @@ class StepLine:
                 self._fit = line if line is not None else (statistics.median(t for _, t in kept or pts), 0.0)
         return self._fit
 
+    def knows(self, rows: int) -> bool:
+        """Whether LOCAL steps at about ``rows`` rows are in the window (then ``self(rows)`` is their median)."""
+        return sum(1 for r, _ in self.samples if abs(r - rows) <= NEAR * rows) >= LOCAL
+
     def __call__(self, rows: int) -> float:
         """The median of the steps at about ``rows`` rows (within NEAR) when LOCAL of them are in the window, else
         the line's value. A step's time need not be linear in its rows (a drafting step at 128 rows cost 2.4x
@@ -127,6 +133,10 @@ class DraftGate:
             choice = True
         elif len(self.plain) < WARM:
             choice = self.decisions % EXPLORE_FIRST != 0
+        elif not self.plain.knows(rows):  # a row count not yet measured (both ways): measure it, not guess it
+            choice = False
+        elif not self.drafting.knows(rows):
+            choice = True
         else:
             choice = self.worth(rows)
             if self.decisions % (self.explore_every if choice else self.explore_closed) == 0:
