@@ -19,6 +19,9 @@
 #   bash scripts/device_issue15.sh gate COMMIT   # < 9 min: the gate's and calibration's tests with the speculative
 #                                          # GPU tests, where a speculative step goes (profile_spec_step.py), and the demo
 #                                          # sweep in 3 alternating rounds (none / fixed / dynamic, C = 1/16/64/128)
+#   bash scripts/device_issue15.sh padded COMMIT  # < 9 min: the demo with its shared experts widened to PAD_GB (12) GB
+#                                          # of weights read every step (scripts/pad_demo.py: the demo's function and
+#                                          # drafter; decode memory-bound), then the sweep on it, none / fixed / dynamic
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -81,8 +84,14 @@ gate)
   timeout 250 python3 benchmarks/spec_sweep.py --targets demo --rounds 3 --steps 32 --warmup-steps 64 \
     --concurrency 1 16 64 128 --budget-s 190 --commit "${2:-?}" --out "$OUT/spec_sweep_gate.jsonl" 2>&1 \
     | grep -v -i warn | tail -14 ;;
+padded)
+  nvidia-smi -L
+  timeout 240 python3 scripts/pad_demo.py --out /tmp/ced_padded --shared-gb "${PAD_GB:-12}" --device cuda
+  timeout 320 python3 benchmarks/spec_sweep.py --targets path --model /tmp/ced_padded --text-prompts --rounds 3 \
+    --steps 32 --warmup-steps 32 --concurrency 1 16 64 128 --budget-s 280 --commit "${2:-?}" \
+    --out "$OUT/spec_sweep_padded.jsonl" 2>&1 | grep -v -i warn | tail -14 ;;
 bench)
   bench ;;
 *)
-  echo "usage: bash scripts/device_issue15.sh train | bench | tests | sweep COMMIT | big-train | big-sweep COMMIT | gate COMMIT" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue15.sh train | bench | tests | sweep COMMIT | big-train | big-sweep COMMIT | gate COMMIT | padded COMMIT" >&2; exit 2 ;;
 esac
