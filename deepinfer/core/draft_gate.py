@@ -18,7 +18,8 @@ until WARM plain steps are in; at a row count where fewer than LOCAL steps of a 
 NEAR), the step is of that kind (a line through other row counts guessed wrong: on the H200 one fitted at one
 request priced a plain step of 16 rows as one of 1, and shut the gate where drafting ran 1.18x plain); from
 then on an open gate decodes plainly one step in EXPLORE_EVERY, and a closed one drafts one step in
-EXPLORE_CLOSED (so a drafter that starts to pay is noticed within a few dozen steps). A seeded request drafts whatever the gate says (the engine's choices never depend on timing for it).
+EXPLORE_CLOSED (so a drafter that starts to pay is noticed within a few dozen steps). A seeded request drafts
+whatever the gate says (the engine's choices never depend on timing for it).
 """
 
 from __future__ import annotations
