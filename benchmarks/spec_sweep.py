@@ -125,7 +125,7 @@ class Run:
         self.reqs = [self.eng.add_request(r, {"prompt_token_ids": p}, sp)
                      for r, p in zip(self.rids, text_prompts(rng, args.text, C, args.input_len) if args.text is not None
                                      else prompts(rng, vocab, C, args.input_len, args.motif))]
-        self.seconds, self.steps, self.tokens, self.rates = 0.0, 0, 0, []
+        self.seconds, self.steps, self.tokens, self.rates, self.block_tok_s = 0.0, 0, 0, [], []
         self.spec = {k: 0 for k in spec_counts(llm)}
         while not all(r.first_token_time for r in self.reqs):
             self.eng.step()
@@ -150,6 +150,7 @@ class Run:
         self.seconds, self.steps, self.tokens = self.seconds + dt, self.steps + steps, self.tokens + self._emitted() - tokens0
         self.spec = {k: v + spec_counts(self.llm)[k] - spec0[k] for k, v in self.spec.items()}
         self.rates.append(round(steps / dt, 2))
+        self.block_tok_s.append(round((self._emitted() - tokens0) / dt, 2))
 
     def finish(self) -> dict:
         syncs = count_syncs(self.eng, self.args.sync_steps)
@@ -159,7 +160,8 @@ class Run:
             self.eng.step()
         d, dt, C = self.spec, self.seconds, self.C
         row = {"concurrency": C, "steps": self.steps, "seconds": round(dt, 4), "step_rate": round(self.steps / dt, 2),
-               "block_step_rates": self.rates, "output_tokens": self.tokens, "output_tok_s": round(self.tokens / dt, 1),
+               "block_step_rates": self.rates, "block_output_tok_s": self.block_tok_s,
+               "output_tokens": self.tokens, "output_tok_s": round(self.tokens / dt, 1),
                "tokens_per_seq_step": round(self.tokens / (self.steps * C), 4), "syncs_per_step": syncs, **d}
         if d["verified_rows"]:
             row["acceptance_rate"] = round(d["accepted_tokens"] / max(1, d["draft_tokens"]), 4)
@@ -257,6 +259,27 @@ def run(args) -> list:
     return rows
 
 
+def paired(rows: list) -> list:
+    """For interleaved runs (--rounds > 1): each setting against every earlier one at the same target and C, as the
+    median over rounds of the ratio of their output tok/s in that round (their blocks ran back to back), which a
+    machine whose speed drifts between rounds moves far less than the ratio of the totals (a 2-core CPU's blocks
+    of one setting ranged 11-22 steps/s in one run). Returns (target, C, setting, against, median, ratios)."""
+    import statistics
+
+    out = []
+    groups: dict = {}
+    for r in rows:
+        if len(r.get("block_output_tok_s") or []) > 1:
+            groups.setdefault((r["target"], r["concurrency"]), []).append(r)
+    for (target, C), rs in groups.items():
+        for i, a in enumerate(rs):
+            for b in rs[:i]:
+                ratios = [x / y for x, y in zip(a["block_output_tok_s"], b["block_output_tok_s"]) if y > 0]
+                if ratios:
+                    out.append((target, C, a["setting"], b["setting"], statistics.median(ratios), ratios))
+    return out
+
+
 def table(rows: list) -> str:
     base = {(r["target"], r["concurrency"]): r["output_tok_s"] for r in rows if r["setting"] == "none"}
     head = f"{'target':>13} {'setting':>17} {'C':>4} {'steps/s':>8} {'tok/s':>9} {'vs none':>7} {'tok/seq-step':>12} " \
@@ -272,6 +295,10 @@ def table(rows: list) -> str:
                      f"{r['output_tok_s']:9.1f} {ratio} {r['tokens_per_seq_step']:12.3f} "
                      f"{'' if acc is None else f'{acc:.3f}':>6} {'' if tpr is None else f'{tpr:.3f}':>12} "
                      f"{'' if sy is None else f'{sy:.2f}':>10}")
+    pairs = paired(rows)
+    if pairs:
+        lines.append("paired, median over rounds of the per-round tok/s ratio:")
+        lines += [f"{t:>13} C={C:<4d} {a} / {b}: {m:.3f}" for t, C, a, b, m, _ in pairs]
     return "\n".join(lines)
 
 

@@ -34,6 +34,18 @@ def test_interleaved_rounds_add_up_per_setting(tmp_path):
     for r in rows:
         assert r["steps"] == 2 * 4 and len(r["block_step_rates"]) == 2 and r["rounds"] == 2
         assert r["output_tokens"] == r["steps"] * r["concurrency"] + r["accepted_tokens"], r
+        assert len(r["block_output_tok_s"]) == 2 and all(x > 0 for x in r["block_output_tok_s"])
+    pairs = spec_sweep.paired(rows)
+    assert {(C, a, b) for _, C, a, b, _, _ in pairs} == {(c, "ngram:2", "none") for c in (1, 3)}
+
+
+def test_paired_ratio_is_the_median_of_the_rounds():
+    """Drift between rounds cancels in each round's ratio: the median of those, not the ratio of the totals."""
+    rows = [{"target": "t", "concurrency": 4, "setting": "none", "block_output_tok_s": [100.0, 50.0, 200.0]},
+            {"target": "t", "concurrency": 4, "setting": "fast", "block_output_tok_s": [110.0, 60.0, 190.0]},
+            {"target": "t", "concurrency": 8, "setting": "none", "block_output_tok_s": [10.0]}]  # one round: none
+    (t, C, a, b, med, ratios), = spec_sweep.paired(rows)
+    assert (t, C, a, b) == ("t", 4, "fast", "none") and ratios == [1.1, 1.2, 0.95] and med == 1.1
 
 
 def test_bad_setting_names_the_problem():
