@@ -49,14 +49,18 @@ def test_the_choice_is_the_better_tokens_per_second(ad, bd, ap, bp, gain, rows):
 
 
 def test_an_open_gate_explores_plain_steps_and_a_closed_one_drafting_steps():
+    """The other kind once in explore_every x r steps when open, explore_closed / r when closed (r: drafting's
+    tokens per second over plain decoding's), so a gate far from a tie seldom takes the losing step."""
     closed = fed(DraftGate(explore_every=64, explore_closed=16), lambda r: 0.010, lambda r: 0.004, 1.0)
-    closed.decisions = 0  # plain wins: 2 / 10 ms < 1 / 4 ms
+    assert closed.ratio(64) == pytest.approx(0.8)  # plain wins: 2 / 10 ms < 1 / 4 ms
     choices = [closed.open(64) for _ in range(64)]
-    assert choices.count(True) == 4 and all(choices[i] for i in range(15, 64, 16)) and closed.closed == 60
+    assert [i for i, c in enumerate(choices) if c] == [19, 39, 59] and closed.closed == 61  # every 16 / 0.8
     opened = fed(DraftGate(explore_every=64, explore_closed=16), lambda r: 0.010, lambda r: 0.004, 3.0)
-    opened.decisions = 0  # drafting wins: 4 / 10 ms > 1 / 4 ms
-    choices = [opened.open(64) for _ in range(128)]
-    assert choices.count(False) == 2 and not choices[63] and not choices[127]
+    assert opened.ratio(64) == pytest.approx(1.6)  # drafting wins: 4 / 10 ms > 1 / 4 ms
+    choices = [opened.open(64) for _ in range(256)]
+    assert [i for i, c in enumerate(choices) if not c] == [102, 205]  # every 64 x 1.6 = 102.4
+    far = fed(DraftGate(explore_every=64, explore_closed=16), lambda r: 0.010, lambda r: 0.004, 9.0)
+    assert [i for i in range(512) if not far.open(64)] == [255, 511]  # r = 10 x 4 / 10 = 4: once in 256
 
 
 def test_a_stray_slow_step_does_not_shut_the_gate():

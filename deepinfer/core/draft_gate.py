@@ -17,8 +17,10 @@ Both kinds keep being measured: the first WARM steps draft, then one step in EXP
 until WARM plain steps are in; at a row count where fewer than LOCAL steps of a kind were measured (within
 NEAR), the step is of that kind (a line through other row counts guessed wrong: on the H200 one fitted at one
 request priced a plain step of 16 rows as one of 1, and shut the gate where drafting ran 1.18x plain); from
-then on an open gate decodes plainly one step in EXPLORE_EVERY, and a closed one drafts one step in
-EXPLORE_CLOSED (so a drafter that starts to pay is noticed within a few dozen steps). A seeded request drafts
+then on an open gate decodes plainly once in EXPLORE_EVERY x r steps and a closed one drafts once in
+EXPLORE_CLOSED / r, r being drafting's measured tokens per second over plain decoding's (so a drafter that
+starts to pay is noticed within a few dozen steps, and a gate far from a tie seldom takes the losing step: at
+one request on the CPU, r ~ 3.5, plain steps one in 64 cost dynamic 1.2% against fixed lengths). A seeded request drafts
 whatever the gate says (the engine's choices never depend on timing for it).
 """
 
@@ -30,8 +32,8 @@ from typing import Optional
 
 WARM = 8
 EXPLORE_FIRST = 4
-EXPLORE_EVERY = 64  # an open gate decodes plainly once in this many steps: plain steps' time stays current
-EXPLORE_CLOSED = 16  # a closed gate drafts once in this many steps: drafting's time and gain stay current
+EXPLORE_EVERY = 64  # an open gate decodes plainly once in this many steps x r: plain steps' time stays current
+EXPLORE_CLOSED = 16  # a closed gate drafts once in this many steps / r: drafting's time and gain stay current
 # g over the last steps' rows, at least this many of them: one row's accepted count swings 0..k, and an
 # average over few (an exponential one of per-step means was) shut the gate at one request on a run of bad
 # drafts, which a closed gate's rare drafting steps then took long to undo (H200, 2d57f48: 0.92x plain
@@ -106,6 +108,7 @@ class DraftGate:
         self._accepted: deque = deque()  # (rows, accepted) of recent drafting steps, GAIN_ROWS rows at least
         self._rows = self._sum = 0
         self.decisions = 0
+        self._since = 0  # choices since the gate last took the other kind
         self.closed = 0  # steps the gate sent to plain decoding
 
     def record_step(self, drafted: bool, rows: int, seconds: float) -> None:
@@ -123,6 +126,11 @@ class DraftGate:
                 self._rows, self._sum = self._rows - r, self._sum - a
             self.gain = self._sum / self._rows
 
+    def ratio(self, rows: int) -> float:
+        """Drafting's tokens per second over plain decoding's at ``rows`` rows, by the measured steps:
+        (1 + g) T_plain(R) / T_draft(R)."""
+        return (1 + (self.gain or 0.0)) * self.plain(rows) / self.drafting(rows)
+
     def worth(self, rows: int) -> bool:
         """Whether drafting pays at ``rows`` rows by the fits as they are (no exploration)."""
         return rows * (1 + (self.gain or 0.0)) / self.drafting(rows) > rows / self.plain(rows)
@@ -139,8 +147,14 @@ class DraftGate:
         elif not self.drafting.knows(rows):
             choice = True
         else:
+            r = self.ratio(rows)
             choice = self.worth(rows)
-            if self.decisions % (self.explore_every if choice else self.explore_closed) == 0:
+            # the other kind once in explore_every x r steps (open) or explore_closed / r (closed): the further
+            # the choice is from a tie, the less often the step that loses is taken
+            every = self.explore_every * max(1.0, r) if choice else self.explore_closed * max(1.0, 1.0 / r)
+            self._since += 1
+            if self._since >= every:
+                self._since = 0
                 choice = not choice
         self.closed += not choice
         return choice
