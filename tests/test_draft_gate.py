@@ -242,3 +242,22 @@ def test_a_row_count_not_yet_measured_both_ways_is_measured_first():
     assert choices[:dg.LOCAL] == [False] * dg.LOCAL  # plain steps of 16 rows first: none measured
     assert choices[dg.LOCAL:2 * dg.LOCAL] == [True] * dg.LOCAL  # then drafting ones (the window's are at 1 row)
     assert all(choices[2 * dg.LOCAL:])  # 3 / 3.6 ms > 1 / 1.5 ms
+
+
+def test_a_drifting_machine_is_judged_by_adjacent_steps():
+    """The machine slows 3x over the run. Drafting steps (most of them, recent) against plain ones (one in 16,
+    spread over the run) by per-kind medians compare slow steps with fast ones and close the gate; the ratio of
+    steps that ran one after the other does not drift, and drafting (2.5 tokens for 2x the time) stays open."""
+    gate = DraftGate()
+    n = 512
+    for i in range(n):
+        slow = 1 + 2 * i / n
+        plain = i % 16 == 15
+        gate.record_step(not plain, 32, (0.001 if plain else 0.002) * slow)
+        if not plain:
+            gate.record_accepted(32, 48)  # g = 1.5
+    per_kind = 2.5 * gate.plain(32) / gate.drafting(32)
+    assert per_kind < 1  # what the medians alone would decide: plain
+    assert gate.paired(32) == pytest.approx(0.5, rel=0.01) and gate.ratio(32) == pytest.approx(1.25, rel=0.01)
+    assert gate.worth(32)
+    assert gate.paired(4) is None  # no pairs at 4 rows: the per-kind estimate there

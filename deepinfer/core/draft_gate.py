@@ -6,9 +6,10 @@ high concurrency, or with a drafter whose drafts are rarely accepted, a step tha
 fewer tokens per second than a step that does neither, and only a choice made before drafting can take the
 plain step. The gate makes it per step, from what the engine measured: the wall time of its recent drafting
 steps and of its recent plain steps against their rows (each a line T(R) = a + b R, StepLine, robust to a
-stray slow step; the median of the steps measured at about R rows where there are enough of them), and the
-drafts accepted per row over the last drafting steps' rows (GAIN_ROWS of them at least). It drafts iff
-R (1 + g) / T_draft(R) > R / T_plain(R). When the step then verifies in a padded CUDA graph (every row padded to
+stray slow step; the median of the steps measured at about R rows where there are enough of them; their
+ratio from steps of the two kinds that ran one after the other where there are enough such pairs, which a
+drifting machine moves less), and the drafts accepted per row over the last drafting steps' rows (GAIN_ROWS of
+them at least). It drafts iff R (1 + g) / T_draft(R) > R / T_plain(R). When the step then verifies in a padded CUDA graph (every row padded to
 k + 1 tokens, whatever its drafts), the gate's choice is the step's: every draft is verified, as cutting one
 saves no device time, and a second all-or-nothing choice from the fitted T(n, R) only second-guessed the
 measured one after the drafter had run (core/engine.py, _propose_drafts).
@@ -41,6 +42,7 @@ EXPLORE_CLOSED = 16  # a closed gate drafts once in this many steps / r: draftin
 GAIN_ROWS = 128
 WINDOW = 32
 LOCAL, NEAR = 4, 0.25  # this many steps within this fraction of the rows asked for: their median, not the line
+PAIRS = 32  # recent pairs of adjacent steps of the two kinds, for their time ratio (DraftGate.paired)
 
 
 class StepLine:
@@ -107,6 +109,8 @@ class DraftGate:
         self.gain: Optional[float] = None  # accepted drafts per row of the recent drafting steps' rows
         self._accepted: deque = deque()  # (rows, accepted) of recent drafting steps, GAIN_ROWS rows at least
         self._rows = self._sum = 0
+        self._prev: Optional[tuple] = None  # the last step recorded: (drafted, rows, seconds)
+        self._pairs: deque = deque(maxlen=PAIRS)  # (rows, T_plain / T_draft) of adjacent steps of the two kinds
         self.decisions = 0
         self._since = 0  # choices since the gate last took the other kind
         self.closed = 0  # steps the gate sent to plain decoding
@@ -115,6 +119,20 @@ class DraftGate:
         """A decode-only step of ``rows`` rows took ``seconds``, with the drafter run (whatever lengths were then
         verified) or plainly."""
         (self.drafting if drafted else self.plain).record(rows, seconds)
+        prev = self._prev
+        if prev is not None and prev[0] != drafted and abs(prev[1] - rows) <= NEAR * max(rows, prev[1]):
+            plain, draft = (prev[2], seconds) if drafted else (seconds, prev[2])
+            self._pairs.append(((rows + prev[1]) / 2, plain / max(draft, 1e-12)))
+        self._prev = (drafted, rows, seconds)
+
+    def paired(self, rows: int) -> Optional[float]:
+        """T_plain / T_draft at about ``rows`` rows from steps of the two kinds that ran one after the other (each
+        switch between kinds is a pair), the median of the recent pairs; None with fewer than LOCAL of them. A
+        machine whose speed drifts moves both steps of a pair alike, while the per-kind medians compare a kind's
+        rare steps with the other's from other moments (on the 2-core CPU one setting's blocks ranged 11-22
+        steps/s, and the gate closed at 64 rows where drafting ran 1.4x plain)."""
+        near = [q for r, q in self._pairs if abs(r - rows) <= NEAR * rows]
+        return statistics.median(near) if len(near) >= LOCAL else None
 
     def record_accepted(self, rows: int, accepted: int) -> None:
         """A drafting step's rows and the drafts accepted over them."""
@@ -128,12 +146,13 @@ class DraftGate:
 
     def ratio(self, rows: int) -> float:
         """Drafting's tokens per second over plain decoding's at ``rows`` rows, by the measured steps:
-        (1 + g) T_plain(R) / T_draft(R)."""
-        return (1 + (self.gain or 0.0)) * self.plain(rows) / self.drafting(rows)
+        (1 + g) T_plain(R) / T_draft(R), the time ratio from adjacent steps where there are enough (``paired``)."""
+        pair = self.paired(rows)
+        return (1 + (self.gain or 0.0)) * (pair if pair is not None else self.plain(rows) / self.drafting(rows))
 
     def worth(self, rows: int) -> bool:
-        """Whether drafting pays at ``rows`` rows by the fits as they are (no exploration)."""
-        return rows * (1 + (self.gain or 0.0)) / self.drafting(rows) > rows / self.plain(rows)
+        """Whether drafting pays at ``rows`` rows by the measured steps (no exploration)."""
+        return self.ratio(rows) > 1
 
     def open(self, rows: int) -> bool:
         """This step's choice for ``rows`` decoding rows: draft (True) or decode plainly."""
@@ -148,7 +167,7 @@ class DraftGate:
             choice = True
         else:
             r = self.ratio(rows)
-            choice = self.worth(rows)
+            choice = r > 1  # (worth)
             # the other kind once in explore_every x r steps (open) or explore_closed / r (closed): the further
             # the choice is from a tie, the less often the step that loses is taken
             every = self.explore_every * max(1.0, r) if choice else self.explore_closed * max(1.0, 1.0 / r)
