@@ -1,28 +1,28 @@
 """Whether a dynamic speculative step drafts at all.
 
-The per-row choice (core/speculative.py: choose_lengths) is made after the drafter has run,
-when its forward is spent: it weighs verifying against decoding plainly with the drafts already paid for. At
-high concurrency, or with a drafter whose drafts are rarely accepted, a step that drafts and verifies can emit
-fewer tokens per second than a step that does neither, and only a choice made before drafting can take the
-plain step. The gate makes it per step, from what the engine measured: the wall time of its recent drafting
-steps and of its recent plain steps against their rows (each a line T(R) = a + b R, StepLine, robust to a
-stray slow step; the median of the steps measured at about R rows where there are enough of them; their
-ratio from steps of the two kinds that ran one after the other where there are enough such pairs, which a
-drifting machine moves less), and the drafts accepted per row over the last drafting steps' rows (GAIN_ROWS of
-them at least). It drafts iff R (1 + g) / T_draft(R) > R / T_plain(R). When the step then verifies in a padded CUDA graph (every row padded to
-k + 1 tokens, whatever its drafts), the gate's choice is the step's: every draft is verified, as cutting one
-saves no device time, and a second all-or-nothing choice from the fitted T(n, R) only second-guessed the
-measured one after the drafter had run (core/engine.py, _propose_drafts).
+The per-row choice (core/speculative.py: choose_lengths) is made after the drafter has run, when its forward is
+spent: it weighs verifying against decoding plainly with the drafts already paid for. At high concurrency, or
+with a drafter whose drafts are rarely accepted, a step that drafts and verifies can emit fewer tokens per second
+than a step that does neither, and only a choice made before drafting can take the plain step. The gate makes it
+per step, from what the engine measured: the wall time of its recent drafting steps and of its recent plain steps
+against their rows (each a line T(R) = a + b R, StepLine, robust to a stray slow step; the median of the steps
+measured at about R rows where there are enough of them; their ratio from steps of the two kinds that ran one
+after the other where there are enough such pairs, which a drifting machine moves less), and the drafts accepted
+per row over the last drafting steps' rows (GAIN_ROWS of them at least). It drafts iff
+R (1 + g) / T_draft(R) > R / T_plain(R). When the step then verifies in a padded CUDA graph (every row padded to k + 1 tokens, whatever its
+drafts), the gate's choice is the step's: every draft is verified, as cutting one saves no device time, and a
+second all-or-nothing choice from the fitted T(n, R) only second-guessed the measured one after the drafter had
+run (core/engine.py, _propose_drafts).
 
-Both kinds keep being measured: the first WARM steps draft, then one step in EXPLORE_FIRST decodes plainly
-until WARM plain steps are in; at a row count where fewer than LOCAL steps of a kind were measured (within
-NEAR), the step is of that kind (a line through other row counts guessed wrong: on the H200 one fitted at one
-request priced a plain step of 16 rows as one of 1, and shut the gate where drafting ran 1.18x plain); from
-then on an open gate decodes plainly once in EXPLORE_EVERY x r steps and a closed one drafts once in
-EXPLORE_CLOSED / r, r being drafting's measured tokens per second over plain decoding's (so a drafter that
-starts to pay is noticed within a few dozen steps, and a gate far from a tie seldom takes the losing step: at
-one request on the CPU, r ~ 3.5, plain steps one in 64 cost dynamic 1.2% against fixed lengths). A seeded request drafts
-whatever the gate says (the engine's choices never depend on timing for it).
+Both kinds keep being measured: the first WARM steps draft, then one step in EXPLORE_FIRST decodes plainly until
+WARM plain steps are in; at a row count where fewer than LOCAL steps of a kind were measured (within NEAR), the
+step is of that kind (a line through other row counts guessed wrong: on the H200 one fitted at one request priced
+a plain step of 16 rows as one of 1, and shut the gate where drafting ran 1.18x plain); from then on an open gate
+decodes plainly once in EXPLORE_EVERY x r steps and a closed one drafts once in EXPLORE_CLOSED / r, r being
+drafting's measured tokens per second over plain decoding's (so a drafter that starts to pay is noticed within a
+few dozen steps, and a gate far from a tie seldom takes the losing step: at one request on the CPU, r ~ 3.5,
+plain steps one in 64 cost dynamic 1.2% against fixed lengths). A seeded request drafts whatever the gate says
+(the engine's choices never depend on timing for it).
 """
 
 from __future__ import annotations
