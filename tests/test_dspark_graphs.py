@@ -57,3 +57,19 @@ def test_generation_with_draft_graphs_equals_eager_drafting():
             assert llm.engine.drafter.graphs.replays > 0
     assert runs[0] == runs[1]
     assert runs[0][1] > 0
+
+
+def test_buckets_whose_logits_would_stay_large_draft_eagerly(monkeypatch):
+    """A captured bucket keeps its [B, P, V] float32 logits in the pool: buckets past MAX_LOGITS_BYTES are not
+    captured, and their batches draft eagerly."""
+    from deepinfer.models.ced import dspark_graphs
+
+    llm = LLM(speculative_config=SPEC, cuda_graph_sizes=[1, 4, 8])
+    net = llm.engine.drafter.drafter_net
+    per_row = net.config.positions * net.config.vocab_size * 4
+    monkeypatch.setattr(dspark_graphs, "MAX_LOGITS_BYTES", 4 * per_row)
+    small = dspark_graphs.DraftGraphs(net, llm.engine.model, [1, 4, 8], 4, llm.engine.model.embed.weight.dtype)
+    small.capture()
+    assert sorted(small.graphs) == [1, 4]
+    ctx = _contexts(net, 6, llm.engine.model.embed.weight.dtype, seed=0)
+    assert small.covers(ctx[:4], [True] * 4, [4] * 4) and not small.covers(ctx, [True] * 6, [4] * 6)

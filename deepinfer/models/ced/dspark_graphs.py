@@ -19,17 +19,25 @@ import torch
 from ...layout import to_device
 
 
+# A captured bucket holds its base logits [B, P, V] float32 in the graphs' pool for good (eager drafting frees
+# them after each step, and neither is in the KV-sizing profile): larger buckets draft eagerly.
+MAX_LOGITS_BYTES = 256 * 2**20
+
+
 class DraftGraphs:
     def __init__(self, net, target, buckets, k: int, context_dtype: torch.dtype):
         self.net, self.target = net, target
         self.K = min(k, net.config.positions)
-        self.buckets = sorted(set(buckets))
+        per_row = net.config.positions * net.config.vocab_size * 4
+        self.buckets = sorted(b for b in set(buckets) if b * per_row <= MAX_LOGITS_BYTES)
         self.context_dtype = context_dtype  # the target's kept hidden states' dtype (copied in unconverted)
         self.graphs: dict = {}  # bucket -> (graph, context buffer, anchor buffer, output buffer)
         self.pool = None
         self.replays = 0
 
     def capture(self) -> None:
+        if not self.buckets:
+            return
         gc.collect()
         for B in self.buckets:
             self._capture(B)
@@ -64,7 +72,7 @@ class DraftGraphs:
         self.graphs[B] = (graph, ctx, anchors, out)
 
     def covers(self, contexts: list, greedy: list, ks: list) -> bool:
-        return bool(contexts) and all(greedy) and len(contexts) <= self.buckets[-1] and max(ks) <= self.K \
+        return bool(contexts) and bool(self.buckets) and all(greedy) and len(contexts) <= self.buckets[-1] and max(ks) <= self.K \
             and all(c.dtype == self.context_dtype for c in contexts)
 
     def draft(self, contexts: list, anchors: list, ks: list) -> tuple:
