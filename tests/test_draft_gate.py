@@ -261,3 +261,18 @@ def test_a_drifting_machine_is_judged_by_adjacent_steps():
     assert gate.paired(32) == pytest.approx(0.5, rel=0.01) and gate.ratio(32) == pytest.approx(1.25, rel=0.01)
     assert gate.worth(32)
     assert gate.paired(4) is None  # no pairs at 4 rows: the per-kind estimate there
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(st.floats(0.2, 2.0), st.floats(1e-4, 1e-2), st.floats(-0.7, 2.0), st.integers(3, 40), st.integers(1, 200))
+def test_paired_ratio_follows_the_true_ratio_under_any_drift(q, t_draft, drift, every, rows):
+    """Drafting steps of t_draft and plain ones of q x t_draft, one plain step in ``every``, on a machine whose
+    speed changes by (1 + drift) over the run: the paired ratio is q within what the drift moves between two
+    adjacent steps."""
+    gate, n = DraftGate(), 400
+    for i in range(n):
+        slow = 1 + drift * i / n
+        plain = i % every == every - 1
+        gate.record_step(not plain, rows, (q if plain else 1.0) * t_draft * slow)
+    step = abs(drift) / n / min(1.0, 1 + drift)  # the largest relative change between adjacent steps
+    assert gate.paired(rows) == pytest.approx(q, rel=2 * step + 1e-9)
