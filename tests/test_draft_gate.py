@@ -276,3 +276,29 @@ def test_paired_ratio_follows_the_true_ratio_under_any_drift(q, t_draft, drift, 
         gate.record_step(not plain, rows, (q if plain else 1.0) * t_draft * slow)
     step = abs(drift) / n / min(1.0, 1 + drift)  # the largest relative change between adjacent steps
     assert gate.paired(rows) == pytest.approx(q, rel=2 * step + 1e-9)
+
+
+def test_overlapped_plain_steps_with_grammars_and_drafting_steps_between():
+    """A constrained request beside a free one in a dynamic engine whose gate alternates: the constrain stage
+    collects the plain step in flight inside the next launch (its masks need the tokens), drafting steps collect
+    it first; output equals the same engine's without overlap and matches the grammar."""
+    pytest.importorskip("xgrammar")
+    import re
+
+    from deepinfer import StructuredOutputsParams
+
+    rx = r"(ab|cd){3,12}e"
+    params = [SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=StructuredOutputsParams(regex=rx)),
+              SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)]
+    prompts = ["x = ", "def f():"]
+    spec = {"method": "dspark", "num_speculative_tokens": 4, "dynamic": True}
+    outs = {}
+    for overlap in (False, True):
+        llm = LLM(speculative_config=spec, overlap_scheduling=overlap, max_model_len=256, threads=1)
+        llm.engine.draft_gate = Scripted((True, False, False))
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert all(o.error is None for o in got)
+        outs[overlap] = [o.outputs[0].token_ids for o in got]
+        assert re.fullmatch(rx, got[0].outputs[0].text), got[0].outputs[0].text
+        assert len(got[1].outputs[0].token_ids) == 30
+    assert outs[True] == outs[False]
