@@ -169,25 +169,9 @@ class DecodeGraphs:
         return rows[:, :d]
 
     def _record(self, key: tuple, st: dict, forward):
-        dev = self.device
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            forward()  # warm up (allocator, lazy inits) outside the capture; writes only the scratch block
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        # No garbage collection inside the capture: collecting an unreachable engine destroys its graphs and
-        # events, CUDA calls a global-mode capture forbids (the capture fails, e.g. as a cuBLAS error mid-model).
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = forward()
-        finally:
-            if enabled:
-                gc.enable()
+        graph, out = capture_graph(forward, self.device, self.pool)  # (the warm-up writes only the scratch block)
         self.graphs[key] = (graph, st, out)
         return self.graphs[key]
 
@@ -220,6 +204,28 @@ class DecodeGraphs:
         self.num_replays += 1
         self.num_verify_replays += 1
         return self._split(out.index_select(0, keep))  # a copy: the next replay overwrites out
+
+
+def capture_graph(forward, device, pool) -> tuple:
+    """(graph, output) of ``forward`` captured in a new CUDA graph in ``pool``, after one warm-up run on a side
+    stream (allocator, lazy inits). No garbage collection inside the capture: collecting an unreachable engine
+    destroys its graphs and events, CUDA calls a global-mode capture forbids (the capture fails, e.g. as a cuBLAS
+    error mid-model)."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+    finally:
+        if enabled:
+            gc.enable()
+    return graph, out
 
 
 def fill_verify(st: dict, ids: list, starts: list, slots: list, scratch_row: int, future=None) -> torch.Tensor:

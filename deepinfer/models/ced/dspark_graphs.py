@@ -16,6 +16,7 @@ import gc
 
 import torch
 
+from ...backends.cuda_graph import capture_graph
 from ...layout import to_device
 
 
@@ -53,22 +54,10 @@ class DraftGraphs:
             tokens, survival, _ = net.chain(base, conf, anchors, self.K, keep_q=False)
             return torch.cat([tokens.double(), survival.double()], 1)  # [B, 2K]: one copy to the host
 
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side), torch.no_grad():
-            run()  # warm-up outside the capture (allocator, lazy inits)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        enabled = gc.isenabled()
-        gc.disable()  # (as backends/cuda_graph.py: a collection inside a capture can fail it)
-        try:
-            with torch.cuda.graph(graph, pool=self.pool), torch.no_grad():
-                out = run()
-        finally:
-            if enabled:
-                gc.enable()
+        with torch.no_grad():
+            graph, out = capture_graph(run, dev, self.pool)
         self.graphs[B] = (graph, ctx, anchors, out)
 
     def covers(self, contexts: list, greedy: list, ks: list) -> bool:
