@@ -25,18 +25,17 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+from deepinfer.models.ced.train import write_safetensors
+from deepinfer.models.loader import safetensors_files
 
 COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "heldout_sample.txt")
 
 
 def load_tensors(src: Path) -> dict:
-    index = src / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-        else ["model.safetensors"]
     out = {}
-    for name in files:
-        with safe_open(str(src / name), framework="pt") as f:
+    for path in safetensors_files(src):
+        with safe_open(str(path), framework="pt") as f:
             out.update({k: f.get_tensor(k) for k in f.keys()})
     return out
 
@@ -72,23 +71,7 @@ def pad(src: Path, out: Path, n_shared: int, seed: int = 0, device: str = "cpu")
     for i in layers:
         a, b = f"layers.{i}.shared_w13", f"layers.{i}.shared_w2"
         tensors[a], tensors[b] = widen(tensors[a], tensors[b], extra, gen, device)
-    out.mkdir(parents=True, exist_ok=True)
-    shards, current, size, limit = [], {}, 0, 4 * 2**30
-    for k in sorted(tensors):  # shards of at most ~4 GB
-        n = tensors[k].numel() * tensors[k].element_size()
-        if current and size + n > limit:
-            shards.append(current)
-            current, size = {}, 0
-        current[k], size = tensors[k], size + n
-    shards.append(current)
-    weight_map = {}
-    for j, part in enumerate(shards):
-        name = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(part, str(out / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in part})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}, indent=1))
+    _, total = write_safetensors(tensors, out, 4 * 2**30)  # shards of at most ~4 GB
     cfg["n_shared_experts"] = n_shared
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name in COPIED:

@@ -360,13 +360,25 @@ def save_checkpoint(model, out_dir, extra_config: Optional[dict] = None, max_sha
     """Write config.json and the weights in `dtype` as model.safetensors, or as shards
     model-0000i-of-0000n.safetensors plus model.safetensors.index.json when one file would exceed
     max_shard_bytes. Removes weights of an earlier save in out_dir. Returns {files, bytes, params}."""
+    root = Path(out_dir)
+    tensors = {n: t.detach().to(dtype).cpu().contiguous() for n, t in model.hf_state_dict().items()}
+    files, total = write_safetensors(tensors, root, max_shard_bytes)
+    cfg = {**model.config.to_hf(), **(extra_config or {})}
+    (root / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return {"files": files, "bytes": total, "params": sum(t.numel() for t in tensors.values()),
+            "file_bytes": {f: (root / f).stat().st_size for f in files}}
+
+
+def write_safetensors(tensors: dict, root, max_shard_bytes: int) -> tuple:
+    """Write ``tensors`` (CPU, contiguous) as model.safetensors, or as shards model-0000i-of-0000n.safetensors
+    plus model.safetensors.index.json when one file would exceed max_shard_bytes; removes weights of an earlier
+    save in root. Returns (file names, total bytes)."""
     from safetensors.torch import save_file
 
-    root = Path(out_dir)
+    root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for old in list(root.glob("model*.safetensors")) + list(root.glob("model.safetensors.index.json")):
         old.unlink()
-    tensors = {n: t.detach().to(dtype).cpu().contiguous() for n, t in model.hf_state_dict().items()}
     nbytes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
     total = sum(nbytes.values())
     budget = max_shard_bytes - 64 * 1024  # room for the JSON header
@@ -395,7 +407,4 @@ def save_checkpoint(model, out_dir, extra_config: Optional[dict] = None, max_sha
         (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     for f in files:
         (root / f).chmod(0o644)  # safetensors writes 0600
-    cfg = {**model.config.to_hf(), **(extra_config or {})}
-    (root / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return {"files": files, "bytes": total, "params": sum(t.numel() for t in tensors.values()),
-            "file_bytes": {f: (root / f).stat().st_size for f in files}}
+    return files, total
