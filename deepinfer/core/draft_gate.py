@@ -45,6 +45,11 @@ LOCAL, NEAR = 4, 0.25  # this many steps within this fraction of the rows asked 
 PAIRS = 32  # recent pairs of adjacent steps of the two kinds, for their time ratio (DraftGate.paired)
 
 
+def _near(items, rows: int) -> list:
+    """The values of (rows, value) items whose rows are within NEAR of ``rows``."""
+    return [v for r, v in items if abs(r - rows) <= NEAR * rows]
+
+
 class StepLine:
     """T(R) = a + b R over the last WINDOW steps of one kind, least squares with the steps far off the first
     fit dropped (a step that a page fault or another process made 5x slower must not shut the gate for
@@ -88,14 +93,14 @@ class StepLine:
 
     def knows(self, rows: int) -> bool:
         """Whether LOCAL steps at about ``rows`` rows are in the window (then ``self(rows)`` is their median)."""
-        return sum(1 for r, _ in self.samples if abs(r - rows) <= NEAR * rows) >= LOCAL
+        return len(_near(self.samples, rows)) >= LOCAL
 
     def __call__(self, rows: int) -> float:
         """The median of the steps at about ``rows`` rows (within NEAR) when LOCAL of them are in the window, else
         the line's value. A step's time need not be linear in its rows (a drafting step at 128 rows cost 2.4x
         one at 64 on the H200), and a line fitted mostly at other row counts then misprices this one: worse,
         its outlier cut dropped the few steps measured here."""
-        near = [t for r, t in self.samples if abs(r - rows) <= NEAR * rows]
+        near = _near(self.samples, rows)
         if len(near) >= LOCAL:
             return max(statistics.median(near), 1e-9)
         a, b = self.coefficients()
@@ -131,7 +136,7 @@ class DraftGate:
         machine whose speed drifts moves both steps of a pair alike, while the per-kind medians compare a kind's
         rare steps with the other's from other moments (on the 2-core CPU one setting's blocks ranged 11-22
         steps/s, and the gate closed at 64 rows where drafting ran 1.4x plain)."""
-        near = [q for r, q in self._pairs if abs(r - rows) <= NEAR * rows]
+        near = _near(self._pairs, rows)
         return statistics.median(near) if len(near) >= LOCAL else None
 
     def record_accepted(self, rows: int, accepted: int) -> None:
