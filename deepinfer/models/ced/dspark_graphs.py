@@ -12,8 +12,6 @@ start-up (``capture``), after the target's decode graphs, never during serving.
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
 from ...backends.cuda_graph import capture_graph
@@ -37,10 +35,7 @@ class DraftGraphs:
         self.replays = 0
 
     def capture(self) -> None:
-        if not self.buckets:
-            return
-        gc.collect()
-        for B in self.buckets:
+        for B in self.buckets:  # (the collector is off inside each capture: capture_graph)
             self._capture(B)
 
     def _capture(self, B: int) -> None:
