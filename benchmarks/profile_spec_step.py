@@ -116,10 +116,7 @@ def profile_one(llm, vocab: int, C: int, args) -> dict:
                "device_busy_ms": device_busy_ms(eng, args.steps),
                "host_top": host_top(eng, args.steps, args.top)}
     finally:
-        for r in run.rids:
-            eng.abort(r)
-        while eng.has_unfinished():
-            eng.step()
+        run.stop()
     return row
 
 

@@ -152,12 +152,16 @@ class Run:
         self.rates.append(round(steps / dt, 2))
         self.block_tok_s.append(round((self._emitted() - tokens0) / dt, 2))
 
-    def finish(self) -> dict:
-        syncs = count_syncs(self.eng, self.args.sync_steps)
+    def stop(self) -> None:
+        """Abort the requests and step until the engine has nothing left."""
         for r in self.rids:
             self.eng.abort(r)
         while self.eng.has_unfinished():
             self.eng.step()
+
+    def finish(self) -> dict:
+        syncs = count_syncs(self.eng, self.args.sync_steps)
+        self.stop()
         d, dt, C = self.spec, self.seconds, self.C
         row = {"concurrency": C, "steps": self.steps, "seconds": round(dt, 4), "step_rate": round(self.steps / dt, 2),
                "block_step_rates": self.rates, "block_output_tok_s": self.block_tok_s,
