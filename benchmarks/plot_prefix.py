@@ -9,8 +9,11 @@ Without matplotlib it prints the table only and says that no plot was written (e
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot_rows import read_rows  # noqa: E402
 
 TIERS = ["cold", "device", "host", "device+swa", "host+swa", "disk"]
 
@@ -19,11 +22,8 @@ def read(paths: list) -> dict:
     """{(model, prefix): {tier: row}}, later files overriding earlier ones."""
     groups: dict = {}
     for p in paths:
-        for line in Path(p).read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                if r.get("bench") == "prefix_ttft":
-                    groups.setdefault((r["model"], r["prefix"]), {})[r["tier"]] = r
+        for r in read_rows(p, bench="prefix_ttft"):
+            groups.setdefault((r["model"], r["prefix"]), {})[r["tier"]] = r
     return groups
 
 

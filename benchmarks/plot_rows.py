@@ -18,7 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def read_rows(path) -> list:
+def read_rows(path, bench: str = "benchmarks/gpu_bench.py") -> list:
+    """The rows of one benchmark (their "bench" field) in a JSONL file."""
     rows = []
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         line = line.strip()
@@ -29,7 +30,7 @@ def read_rows(path) -> list:
         except json.JSONDecodeError as exc:  # a run killed mid-write leaves at most one partial last line
             print(f"{path}:{n}: skipped a line that is not JSON ({exc})", file=sys.stderr)
             continue
-        if row.get("bench") == "benchmarks/gpu_bench.py":
+        if row.get("bench") == bench:
             rows.append(row)
     return rows
 
