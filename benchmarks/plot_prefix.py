@@ -1,7 +1,10 @@
 """Plot of benchmarks/prefix_bench.py's TTFT rows: one group of bars per (model, prefix), one bar per tier (log
 scale, the speedup over cold prefill written on it), and for CED models the issue's target line, cold / 5.
 
-    python benchmarks/plot_prefix.py docs/results/h200_issue13_prefix_*.jsonl --png docs/results/h200_issue13_prefix.png
+    python benchmarks/plot_prefix.py docs/results/h200_issue13_prefix_{ced16k_d223834,ced64k_6fe2c58,llama_6fe2c58}.jsonl \
+        --png docs/results/h200_issue13_prefix.png
+
+(name the runs: a later file overrides an earlier one's rows, and older runs in docs/results hold slower tiers.)
 
 Without matplotlib it prints the table only and says that no plot was written (exit code 0).
 """
