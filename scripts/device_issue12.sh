@@ -31,7 +31,8 @@ install_wheels() {
 }
 
 install_wheels
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+source scripts/ngram_ep.sh  # the n-gram plugin tests (test_draft_gate) select it by name
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 cmd=${1:-}

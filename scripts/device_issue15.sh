@@ -19,6 +19,7 @@
 #   bash scripts/device_issue15.sh gate COMMIT   # < 9 min: the gate's and calibration's tests with the speculative
 #                                          # GPU tests, where a speculative step goes (profile_spec_step.py), and the demo
 #                                          # sweep in 6 alternating rounds of 24 steps (none / fixed / dynamic, C = 1/16/64/128;
+#                                          # TESTS=0 skips the tests, e.g. after the suite ran them in the same session;
 #                                          # the H200's host drifts: with 3 rounds of 32, dynamic vs fixed moved by up to
 #                                          # 16 points from call to call)
 #   bash scripts/device_issue15.sh padded COMMIT  # < 9 min: the demo with its shared experts widened to PAD_GB (12) GB
@@ -27,11 +28,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-# The n-gram example plugin registers through its entry point: a dist-info on the path stands for an install.
-mkdir -p /tmp/ngram_ep/deepinfer_ngram-0.1.0.dist-info
-printf 'Metadata-Version: 2.1\nName: deepinfer-ngram\nVersion: 0.1.0\n' > /tmp/ngram_ep/deepinfer_ngram-0.1.0.dist-info/METADATA
-printf '[deepinfer]\nngram = deepinfer_ngram\n' > /tmp/ngram_ep/deepinfer_ngram-0.1.0.dist-info/entry_points.txt
-export PYTHONPATH=$PWD:$PWD/plugins/deepinfer-ngram:/tmp/ngram_ep${PYTHONPATH:+:$PYTHONPATH}
+source scripts/ngram_ep.sh
 bench() {
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_speculative.py tests/test_dspark.py 2>&1 | tail -4
   timeout 200 python3 benchmarks/spec_bench.py --device cuda --rounds 3 --settings none ngram:4 dspark:4 \
@@ -78,7 +75,7 @@ big-sweep)
     --commit "${2:-?}" --out "$OUT/spec_sweep_demo.jsonl" 2>&1 | grep -v -i warn | tail -14 ;;
 gate)
   nvidia-smi -L
-  timeout 220 python3 -m pytest -q -n 4 -p no:cacheprovider -rfE --tb=short tests/test_draft_gate.py \
+  [ "${TESTS:-1}" = 0 ] || timeout 220 python3 -m pytest -q -n 4 -p no:cacheprovider -rfE --tb=short tests/test_draft_gate.py \
     tests/test_survival_calibration.py tests/test_dspark.py tests/test_dspark_graphs.py tests/test_ced_verify_graphs.py \
     tests/test_spec_edges.py tests/test_speculative.py tests/test_cuda_graphs.py 2>&1 | grep -v -i warn | tail -30
   timeout 100 python3 benchmarks/profile_spec_step.py --concurrency 1 16 64 --commit "${2:-?}" \
