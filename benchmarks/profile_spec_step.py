@@ -130,10 +130,15 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="spec_profile.jsonl")
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--model", default=None, help="the checkpoint of target 'path' (as in spec_sweep.py)")
+    ap.add_argument("--text-prompts", action="store_true", help="prompts from the model's heldout text")
     args = ap.parse_args(argv)
+    if "path" in args.targets and not args.model:
+        ap.error("target 'path' needs --model DIR")
     # what spec_sweep.Run and build read
     args.input_len, args.motif, args.warmup_steps, args.rounds, args.sync_steps = 256, 24, 32, 4, 0
-    args.seed, args.text, args.model = 0, None, None
+    args.seed = 0
+    args.text = spec_sweep.load_text(args.model) if args.text_prompts else None
     rows = []
     for target in args.targets:
         for setting in args.settings:

@@ -126,6 +126,7 @@ class Run:
                      for r, p in zip(self.rids, text_prompts(rng, args.text, C, args.input_len) if args.text is not None
                                      else prompts(rng, vocab, C, args.input_len, args.motif))]
         self.seconds, self.steps, self.tokens, self.rates, self.block_tok_s = 0.0, 0, 0, [], []
+        self.block_plain = []  # a dynamic engine's steps its gate kept plain, per block
         self.spec = {k: 0 for k in spec_counts(llm)}
         while not all(r.first_token_time for r in self.reqs):
             self.eng.step()
@@ -141,6 +142,8 @@ class Run:
     def block(self, steps: int) -> None:
         """``steps`` timed steps, added to the totals."""
         tokens0, spec0 = self._emitted(), spec_counts(self.llm)
+        gate = self.eng.draft_gate
+        closed0 = gate.closed if gate is not None else 0
         gpu_bench.sync(self.eng.device)
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -151,6 +154,8 @@ class Run:
         self.spec = {k: v + spec_counts(self.llm)[k] - spec0[k] for k, v in self.spec.items()}
         self.rates.append(round(steps / dt, 2))
         self.block_tok_s.append(round((self._emitted() - tokens0) / dt, 2))
+        if gate is not None:
+            self.block_plain.append(gate.closed - closed0)
 
     def stop(self) -> None:
         """Abort the requests and step until the engine has nothing left."""
@@ -171,6 +176,12 @@ class Run:
             row["acceptance_rate"] = round(d["accepted_tokens"] / max(1, d["draft_tokens"]), 4)
             row["tokens_per_verified_row"] = round(1 + d["accepted_tokens"] / d["verified_rows"], 4)
         row["verify_graph_replays"] = getattr(self.eng.decode_graphs, "num_verify_replays", None)
+        gate = self.eng.draft_gate
+        if gate is not None and gate.gain is not None and len(gate.plain) and len(gate.drafting):
+            # what the gate saw at this C when the run ended: why it drafted or not
+            row["gate"] = {"block_plain_steps": self.block_plain, "gain": round(gate.gain, 4),
+                           "time_ratio": round(gate.time_ratio(C), 4), "paired": gate.paired(C),
+                           "ratio": round(gate.ratio(C), 4), "explore_after": round(gate.explore_after(C), 1)}
         return row
 
 

@@ -24,7 +24,9 @@
 #                                          # 16 points from call to call)
 #   bash scripts/device_issue15.sh padded COMMIT  # < 9 min: the demo with its shared experts widened to PAD_GB (12) GB
 #                                          # of weights read every step (scripts/pad_demo.py: the demo's function and
-#                                          # drafter; decode memory-bound), then the sweep on it, none / fixed / dynamic
+#                                          # drafter; decode memory-bound; kept in /tmp while the machine is warm), fixed
+#                                          # and dynamic steps profiled (PROFILE=0 skips), then the sweep on it, none /
+#                                          # fixed / dynamic
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -85,7 +87,12 @@ gate)
     | grep -v -i warn | tail -14 ;;
 padded)
   nvidia-smi -L
-  timeout 240 python3 scripts/pad_demo.py --out /tmp/ced_padded --shared-gb "${PAD_GB:-12}" --device cuda
+  [ -e /tmp/ced_padded/config.json ] || \
+    timeout 240 python3 scripts/pad_demo.py --out /tmp/ced_padded --shared-gb "${PAD_GB:-12}" --device cuda
+  # where a fixed and a dynamic step's time goes on it (PROFILE=0 skips)
+  [ "${PROFILE:-1}" = 0 ] || timeout 150 python3 benchmarks/profile_spec_step.py --targets path --model /tmp/ced_padded \
+    --text-prompts --settings dspark:4 dspark:4:dynamic --concurrency 1 16 --commit "${2:-?}" \
+    --out "$OUT/spec_profile_padded.jsonl" 2>&1 | grep -v -i warn | tail -34
   timeout 320 python3 benchmarks/spec_sweep.py --targets path --model /tmp/ced_padded --text-prompts --rounds 6 \
     --steps 24 --warmup-steps 32 --concurrency 1 16 64 128 --budget-s 280 --commit "${2:-?}" \
     --out "$OUT/spec_sweep_padded.jsonl" 2>&1 | grep -v -i warn | tail -14 ;;

@@ -48,19 +48,40 @@ def test_the_choice_is_the_better_tokens_per_second(ad, bd, ap, bp, gain, rows):
         assert gate.worth(rows) == (drafting > plain)
 
 
-def test_an_open_gate_explores_plain_steps_and_a_closed_one_drafting_steps():
-    """The other kind once in explore_every x r steps when open, explore_closed / r when closed (r: drafting's
-    tokens per second over plain decoding's), so a gate far from a tie seldom takes the losing step."""
-    closed = fed(DraftGate(explore_every=64, explore_closed=16), lambda r: 0.010, lambda r: 0.004, 1.0)
-    assert closed.ratio(64) == pytest.approx(0.8)  # plain wins: 2 / 10 ms < 1 / 4 ms
-    choices = [closed.open(64) for _ in range(64)]
-    assert [i for i, c in enumerate(choices) if c] == [19, 39, 59] and closed.closed == 61  # every 16 / 0.8
-    opened = fed(DraftGate(explore_every=64, explore_closed=16), lambda r: 0.010, lambda r: 0.004, 3.0)
-    assert opened.ratio(64) == pytest.approx(1.6)  # drafting wins: 4 / 10 ms > 1 / 4 ms
-    choices = [opened.open(64) for _ in range(256)]
-    assert [i for i, c in enumerate(choices) if not c] == [102, 205]  # every 64 x 1.6 = 102.4
-    far = fed(DraftGate(explore_every=64, explore_closed=16), lambda r: 0.010, lambda r: 0.004, 9.0)
-    assert [i for i in range(512) if not far.open(64)] == [255, 511]  # r = 10 x 4 / 10 = 4: once in 256
+def explorations(gate: DraftGate, rows: int, n: int, open_: bool) -> list:
+    """The steps among the next ``n`` where the gate took the kind it does not favour."""
+    return [i for i in range(n) if gate.open(rows) != open_]
+
+
+@pytest.mark.parametrize("t_draft,t_plain,gain", [(0.010, 0.004, 1.0), (0.010, 0.004, 3.0), (0.034, 0.010, 1.4),
+                                                  (0.005, 0.002, 1.3), (0.002, 0.0016, 0.3)])
+def test_the_losing_kind_costs_explore_loss_of_the_tokens(t_draft, t_plain, gain):
+    """Once both kinds are measured, the gate takes the losing kind once in N steps, N such that those steps
+    lose EXPLORE_LOSS of the tokens the N steps emit at the measured rates (within the EXPLORE_MIN..MAX clamp)."""
+    gate = fed(DraftGate(), lambda r: t_draft, lambda r: t_plain, gain)
+    R = 64
+    r = (1 + gate.gain) * t_plain / t_draft
+    assert gate.ratio(R) == pytest.approx(r, rel=1e-9)
+    picks = explorations(gate, R, 4 * dg.EXPLORE_MAX, r > 1)
+    assert len(picks) >= 2
+    n = picks[1] - picks[0]
+    assert n == pytest.approx(gate.explore_after(R), abs=1)
+    if dg.EXPLORE_MIN < n < dg.EXPLORE_MAX:  # the tokens lost over n steps, one of them the losing kind
+        rate_d, rate_p = R * (1 + gate.gain) / t_draft, R / t_plain
+        best = max(rate_d, rate_p)
+        losing_t = t_plain if r > 1 else t_draft
+        winning_t = t_draft if r > 1 else t_plain
+        time = (n - 1) * winning_t + losing_t
+        emitted = (n - 1) * winning_t * best + losing_t * min(rate_d, rate_p)
+        assert 1 - emitted / (time * best) == pytest.approx(dg.EXPLORE_LOSS, rel=0.1)
+
+
+def test_near_a_tie_the_other_kind_is_taken_often_far_from_one_seldom():
+    tie = fed(DraftGate(), lambda r: 0.010, lambda r: 0.0049, 1.1)  # r = 1.03
+    assert explorations(tie, 64, 64, True) == list(range(dg.EXPLORE_MIN - 1, 64, dg.EXPLORE_MIN))
+    far = fed(DraftGate(), lambda r: 0.010, lambda r: 0.001, 0.5)  # r = 0.15: a drafting step costs 10 plain ones
+    assert explorations(far, 64, 2 * dg.EXPLORE_MAX, False) == [dg.EXPLORE_MAX - 1, 2 * dg.EXPLORE_MAX - 1]
+    assert fed(DraftGate(explore_loss=0), lambda r: 0.010, lambda r: 0.0049, 1.1).explore_after(64) == float("inf")
 
 
 def test_a_stray_slow_step_does_not_shut_the_gate():
@@ -231,7 +252,7 @@ def test_the_gain_is_the_mean_over_the_last_rows_not_the_last_steps():
 def test_a_row_count_not_yet_measured_both_ways_is_measured_first():
     """Past the warm-up, at rows where fewer than LOCAL steps of a kind are in, the gate takes that kind (a line
     through other row counts is a guess); then it chooses by the measured steps there."""
-    gate = fed(DraftGate(explore_every=10**9, explore_closed=10**9), lambda r: 0.002 + 1e-4 * r,
+    gate = fed(DraftGate(explore_loss=0), lambda r: 0.002 + 1e-4 * r,
                lambda r: 0.001, gain=2.0, rows=(1,), each=dg.WINDOW // 2)
     assert gate.open(1)  # 3 tokens / 2.1 ms > 1 / 1 ms
     choices = []

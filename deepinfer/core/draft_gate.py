@@ -17,12 +17,15 @@ run (core/engine.py, _propose_drafts).
 Both kinds keep being measured: the first WARM steps draft, then one step in EXPLORE_FIRST decodes plainly until
 WARM plain steps are in; at a row count where fewer than LOCAL steps of a kind were measured (within NEAR), the
 step is of that kind (a line through other row counts guessed wrong: on the H200 one fitted at one request priced
-a plain step of 16 rows as one of 1, and shut the gate where drafting ran 1.18x plain); from then on an open gate
-decodes plainly once in EXPLORE_EVERY x r steps and a closed one drafts once in EXPLORE_CLOSED / r, r being
-drafting's measured tokens per second over plain decoding's (so a drafter that starts to pay is noticed within a
-few dozen steps, and a gate far from a tie seldom takes the losing step: at one request on the CPU, r ~ 3.5,
-plain steps one in 64 cost dynamic 1.2% against fixed lengths). A seeded request drafts whatever the gate says
-(the engine's choices never depend on timing for it).
+a plain step of 16 rows as one of 1, and shut the gate where drafting ran 1.18x plain); from then on the gate
+takes the other kind once in N steps, N set so that the tokens those steps lose by the measured rates are
+EXPLORE_LOSS of what the N steps emit (``explore_after``): near a tie the losing step costs almost nothing and
+is taken often (every EXPLORE_MIN steps), so a gate shut by a run of bad drafts reopens within a few steps; far
+from one it is rare (at most EXPLORE_MAX apart). A fixed period (one in 16 / r steps closed, 64 r open) did
+neither: on the H200 a gate that closed on the demo's first prompts (g ~ 1, a tie) stayed shut while drafting
+ran 1.28x plain (0.75x fixed lengths), and one rightly closed at 64 rows of a memory-bound model drafted one step
+in 20 at 3.4x a plain step's time (-4.6%). A seeded request drafts whatever the gate says (the engine's choices
+never depend on timing for it).
 """
 
 from __future__ import annotations
@@ -33,13 +36,13 @@ from typing import Optional
 
 WARM = 8
 EXPLORE_FIRST = 4
-EXPLORE_EVERY = 64  # an open gate decodes plainly once in this many steps x r: plain steps' time stays current
-EXPLORE_CLOSED = 16  # a closed gate drafts once in this many steps / r: drafting's time and gain stay current
-# g over the last steps' rows, at least this many of them: one row's accepted count swings 0..k, and an
-# average over few (an exponential one of per-step means was) shut the gate at one request on a run of bad
-# drafts, which a closed gate's rare drafting steps then took long to undo (H200, 2d57f48: 0.92x plain
-# decoding where drafting ran 1.24x)
-GAIN_ROWS = 128
+EXPLORE_LOSS = 0.005  # the other kind's steps lose this share of the tokens, by the measured rates (explore_after)
+EXPLORE_MIN, EXPLORE_MAX = 4, 512  # steps between them at a tie / far from one
+# g over the last steps' rows, at least this many of them: one row's accepted count swings 0..k, and an average
+# over fewer (an exponential one of per-step means) shut the gate at one request on a run of bad drafts. Not
+# many more: a gate closed at one request learns g from its exploring steps' rows alone, and a window of 128
+# rows then spanned thousands of steps (H200: shut on the demo's first prompts, it never saw the later ones')
+GAIN_ROWS = 32
 WINDOW = 32
 LOCAL, NEAR = 4, 0.25  # this many steps within this fraction of the rows asked for: their median, not the line
 PAIRS = 32  # recent pairs of adjacent steps of the two kinds, for their time ratio (DraftGate.paired)
@@ -108,8 +111,8 @@ class StepLine:
 
 
 class DraftGate:
-    def __init__(self, explore_every: int = EXPLORE_EVERY, explore_closed: int = EXPLORE_CLOSED):
-        self.explore_every, self.explore_closed = explore_every, explore_closed
+    def __init__(self, explore_loss: float = EXPLORE_LOSS):
+        self.explore_loss = explore_loss  # 0: never take the losing kind once both are measured
         self.drafting, self.plain = StepLine(), StepLine()  # seconds against rows
         self.gain: Optional[float] = None  # accepted drafts per row of the recent drafting steps' rows
         self._accepted: deque = deque()  # (rows, accepted) of recent drafting steps, GAIN_ROWS rows at least
@@ -149,11 +152,31 @@ class DraftGate:
                 self._rows, self._sum = self._rows - r, self._sum - a
             self.gain = self._sum / self._rows
 
+    def time_ratio(self, rows: int) -> float:
+        """T_plain / T_draft at ``rows`` rows: from adjacent steps where there are enough (``paired``), else the
+        per-kind estimates."""
+        pair = self.paired(rows)
+        return pair if pair is not None else self.plain(rows) / self.drafting(rows)
+
     def ratio(self, rows: int) -> float:
         """Drafting's tokens per second over plain decoding's at ``rows`` rows, by the measured steps:
-        (1 + g) T_plain(R) / T_draft(R), the time ratio from adjacent steps where there are enough (``paired``)."""
-        pair = self.paired(rows)
-        return (1 + (self.gain or 0.0)) * (pair if pair is not None else self.plain(rows) / self.drafting(rows))
+        (1 + g) T_plain(R) / T_draft(R)."""
+        return (1 + (self.gain or 0.0)) * self.time_ratio(rows)
+
+    def explore_after(self, rows: int) -> float:
+        """Steps between two of the losing kind: N with loss / N = explore_loss, loss being the share of N steps'
+        tokens one step of the other kind loses, by r = ratio(rows) and rho = T_plain / T_draft: an open gate's
+        plain step takes rho / N of the time at 1 / r of drafting's rate, (1 - 1 / r) rho; a closed gate's
+        drafting step takes 1 / (rho N) of it at r times plain's rate, (1 - r) / rho."""
+        rho = self.time_ratio(rows)
+        return self._period((1 + (self.gain or 0.0)) * rho, rho)
+
+    def _period(self, r: float, rho: float) -> float:
+        if self.explore_loss <= 0:
+            return float("inf")
+        rho = max(rho, 1e-9)
+        loss = (1 - 1 / r) * rho if r > 1 else (1 - r) / rho
+        return min(max(loss / self.explore_loss, EXPLORE_MIN), EXPLORE_MAX)
 
     def worth(self, rows: int) -> bool:
         """Whether drafting pays at ``rows`` rows by the measured steps (no exploration)."""
@@ -171,13 +194,11 @@ class DraftGate:
         elif not self.drafting.knows(rows):
             choice = True
         else:
-            r = self.ratio(rows)
+            rho = self.time_ratio(rows)
+            r = (1 + (self.gain or 0.0)) * rho
             choice = r > 1  # (worth)
-            # the other kind once in explore_every x r steps (open) or explore_closed / r (closed): the further
-            # the choice is from a tie, the less often the step that loses is taken
-            every = self.explore_every * max(1.0, r) if choice else self.explore_closed * max(1.0, 1.0 / r)
             self._since += 1
-            if self._since >= every:
+            if self._since >= self._period(r, rho):  # the other kind now and then: both stay measured
                 self._since = 0
                 choice = not choice
         self.closed += not choice
