@@ -293,12 +293,14 @@ def drafter(ced):
 
 @settings(max_examples=20, deadline=None)
 @given(hst.lists(hst.tuples(hst.integers(1, 12), hst.integers(1, 7), hst.sampled_from([None, 0.0, 1.0, 0.7])),
-                 min_size=1, max_size=6), hst.integers(0, 99))
-def test_batched_drafting_equals_one_sequence_at_a_time(drafter, rows, seed):
+                 min_size=1, max_size=6), hst.integers(0, 99), hst.sampled_from(["tensors", "one step", "two steps"]))
+def test_batched_drafting_equals_one_sequence_at_a_time(drafter, rows, seed, kept):
     """Each sequence (its own length, room, greedy or seeded sampling, or no kept context: None) gets the drafts,
     draft distributions and survival from propose_batch that propose gives it alone, and its generator is left
-    where propose leaves it."""
+    where propose leaves it. The batch's contexts are tensors, or rows of a step's kept states as the engine
+    keeps them (layout.HiddenRow: of one step, gathered at once, or of two)."""
     from deepinfer.core.state import Sequence
+    from deepinfer.layout import HiddenRow
 
     net = drafter.drafter_net
     dev, width, V = net.anchor.weight.device, net.context.in_features, net.config.vocab_size
@@ -319,6 +321,17 @@ def test_batched_drafting_equals_one_sequence_at_a_time(drafter, rows, seed):
     alone = batch()
     g.set_state(state)
     together = batch()
+    if kept != "tensors":  # each context becomes a row, in shuffled order among junk rows, of one or two tables
+        have = [s for s in together if s.draft_context is not None]
+        tables = [have[0::2], have[1::2]] if kept == "two steps" else [have]
+        for part in tables:
+            if not part:
+                continue
+            order = torch.randperm(2 * len(part), generator=g).tolist()
+            table = torch.randn(2 * len(part), width, generator=g).to(dev)
+            for s, at in zip(part, order):
+                table[at] = s.draft_context
+                s.draft_context = HiddenRow(table, at)
     ks = [k for _, k, _ in rows]
     want = [drafter.propose(s, k) for s, k in zip(alone, ks)]
     got = drafter.propose_batch(together, ks)

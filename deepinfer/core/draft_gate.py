@@ -8,7 +8,7 @@ per step, from what the engine measured: the wall time of its recent drafting st
 against their rows (each a line T(R) = a + b R, StepLine, robust to a stray slow step; the median of the steps
 measured at about R rows where there are enough of them; their ratio from steps of the two kinds that ran one
 after the other where there are enough such pairs, which a drifting machine moves less), and the drafts accepted
-per row over the last drafting steps' rows (GAIN_ROWS of them at least). It drafts iff
+per row over the drafting steps' rows, each step's weight halving every GAIN_HALF_LIFE steps. It drafts iff
 R (1 + g) / T_draft(R) > R / T_plain(R). When the step then verifies in a padded CUDA graph (every row padded to k + 1 tokens, whatever its
 drafts), the gate's choice is the step's: every draft is verified, as cutting one saves no device time, and a
 second all-or-nothing choice from the fitted T(n, R) only second-guessed the measured one after the drafter had
@@ -38,11 +38,12 @@ WARM = 8
 EXPLORE_FIRST = 4
 EXPLORE_LOSS = 0.005  # the other kind's steps lose this share of the tokens, by the measured rates (explore_after)
 EXPLORE_MIN, EXPLORE_MAX = 4, 512  # steps between them at a tie / far from one
-# g over the last steps' rows, at least this many of them: one row's accepted count swings 0..k, and an average
-# over fewer (an exponential one of per-step means) shut the gate at one request on a run of bad drafts. Not
-# many more: a gate closed at one request learns g from its exploring steps' rows alone, and a window of 128
-# rows then spanned thousands of steps (H200: shut on the demo's first prompts, it never saw the later ones')
-GAIN_ROWS = 32
+# g: accepted drafts per row, a drafting step's rows weighing 2^(-age / GAIN_HALF_LIFE), age in steps. By steps,
+# not rows: a gate closed at one request learns g from its exploring steps' rows alone, and a window of the last
+# 128 rows then spanned thousands of steps (H200: shut on the demo's first prompts, it never saw that later
+# ones drafted well); an open gate at one request still averages ~46 rows (a few bad drafts do not shut it)
+GAIN_HALF_LIFE = 32
+_DECAY = 0.5 ** (1 / GAIN_HALF_LIFE)
 WINDOW = 32
 LOCAL, NEAR = 4, 0.25  # this many steps within this fraction of the rows asked for: their median, not the line
 PAIRS = 32  # recent pairs of adjacent steps of the two kinds, for their time ratio (DraftGate.paired)
@@ -114,9 +115,8 @@ class DraftGate:
     def __init__(self, explore_loss: float = EXPLORE_LOSS):
         self.explore_loss = explore_loss  # 0: never take the losing kind once both are measured
         self.drafting, self.plain = StepLine(), StepLine()  # seconds against rows
-        self.gain: Optional[float] = None  # accepted drafts per row of the recent drafting steps' rows
-        self._accepted: deque = deque()  # (rows, accepted) of recent drafting steps, GAIN_ROWS rows at least
-        self._rows = self._sum = 0
+        self.gain: Optional[float] = None  # accepted drafts per row of the drafting steps' rows, decayed by age
+        self._gain_rows = 0.0  # the rows behind it, decayed alike
         self._prev: Optional[tuple] = None  # the last step recorded: (drafted, rows, seconds)
         self._pairs: deque = deque(maxlen=PAIRS)  # (rows, T_plain / T_draft) of adjacent steps of the two kinds
         self.decisions = 0
@@ -145,12 +145,9 @@ class DraftGate:
     def record_accepted(self, rows: int, accepted: int) -> None:
         """A drafting step's rows and the drafts accepted over them."""
         if rows:
-            self._accepted.append((rows, accepted))
-            self._rows, self._sum = self._rows + rows, self._sum + accepted
-            while self._rows - self._accepted[0][0] >= GAIN_ROWS:
-                r, a = self._accepted.popleft()
-                self._rows, self._sum = self._rows - r, self._sum - a
-            self.gain = self._sum / self._rows
+            w = self._gain_rows
+            self.gain = ((self.gain or 0.0) * w + accepted) / (w + rows)
+            self._gain_rows = w + rows
 
     def time_ratio(self, rows: int) -> float:
         """T_plain / T_draft at ``rows`` rows: from adjacent steps where there are enough (``paired``), else the
@@ -185,6 +182,7 @@ class DraftGate:
     def open(self, rows: int) -> bool:
         """This step's choice for ``rows`` decoding rows: draft (True) or decode plainly."""
         self.decisions += 1
+        self._gain_rows *= _DECAY  # one step older
         if len(self.drafting) < WARM or self.gain is None:
             choice = True
         elif len(self.plain) < WARM:

@@ -51,7 +51,8 @@ class Sequence:
     swa_restore: Optional[tuple] = None
     draft: list = attrs.field(factory=list)  # speculative tokens proposed for its next step (core/speculative.py)
     draft_probs: Any = None  # [len(draft), V] the distributions the drafts were drawn from (None: point masses)
-    draft_context: Any = None  # the target's hidden states a drafter conditions on (stages/dspark_draft.py)
+    # the target's hidden states a drafter conditions on (stages/dspark_draft.py): a tensor or a layout.HiddenRow
+    draft_context: Any = None
     draft_survival: Any = None  # [len(draft)] predicted probability that drafts 1..i all stand (dynamic lengths)
     draft_state: Any = None  # a drafter's own per-sequence state, fed by its observe() (stages/mtp_draft.py: MTP KV)
     spec_stats: Any = None  # a SpecStats of this sequence's verified steps (RequestOutput.metrics), once it has one

@@ -7,9 +7,10 @@ have stood, or verifies drafts that will not. The calibration compares, per draf
 drafter predicted for verified rows with what happened (draft i stood or not) and scales later predictions by
 the ratio: S'_i = min(1, S_i * f_i), f_i = (stood_i + PRIOR) / (predicted_i + PRIOR) over an exponentially
 decayed history, kept non-increasing in i as a survival must be. With no history f_i = 1 (the drafter as is).
-Only steps that verified every draft are recorded (padded verify graphs, and one ragged step in
-CALIBRATE_EVERY, which the engine runs at full lengths): the rows a length choice kept are those the drafter
-rated highest, and their outcomes say nothing of the slots it cut.
+Only steps that verified every draft are recorded: one dynamic drafting step in CALIBRATE_EVERY, which the engine
+runs at full lengths (on padded verify graphs every step verifies every draft, and one in CALIBRATE_EVERY is
+recorded: the per-row bookkeeping on every step cost ~1% of a synchronous step). The rows a length choice kept
+are those the drafter rated highest, and their outcomes say nothing of the slots it cut.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 PRIOR = 4.0  # pseudo-rows at ratio 1: a few verified rows cannot swing the factor far
 DECAY = 0.995  # per recorded row: the history is the last few hundred rows
 MIN_FACTOR, MAX_FACTOR = 0.25, 4.0
-CALIBRATE_EVERY = 8  # one ragged dynamic step in this many verifies every draft (the engine's unbiased sample)
+CALIBRATE_EVERY = 8  # one dynamic drafting step in this many verifies every draft and is recorded (unbiased)
 
 
 class SurvivalCalibration:

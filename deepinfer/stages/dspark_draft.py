@@ -20,6 +20,7 @@ import attrs
 import torch
 
 from ..core.stage import Stage
+from ..layout import HiddenRow
 
 
 def _is_ced(model) -> bool:
@@ -74,6 +75,8 @@ class DSparkDraft(Stage):
         context = getattr(seq, "draft_context", None)
         if context is None:
             return []
+        if isinstance(context, HiddenRow):
+            context = context.tensor()
         gen = seq.generator if getattr(seq, "generator", None) is not None else self.generator
         tokens, q, conf = self.drafter_net.draft(context, seq.token_ids[-1], k, self.model, seq.params.greedy, gen)
         seq.draft_probs = None if seq.params.greedy else q

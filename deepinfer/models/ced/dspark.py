@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...layout import to_device
+from ...layout import stack_rows, to_device
 
 
 @attrs.frozen
@@ -165,7 +165,7 @@ class DSpark(nn.Module):
         B, K = len(ks), max(ks, default=0)
         dev = self.anchor.weight.device
         prev = to_device(anchors, torch.long, dev)  # [B]
-        base, conf = self(torch.stack(list(contexts)).to(dev), prev, target)  # [B, P, V], [B, P]
+        base, conf = self(stack_rows(contexts).to(dev), prev, target)  # [B, P, V], [B, P]
         if K == 0:
             return [[] for _ in ks], None if all(greedy) else base.new_zeros(B, 0, base.shape[-1]), [[] for _ in ks]
         sampled = [(b, gens[b], ks[b]) for b in range(B) if not greedy[b]]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...backends.cuda_graph import capture_graph
-from ...layout import to_device
+from ...layout import stack_rows, to_device
 
 
 # A captured bucket holds its base logits [B, P, V] float32 in the graphs' pool for good (eager drafting frees
@@ -65,7 +65,7 @@ class DraftGraphs:
         n = len(contexts)
         B = next(b for b in self.buckets if b >= n)
         graph, ctx, anc, out = self.graphs[B]
-        torch.stack(list(contexts), out=ctx[:n])
+        stack_rows(contexts, out=ctx[:n])
         anc[:n].copy_(to_device(anchors, torch.long, anc.device))  # (pinned: a pageable copy syncs)
         graph.replay()
         self.replays += 1
