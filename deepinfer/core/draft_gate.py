@@ -36,6 +36,10 @@ from typing import Optional
 
 WARM = 8
 EXPLORE_FIRST = 4
+# plain steps in a row when the gate explores them (or measures them first): under overlap scheduling the last
+# plain step before a drafting step overlaps nothing and goes untimed (core/engine.py, _collect_prev), so a run
+# of one would never be measured
+PLAIN_RUN = 2
 EXPLORE_LOSS = 0.005  # the other kind's steps lose this share of the tokens, by the measured rates (explore_after)
 EXPLORE_MIN, EXPLORE_MAX = 4, 512  # steps between them at a tie / far from one
 # g: accepted drafts per row, a drafting step's rows weighing 2^(-age / GAIN_HALF_LIFE), age in steps. By steps,
@@ -122,6 +126,7 @@ class DraftGate:
         self.decisions = 0
         self._since = 0  # choices since the gate last took the other kind
         self.closed = 0  # steps the gate sent to plain decoding
+        self._plain_left = 0  # plain steps still owed to the run of PLAIN_RUN the last one started
 
     def record_step(self, drafted: bool, rows: int, seconds: float) -> None:
         """A decode-only step of ``rows`` rows took ``seconds``, with the drafter run (whatever lengths were then
@@ -161,10 +166,11 @@ class DraftGate:
         return (1 + (self.gain or 0.0)) * self.time_ratio(rows)
 
     def explore_after(self, rows: int) -> float:
-        """Steps between two of the losing kind: N with loss / N = explore_loss, loss being the share of N steps'
-        tokens one step of the other kind loses, by r = ratio(rows) and rho = T_plain / T_draft: an open gate's
-        plain step takes rho / N of the time at 1 / r of drafting's rate, (1 - 1 / r) rho; a closed gate's
-        drafting step takes 1 / (rho N) of it at r times plain's rate, (1 - r) / rho."""
+        """Steps between two explorations of the losing kind: N with loss / N = explore_loss, loss being the share
+        of N steps' tokens an exploration loses, by r = ratio(rows) and rho = T_plain / T_draft: an open gate's
+        PLAIN_RUN plain steps take PLAIN_RUN rho / N of the time at 1 / r of drafting's rate,
+        PLAIN_RUN (1 - 1 / r) rho; a closed gate's drafting step takes 1 / (rho N) of it at r times plain's
+        rate, (1 - r) / rho."""
         rho = self.time_ratio(rows)
         return self._period((1 + (self.gain or 0.0)) * rho, rho)
 
@@ -172,7 +178,7 @@ class DraftGate:
         if self.explore_loss <= 0:
             return float("inf")
         rho = max(rho, 1e-9)
-        loss = (1 - 1 / r) * rho if r > 1 else (1 - r) / rho
+        loss = PLAIN_RUN * (1 - 1 / r) * rho if r > 1 else (1 - r) / rho
         return min(max(loss / self.explore_loss, EXPLORE_MIN), EXPLORE_MAX)
 
     def worth(self, rows: int) -> bool:
@@ -183,10 +189,15 @@ class DraftGate:
         """This step's choice for ``rows`` decoding rows: draft (True) or decode plainly."""
         self.decisions += 1
         self._gain_rows *= _DECAY  # one step older
-        if len(self.drafting) < WARM or self.gain is None:
+        if self._plain_left:
+            self._plain_left -= 1
+            self._since += 1
+            choice = False
+        elif len(self.drafting) < WARM or self.gain is None:
             choice = True
         elif len(self.plain) < WARM:
             choice = self.decisions % EXPLORE_FIRST != 0
+            self._plain_left = 0 if choice else PLAIN_RUN - 1
         elif not self.plain.knows(rows):  # a row count not yet measured (both ways): measure it, not guess it
             choice = False
         elif not self.drafting.knows(rows):
@@ -199,5 +210,6 @@ class DraftGate:
             if self._since >= self._period(r, rho):  # the other kind now and then: both stay measured
                 self._since = 0
                 choice = not choice
+                self._plain_left = 0 if choice else PLAIN_RUN - 1
         self.closed += not choice
         return choice
