@@ -3,6 +3,8 @@ speculative accounting named as vLLM's (llm.spec_stats(), RequestOutput.metrics)
 
 from __future__ import annotations
 
+import time
+
 import attrs
 import pytest
 from hypothesis import given, settings
@@ -176,6 +178,9 @@ def test_accounting_named_as_vllm_per_request_and_engine_wide(spec_llama, right)
     assert sum(stats["num_accepted_tokens_per_pos"]) == stats["num_accepted_tokens"]
 
 
+SLOW_S = 0.5  # far above a step of the demo at 3 rows on any CPU (~50 ms on 2 cores)
+
+
 class Scripted(DraftGate):
     """Opens on a repeating pattern of steps, so drafting and plain steps follow each other both ways."""
 
@@ -188,7 +193,8 @@ class Scripted(DraftGate):
         return self.pattern[(self.asked - 1) % len(self.pattern)]
 
 
-@pytest.mark.parametrize("pattern", [(False,), (True, False), (True, False, False, True, True, False)])
+@pytest.mark.parametrize("pattern", [(False,), (True, False), (True, False, False, True, True, False),
+                                     (False, False, False, True)])
 def test_plain_steps_of_a_dynamic_engine_overlap_and_change_nothing(pattern):
     """Under overlap scheduling a step the gate keeps plain stays in flight while the next one launches (as
     plain decoding does), a drafting step first collects it, and the drafter's context is the collected
@@ -203,7 +209,17 @@ def test_plain_steps_of_a_dynamic_engine_overlap_and_change_nothing(pattern):
         eng = llm.engine
         assert eng._overlap_plain is overlap
         eng.draft_gate = Scripted(pattern)
+        timed, record = [], eng.draft_gate.record_step
+        eng.draft_gate.record_step = lambda d, r, t, timed=timed, record=record: (timed.append(d), record(d, r, t))
         in_flight, step = [], eng.step
+        if pattern == (False, False, False, True):  # the first plain launch of a run (nothing in flight) is slow
+            launch = eng._launch
+
+            def slow(touched, prev=None, launch=launch, eng=eng):
+                if prev is None and not eng._drafts_asked:
+                    time.sleep(SLOW_S)
+                return launch(touched, prev)
+            eng._launch = slow
 
         def counting(step=step, eng=eng, in_flight=in_flight):
             out = step()
@@ -215,6 +231,13 @@ def test_plain_steps_of_a_dynamic_engine_overlap_and_change_nothing(pattern):
         assert all(o.error is None for o in outs)
         runs[overlap] = ([o.outputs[0].token_ids for o in outs], [o.metrics for o in outs], sum(in_flight),
                          len(eng.draft_gate.plain), llm.spec_stats())
+        if overlap and pattern == (False, False, False, True):  # per run of 3 plain steps, the 2nd and 3rd
+            # launches collect a plain step: 2 timed; the 3rd step is collected by the drafting one, untimed
+            runs_of_3 = eng.draft_gate.asked // 4
+            assert 2 * runs_of_3 - 2 <= timed.count(False) <= 2 * runs_of_3 + 2
+            # ... each as the wall time of the call that launched a plain step and collected one: never the
+            # first step's own launch (timed as its launch plus collection, it counted the slow launch)
+            assert max(t for _, t in eng.draft_gate.plain.samples) < 0.8 * SLOW_S
     (tok0, met0, flight0, plain0, st0), (tok1, met1, flight1, plain1, st1) = runs[False], runs[True]
     assert tok1 == tok0 and [len(t) for t in tok0] == list(lengths)
     keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")

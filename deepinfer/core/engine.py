@@ -287,7 +287,14 @@ class Engine:
         launched = self._launch(touched, prev)  # may collect prev itself, once the forward is queued
         launch_s = time.perf_counter() - t0
         if prev is not None and not prev.collected:
-            self._collect_prev(prev, touched)
+            self._collect_prev(prev, touched, timed=False)
+            if prev.plain_launch_s is not None and launched is not None and not drafting and self._overlap_plain \
+                    and _decodes_only(launched.state.batch):
+                # A plain step among plain steps: this call's wall time (one's launch, the other's collection,
+                # its wait included) is a plain step's in a stream of them, max(launch, device) + collection.
+                # (The first step of a run, timed as its own launch and collection, came out ~15% below the
+                # plain engine's step on the H200: memory-bound demo, 16 rows.)
+                self.draft_gate.record_step(False, len(prev.state.batch.seqs), time.perf_counter() - t0)
         if launched is not None:
             if self.overlap or (self._overlap_plain and not drafting):
                 self._inflight = launched
@@ -314,12 +321,13 @@ class Engine:
         return self._collect(touched)
 
     def _collect_prev(self, prev, touched: dict, timed: bool = True) -> None:
-        """Collect a step that was left in flight. A plain step of a dynamic engine (overlapped) is timed for the
-        gate as its launch plus its collection, waiting included: over steady overlapped steps these add up to
-        the wall time. Not the last of a run of plain steps (``timed`` False: a drafting step collects it
-        before drafting), whose device time overlapped no launch: timed, a lone plain step between drafting
-        steps cost 1.3x a plain step among plain ones (H200, memory-bound demo at 64 rows), and the gate
-        opened where drafting ran 0.84x plain (the gate explores with runs of plain steps instead)."""
+        """Collect a step that was left in flight. ``timed``: a plain step of a dynamic engine (overlapped) is
+        timed for the gate as its launch plus its collection, waiting included, where it is collected on its own
+        (before the next launch: a request reads its output tokens on the host; or inside it, for a grammar);
+        a step collected after the next plain launch is timed by ``step`` instead, and the last plain step
+        before a drafting step not at all: its device time overlapped no launch (a lone plain step between
+        drafting steps cost 1.3x a plain step among plain ones on the H200, memory-bound demo at 64 rows, and
+        the gate opened where drafting ran 0.84x plain), which is why the gate explores with runs of them."""
         t = time.perf_counter()
         self._collect_step(prev, touched)
         if timed and prev.plain_launch_s is not None:
