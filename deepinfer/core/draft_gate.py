@@ -40,7 +40,12 @@ EXPLORE_FIRST = 4
 # plain step before a drafting step overlaps nothing and goes untimed (core/engine.py, _collect_prev), so a run
 # of one would never be measured
 PLAIN_RUN = 2
-EXPLORE_LOSS = 0.005  # the other kind's steps lose this share of the tokens, by the measured rates (explore_after)
+# the share of the tokens an exploration may lose, by the measured rates (explore_after): an open gate's plain
+# steps lose against fixed lengths too, a closed gate's drafting steps only against plain decoding (fixed lengths
+# draft every step), and a gate shut on a bad stretch must reopen soon: at one request each exploring step brings
+# one row (a simulated stretch of bad drafts then good ones at one request, 144 steps: 0.90x fixed lengths at
+# 0.5% closed, 0.96x at 2%)
+EXPLORE_LOSS, EXPLORE_LOSS_CLOSED = 0.005, 0.02
 EXPLORE_MIN, EXPLORE_MAX = 4, 512  # steps between them at a tie / far from one
 # g: accepted drafts per row, a drafting step's rows weighing 2^(-age / GAIN_HALF_LIFE), age in steps. By steps,
 # not rows: a gate closed at one request learns g from its exploring steps' rows alone, and a window of the last
@@ -116,8 +121,9 @@ class StepLine:
 
 
 class DraftGate:
-    def __init__(self, explore_loss: float = EXPLORE_LOSS):
-        self.explore_loss = explore_loss  # 0: never take the losing kind once both are measured
+    def __init__(self, explore_loss: float = EXPLORE_LOSS, explore_loss_closed: float = EXPLORE_LOSS_CLOSED):
+        # 0: never take the losing kind once both are measured
+        self.explore_loss, self.explore_loss_closed = explore_loss, explore_loss_closed
         self.drafting, self.plain = StepLine(), StepLine()  # seconds against rows
         self.gain: Optional[float] = None  # accepted drafts per row of the drafting steps' rows, decayed by age
         self._gain_rows = 0.0  # the rows behind it, decayed alike
@@ -166,7 +172,8 @@ class DraftGate:
         return (1 + (self.gain or 0.0)) * self.time_ratio(rows)
 
     def explore_after(self, rows: int) -> float:
-        """Steps between two explorations of the losing kind: N with loss / N = explore_loss, loss being the share
+        """Steps between two explorations of the losing kind: N with loss / N = explore_loss (explore_loss_closed
+        when the gate is closed), loss being the share
         of N steps' tokens an exploration loses, by r = ratio(rows) and rho = T_plain / T_draft: an open gate's
         PLAIN_RUN plain steps take PLAIN_RUN rho / N of the time at 1 / r of drafting's rate,
         PLAIN_RUN (1 - 1 / r) rho; a closed gate's drafting step takes 1 / (rho N) of it at r times plain's
@@ -175,11 +182,12 @@ class DraftGate:
         return self._period((1 + (self.gain or 0.0)) * rho, rho)
 
     def _period(self, r: float, rho: float) -> float:
-        if self.explore_loss <= 0:
+        budget = self.explore_loss if r > 1 else self.explore_loss_closed
+        if budget <= 0:
             return float("inf")
         rho = max(rho, 1e-9)
         loss = PLAIN_RUN * (1 - 1 / r) * rho if r > 1 else (1 - r) / rho
-        return min(max(loss / self.explore_loss, EXPLORE_MIN), EXPLORE_MAX)
+        return min(max(loss / budget, EXPLORE_MIN), EXPLORE_MAX)
 
     def worth(self, rows: int) -> bool:
         """Whether drafting pays at ``rows`` rows by the measured steps (no exploration)."""
