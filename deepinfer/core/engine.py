@@ -406,7 +406,7 @@ class Engine:
             for r, seq in enumerate(sample_seqs):
                 seq.pending.append(-1 - (half + r))
                 p = seq.params
-                if (p.max_tokens is not None and len(seq.output_token_ids) + len(seq.pending) >= p.max_tokens) \
+                if (p.max_tokens is not None and seq.num_output_tokens + len(seq.pending) >= p.max_tokens) \
                         or seq.num_tokens >= self.max_model_len:
                     seq.draining = True  # its last token is in flight: never schedule it again
             self._parity ^= 1
@@ -644,7 +644,7 @@ class Engine:
                 continue
             room = min(k, self.max_model_len - seq.num_tokens - 1)
             if seq.params.max_tokens is not None:
-                room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+                room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
             if room > 0:
                 asked.append((seq, room))
         batch = getattr(self.drafter, "propose_batch", None)  # one call for the step (stages/mtp_draft.py)

@@ -99,6 +99,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_output_tokens(self) -> int:
+        """len(output_token_ids) without the copy (asked per row and token every step)."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 

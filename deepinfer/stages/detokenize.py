@@ -52,7 +52,7 @@ class DetokenizeStage(Stage):
                                       p.include_stop_str_in_output)
         delta = seq.detok.step([tok])
         text = seq.detok.text
-        reason, cut, stop_reason = seq.stopper.check(text, len(delta), tok, len(seq.output_token_ids) + 1)
+        reason, cut, stop_reason = seq.stopper.check(text, len(delta), tok, seq.num_output_tokens + 1)
         if reason == "length":
             seq.detok.flush()  # release text held back for an unfinished UTF-8 character
             text = seq.detok.text
