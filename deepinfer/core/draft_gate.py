@@ -14,12 +14,13 @@ drafts), the gate's choice is the step's: every draft is verified, as cutting on
 second all-or-nothing choice from the fitted T(n, R) only second-guessed the measured one after the drafter had
 run (core/engine.py, _propose_drafts).
 
-Both kinds keep being measured: the first WARM steps draft, then one step in EXPLORE_FIRST decodes plainly until
-WARM plain steps are in; at a row count where fewer than LOCAL steps of a kind were measured (within NEAR), the
+Both kinds keep being measured: the first WARM steps draft, then a run of PLAIN_RUN plain steps starts once in
+EXPLORE_FIRST steps until WARM plain steps are in; at a row count where fewer than LOCAL steps of a kind were measured (within NEAR), the
 step is of that kind (a line through other row counts guessed wrong: on the H200 one fitted at one request priced
 a plain step of 16 rows as one of 1, and shut the gate where drafting ran 1.18x plain); from then on the gate
-takes the other kind once in N steps, N set so that the tokens those steps lose by the measured rates are
-EXPLORE_LOSS of what the N steps emit (``explore_after``): near a tie the losing step costs almost nothing and
+takes the other kind once in N steps (plain steps in runs of PLAIN_RUN), N set so that the tokens those steps
+lose by the measured rates are EXPLORE_LOSS (open) or EXPLORE_LOSS_CLOSED (closed) of what the N steps emit
+(``explore_after``): near a tie the losing step costs almost nothing and
 is taken often (every EXPLORE_MIN steps), so a gate shut by a run of bad drafts reopens within a few steps; far
 from one it is rare (at most EXPLORE_MAX apart). A fixed period (one in 16 / r steps closed, 64 r open) did
 neither: on the H200 a gate that closed on the demo's first prompts (g ~ 1, a tie) stayed shut while drafting
