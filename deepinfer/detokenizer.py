@@ -30,8 +30,15 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        fast = getattr(tokenizer, "decode_ids", None)
+        # With Tokenizer.decode_ids the window holds no special id where they are skipped (dropped on the way
+        # in, once per token), and decodes without decode()'s per-call checks; any other tokenizer: decode().
+        self._drop = frozenset(getattr(tokenizer, "all_special_ids", ())) if fast and skip_special_tokens \
+            else frozenset()
+        self._decode = (lambda ids: fast(ids, skip_special_tokens)) if fast \
+            else (lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
         # The working window: recent prompt context, then output ids; trimmed as text is emitted.
-        self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self._ids: list[int] = self._kept(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix = 0
         self._read = len(self._ids)
         self.token_ids: list[int] = []
@@ -42,10 +49,13 @@ class IncrementalDetokenizer:
         if not new_token_ids:
             return ""
         self.token_ids.extend(new_token_ids)
-        self._ids.extend(new_token_ids)
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
-        full_text = decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
+        kept = self._kept(new_token_ids)
+        if not kept:  # only special tokens, skipped: nothing to show
+            return ""
+        self._ids.extend(kept)
+        decode = self._decode
+        prefix_text = decode(self._ids[self._prefix:self._read])
+        full_text = decode(self._ids[self._prefix:])
         if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
             # Nothing visible yet (special token skipped) or a character is still incomplete.
             return ""
@@ -56,13 +66,17 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def _kept(self, ids) -> list:
+        drop = self._drop
+        return [int(i) for i in ids if i not in drop] if drop else [int(i) for i in ids]
+
     def flush(self) -> str:
         """Emits whatever is held back (a trailing partial character decodes as U+FFFD).
 
         Call once when the sequence finishes so a held-back tail is not lost.
         """
-        prefix_text = self._tokenizer.decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
-        full_text = self._tokenizer.decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        full_text = self._decode(self._ids[self._prefix:])
         delta = full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
         del self._ids[:self._read]
         self._prefix, self._read = 0, len(self._ids)
