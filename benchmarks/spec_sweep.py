@@ -16,7 +16,9 @@ Targets (``--targets``), each built once per setting and freed before the next:
 Workload, prompt-lookup friendly: each prompt is a random motif repeated to ``--input-len`` tokens; greedy,
 ignore_eos. At each concurrency C: C requests at once, stepped until every one has its first token and then
 ``--warmup-steps`` more (untimed), then ``--steps`` steps timed (with ``--rounds R`` > 1, every setting's engine
-stays alive and each is timed in R blocks of ``--steps``, alternating, so machine drift weighs on all alike). A row gives the measured step rate, the output
+stays alive and each is timed in R blocks of ``--steps``, alternating, so machine drift weighs on all alike;
+``--fresh-rounds`` starts new requests on new prompts each round, the same for every setting, so each round
+compares the settings on the same text). A row gives the measured step rate, the output
 tokens actually emitted (accepted drafts plus one target token per row-step: counted, not derived), the draft
 accounting of those steps (spec_stats deltas), and ``syncs_per_step``: on CUDA, the synchronizing calls
 torch.cuda.set_sync_debug_mode reports over ``--sync-steps`` further steps (benchmarks/profile_decode.py's check;
@@ -127,6 +129,7 @@ class Run:
                                      else prompts(rng, vocab, C, args.input_len, args.motif))]
         self.seconds, self.steps, self.tokens, self.rates, self.block_tok_s = 0.0, 0, 0, [], []
         self.block_plain = []  # a dynamic engine's steps its gate kept plain, per block
+        self.stopped = False
         self.spec = {k: 0 for k in spec_counts(llm)}
         while not all(r.first_token_time for r in self.reqs):
             self.eng.step()
@@ -159,13 +162,24 @@ class Run:
 
     def stop(self) -> None:
         """Abort the requests and step until the engine has nothing left."""
+        self.stopped = True
         for r in self.rids:
             self.eng.abort(r)
         while self.eng.has_unfinished():
             self.eng.step()
 
+    def absorb(self, other: "Run") -> None:
+        """Add another run's timed blocks (same engine and C; stopped here) to this one's totals."""
+        other.stop()
+        self.seconds, self.steps, self.tokens = self.seconds + other.seconds, self.steps + other.steps, \
+            self.tokens + other.tokens
+        self.spec = {k: v + other.spec[k] for k, v in self.spec.items()}
+        self.rates += other.rates
+        self.block_tok_s += other.block_tok_s
+        self.block_plain += other.block_plain
+
     def finish(self) -> dict:
-        syncs = count_syncs(self.eng, self.args.sync_steps)
+        syncs = None if self.stopped else count_syncs(self.eng, self.args.sync_steps)  # (fresh rounds: none left)
         self.stop()
         d, dt, C = self.spec, self.seconds, self.C
         row = {"concurrency": C, "steps": self.steps, "seconds": round(dt, 4), "step_rate": round(self.steps / dt, 2),
@@ -202,7 +216,7 @@ def header(target: str, setting: str, spec, args, llm, build_s: float) -> dict:
             "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "input_len": args.input_len, "motif": None if args.text is not None else args.motif,
             "prompts": "heldout_text" if args.text is not None else "motif", "model": args.model,
-            "commit": args.commit, "rounds": args.rounds,
+            "commit": args.commit, "rounds": args.rounds, "fresh_rounds": bool(getattr(args, "fresh_rounds", False)),
             "build_s": round(build_s, 2), "cuda_graphs": llm.engine.decode_graphs is not None,
             "overlap": llm.engine.overlap}
 
@@ -235,10 +249,24 @@ def run_interleaved(args, target: str, settings: list, rows: list, t_start: floa
         if time.perf_counter() - t_start > args.budget_s:
             print(f"budget spent: {target} C={C} skipped", flush=True)
             continue
-        runs = [Run(llm, vocab, C, args, args.seed) for _, _, llm, vocab, _ in built]
-        for r in range(args.rounds):
-            for i in range(len(runs)):
-                runs[(i + r) % len(runs)].block(args.steps)
+        if args.fresh_rounds:  # each round new requests on new prompts, the same for every setting
+            runs = [None] * len(built)
+            for r in range(args.rounds):
+                for i in range(len(built)):
+                    j = (i + r) % len(built)
+                    _, _, llm, vocab, _ = built[j]
+                    run = Run(llm, vocab, C, args, args.seed + r)
+                    run.block(args.steps)
+                    if runs[j] is None:
+                        runs[j] = run
+                        run.stop()  # (its requests would run beside the next round's)
+                    else:
+                        runs[j].absorb(run)
+        else:
+            runs = [Run(llm, vocab, C, args, args.seed) for _, _, llm, vocab, _ in built]
+            for r in range(args.rounds):
+                for i in range(len(runs)):
+                    runs[(i + r) % len(runs)].block(args.steps)
         for (setting, spec, llm, _, build_s), run in zip(built, runs):
             emit(rows, {**header(target, setting, spec, args, llm, build_s), **run.finish()}, args)
     del built
@@ -330,6 +358,10 @@ def parse_args(argv=None):
     ap.add_argument("--rounds", type=int, default=1,
                     help="> 1: every setting's engine alive at once, timed in this many alternating blocks of --steps "
                          "(settings compared under the same machine drift; needs memory for all of them)")
+    ap.add_argument("--fresh-rounds", action="store_true",
+                    help="with --rounds: each round starts new requests on new prompts (the same for every setting), "
+                         "warmed up and timed, so a round's ratio compares the settings on the same text (otherwise "
+                         "a setting that emitted fewer tokens meets later text, whose drafts stand more or less often)")
     ap.add_argument("--sync-steps", type=int, default=8)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--budget-s", type=float, default=420.0, help="no new measurement starts after this")

@@ -25,7 +25,8 @@
 #   bash scripts/device_issue15.sh padded COMMIT  # < 9 min: the demo with its shared experts widened to PAD_GB (12) GB
 #                                          # of weights read every step (scripts/pad_demo.py: the demo's function and
 #                                          # drafter; decode memory-bound; kept in /tmp while the machine is warm), fixed
-#                                          # and dynamic steps profiled (PROFILE=0 skips), then the sweep on it (ROUNDS x STEPS), none /
+#                                          # and dynamic steps profiled (PROFILE=0 skips), then the sweep on it (ROUNDS x STEPS,
+#                                          # each round new requests on new text, the same for every setting), none /
 #                                          # fixed / dynamic
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -82,7 +83,7 @@ gate)
     tests/test_spec_edges.py tests/test_speculative.py tests/test_cuda_graphs.py 2>&1 | grep -v -i warn | tail -30
   timeout 100 python3 benchmarks/profile_spec_step.py --concurrency 1 16 64 --commit "${2:-?}" \
     --out "$OUT/spec_profile.jsonl" 2>&1 | grep -v -i warn | tail -50
-  timeout 250 python3 benchmarks/spec_sweep.py --targets demo --rounds 6 --steps 24 --warmup-steps 64 \
+  timeout 250 python3 benchmarks/spec_sweep.py --targets demo --fresh-rounds --rounds 6 --steps 24 --warmup-steps 64 \
     --concurrency 1 16 64 128 --budget-s 190 --commit "${2:-?}" --out "$OUT/spec_sweep_gate.jsonl" 2>&1 \
     | grep -v -i warn | tail -14 ;;
 padded)
@@ -93,7 +94,7 @@ padded)
   [ "${PROFILE:-1}" = 0 ] || timeout 150 python3 benchmarks/profile_spec_step.py --targets path --model /tmp/ced_padded \
     --text-prompts --settings dspark:4 dspark:4:dynamic --concurrency 1 16 --commit "${2:-?}" \
     --out "$OUT/spec_profile_padded.jsonl" 2>&1 | grep -v -i warn | tail -34
-  timeout 320 python3 benchmarks/spec_sweep.py --targets path --model /tmp/ced_padded --text-prompts --rounds "${ROUNDS:-6}" \
+  timeout 320 python3 benchmarks/spec_sweep.py --targets path --model /tmp/ced_padded --text-prompts --fresh-rounds --rounds "${ROUNDS:-6}" \
     --steps "${STEPS:-24}" --warmup-steps 32 --concurrency 1 16 64 128 --budget-s 280 --commit "${2:-?}" \
     --out "$OUT/spec_sweep_padded.jsonl" 2>&1 | grep -v -i warn | tail -14 ;;
 bench)

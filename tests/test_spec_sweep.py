@@ -39,6 +39,24 @@ def test_interleaved_rounds_add_up_per_setting(tmp_path):
     assert {(C, a, b) for _, C, a, b, _, _ in pairs} == {(c, "ngram:2", "none") for c in (1, 3)}
 
 
+def test_fresh_rounds_time_new_requests_each_round(tmp_path):
+    """--fresh-rounds: each round every setting serves new requests on the same new prompts; a row's totals are
+    its rounds' blocks, and no request of an earlier round is left running beside a later one (C rows a step)."""
+    pytest.importorskip("deepinfer_ngram", reason="the n-gram draft plugin: pip install -e plugins/deepinfer-ngram")
+    out = tmp_path / "rows.jsonl"
+    assert spec_sweep.main(["--smoke", "--targets", "llama-tiny", "--rounds", "3", "--fresh-rounds",
+                            "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["setting"], r["concurrency"]) for r in rows} == {(s, c) for s in ("none", "ngram:2") for c in (1, 3)}
+    for r in rows:
+        assert r["fresh_rounds"] and r["steps"] == 3 * 4 and len(r["block_output_tok_s"]) == 3
+        # one token per row-step plus the accepted drafts: C rows in every timed step
+        assert r["output_tokens"] == r["steps"] * r["concurrency"] + r["accepted_tokens"], r
+        assert r["verified_rows"] <= r["steps"] * r["concurrency"], r  # (engine-wide: no other round's rows)
+        assert r["syncs_per_step"] is None
+    assert any(r["verified_rows"] for r in rows)
+
+
 def test_paired_ratio_is_the_median_of_the_rounds():
     """Drift between rounds cancels in each round's ratio: the median of those, not the ratio of the totals."""
     rows = [{"target": "t", "concurrency": 4, "setting": "none", "block_output_tok_s": [100.0, 50.0, 200.0]},
