@@ -4,6 +4,7 @@ speculative accounting named as vLLM's (llm.spec_stats(), RequestOutput.metrics)
 from __future__ import annotations
 
 import time
+import types
 
 import attrs
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.core import draft_gate as dg
+from deepinfer.core import engine as engine_module
 from deepinfer.core.draft_gate import DraftGate
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
@@ -181,7 +183,7 @@ def test_accounting_named_as_vllm_per_request_and_engine_wide(spec_llama, right)
     assert sum(stats["num_accepted_tokens_per_pos"]) == stats["num_accepted_tokens"]
 
 
-SLOW_S = 0.5  # far above a step of the demo at 3 rows on any CPU (~50 ms on 2 cores)
+SLOW_S = 1000.0  # a launch made this much slower on the engine's clock (no real wait): far above any real step
 
 
 class Scripted(DraftGate):
@@ -198,7 +200,7 @@ class Scripted(DraftGate):
 
 @pytest.mark.parametrize("pattern", [(False,), (True, False), (True, False, False, True, True, False),
                                      (False, False, False, True)])
-def test_plain_steps_of_a_dynamic_engine_overlap_and_change_nothing(pattern):
+def test_plain_steps_of_a_dynamic_engine_overlap_and_change_nothing(pattern, monkeypatch):
     """Under overlap scheduling a step the gate keeps plain stays in flight while the next one launches (as
     plain decoding does), a drafting step first collects it, and the drafter's context is the collected
     step's own: tokens and every acceptance count equal those of the same engine without overlap."""
@@ -216,11 +218,13 @@ def test_plain_steps_of_a_dynamic_engine_overlap_and_change_nothing(pattern):
         eng.draft_gate.record_step = lambda d, r, t, timed=timed, record=record: (timed.append(d), record(d, r, t))
         in_flight, step = [], eng.step
         if pattern == (False, False, False, True):  # the first plain launch of a run (nothing in flight) is slow
-            launch = eng._launch
+            launch, ahead = eng._launch, [0.0]
+            monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(
+                perf_counter=lambda ahead=ahead: time.perf_counter() + ahead[0]))
 
-            def slow(touched, prev=None, launch=launch, eng=eng):
+            def slow(touched, prev=None, launch=launch, eng=eng, ahead=ahead):
                 if prev is None and not eng._drafts_asked:
-                    time.sleep(SLOW_S)
+                    ahead[0] += SLOW_S  # the engine's clock jumps inside this launch
                 return launch(touched, prev)
             eng._launch = slow
 
