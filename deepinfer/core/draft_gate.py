@@ -9,14 +9,14 @@ against their rows (each a line T(R) = a + b R, StepLine, robust to a stray slow
 measured at about R rows where there are enough of them; their ratio from steps of the two kinds that ran one
 after the other where there are enough such pairs, which a drifting machine moves less), and the drafts accepted
 per row over the drafting steps' rows, each step's weight halving every GAIN_HALF_LIFE steps. It drafts iff
-R (1 + g) / T_draft(R) > R / T_plain(R). When the step then verifies in a padded CUDA graph (every row padded to k + 1 tokens, whatever its
-drafts), the gate's choice is the step's: every draft is verified, as cutting one saves no device time, and a
+R (1 + g) / T_draft(R) > R / T_plain(R). When the step then verifies in a padded CUDA graph (every row padded to
+k + 1 tokens, whatever its drafts), the gate's choice is the step's: every draft is verified, as cutting one saves no device time, and a
 second all-or-nothing choice from the fitted T(n, R) only second-guessed the measured one after the drafter had
 run (core/engine.py, _propose_drafts).
 
 Both kinds keep being measured: the first WARM steps draft, then a run of PLAIN_RUN plain steps starts once in
-EXPLORE_FIRST steps until WARM plain steps are in; at a row count where fewer than LOCAL steps of a kind were measured (within NEAR), the
-step is of that kind (a line through other row counts guessed wrong: on the H200 one fitted at one request priced
+EXPLORE_FIRST steps until WARM plain steps are in; at a row count where fewer than LOCAL steps of a kind were
+measured (within NEAR), the step is of that kind (a line through other row counts guessed wrong: on the H200 one fitted at one request priced
 a plain step of 16 rows as one of 1, and shut the gate where drafting ran 1.18x plain); from then on the gate
 takes the other kind once in N steps (plain steps in runs of PLAIN_RUN), N set so that the tokens those steps
 lose by the measured rates are EXPLORE_LOSS (open) or EXPLORE_LOSS_CLOSED (closed) of what the N steps emit
@@ -37,9 +37,9 @@ from typing import Optional
 
 WARM = 8
 EXPLORE_FIRST = 4
-# plain steps in a row when the gate explores them (or measures them first): under overlap scheduling the last
-# plain step before a drafting step overlaps nothing and goes untimed (core/engine.py, _collect_prev), so a run
-# of one would never be measured
+# plain steps in a row when the gate explores them (or measures them first): under overlap scheduling a plain
+# step is timed by the call that collects it and launches the next plain one (core/engine.py, Engine.step), so a
+# run of one would never be measured
 PLAIN_RUN = 2
 # the share of the tokens an exploration may lose, by the measured rates (explore_after): an open gate's plain
 # steps lose against fixed lengths too, a closed gate's drafting steps only against plain decoding (fixed lengths

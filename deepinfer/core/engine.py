@@ -69,7 +69,7 @@ class _Launched:
         self.collected = False
         self.spec = None  # core.spec_step.SpecLaunch of a verify step
         self.captured_hidden = None  # the model's kept hidden states of this step (a drafter's context)
-        self.plain_launch_s = None  # a dynamic engine's overlapped plain step: its launch's seconds (the gate's)
+        self.gate_plain = False  # a dynamic engine's overlapped plain step, decodes only (timed for the gate)
 
 
 class Engine:
@@ -272,34 +272,35 @@ class Engine:
         # work does not grow with the number of idle requests).
         touched: dict = {r.request_id: r for r in self._to_report if not r.reported_done}
         self._to_report = []
+        t_call = time.perf_counter()
         prev, self._inflight = self._inflight, None
+        plain_rows = len(prev.state.batch.seqs) if prev is not None and prev.gate_plain else 0  # (gate timing)
         if prev is not None and any(s.pending and s.params.needs_output_tokens for s in prev.sample_seqs):
-            self._collect_prev(prev, touched)  # bad words / logits processors read the output tokens on the host
+            self._collect_step(prev, touched)  # bad words / logits processors read the output tokens on the host
             prev = None
         drafting = self._drafting() if self.drafter is not None else False
         if prev is not None and drafting:
-            # the drafter reads the last tokens (a gate-closed step was in flight); that step ran alone, its
-            # device time overlapping nothing, and is not what a plain step costs among plain steps: untimed
-            self._collect_prev(prev, touched, timed=False)
+            self._collect_step(prev, touched)  # the drafter reads the last tokens (a gate-closed step was in flight)
             prev = None
         t0 = time.perf_counter()
         replays = self.decode_graphs.num_verify_replays if self.decode_graphs is not None else 0
         launched = self._launch(touched, prev)  # may collect prev itself, once the forward is queued
-        launch_s = time.perf_counter() - t0
         if prev is not None and not prev.collected:
-            self._collect_prev(prev, touched, timed=False)
-            if prev.plain_launch_s is not None and launched is not None and not drafting and self._overlap_plain \
-                    and _decodes_only(launched.state.batch):
-                # A plain step among plain steps: this call's wall time (one's launch, the other's collection,
-                # its wait included) is a plain step's in a stream of them, max(launch, device) + collection.
-                # (The first step of a run, timed as its own launch and collection, came out ~15% below the
-                # plain engine's step on the H200: memory-bound demo, 16 rows.)
-                self.draft_gate.record_step(False, len(prev.state.batch.seqs), time.perf_counter() - t0)
+            self._collect_step(prev, touched)
         if launched is not None:
             if self.overlap or (self._overlap_plain and not drafting):
                 self._inflight = launched
                 if self.draft_gate is not None and _decodes_only(launched.state.batch):
-                    launched.plain_launch_s = launch_s  # timed for the gate when collected (_collect_prev)
+                    launched.gate_plain = True
+                    if plain_rows:
+                        # A plain step among plain steps: this call's wall time (one's collection, its wait
+                        # included, and the next one's launch) is what a plain step costs in a stream of them,
+                        # max(launch, device) + collection. (Timed as its own launch and collection, the first
+                        # step of a run came out ~15% below the plain engine's step on the H200, memory-bound
+                        # demo at 16 rows; the last one before a drafting step, whose device time overlapped no
+                        # launch, 1.3x at 64 rows, and the gate opened where drafting ran 0.84x plain: that one
+                        # is not timed, and the gate explores plain steps in runs, draft_gate.PLAIN_RUN.)
+                        self.draft_gate.record_step(False, plain_rows, time.perf_counter() - t_call)
             else:
                 self._collect_step(launched, touched)
                 if self.spec is not None and self.spec.dynamic and _decodes_only(launched.state.batch):
@@ -317,22 +318,8 @@ class Engine:
         touched: dict = {}
         prev, self._inflight = self._inflight, None
         if prev is not None:
-            self._collect_prev(prev, touched, timed=False)
+            self._collect_step(prev, touched)
         return self._collect(touched)
-
-    def _collect_prev(self, prev, touched: dict, timed: bool = True) -> None:
-        """Collect a step that was left in flight. ``timed``: a plain step of a dynamic engine (overlapped) is
-        timed for the gate as its launch plus its collection, waiting included, where it is collected on its own
-        (before the next launch: a request reads its output tokens on the host; or inside it, for a grammar);
-        a step collected after the next plain launch is timed by ``step`` instead, and the last plain step
-        before a drafting step not at all: its device time overlapped no launch (a lone plain step between
-        drafting steps cost 1.3x a plain step among plain ones on the H200, memory-bound demo at 64 rows, and
-        the gate opened where drafting ran 0.84x plain), which is why the gate explores with runs of them."""
-        t = time.perf_counter()
-        self._collect_step(prev, touched)
-        if timed and prev.plain_launch_s is not None:
-            rows = len(prev.state.batch.seqs)
-            self.draft_gate.record_step(False, rows, prev.plain_launch_s + time.perf_counter() - t)
 
     def _launch(self, touched: dict, prev=None):
         if self.drafter is not None:
@@ -358,7 +345,7 @@ class Engine:
                 # A constrain stage needs the tokens of the step in flight: collect it now that this step's
                 # forward is queued, so its grammar masks are filled while the device runs the forward.
                 t1 = time.perf_counter()
-                self._collect_prev(prev, touched)
+                self._collect_step(prev, touched)
                 t0 += time.perf_counter() - t1
             for i, msg in self._run_stages(stages[k:], state).items():
                 failed.setdefault(i, msg)
