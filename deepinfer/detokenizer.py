@@ -28,8 +28,6 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
         fast = getattr(tokenizer, "decode_ids", None)
         # With Tokenizer.decode_ids the window holds no special id where they are skipped (dropped on the way
         # in, once per token), and decodes without decode()'s per-call checks; any other tokenizer: decode().

@@ -9,8 +9,9 @@ the ratio: S'_i = min(1, S_i * f_i), f_i = (stood_i + PRIOR) / (predicted_i + PR
 decayed history, kept non-increasing in i as a survival must be. With no history f_i = 1 (the drafter as is).
 Only steps that verified every draft are recorded: one dynamic drafting step in CALIBRATE_EVERY, which the engine
 runs at full lengths (on padded verify graphs every step verifies every draft, and one in CALIBRATE_EVERY is
-recorded: the per-row bookkeeping on every step took ~0.1 ms at 16 rows, of the order of 1% of a step). The rows a length choice kept
-are those the drafter rated highest, and their outcomes say nothing of the slots it cut.
+recorded: the per-row bookkeeping on every step took ~0.1 ms at 16 rows, of the order of 1% of a step). The
+rows a length choice kept are those the drafter rated highest, and their outcomes say nothing of the slots it
+cut.
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ class DraftGraphs:
         self.graphs[B] = (graph, ctx, anchors, out)
 
     def covers(self, contexts: list, greedy: list, ks: list) -> bool:
-        return bool(contexts) and bool(self.buckets) and all(greedy) and len(contexts) <= self.buckets[-1] and max(ks) <= self.K \
-            and all(c.dtype == self.context_dtype for c in contexts)
+        return bool(contexts) and bool(self.buckets) and all(greedy) and len(contexts) <= self.buckets[-1] \
+            and max(ks) <= self.K and all(c.dtype == self.context_dtype for c in contexts)
 
     def draft(self, contexts: list, anchors: list, ks: list) -> tuple:
         """(tokens [B] host lists, survival [B] host lists), row b's first ks[b] of each: what
