@@ -169,8 +169,7 @@ class Run:
             self.eng.step()
 
     def absorb(self, other: "Run") -> None:
-        """Add another run's timed blocks (same engine and C; stopped here) to this one's totals."""
-        other.stop()
+        """Add another (stopped) run's timed blocks, same engine and C, to this one's totals."""
         self.seconds, self.steps, self.tokens = self.seconds + other.seconds, self.steps + other.steps, \
             self.tokens + other.tokens
         self.spec = {k: v + other.spec[k] for k, v in self.spec.items()}
@@ -257,9 +256,9 @@ def run_interleaved(args, target: str, settings: list, rows: list, t_start: floa
                     _, _, llm, vocab, _ = built[j]
                     run = Run(llm, vocab, C, args, args.seed + r)
                     run.block(args.steps)
+                    run.stop()  # (its requests would run beside the next round's)
                     if runs[j] is None:
                         runs[j] = run
-                        run.stop()  # (its requests would run beside the next round's)
                     else:
                         runs[j].absorb(run)
         else:
