@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -129,6 +130,10 @@ class Run:
                                      else prompts(rng, vocab, C, args.input_len, args.motif))]
         self.seconds, self.steps, self.tokens, self.rates, self.block_tok_s = 0.0, 0, 0, [], []
         self.block_plain = []  # a dynamic engine's steps its gate kept plain, per block
+        # each timed call's wall and its start to the next call's start, by the kind of step it launched
+        # ("plain" / "draft"): what the gate's timing rule sees, beside what a step costs in the stream
+        self.calls = {"plain": [], "draft": []}
+        self.periods = {"plain": [], "draft": []}
         self.stopped = False
         self.spec = {k: 0 for k in spec_counts(llm)}
         while not all(r.first_token_time for r in self.reqs):
@@ -149,10 +154,19 @@ class Run:
         closed0 = gate.closed if gate is not None else 0
         gpu_bench.sync(self.eng.device)
         t0 = time.perf_counter()
+        drafts, starts, walls, kinds = self.eng.drafter is not None, [], [], []
         for _ in range(steps):
+            c0 = gate.closed if gate is not None else 0
+            t = time.perf_counter()
             self.eng.step()
+            starts.append(t)
+            walls.append(time.perf_counter() - t)
+            kinds.append("draft" if drafts and (gate is None or gate.closed == c0) else "plain")
         gpu_bench.sync(self.eng.device)
         dt = time.perf_counter() - t0
+        for i, kind in enumerate(kinds[:-1]):
+            self.calls[kind].append(walls[i])
+            self.periods[kind].append(starts[i + 1] - starts[i])
         self.seconds, self.steps, self.tokens = self.seconds + dt, self.steps + steps, self.tokens + self._emitted() - tokens0
         self.spec = {k: v + spec_counts(self.llm)[k] - spec0[k] for k, v in self.spec.items()}
         self.rates.append(round(steps / dt, 2))
@@ -176,6 +190,9 @@ class Run:
         self.rates += other.rates
         self.block_tok_s += other.block_tok_s
         self.block_plain += other.block_plain
+        for k in self.calls:
+            self.calls[k] += other.calls[k]
+            self.periods[k] += other.periods[k]
 
     def finish(self) -> dict:
         syncs = None if self.stopped else count_syncs(self.eng, self.args.sync_steps)  # (fresh rounds: none left)
@@ -189,12 +206,15 @@ class Run:
             row["acceptance_rate"] = round(d["accepted_tokens"] / max(1, d["draft_tokens"]), 4)
             row["tokens_per_verified_row"] = round(1 + d["accepted_tokens"] / d["verified_rows"], 4)
         row["verify_graph_replays"] = getattr(self.eng.decode_graphs, "num_verify_replays", None)
+        row["call_ms"] = {k: round(1e3 * statistics.median(v), 4) for k, v in self.calls.items() if v}
+        row["period_ms"] = {k: round(1e3 * statistics.median(v), 4) for k, v in self.periods.items() if v}
         gate = self.eng.draft_gate
         if gate is not None and gate.gain is not None and len(gate.plain) and len(gate.drafting):
             # what the gate saw at this C when the run ended: why it drafted or not
             row["gate"] = {"block_plain_steps": self.block_plain, "gain": round(gate.gain, 4),
                            "time_ratio": round(gate.time_ratio(C), 4), "paired": gate.paired(C),
-                           "ratio": round(gate.ratio(C), 4), "explore_after": round(gate.explore_after(C), 1)}
+                           "ratio": round(gate.ratio(C), 4), "explore_after": round(gate.explore_after(C), 1),
+                           "t_plain_ms": round(1e3 * gate.plain(C), 4), "t_draft_ms": round(1e3 * gate.drafting(C), 4)}
         return row
 
 
