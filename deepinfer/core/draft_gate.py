@@ -37,10 +37,11 @@ from typing import Optional
 
 WARM = 8
 EXPLORE_FIRST = 4
-# plain steps in a row when the gate explores them (or measures them first): under overlap scheduling a plain
-# step is timed by the call that collects it and launches the next plain one (core/engine.py, Engine.step), so a
-# run of one would never be measured
-PLAIN_RUN = 2
+# plain steps in a row when the gate explores them (or measures them first): under overlap scheduling only a plain
+# step launched by a call that collected one is timed, by the call that collects it and launches the next plain
+# one (core/engine.py, Engine.step: the first of a run, launched on an idle device, and the last, collected by a
+# drafting step, cost other than a plain step among plain ones), so a run of 3 gives one measurement
+PLAIN_RUN = 3
 # the share of the tokens an exploration may lose, by the measured rates (explore_after): an open gate's plain
 # steps lose against fixed lengths too, a closed gate's drafting steps only against plain decoding (fixed lengths
 # draft every step), and a gate shut on a bad stretch must reopen soon: at one request each exploring step brings

@@ -70,6 +70,7 @@ class _Launched:
         self.spec = None  # core.spec_step.SpecLaunch of a verify step
         self.captured_hidden = None  # the model's kept hidden states of this step (a drafter's context)
         self.gate_plain = False  # a dynamic engine's overlapped plain step, decodes only (timed for the gate)
+        self.gate_steady = False  # ... launched by a call that collected one: in a stream of them (timed)
 
 
 class Engine:
@@ -275,6 +276,8 @@ class Engine:
         t_call = time.perf_counter()
         prev, self._inflight = self._inflight, None
         plain_rows = len(prev.state.batch.seqs) if prev is not None and prev.gate_plain else 0  # (gate timing)
+        steady = plain_rows and prev.gate_steady
+        gate_record = None  # (drafted, rows, start): this call's step for the gate, timed to the call's end
         if prev is not None and any(s.pending and s.params.needs_output_tokens for s in prev.sample_seqs):
             self._collect_step(prev, touched)  # bad words / logits processors read the output tokens on the host
             prev = None
@@ -291,16 +294,16 @@ class Engine:
             if self.overlap or (self._overlap_plain and not drafting):
                 self._inflight = launched
                 if self.draft_gate is not None and _decodes_only(launched.state.batch):
-                    launched.gate_plain = True
-                    if plain_rows:
-                        # A plain step among plain steps: this call's wall time (one's collection, its wait
-                        # included, and the next one's launch) is what a plain step costs in a stream of them,
-                        # max(launch, device) + collection. (Timed as its own launch and collection, the first
-                        # step of a run came out ~15% below the plain engine's step on the H200, memory-bound
-                        # demo at 16 rows; the last one before a drafting step, whose device time overlapped no
-                        # launch, 1.3x at 64 rows, and the gate opened where drafting ran 0.84x plain: that one
-                        # is not timed, and the gate explores plain steps in runs, draft_gate.PLAIN_RUN.)
-                        self.draft_gate.record_step(False, plain_rows, time.perf_counter() - t_call)
+                    launched.gate_plain, launched.gate_steady = True, bool(plain_rows)
+                    if steady:
+                        # A plain step in a stream of plain steps: this call (its collection, its wait included,
+                        # the next one's launch, the outputs) is what one costs there, max(host, device). Only
+                        # such a step: the first of a run, launched on an idle device, timed by the call that
+                        # collected it came out 13-16% below the plain engine's step on the H200 (memory-bound
+                        # demo: 3.07 ms against 3.64 at one request, 3.65 against 4.18 at 16), and the gate shut
+                        # where drafting ran 1.19x plain; the last one, collected by a drafting step, overlapped
+                        # no launch. So the gate explores plain steps in runs of draft_gate.PLAIN_RUN = 3.
+                        gate_record = (False, plain_rows, t_call)
             else:
                 self._collect_step(launched, touched)
                 if self.spec is not None and self.spec.dynamic and _decodes_only(launched.state.batch):
@@ -309,8 +312,12 @@ class Engine:
                     if self._drafter_ran:  # (a step the gate kept plain paid no drafter: not a length choice's)
                         self.step_time.record(self._step_tokens(launched, replays), dt, len(b.seqs))
                     if self.draft_gate is not None:
-                        self.draft_gate.record_step(self._drafter_ran, len(b.seqs), dt)
-        return self._collect(touched)
+                        gate_record = (self._drafter_ran, len(b.seqs), t0)  # (after a plain one's collection)
+        outputs = self._collect(touched)
+        if gate_record is not None:  # the outputs are part of a step's cost, of either kind
+            drafted, rows, start = gate_record
+            self.draft_gate.record_step(drafted, rows, time.perf_counter() - start)
+        return outputs
 
     @torch.no_grad()
     def sync(self) -> list:
