@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as hs
 from deepinfer import LLM, SamplingParams
 from deepinfer.backends.cuda_graph import fill_verify, verify_inputs, verify_metadata
 from deepinfer.core.block_tables import BlockTables
+from deepinfer.core.draft_gate import DraftGate
 from deepinfer.core.inputs import plan
 from deepinfer.core.speculative import StepTime
 from deepinfer.core.state import ScheduledBatch, Sequence
@@ -222,6 +223,11 @@ class _PriorOnly(StepTime):
         pass
 
 
+class _AlwaysDrafts(DraftGate):
+    def open(self, rows: int) -> bool:
+        return True
+
+
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_greedy_dspark_through_verify_graphs_equals_plain_decoding(ced, dynamic, monkeypatch):
     """Greedy output equals plain decoding; the drafts, read from the kept hidden states the graphs return,
@@ -240,6 +246,8 @@ def test_greedy_dspark_through_verify_graphs_equals_plain_decoding(ced, dynamic,
     eager.generate(ps, sp, use_tqdm=False)
     fast = LLM(ced, speculative_config=spec, **kw)
     fast.engine.step_time = _PriorOnly()
+    if dynamic:  # every step drafts (the rows near max_tokens draft fewer, padded), whatever the gate measures
+        fast.engine.draft_gate = _AlwaysDrafts()
     graphs = _eager_ced_graphs(fast, K + 1)
     lengths: list = []
     run = DecodeGraphs.run_verify

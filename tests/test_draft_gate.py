@@ -36,7 +36,7 @@ def test_the_first_steps_draft_then_plain_steps_are_measured():
         gate.record_step(True, 8, 0.01)
     gate.record_accepted(8, 8)
     choices = [gate.open(8) for _ in range(4 * dg.EXPLORE_FIRST)]  # decisions WARM + 1 ...
-    # a run of PLAIN_RUN plain steps starting once in EXPLORE_FIRST decisions until WARM plain steps are in
+    # a run of PLAIN_RUN plain steps starting once in EXPLORE_FIRST decisions until WARM_PLAIN plain steps are in
     starts = [i for i in range(len(choices)) if (dg.WARM + 1 + i) % dg.EXPLORE_FIRST == 0]
     assert [i for i, c in enumerate(choices) if not c] == \
         [i + j for i in starts for j in range(dg.PLAIN_RUN) if i + j < len(choices)]

@@ -15,7 +15,7 @@ second all-or-nothing choice from the fitted T(n, R) only second-guessed the mea
 run (core/engine.py, _propose_drafts).
 
 Both kinds keep being measured: the first WARM steps draft, then a run of PLAIN_RUN plain steps starts once in
-EXPLORE_FIRST steps until WARM plain steps are in; at a row count where fewer than LOCAL steps of a kind were
+EXPLORE_FIRST steps until WARM_PLAIN plain steps are timed; at a row count where fewer than LOCAL steps of a kind were
 measured (within NEAR), the step is of that kind (a line through other row counts guessed wrong: on the H200 one fitted at one request priced
 a plain step of 16 rows as one of 1, and shut the gate where drafting ran 1.18x plain); from then on the gate
 takes the other kind once in N steps (plain steps in runs of PLAIN_RUN), N set so that the tokens those steps
@@ -36,12 +36,16 @@ from collections import deque
 from typing import Optional
 
 WARM = 8
-EXPLORE_FIRST = 4
 # plain steps in a row when the gate explores them (or measures them first): under overlap scheduling only a plain
 # step launched by a call that collected one is timed, by the call that collects it and launches the next plain
 # one (core/engine.py, Engine.step: the first of a run, launched on an idle device, and the last, collected by a
 # drafting step, cost other than a plain step among plain ones), so a run of 3 gives one measurement
 PLAIN_RUN = 3
+# plain steps timed before the gate weighs the kinds, a run of PLAIN_RUN starting once in EXPLORE_FIRST steps
+# meanwhile (half the warm-up's steps plain: at 3 in 4 with 8 timed, the warm-up outlasted the H200 sweep's 32
+# warm-up steps at one request, and 6 of its first 32 timed steps decoded plainly where drafting ran 1.8x)
+WARM_PLAIN = 4
+EXPLORE_FIRST = 2 * PLAIN_RUN
 # the share of the tokens an exploration may lose, by the measured rates (explore_after): an open gate's plain
 # steps lose against fixed lengths too, a closed gate's drafting steps only against plain decoding (fixed lengths
 # draft every step), and a gate shut on a bad stretch must reopen soon: at one request each exploring step brings
@@ -205,7 +209,7 @@ class DraftGate:
             choice = False
         elif len(self.drafting) < WARM or self.gain is None:
             choice = True
-        elif len(self.plain) < WARM:
+        elif len(self.plain) < WARM_PLAIN:
             choice = self.decisions % EXPLORE_FIRST != 0
             self._plain_left = 0 if choice else PLAIN_RUN - 1
         elif not self.plain.knows(rows):  # a row count not yet measured (both ways): measure it, not guess it
