@@ -66,7 +66,25 @@ PAIRS = 32  # recent pairs of adjacent steps of the two kinds, for their time ra
 
 def _near(items, rows: int) -> list:
     """The values of (rows, value) items whose rows are within NEAR of ``rows``."""
-    return [v for r, v in items if abs(r - rows) <= NEAR * rows]
+    lo, hi = rows - NEAR * rows, rows + NEAR * rows
+    return [v for r, v in items if lo <= r <= hi]
+
+
+class _Near:
+    """``_near`` of a changing sequence, kept per row count until the sequence changes (``clear``): the gate asks
+    it at the same rows every step, and scanning 32 items per question was most of a choice's ~19 us."""
+
+    def __init__(self, items):
+        self.items, self._at = items, {}  # items: () -> the sequence
+
+    def __call__(self, rows: int) -> list:
+        got = self._at.get(rows)
+        if got is None:
+            got = self._at[rows] = _near(self.items(), rows)
+        return got
+
+    def clear(self) -> None:
+        self._at.clear()
 
 
 class StepLine:
@@ -77,10 +95,12 @@ class StepLine:
     def __init__(self):
         self.samples: deque = deque(maxlen=WINDOW)
         self._fit = None
+        self.near = _Near(lambda: self.samples)
 
     def record(self, rows: int, seconds: float) -> None:
         self.samples.append((rows, seconds))
         self._fit = None
+        self.near.clear()
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -112,14 +132,14 @@ class StepLine:
 
     def knows(self, rows: int) -> bool:
         """Whether LOCAL steps at about ``rows`` rows are in the window (then ``self(rows)`` is their median)."""
-        return len(_near(self.samples, rows)) >= LOCAL
+        return len(self.near(rows)) >= LOCAL
 
     def __call__(self, rows: int) -> float:
         """The median of the steps at about ``rows`` rows (within NEAR) when LOCAL of them are in the window, else
         the line's value. A step's time need not be linear in its rows (a drafting step at 128 rows cost 2.4x
         one at 64 on the H200), and a line fitted mostly at other row counts then misprices this one: worse,
         its outlier cut dropped the few steps measured here."""
-        near = _near(self.samples, rows)
+        near = self.near(rows)
         if len(near) >= LOCAL:
             return max(statistics.median(near), 1e-9)
         a, b = self.coefficients()
@@ -135,6 +155,7 @@ class DraftGate:
         self._gain_rows = 0.0  # the rows behind it, decayed alike
         self._prev: Optional[tuple] = None  # the last step recorded: (drafted, rows, seconds)
         self._pairs: deque = deque(maxlen=PAIRS)  # (rows, T_plain / T_draft) of adjacent steps of the two kinds
+        self._near_pairs = _Near(lambda: self._pairs)
         self.decisions = 0
         self._since = 0  # choices since the gate last took the other kind
         self.closed = 0  # steps the gate sent to plain decoding
@@ -148,6 +169,7 @@ class DraftGate:
         if prev is not None and prev[0] != drafted and abs(prev[1] - rows) <= NEAR * max(rows, prev[1]):
             plain, draft = (prev[2], seconds) if drafted else (seconds, prev[2])
             self._pairs.append(((rows + prev[1]) / 2, plain / max(draft, 1e-12)))
+            self._near_pairs.clear()
         self._prev = (drafted, rows, seconds)
 
     def paired(self, rows: int) -> Optional[float]:
@@ -156,7 +178,7 @@ class DraftGate:
         machine whose speed drifts moves both steps of a pair alike, while the per-kind medians compare a kind's
         rare steps with the other's from other moments (on the 2-core CPU one setting's blocks ranged 11-22
         steps/s, and the gate closed at 64 rows where drafting ran 1.4x plain)."""
-        near = _near(self._pairs, rows)
+        near = self._near_pairs(rows)
         return statistics.median(near) if len(near) >= LOCAL else None
 
     def record_accepted(self, rows: int, accepted: int) -> None:
