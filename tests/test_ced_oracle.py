@@ -483,15 +483,24 @@ def test_fake_quant_changes_the_function_by_a_measured_amount(tmp_path):
     weights, config = load_ced_checkpoint(d)
     oracle = CEDOracle(weights, config)
     g = torch.Generator().manual_seed(5)
-    prompt = torch.randint(0, cfg.vocab_size, (20,), generator=g).tolist()
     llm = LLM(str(d), block_size=4, num_kv_blocks=16, max_num_batched_tokens=512,
               hf_overrides={"replay_mode": "exact"})
-    outs, rec = run_engine(llm, [prompt], 1)
+    # A prompt where the engine and the oracle round every stored vector alike, so that the logits compare at
+    # every position: a rounding near-tie can go either way by the machine's float32 arithmetic (on an AMD EPYC
+    # host the first prompt met one at position 0, where earlier hosts met none), so up to 4 prompts, each
+    # difference a near-tie.
+    for attempt in range(4):
+        prompt = torch.randint(0, cfg.vocab_size, (20,), generator=g).tolist()
+        outs, rec = run_engine(llm, [prompt], 1)
+        quant = oracle(prompt, replay_start=0, fake_quant=True)
+        ev = _events(quant, "r0", rec)
+        if not ev:
+            break
+        _assert_near_tie(ev[0], quant, rec, f"prompt {attempt}")
+    assert not ev, "every prompt met a rounding near-tie"
     with torch.no_grad():
         eng = llm.engine.model.compute_logits(torch.stack([rec.hidden[("r0", p)] for p in range(20)]))
-    quant = oracle(prompt, replay_start=0, fake_quant=True)
     plain = oracle(prompt, replay_start=0, fake_quant=False)
-    assert not _events(quant, "r0", rec)
     in_eps = lambda a, b: float(((a.double() - b).abs().amax(-1) / logits_bound(b, 1.0, torch.float32)).max())
     e_q, e_plain, q_plain = in_eps(eng, quant.logits), in_eps(eng, plain.logits), in_eps(quant.logits, plain.logits)
     STATS["quant_vs_plain_eps"] = round(q_plain)
