@@ -1337,7 +1337,8 @@ def parse_args(argv=None):
     ap.add_argument("--moe-batches", default=d["moe_batches"], **ints)
     ap.add_argument("--moe-prefill-tokens", default=d["moe_prefill_tokens"], type=int, nargs="*")
     ap.add_argument("--ced-prefill-tokens", default=d["ced_prefill_tokens"], **ints)
-    ap.add_argument("--ced-batches", default=d["ced_batches"], **ints)
+    ap.add_argument("--ced-batches", default=d["ced_batches"], type=int, nargs="*",
+                    help="CED decode batch sizes (none: the ced phase measures prefill only)")
     ap.add_argument("--ced-repeats", type=int, default=2)
     ap.add_argument("--max-measure-s", type=float, default=d["max_measure_s"],
                     help="a decode measurement stops (truncated) after this many seconds")

@@ -2,6 +2,7 @@
 # Issue 12 (CED at full speed) on the GPU machine (the device tool), from the repo root there:
 #   bash scripts/device_issue12.sh tests K   # group K of the GPU test suite (scripts/gpu_tests.py --list shows
 #                                            # the groups; one device call each, junit xml and log in $OUT)
+#   bash scripts/device_issue12.sh ced-prefill COMMIT # the 16K bounded / exact prefill ratio alone (LENGTHS=...)
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -53,6 +54,12 @@ ced-bench)
   timeout 560 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced.jsonl" --commit "${1:-?}" \
     --phases roofline,ced --budget-s 520 2>&1 | tee "$OUT/gpu_bench_ced.log" | grep -v Warning | tail -40
   python3 benchmarks/plot_rows.py "$OUT/gpu_bench_ced.jsonl" --png "$OUT/gpu_bench_ced.png" > /dev/null 2>&1 || true ;;
+ced-prefill)
+  # The 16K bounded / exact prefill ratio alone (gpu_bench phases roofline,ced with no decode batch): the CED
+  # bench config built twice, each 16K prefill once untimed, then REPEATS alternating repeats; < 5 min.
+  timeout 300 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced_prefill.jsonl" --commit "${1:-?}" \
+    --phases roofline,ced --ced-prefill-tokens ${LENGTHS:-16384} --ced-batches --ced-repeats "${REPEATS:-3}" \
+    --budget-s 270 2>&1 | tee "$OUT/gpu_bench_ced_prefill.log" | grep -v Warning | tail -20 ;;
 final)
   # One call (carry .whl_tl/a): the first TileLang part, every GPU test file at once (xdist, a file per worker;
   # kv_sizing alone after, since it measures the device's free memory), the CED bench, the prefix-cache bench.
