@@ -3,6 +3,7 @@
 #   bash scripts/device_issue12.sh tests K   # group K of the GPU test suite (scripts/gpu_tests.py --list shows
 #                                            # the groups; one device call each, junit xml and log in $OUT)
 #   bash scripts/device_issue12.sh ced-prefill COMMIT # the 16K bounded / exact prefill ratio alone (LENGTHS=...)
+#   bash scripts/device_issue12.sh moe-pairs          # the two-launch decode MoE: GPU tests and its bench
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -54,6 +55,11 @@ ced-bench)
   timeout 560 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced.jsonl" --commit "${1:-?}" \
     --phases roofline,ced --budget-s 520 2>&1 | tee "$OUT/gpu_bench_ced.log" | grep -v Warning | tail -40
   python3 benchmarks/plot_rows.py "$OUT/gpu_bench_ced.jsonl" --png "$OUT/gpu_bench_ced.png" > /dev/null 2>&1 || true ;;
+moe-pairs)
+  # The decode MoE in two launches (triton_moe_pairs) against the fused MoE: its GPU tests, then the bench at the
+  # CED bench shape, bf16 and FP8, 1..64 tokens (~1 min); where it wins is where the backend should take it.
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_triton_moe_pairs.py 2>&1 | tail -4
+  timeout 200 python3 benchmarks/moe_pairs_bench.py --out "$OUT/moe_pairs.jsonl" 2>&1 | grep -v Warning | tail -16 ;;
 ced-prefill)
   # The 16K bounded / exact prefill ratio alone (gpu_bench phases roofline,ced with no decode batch): the CED
   # bench config built twice, each 16K prefill once untimed, then REPEATS alternating repeats; < 5 min.

@@ -1,0 +1,95 @@
+"""A decode step's routed experts on the GPU: triton_moe.fused_experts (sort by expert, two GEMMs, k-sum: five
+launches) against triton_moe_pairs.pair_experts (a GEMV per pair, two launches), per token count, at the CED
+bench config's MoE shape, bf16 and FP8 block-scaled weights.
+
+    python benchmarks/moe_pairs_bench.py --out $OUT/moe_pairs.jsonl      # H200, ~30 s
+
+Both are checked first against the reference (experts_dense on float32 copies: relative error of each, and of
+one against the other); then timed from one CUDA graph of several calls rotating over input sets
+(benchmarks/kernels_gpu.time_calls, as the decode graphs replay them). Where pair_experts is faster is where the
+nvidia backend should take it (triton_moe_pairs.MAX_PAIRS caps it; not dispatched until this has run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels_gpu import time_calls  # noqa: E402
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default="moe_pairs.jsonl")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    from deepinfer.backends.nvidia import triton_moe, triton_moe_pairs as tmp
+    from deepinfer.backends.reference import moe as ref_moe
+    from deepinfer.models.quant import FP8, dequantize_fp8_block
+
+    dev, g = torch.device("cuda"), torch.Generator().manual_seed(0)
+    E, d, F, k = a.experts, a.hidden, a.intermediate, a.top_k
+
+    def fp8(rows, cols):
+        q = (torch.randn(E, rows, cols, generator=g) * 64).clamp(-448, 448).to(FP8).to(dev)
+        s = (torch.rand(E, -(-rows // 128), -(-cols // 128), generator=g) + 0.5).mul(cols ** -0.5 / 64).to(dev)
+        return q, s, torch.stack([dequantize_fp8_block(q[e], s[e]) for e in range(E)]).float()
+
+    w13 = (torch.randn(E, 2 * F, d, generator=g) * d ** -0.5).to(dev)
+    w2 = (torch.randn(E, d, F, generator=g) * F ** -0.5).to(dev)
+    formats = {"bf16": (w13.bfloat16(), w2.bfloat16(), {}, w13, w2)}
+    q13, s13, dq13 = fp8(2 * F, d)
+    q2, s2, dq2 = fp8(d, F)
+    formats["fp8"] = (q13, q2, {"w13_scale": s13, "w2_scale": s2}, dq13, dq2)
+    rows = []
+    with open(a.out, "w") as f:
+        for name, (m13, m2, kw, ref13, ref2) in formats.items():
+            for T in a.tokens:
+                sets = []
+                for _ in range(8):
+                    x = torch.randn(T, d, generator=g).bfloat16().to(dev)
+                    wts, ids = ref_moe.route(torch.randn(T, E, generator=g), k)
+                    sets.append((x, wts.to(dev), ids.to(dev)))
+                x, wts, ids = sets[0]
+                ref = ref_moe.experts_dense(x.float(), ref13, ref2, wts, ids, clamp=10.0)
+                o_fused = triton_moe.fused_experts(x, m13, m2, wts, ids, clamp=10.0, **kw)
+                o_pairs = tmp.pair_experts(x, m13, m2, wts, ids, clamp=10.0, **kw)
+                fused = [lambda s=s: triton_moe.fused_experts(s[0], m13, m2, s[1], s[2], clamp=10.0, **kw)
+                         for s in sets]
+                pairs = [lambda s=s: tmp.pair_experts(s[0], m13, m2, s[1], s[2], clamp=10.0, **kw) for s in sets]
+                t_fused, mode = time_calls(fused, a.reps)
+                t_pairs, _ = time_calls(pairs, a.reps)
+                row = dict(bench="moe_pairs", weights=name, tokens=T, hidden=d, intermediate=F, experts=E, top_k=k,
+                           fused_us=round(t_fused * 1e3, 2), pairs_us=round(t_pairs * 1e3, 2),
+                           pairs_over_fused=round(t_pairs / t_fused, 3), fused_rel_err=rel(o_fused, ref),
+                           pairs_rel_err=rel(o_pairs, ref), pairs_vs_fused=rel(o_pairs, o_fused), timing=mode,
+                           device=torch.cuda.get_device_name())
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+    print(f"{'weights':>7} {'tokens':>6} {'fused us':>9} {'pairs us':>9} {'ratio':>6} {'err fused':>10} "
+          f"{'err pairs':>10}")
+    for r in rows:
+        print(f"{r['weights']:>7} {r['tokens']:>6} {r['fused_us']:>9} {r['pairs_us']:>9} {r['pairs_over_fused']:>6} "
+              f"{r['fused_rel_err']:>10.2e} {r['pairs_rel_err']:>10.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

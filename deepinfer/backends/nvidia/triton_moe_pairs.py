@@ -1,0 +1,171 @@
+"""SwiGLU experts for a few (token, expert) pairs in two Triton launches, no sort: a decode step's MoE.
+
+triton_moe.fused_experts sorts the pairs by expert (a count and a place kernel) so that an expert's weights
+are read once for all its tokens, then runs two GEMMs and sums each token's k rows: five launches a layer. At
+a few tokens every pair has its own expert anyway, and the launches cost more than the work (docs/benchmarks.md,
+"What 60% takes at batch 1"). Here, for x [T, d], w13 [E, 2F, d], w2 [E, d, F], weights and ids [T, k]:
+
+1. ``_pairs_up_kernel``, a program per (pair, F-tile): the pair's gate and up rows of w13[e] against x[t]
+   (a GEMV: float32 products summed per BLOCK_K step), the optional DeepSeek-V4 clamp, silu(gate) * up, stored
+   in x's dtype ([T k, F]).
+2. ``_pairs_down_kernel``, a program per (token, d-tile): for each of the token's k pairs, activation @ w2[e].T
+   times the pair's routing weight in float32, rounded to x's dtype, and the k of them summed in float32 in pair
+   order (deterministic, no atomics), stored in x's dtype.
+
+The roundings are fused_experts' (the activation and each pair's weighted output to x's dtype, the k-sum in
+float32); the sums run in another order, so results agree to the last bits, not bit for bit. FP8 block-scaled
+weights as fused_experts takes them (float8_e4m3fn with [E, cdiv(rows, 128), cdiv(cols, 128)] float32 scales;
+BLOCK_K divides 128, so a step's products take one scale per row). Ids outside [0, E) contribute zero (not
+checked: a host sync). Block sizes from shapes only: capture-safe, deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference.moe import FP8, _check_experts, check_scales
+from .triton_moe import SUPPORTED_DTYPES
+from .triton_norm import cast_rne
+from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+_INTERP = tl.constexpr(INTERPRET)
+MAX_PAIRS = 256  # past this, sorting by expert (fused_experts) reads each expert's weights once for its tokens
+
+
+@triton.jit
+def _weight_tile(ptrs, mask):
+    w = tl.load(ptrs, mask=mask, other=0.0)
+    return w.to(tl.float32)  # (an e4m3 or bf16 value is exact in float32)
+
+
+@triton.jit
+def _pairs_up_kernel(
+    x_ptr, w_ptr, ws_ptr, ids_ptr, act_ptr,
+    stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_at,
+    F, D, E, TOPK, clamp,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_CLAMP: tl.constexpr, FP8_W: tl.constexpr, D_I: tl.constexpr,
+):
+    """act[p, n-tile] = silu(gate(x[t])) * up(x[t]) of pair p's expert (zero for an id out of range)."""
+    p = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < F
+    t = (p // TOPK).to(tl.int64)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    valid = (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0)
+    kk = tl.arange(0, BLOCK_K)
+    w_e = w_ptr + e * stride_we
+    s_e = ws_ptr + e * stride_se
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, D_I if _INTERP else D, BLOCK_K):
+        k = k0 + kk
+        k_mask = k < D
+        xv = tl.load(x_ptr + t * stride_xt + k * stride_xk, mask=k_mask, other=0.0).to(tl.float32)
+        m = n_mask[:, None] & k_mask[None, :]
+        wg = _weight_tile(w_e + n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk, m)
+        wu = _weight_tile(w_e + (F + n)[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk, m)
+        g = tl.sum(wg * xv[None, :], axis=1)
+        u = tl.sum(wu * xv[None, :], axis=1)
+        if FP8_W:  # one scale per 128 x 128 block; this K step lies inside one block column
+            kb = k0 // 128
+            g = g * tl.load(s_e + (n // 128) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
+            u = u * tl.load(s_e + ((F + n) // 128) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
+        acc_g += g
+        acc_u += u
+    if HAS_CLAMP:  # DeepSeek-V4: gate <= clamp, -clamp <= up <= clamp
+        acc_g = tl.minimum(acc_g, clamp)
+        acc_u = tl.maximum(tl.minimum(acc_u, clamp), -clamp)
+    a = tl.where(valid, acc_g * tl.sigmoid(acc_g) * acc_u, 0.0)
+    tl.store(act_ptr + p.to(tl.int64) * stride_at + n, cast_rne(a, act_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _pairs_down_kernel(
+    act_ptr, w_ptr, ws_ptr, ids_ptr, rw_ptr, out_ptr,
+    stride_at, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ot,
+    F, D, E, TOPK,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_W: tl.constexpr, F_I: tl.constexpr, K_I: tl.constexpr,
+):
+    """out[t, n-tile] = sum over t's pairs of round(weight * act[p] @ w2[e].T), in pair order."""
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < D
+    kk = tl.arange(0, BLOCK_K)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(0, K_I if _INTERP else TOPK):
+        p = t * TOPK + j
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        valid = (e >= 0) & (e < E)
+        e = tl.where(valid, e, 0)
+        w_e = w_ptr + e * stride_we
+        s_e = ws_ptr + e * stride_se
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for f0 in range(0, F_I if _INTERP else F, BLOCK_K):
+            f = f0 + kk
+            f_mask = f < F
+            av = tl.load(act_ptr + p.to(tl.int64) * stride_at + f, mask=f_mask, other=0.0).to(tl.float32)
+            w = _weight_tile(w_e + n[:, None].to(tl.int64) * stride_wn + f[None, :] * stride_wk,
+                             n_mask[:, None] & f_mask[None, :])
+            y = tl.sum(w * av[None, :], axis=1)
+            if FP8_W:
+                y = y * tl.load(s_e + (n // 128) * stride_sn + (f0 // 128) * stride_sk, mask=n_mask, other=0.0)
+            acc += y
+        y = cast_rne(acc * tl.load(rw_ptr + p), out_ptr.dtype.element_ty).to(tl.float32)  # fused_experts' rounding
+        total += tl.where(valid, y, 0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + n, cast_rne(total, out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+             w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None) -> bool:
+    """Whether pair_experts runs these inputs: fused_experts' (triton_moe.supports) with at most MAX_PAIRS pairs."""
+    from .triton_moe import supports as fused_supports
+
+    return fused_supports(x, w13, w2, weights, ids, w13_scale, w2_scale) and ids.numel() <= MAX_PAIRS
+
+
+def _i(n: int) -> int:
+    """A loop bound the interpreter unrolls as a constant (compiled kernels take it at run time: one binary)."""
+    return n if INTERPRET else 0
+
+
+def pair_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 *, clamp: Optional[float] = None, w13_scale: Optional[torch.Tensor] = None,
+                 w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """triton_moe.fused_experts' contract (x [T, d], w13 [E, 2F, d], w2 [E, d, F] in x's dtype or FP8 with
+    scales, weights / ids [T, k]) for at most MAX_PAIRS pairs, in two launches. Returns [T, d] in x's dtype."""
+    _check_experts(x, w13, w2, weights, ids, clamp)
+    check_scales(w13, w2, w13_scale, w2_scale)
+    if not supports(x, w13, w2, weights, ids, w13_scale, w2_scale):
+        raise ValueError(f"pair_experts: unsupported inputs: x {x.dtype} {tuple(x.shape)}, w13 {w13.dtype}, "
+                         f"w2 {w2.dtype}, {ids.numel()} pairs (at most {MAX_PAIRS}; dtypes {SUPPORTED_DTYPES} "
+                         f"or FP8 weights with both scales)")
+    T, d = x.shape
+    F, k = w13.shape[1] // 2, ids.shape[1]
+    if T == 0 or F == 0 or d == 0:
+        return torch.zeros(T, d, dtype=x.dtype, device=x.device)
+    fp8 = w13.dtype == FP8
+    ids_flat = ids.reshape(-1).contiguous()
+    rw = weights.reshape(-1).to(torch.float32).contiguous()
+    s13 = w13_scale if fp8 else rw  # placeholders: never read without FP8
+    s2 = w2_scale if fp8 else rw
+    s13_strides = s13.stride() if fp8 else (0, 0, 0)
+    s2_strides = s2.stride() if fp8 else (0, 0, 0)
+    BK = 32 if INTERPRET else 128  # divides 128: a K step stays inside one FP8 scale block
+    BN1 = min(32 if INTERPRET else 64, next_pow2(F))
+    BN2 = min(32 if INTERPRET else 64, next_pow2(d))
+    act = torch.empty(T * k, F, dtype=x.dtype, device=x.device)
+    _pairs_up_kernel[(T * k, cdiv(F, BN1))](
+        x, w13, s13, ids_flat, act, x.stride(0), x.stride(1), *w13.stride(), *s13_strides, act.stride(0),
+        F, d, w13.shape[0], k, float(clamp) if clamp is not None else 0.0,
+        BLOCK_N=BN1, BLOCK_K=BK, HAS_CLAMP=clamp is not None, FP8_W=fp8, D_I=_i(d), num_warps=4)
+    out = torch.empty(T, d, dtype=x.dtype, device=x.device)
+    _pairs_down_kernel[(T, cdiv(d, BN2))](
+        act, w2, s2, ids_flat, rw, out, act.stride(0), *w2.stride(), *s2_strides, out.stride(0),
+        F, d, w13.shape[0], k, BLOCK_N=BN2, BLOCK_K=BK, FP8_W=fp8, F_I=_i(F), K_I=_i(k), num_warps=4)
+    return out

@@ -1,0 +1,121 @@
+"""The pair-wise Triton MoE for a few tokens (nvidia/triton_moe_pairs.py) against the reference experts, with the
+bounds of tests/test_triton_moe.py (float32 against experts_dense < 1e-5; bf16 / fp16 against experts_routed
+< 1e-2 and no worse than it against the float32 oracle; FP8 weights against the dequantized oracle), and beside
+fused_experts, which it stands in for at few tokens. Without CUDA through Triton's interpreter on tiny shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from deepinfer.testing.kernels import (DEV, capture_graph, examples, gen, gpu, no_host_sync, poison_free_memory, rel_err,
+                                       skip_module_without_kernels)
+
+skip_module_without_kernels()
+
+from deepinfer.backends.nvidia import triton_moe, triton_moe_pairs as tmp  # noqa: E402
+from deepinfer.backends.reference import moe as ref_moe  # noqa: E402
+from test_triton_moe import fp8_weights, make_case  # noqa: E402
+
+FAST = examples(12)
+dims = dict(d=st.sampled_from([24, 48, 72]), F=st.sampled_from([20, 48, 52]))  # masked and whole tiles
+
+
+@FAST
+@given(T=st.integers(0, 8), E=st.integers(1, 10), k=st.integers(1, 4), **dims, clamp=st.sampled_from([None, 0.7]),
+       seed=st.integers(0, 2**16))
+def test_float32_matches_dense_oracle(T, E, k, d, F, clamp, seed):
+    k = min(k, E)
+    x, w13, w2, weights, ids = make_case(gen(seed), T, E, k, d, F)
+    poison_free_memory((T * k + 64) * (d + F) * 4)
+    out = tmp.pair_experts(x, w13, w2, weights, ids, clamp=clamp)
+    assert out.shape == (T, d) and out.dtype == torch.float32
+    if T:
+        assert rel_err(out, ref_moe.experts_dense(x, w13, w2, weights, ids, clamp=clamp)) < 1e-5
+
+
+@FAST
+@given(T=st.integers(1, 8), E=st.integers(1, 10), k=st.integers(1, 4), **dims, clamp=st.sampled_from([None, 0.7]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16))
+def test_low_precision_matches_routed_and_the_fused_kernel(T, E, k, d, F, clamp, dtype, seed):
+    k = min(k, E)
+    x, w13, w2, weights, ids = make_case(gen(seed), T, E, k, d, F, dtype)
+    out = tmp.pair_experts(x, w13, w2, weights, ids, clamp=clamp)
+    assert out.dtype == dtype
+    routed = ref_moe.experts_routed(x, w13, w2, weights, ids, clamp=clamp)
+    assert rel_err(out, routed) < 1e-2
+    oracle = ref_moe.experts_dense(x.float(), w13.float(), w2.float(), weights, ids, clamp=clamp)
+    assert rel_err(out, oracle) < 2 * rel_err(routed, oracle) + 2e-3
+    # the same roundings as fused_experts (activation, each pair's weighted output): a few units of x's dtype
+    assert rel_err(out, triton_moe.fused_experts(x, w13, w2, weights, ids, clamp=clamp)) < 1e-2
+
+
+def test_out_of_range_ids_contribute_zero_and_int32_strided_inputs():
+    x, w13, w2, weights, ids = make_case(gen(2), 5, 4, 2, 24, 20)
+    bad = ids.clone()
+    bad[1, 0], bad[4, 1] = -1, 4
+    keep = weights.clone()
+    keep[1, 0] = keep[4, 1] = 0.0
+    out = tmp.pair_experts(x, w13, w2, weights, bad)
+    assert rel_err(out, ref_moe.experts_dense(x, w13, w2, keep, ids.clamp(0, 3))) < 1e-5
+    xs = torch.cat([x, x], dim=1)[:, ::2]  # column stride 2
+    w13t = w13.transpose(1, 2).contiguous().transpose(1, 2)  # a unit row stride
+    out = tmp.pair_experts(xs, w13t, w2, weights.t().contiguous().t(), ids.int())
+    assert rel_err(out, ref_moe.experts_dense(xs, w13t, w2, weights, ids)) < 1e-5
+
+
+@examples(3)
+@given(T=st.integers(1, 4), E=st.integers(1, 3), d=st.sampled_from([136, 160]), F=st.sampled_from([72, 136]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
+def test_fp8_block_scaled_matches_dequantized_oracle(T, E, d, F, dtype, seed):
+    g = gen(seed)
+    k = min(2, E)
+    _, _, _, weights, ids = make_case(g, T, E, k, 8, 8)
+    x = torch.randn(T, d, generator=g).to(DEV, dtype)
+    q13, s13, w13 = fp8_weights(g, E, 2 * F, d)
+    q2, s2, w2 = fp8_weights(g, E, d, F)
+    out = tmp.pair_experts(x, q13, q2, weights, ids, clamp=5.0, w13_scale=s13, w2_scale=s2)
+    ref = ref_moe.experts_dense(x.float(), w13, w2, weights, ids, clamp=5.0)
+    assert out.dtype == dtype
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_too_many_pairs_or_mixed_weights_are_refused():
+    x, w13, w2, weights, ids = make_case(gen(4), 2, 3, 2, 24, 20)
+    with pytest.raises(ValueError, match="unsupported"):
+        tmp.pair_experts(x.bfloat16(), w13, w2, weights, ids)  # float32 weights, bf16 activations
+    big = ids.repeat(tmp.MAX_PAIRS, 1)
+    assert not tmp.supports(x.repeat(tmp.MAX_PAIRS, 1), w13, w2, weights.repeat(tmp.MAX_PAIRS, 1), big)
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 16])
+def test_gpu_ced_bench_shape_in_a_graph_with_new_routing(T):
+    """The CED bench config's MoE (E 32, k 4, d 2048, F 512), bf16: no host sync, captured once and replayed
+    with new tokens and routings, each replay against experts_routed and the fused kernel."""
+    E, k, d, F = 32, 4, 2048, 512
+    g = gen(20)
+    w13 = (torch.randn(E, 2 * F, d, generator=g) * d ** -0.5).to(DEV, torch.bfloat16)
+    w2 = (torch.randn(E, d, F, generator=g) * F ** -0.5).to(DEV, torch.bfloat16)
+
+    def tokens():
+        weights, ids = ref_moe.route(torch.randn(T, E, generator=g), k)
+        return torch.randn(T, d, generator=g).to(DEV, torch.bfloat16), weights.to(DEV), ids.to(DEV)
+
+    x, weights, ids = tokens()
+    static = dict(x=x, weights=weights, ids=ids)
+
+    def run():
+        return tmp.pair_experts(static["x"], w13, w2, static["weights"], static["ids"], clamp=10.0)
+
+    graph, out = capture_graph(run, warmup=lambda: (run(), no_host_sync(run)))
+    for _ in range(3):
+        nx, nw, ni = tokens()
+        static["x"].copy_(nx)
+        static["weights"].copy_(nw)
+        static["ids"].copy_(ni)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref_moe.experts_routed(nx, w13, w2, nw, ni, clamp=10.0)) < 1e-2
+        assert rel_err(out, triton_moe.fused_experts(nx, w13, w2, nw, ni, clamp=10.0)) < 1e-2
