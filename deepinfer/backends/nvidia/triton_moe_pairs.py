@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..reference.moe import FP8, _check_experts, check_scales
+from .triton_attention import sm_count
 from .triton_moe import SUPPORTED_DTYPES
 from .triton_norm import cast_rne
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
@@ -129,6 +130,16 @@ def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
     return fused_supports(x, w13, w2, weights, ids, w13_scale, w2_scale) and ids.numel() <= MAX_PAIRS
 
 
+def _block_n(cols: int, rows: int, device: torch.device) -> int:
+    """Output columns per program: 64, halved (to 16) while rows x column tiles would give fewer than two
+    programs per SM (at one token the 4 pairs x 512 columns made 32 programs for 132 SMs, each reading whole
+    weight rows: bandwidth left idle)."""
+    bn = 32 if INTERPRET else 64
+    while bn > 16 and rows * cdiv(cols, bn) < 2 * sm_count(device):
+        bn //= 2
+    return min(bn, next_pow2(cols))
+
+
 def _i(n: int) -> int:
     """A loop bound the interpreter unrolls as a constant (compiled kernels take it at run time: one binary)."""
     return n if INTERPRET else 0
@@ -157,8 +168,8 @@ def pair_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
     s13_strides = s13.stride() if fp8 else (0, 0, 0)
     s2_strides = s2.stride() if fp8 else (0, 0, 0)
     BK = 32 if INTERPRET else 128  # divides 128: a K step stays inside one FP8 scale block
-    BN1 = min(32 if INTERPRET else 64, next_pow2(F))
-    BN2 = min(32 if INTERPRET else 64, next_pow2(d))
+    BN1 = _block_n(F, T * k, x.device)
+    BN2 = _block_n(d, T, x.device)
     act = torch.empty(T * k, F, dtype=x.dtype, device=x.device)
     _pairs_up_kernel[(T * k, cdiv(F, BN1))](
         x, w13, s13, ids_flat, act, x.stride(0), x.stride(1), *w13.stride(), *s13_strides, act.stride(0),
