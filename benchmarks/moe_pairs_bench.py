@@ -42,21 +42,15 @@ def main(argv=None) -> int:
         return 2
     from deepinfer.backends.nvidia import triton_moe, triton_moe_pairs as tmp
     from deepinfer.backends.reference import moe as ref_moe
-    from deepinfer.models.quant import FP8, dequantize_fp8_block
+    from deepinfer.testing.kernels import fp8_weights
 
     dev, g = torch.device("cuda"), torch.Generator().manual_seed(0)
     E, d, F, k = a.experts, a.hidden, a.intermediate, a.top_k
-
-    def fp8(rows, cols):
-        q = (torch.randn(E, rows, cols, generator=g) * 64).clamp(-448, 448).to(FP8).to(dev)
-        s = (torch.rand(E, -(-rows // 128), -(-cols // 128), generator=g) + 0.5).mul(cols ** -0.5 / 64).to(dev)
-        return q, s, torch.stack([dequantize_fp8_block(q[e], s[e]) for e in range(E)]).float()
-
     w13 = (torch.randn(E, 2 * F, d, generator=g) * d ** -0.5).to(dev)
     w2 = (torch.randn(E, d, F, generator=g) * F ** -0.5).to(dev)
     formats = {"bf16": (w13.bfloat16(), w2.bfloat16(), {}, w13, w2)}
-    q13, s13, dq13 = fp8(2 * F, d)
-    q2, s2, dq2 = fp8(d, F)
+    q13, s13, dq13 = fp8_weights(g, E, 2 * F, d, dev)
+    q2, s2, dq2 = fp8_weights(g, E, d, F, dev)
     formats["fp8"] = (q13, q2, {"w13_scale": s13, "w2_scale": s2}, dq13, dq2)
     rows = []
     with open(a.out, "w") as f:

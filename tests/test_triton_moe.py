@@ -16,18 +16,20 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from deepinfer.testing.kernels import (DEV, capture_graph, examples, gen, gpu, no_host_sync, poison_free_memory,
-                                       rel_err, run_compile_script, skip_module_without_kernels)
+from deepinfer.testing.kernels import (DEV, capture_graph, examples, fp8_weights, gen, gpu, no_host_sync,
+                                       poison_free_memory, rel_err, run_compile_script, skip_module_without_kernels)
 
 skip_module_without_kernels()
 
-from deepinfer.backends.nvidia import triton_moe  # noqa: E402
+from deepinfer.backends.nvidia import triton_moe, triton_moe_pairs  # noqa: E402
 from deepinfer.backends.nvidia.ops import NvidiaOps  # noqa: E402
 from deepinfer.backends.reference import moe as ref_moe  # noqa: E402
 from deepinfer.backends.reference.ops import ReferenceOps  # noqa: E402
 from deepinfer.models.quant import FP8, dequantize_fp8_block  # noqa: E402
 
 FAST = examples(12)
+# the properties every implementation of fused_experts' contract keeps (triton_moe_pairs: a few tokens, no sort)
+EXPERTS = {"fused": triton_moe.fused_experts, "pairs": triton_moe_pairs.pair_experts}
 
 
 def make_case(g, T, E, k, d, F, dtype=torch.float32, one_expert=None):
@@ -39,16 +41,6 @@ def make_case(g, T, E, k, d, F, dtype=torch.float32, one_expert=None):
     if one_expert is not None:
         ids = torch.full_like(ids, one_expert)
     return [t.to(DEV) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)]
-
-
-def fp8_weights(g, E, rows, cols, device=DEV):
-    """Random block-scaled FP8 weights [E, rows, cols] and their [E, cdiv(rows,128), cdiv(cols,128)] scales,
-    with the weights that models.quant dequantizes from them (float32)."""
-    q = (torch.randn(E, rows, cols, generator=g) * 64).clamp(-448, 448).to(FP8).to(device)
-    nb = (-(-rows // 128), -(-cols // 128))
-    s = (torch.rand(E, *nb, generator=g) + 0.5).mul(cols ** -0.5 / 64).to(device)
-    deq = torch.stack([dequantize_fp8_block(q[e], s[e]) for e in range(E)])
-    return q, s, deq
 
 
 # ------------------------------------------------------------------------------------------- alignment
@@ -124,12 +116,13 @@ def test_idle_experts_and_all_tokens_to_one_expert():
         assert rel_err(out, ref_moe.experts_dense(x, w13, w2, weights, ids)) < 1e-5
 
 
-def test_out_of_range_ids_contribute_zero():
+@pytest.mark.parametrize("impl", sorted(EXPERTS))
+def test_out_of_range_ids_contribute_zero(impl):
     """The router's bug, not checked (a host sync): such a pair adds nothing; the others are unaffected."""
     x, w13, w2, weights, ids = make_case(gen(2), 7, 4, 2, 24, 20)
     bad = ids.clone()
     bad[1, 0], bad[4, 1] = -1, 4
-    out = triton_moe.fused_experts(x, w13, w2, weights, bad)
+    out = EXPERTS[impl](x, w13, w2, weights, bad)
     keep = weights.clone()
     keep[1, 0] = keep[4, 1] = 0.0
     assert rel_err(out, ref_moe.experts_dense(x, w13, w2, keep, ids.clamp(0, 3))) < 1e-5
@@ -137,25 +130,27 @@ def test_out_of_range_ids_contribute_zero():
         NvidiaOps(DEV).moe_experts(x, w13, w2, weights, bad, impl="dense")
 
 
-def test_strided_inputs_and_int32_ids():
+@pytest.mark.parametrize("impl", sorted(EXPERTS))
+def test_strided_inputs_and_int32_ids(impl):
     x, w13, w2, weights, ids = make_case(gen(3), 11, 5, 2, 40, 20)
     xs = torch.cat([x, x], dim=1)[:, ::2]  # column stride 2
     w13t = w13.transpose(1, 2).contiguous().transpose(1, 2)  # [E, 2F, d] with a unit row stride
-    out = triton_moe.fused_experts(xs, w13t, w2, weights.t().contiguous().t(), ids.int())
+    out = EXPERTS[impl](xs, w13t, w2, weights.t().contiguous().t(), ids.int())
     assert rel_err(out, ref_moe.experts_dense(xs, w13t, w2, weights, ids)) < 1e-5
 
 
+@pytest.mark.parametrize("impl", sorted(EXPERTS))
 @examples(3)
 @given(T=st.integers(1, 12), E=st.integers(1, 3), d=st.sampled_from([136, 160]), F=st.sampled_from([72, 136]),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
-def test_fp8_block_scaled_matches_dequantized_oracle(T, E, d, F, dtype, seed):
+def test_fp8_block_scaled_matches_dequantized_oracle(impl, T, E, d, F, dtype, seed):
     g = gen(seed)
     k = min(2, E)
     x, _, _, weights, ids = make_case(g, T, E, k, 8, 8)
     x = torch.randn(T, d, generator=g).to(DEV, dtype)
     q13, s13, w13 = fp8_weights(g, E, 2 * F, d)
     q2, s2, w2 = fp8_weights(g, E, d, F)
-    out = triton_moe.fused_experts(x, q13, q2, weights, ids, clamp=5.0, w13_scale=s13, w2_scale=s2)
+    out = EXPERTS[impl](x, q13, q2, weights, ids, clamp=5.0, w13_scale=s13, w2_scale=s2)
     ref = ref_moe.experts_dense(x.float(), w13, w2, weights, ids, clamp=5.0)
     assert out.dtype == dtype
     assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)

@@ -4,7 +4,7 @@
   there is no CUDA and the kernels were not built for Triton's interpreter (tests/conftest.py sets
   TRITON_INTERPRET=1 without CUDA, before anything imports triton); ``HAS_CUDA``, ``DEV``, the ``gpu`` skip
   marker and ``examples(n)``, the hypothesis settings of the property tests;
-- data helpers: ``gen`` (seeded CPU generators), ``rel_err`` (||out - ref|| / ||ref||, NaN-checked),
+- data helpers: ``gen`` (seeded CPU generators), ``fp8_weights`` (block-scaled FP8 expert weights), ``rel_err`` (||out - ref|| / ||ref||, NaN-checked),
   ``assert_same_bits`` (bit-exact up to NaN payloads) and ``poison_free_memory`` (so an output a kernel leaves
   unwritten shows up as NaN);
 - ``capture_graph``: the warm-up-then-capture dance of the CUDA-graph tests, and ``no_host_sync``;
@@ -54,6 +54,18 @@ def examples(n: int) -> settings:
 
 def gen(seed: int, device="cpu") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def fp8_weights(g: torch.Generator, E: int, rows: int, cols: int, device=DEV) -> tuple:
+    """Random block-scaled FP8 weights [E, rows, cols] and their [E, cdiv(rows,128), cdiv(cols,128)] scales,
+    with the weights that models.quant dequantizes from them (float32): the MoE kernels' tests and benches."""
+    from deepinfer.models.quant import FP8, dequantize_fp8_block
+
+    q = (torch.randn(E, rows, cols, generator=g) * 64).clamp(-448, 448).to(FP8).to(device)
+    nb = (-(-rows // 128), -(-cols // 128))
+    s = (torch.rand(E, *nb, generator=g) + 0.5).mul(cols ** -0.5 / 64).to(device)
+    deq = torch.stack([dequantize_fp8_block(q[e], s[e]) for e in range(E)])
+    return q, s, deq
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor, device=None) -> float:
