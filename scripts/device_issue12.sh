@@ -58,7 +58,8 @@ ced-bench)
 moe-pairs)
   # The decode MoE in two launches (triton_moe_pairs) against the fused MoE: its GPU tests, then the bench at the
   # CED bench shape, bf16 and FP8, 1..64 tokens (~1 min); where it wins is where the backend should take it.
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_triton_moe_pairs.py 2>&1 | tail -4
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_triton_moe_pairs.py tests/test_triton_moe.py \
+    -k pairs 2>&1 | tail -4  # (test_triton_moe.py's tests run on both implementations: its [pairs] ones)
   timeout 200 python3 benchmarks/moe_pairs_bench.py --out "$OUT/moe_pairs.jsonl" 2>&1 | grep -v Warning | tail -16 ;;
 ced-prefill)
   # The 16K bounded / exact prefill ratio alone (gpu_bench phases roofline,ced with no decode batch): the CED
