@@ -47,7 +47,9 @@ DEFAULT_SETTINGS = {"llama-3.1-8b": ["none", "ngram:2", "ngram:4"], "llama-tiny"
 
 
 def parse_setting(text: str):
-    """'none' -> None; 'METHOD:K[:dynamic]' -> speculative_config."""
+    """'none' -> None; 'METHOD:K[:dynamic]' -> speculative_config. A suffix '#LABEL' names a second engine of the
+    same setting (e.g. dspark:4#b beside dspark:4: what two identical engines differ by, the control for a ratio)."""
+    text = text.split("#", 1)[0]
     if text == "none":
         return None
     parts = text.split(":")
@@ -214,7 +216,9 @@ class Run:
             row["gate"] = {"block_plain_steps": self.block_plain, "gain": round(gate.gain, 4),
                            "time_ratio": round(gate.time_ratio(C), 4), "paired": gate.paired(C),
                            "ratio": round(gate.ratio(C), 4), "explore_after": round(gate.explore_after(C), 1),
-                           "t_plain_ms": round(1e3 * gate.plain(C), 4), "t_draft_ms": round(1e3 * gate.drafting(C), 4)}
+                           "t_plain_ms": round(1e3 * gate.plain(C), 4), "t_draft_ms": round(1e3 * gate.drafting(C), 4),
+                           "gain_se": round(gate.gain_se(), 4), "switch_ms": round(1e3 * gate.switch_cost(), 4),
+                           "closed_steps": gate.closed, "decisions": gate.decisions}
         return row
 
 
@@ -368,7 +372,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--targets", nargs="+", choices=sorted(DEFAULT_SETTINGS), default=None,
                     help="default: llama-3.1-8b demo (--smoke: llama-tiny demo)")
-    ap.add_argument("--settings", nargs="+", default=None, help="none | METHOD:K[:dynamic]; default per target")
+    ap.add_argument("--settings", nargs="+", default=None, help="none | METHOD:K[:dynamic][#LABEL]; default per target")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 128])
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--motif", type=int, default=24, help="prompts repeat a random motif of this many tokens")

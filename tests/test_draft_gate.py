@@ -88,6 +88,49 @@ def test_the_losing_kind_costs_explore_loss_of_the_tokens(t_draft, t_plain, gain
         assert 1 - emitted / (time * best) == pytest.approx(budget, rel=0.1)
 
 
+@pytest.mark.parametrize("t_draft,t_plain,gain", [(0.0057, 0.00355, 1.02), (0.010, 0.004, 3.0), (0.034, 0.010, 1.4),
+                                                  (0.010, 0.00478, 1.1), (0.002, 0.0016, 0.3)])
+@pytest.mark.parametrize("switch", [0.5, 1.0, 3.0])
+def test_an_exploration_is_priced_with_what_its_switches_cost(t_draft, t_plain, gain, switch):
+    """Calls that switch kinds cost more than their steps (record_switch; on the H200 the first plain step after
+    a drafting step launched on an idle device): with a round trip costing O beyond its steps, an exploration's
+    steps and O together lose the exploration budget of the tokens, whichever kind wins."""
+    gate = fed(DraftGate(), lambda r: t_draft, lambda r: t_plain, gain)
+    R, O = 64, switch * t_plain
+    for _ in range(5):
+        gate.record_switch(True, 0.8 * O)  # launched the run's first plain step: nothing collected, nothing run
+        gate.record_switch(False, t_plain + t_draft + 0.2 * O, plain_rows=R, draft_rows=R)  # and its way out
+    assert gate.switch_cost() == pytest.approx(O, rel=1e-9)
+    g = gate.gain
+    r = (1 + g) * t_plain / t_draft
+    n = gate.explore_after(R)
+    if dg.EXPLORE_MIN < n < dg.EXPLORE_MAX:
+        if r > 1:  # PLAIN_RUN plain steps and O, in n drafting steps' time
+            spent = dg.PLAIN_RUN * t_plain + O
+            lost = spent * (1 + g) / t_draft - dg.PLAIN_RUN
+            assert lost / (n * (1 + g)) == pytest.approx(dg.EXPLORE_LOSS, rel=1e-6)
+        else:  # a drafting step and O
+            lost = (t_draft + O) / t_plain - (1 + g)
+            assert lost / n == pytest.approx(dg.EXPLORE_LOSS_CLOSED, rel=1e-6)
+    free = fed(DraftGate(), lambda r: t_draft, lambda r: t_plain, gain)
+    assert n >= free.explore_after(R)  # a costly switch makes explorations rarer, never more frequent
+
+
+def test_switches_need_both_directions_and_a_stray_one_is_outvoted():
+    gate = fed(DraftGate(), lambda r: 0.006, lambda r: 0.004, 1.0)
+    for _ in range(4):
+        gate.record_switch(True, 0.002)
+    assert gate.switch_cost() == 0.0  # no way out of plain decoding seen yet
+    for _ in range(4):
+        gate.record_switch(False, 0.010 + 0.001, plain_rows=64, draft_rows=64)
+    assert gate.switch_cost() == pytest.approx(0.003, rel=1e-9)
+    gate.record_switch(True, 5.0)  # a page fault inside one switch
+    assert gate.switch_cost() == pytest.approx(0.003, rel=1e-9)
+    cold = DraftGate()
+    cold.record_switch(True, 0.002)  # before any step was measured: nothing to weigh it against
+    assert cold.switch_cost() == 0.0 and not cold._switches[True]
+
+
 def test_near_a_tie_the_other_kind_is_taken_often_far_from_one_seldom():
     tie = fed(DraftGate(), lambda r: 0.010, lambda r: 0.00478, 1.1)  # r = 1.004
     assert explorations(tie, 64, 64, True) == [i + j for i in range(dg.EXPLORE_MIN - 1, 64, dg.EXPLORE_MIN)
@@ -262,6 +305,39 @@ def test_plain_steps_of_a_dynamic_engine_overlap_and_change_nothing(pattern, mon
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+def test_the_calls_that_switch_kinds_are_priced_for_the_gate(overlap, monkeypatch):
+    """Under overlap scheduling the call that launches a run's first plain step (after a drafting step) and the one
+    that collects its last and drafts are the gate's switches, each timed whole: the engine's clock jumping in
+    the first plain launch of each run lands in the switches into plain decoding and in no step's time. Without
+    overlap no call switches (every step is collected by its own call) and nothing is recorded."""
+    llm = LLM(speculative_config={"method": "dspark", "num_speculative_tokens": 4, "dynamic": True},
+              overlap_scheduling=overlap, num_kv_blocks=64, block_size=16)
+    eng = llm.engine
+    eng.draft_gate = gate = Scripted((True, True, False, False, False))
+    ahead, launch = [0.0], eng._launch
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(
+        perf_counter=lambda ahead=ahead: time.perf_counter() + ahead[0]))
+
+    def slow(touched, prev=None, launch=launch, eng=eng, ahead=ahead):
+        if prev is None and not eng._drafts_asked and eng._gate_kind == "draft":
+            ahead[0] += SLOW_S  # the first plain launch after a drafting step
+        return launch(touched, prev)
+    eng._launch = slow
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([[5, 9, 13, 17, 21, 5, 9, 13], list(range(60, 80))], sp, use_tqdm=False)
+    assert all(o.error is None for o in outs)
+    into, out = gate._switches[True], gate._switches[False]
+    if not overlap:
+        assert not into and not out
+        return
+    assert len(into) >= 3 and all(SLOW_S <= t < 1.5 * SLOW_S for t in into)
+    assert len(out) >= 3 and all(abs(t) < 0.5 * SLOW_S for t in out)
+    assert gate.switch_cost() >= SLOW_S * 0.9
+    times = [t for line in (gate.plain, gate.drafting) for _, t in line.samples]
+    assert times and max(times) < 0.5 * SLOW_S  # no step's time holds a switch's
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("pattern", [(False,), (True,), (True, True, False, False, False)])
 def test_a_step_is_timed_for_the_gate_through_its_call_s_outputs(pattern, overlap, monkeypatch):
     """Building the call's outputs (detokenizing, the requests' outputs) is part of what a step costs, of
@@ -323,6 +399,53 @@ def test_the_gain_weighs_each_drafting_step_by_its_rows_and_age(steps):
         return
     want = sum(w * a for w, _, a in weights) / sum(w * r for w, r, _ in weights)
     assert gate.gain == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=50, derandomize=True, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 128), st.floats(0, 4), st.integers(0, 20)), min_size=1, max_size=40))
+def test_the_gain_s_standard_error_is_that_of_the_weighted_mean(steps):
+    """gain_se over the whole history, summed directly: each step's mean m = a / R spreads sigma^2 / R about g,
+    sigma^2 = sum w R (m - g)^2 / sum w, var g = sigma^2 sum w^2 R / (sum w R)^2."""
+    gate = DraftGate()
+    history, now = [], 0
+    for rows, per_row, idle in steps:
+        for _ in range(idle):
+            gate.open(rows)
+            now += 1
+        accepted = round(per_row * rows)
+        gate.record_accepted(rows, accepted)
+        history.append((now, rows, accepted))
+    w = [(2 ** (-(now - t) / dg.GAIN_HALF_LIFE), r, a) for t, r, a in history]
+    W = sum(x * r for x, r, _ in w)
+    g = sum(x * a for x, _, a in w) / W
+    if len(w) < 2:
+        assert gate.gain_se() == 0.0
+        return
+    sigma2 = sum(x * r * (a / r - g) ** 2 for x, r, a in w) / sum(x for x, _, _ in w)
+    want = (sigma2 * sum(x * x * r for x, r, _ in w)) ** 0.5 / W
+    assert gate.gain_se() == pytest.approx(want, rel=1e-6, abs=1e-6 * max(1.0, g))  # (sums that cancel)
+
+
+def test_the_gate_shuts_on_evidence_not_on_a_few_unlucky_rows():
+    """The same estimate of g below break-even shuts the gate when it stands on many rows (64 a step) and not on
+    a few (one a step, spread as drafts are): drafting is taken while g + Z se clears break-even."""
+    def gate_after(rows_per_step: int, per_row: list) -> DraftGate:
+        gate = fed(DraftGate(), lambda r: 0.010, lambda r: 0.004, 0.0, rows=(rows_per_step,))
+        gate._gain_rows = gate._gain_sq = gate._gain_steps = gate._gain_w2 = 0.0
+        gate.gain = None
+        for a in per_row:
+            gate.record_accepted(rows_per_step, a * rows_per_step)
+        return gate
+
+    pattern = [0, 3, 0, 1, 4, 0, 2, 0] * 3  # g = 1.25 per row; break-even 1.5 (T_draft / T_plain = 2.5)
+    one, many = gate_after(1, pattern), gate_after(64, [1.25] * len(pattern))
+    assert one.gain == pytest.approx(1.25) and many.gain == pytest.approx(1.25)
+    assert not one.worth(1) and not many.worth(64)  # the estimates alone say plain decoding
+    assert one.gain + dg.Z * one.gain_se() > 1.5 and many.gain_se() == 0.0
+    assert one.open(1) and not many.open(64)
+    no_doubt = DraftGate(z=0)
+    no_doubt.__dict__.update({k: v for k, v in one.__dict__.items() if k != "z"})
+    assert not no_doubt.open(1)  # z = 0: the estimate alone
 
 
 def test_a_closed_gate_at_one_request_learns_the_gain_from_its_exploring_steps():

@@ -9,10 +9,12 @@ against their rows (each a line T(R) = a + b R, StepLine, robust to a stray slow
 measured at about R rows where there are enough of them; their ratio from steps of the two kinds that ran one
 after the other where there are enough such pairs, which a drifting machine moves less), and the drafts accepted
 per row over the drafting steps' rows, each step's weight halving every GAIN_HALF_LIFE steps. It drafts iff
-R (1 + g) / T_draft(R) > R / T_plain(R). When the step then verifies in a padded CUDA graph (every row padded to
-k + 1 tokens, whatever its drafts), the gate's choice is the step's: every draft is verified, as cutting one saves no device time, and a
-second all-or-nothing choice from the fitted T(n, R) only second-guessed the measured one after the drafter had
-run (core/engine.py, _propose_drafts).
+R (1 + g + Z se) / T_draft(R) > R / T_plain(R), se the standard error of g (``gain_se``): it shuts only on
+evidence, which at 64 rows a step comes at once and at one request, a row a step, takes many steps. When the
+step then verifies in a padded CUDA graph (every row padded to k + 1 tokens, whatever its drafts), the gate's
+choice is the step's: every draft is verified, as cutting one saves no device time, and a second all-or-nothing
+choice from the fitted T(n, R) only second-guessed the measured one after the drafter had run (core/engine.py,
+_propose_drafts).
 
 Both kinds keep being measured: the first WARM steps draft, then a run of PLAIN_RUN plain steps starts once in
 EXPLORE_FIRST steps until WARM_PLAIN plain steps are timed; at a row count where fewer than LOCAL steps of a kind were
@@ -22,7 +24,9 @@ takes the other kind once in N steps (plain steps in runs of PLAIN_RUN), N set s
 lose by the measured rates are EXPLORE_LOSS (open) or EXPLORE_LOSS_CLOSED (closed) of what the N steps emit
 (``explore_after``): near a tie the losing step costs almost nothing and
 is taken often (every EXPLORE_MIN steps), so a gate shut by a run of bad drafts reopens within a few steps; far
-from one it is rare (at most EXPLORE_MAX apart). A fixed period (one in 16 / r steps closed, 64 r open) did
+from one it is rare (at most EXPLORE_MAX apart). What an exploration loses counts the engine calls that switch
+kinds beyond their steps' times (``record_switch``, ``switch_cost``): the first plain step after a synchronous
+drafting step starts on an idle device. A fixed period (one in 16 / r steps closed, 64 r open) did
 neither: on the H200 a gate that closed on the demo's first prompts (g ~ 1, a tie) stayed shut while drafting
 ran 1.28x plain (0.75x fixed lengths), and one rightly closed at 64 rows of a memory-bound model drafted one step
 in 20 at 3.4x a plain step's time (-4.6%). A seeded request drafts whatever the gate says (the engine's choices
@@ -51,7 +55,7 @@ EXPLORE_FIRST = 2 * PLAIN_RUN
 # draft every step), and a gate shut on a bad stretch must reopen soon: at one request each exploring step brings
 # one row (a simulated stretch of bad drafts then good ones at one request, 144 steps: 0.90x fixed lengths at
 # 0.5% closed, 0.96x at 2%)
-EXPLORE_LOSS, EXPLORE_LOSS_CLOSED = 0.005, 0.02
+EXPLORE_LOSS, EXPLORE_LOSS_CLOSED = 0.003, 0.02
 EXPLORE_MIN, EXPLORE_MAX = 4, 512  # steps between them at a tie / far from one
 # g: accepted drafts per row, a drafting step's rows weighing 2^(-age / GAIN_HALF_LIFE), age in steps. By steps,
 # not rows: a gate closed at one request learns g from its exploring steps' rows alone, and a window of the last
@@ -59,9 +63,17 @@ EXPLORE_MIN, EXPLORE_MAX = 4, 512  # steps between them at a tie / far from one
 # ones drafted well); an open gate at one request still averages ~46 rows (a few bad drafts do not shut it)
 GAIN_HALF_LIFE = 32
 _DECAY = 0.5 ** (1 / GAIN_HALF_LIFE)
+# The gate shuts only when drafting loses even with g raised by Z standard errors of its estimate (gain_se): at
+# one request each step brings one row (accepted drafts spread ~1.3 per row at the demo's acceptance), and a
+# gate that shut on the estimate alone after a few unlucky rows drafted again only when exploring, one row at a
+# time: in the simulated host-bound demo at one request (drafting 1.10x plain) it stayed shut 139 steps of 144
+# in the worst of 40 seeds, 0.81x fixed lengths. At 64 rows a step the bound is within a few % of g at once.
+Z = 2.0
 WINDOW = 32
 LOCAL, NEAR = 4, 0.25  # this many steps within this fraction of the rows asked for: their median, not the line
 PAIRS = 32  # recent pairs of adjacent steps of the two kinds, for their time ratio (DraftGate.paired)
+# recent switch calls per direction, whose median time beyond their steps' is what a switch costs (switch_cost)
+SWITCHES = 16
 
 
 def _near(items, rows: int) -> list:
@@ -147,12 +159,16 @@ class StepLine:
 
 
 class DraftGate:
-    def __init__(self, explore_loss: float = EXPLORE_LOSS, explore_loss_closed: float = EXPLORE_LOSS_CLOSED):
+    def __init__(self, explore_loss: float = EXPLORE_LOSS, explore_loss_closed: float = EXPLORE_LOSS_CLOSED,
+                 z: float = Z):
         # 0: never take the losing kind once both are measured
         self.explore_loss, self.explore_loss_closed = explore_loss, explore_loss_closed
+        self.z = z
         self.drafting, self.plain = StepLine(), StepLine()  # seconds against rows
         self.gain: Optional[float] = None  # accepted drafts per row of the drafting steps' rows, decayed by age
         self._gain_rows = 0.0  # the rows behind it, decayed alike
+        # for its standard error: sum w a^2 / R over the steps (a accepted of R rows), sum w, sum w^2 R
+        self._gain_sq = self._gain_steps = self._gain_w2 = 0.0
         self._prev: Optional[tuple] = None  # the last step recorded: (drafted, rows, seconds)
         self._pairs: deque = deque(maxlen=PAIRS)  # (rows, T_plain / T_draft) of adjacent steps of the two kinds
         self._near_pairs = _Near(lambda: self._pairs)
@@ -160,6 +176,7 @@ class DraftGate:
         self._since = 0  # choices since the gate last took the other kind
         self.closed = 0  # steps the gate sent to plain decoding
         self._plain_left = 0  # plain steps still owed to the run of PLAIN_RUN the last one started
+        self._switches = {True: deque(maxlen=SWITCHES), False: deque(maxlen=SWITCHES)}  # into / out of plain
 
     def record_step(self, drafted: bool, rows: int, seconds: float) -> None:
         """A decode-only step of ``rows`` rows took ``seconds``, with the drafter run (whatever lengths were then
@@ -171,6 +188,26 @@ class DraftGate:
             self._pairs.append(((rows + prev[1]) / 2, plain / max(draft, 1e-12)))
             self._near_pairs.clear()
         self._prev = (drafted, rows, seconds)
+
+    def record_switch(self, into_plain: bool, seconds: float, plain_rows: int = 0, draft_rows: int = 0) -> None:
+        """An engine call that switched kinds took ``seconds``: into plain decoding (it launched the first plain step
+        of a run and collected none) or out of it (it collected the run's last plain step, of ``plain_rows``
+        rows, and ran a drafting step of ``draft_rows``). Its time beyond those steps' measured times is what
+        the switch cost: on the H200 the first plain step after a synchronous drafting step is launched on an
+        idle device, and a dynamic engine's plain steps in explorations came to 4.25 ms each against 3.55 in a
+        stream (padded demo, one request), twice the loss the steps' own times priced."""
+        if not len(self.plain) or not len(self.drafting):
+            return
+        steps = (self.plain(plain_rows) if plain_rows else 0.0) + (self.drafting(draft_rows) if draft_rows else 0.0)
+        self._switches[into_plain].append(seconds - steps)
+
+    def switch_cost(self) -> float:
+        """Seconds a round trip between the kinds costs beyond its steps' times: the median of the recent calls
+        into plain decoding plus that of those out of it; 0 until both were seen."""
+        into, out = self._switches[True], self._switches[False]
+        if not into or not out:
+            return 0.0
+        return max(statistics.median(into) + statistics.median(out), 0.0)
 
     def paired(self, rows: int) -> Optional[float]:
         """T_plain / T_draft at about ``rows`` rows from steps of the two kinds that ran one after the other (each
@@ -187,6 +224,19 @@ class DraftGate:
             w = self._gain_rows
             self.gain = ((self.gain or 0.0) * w + accepted) / (w + rows)
             self._gain_rows = w + rows
+            self._gain_sq += accepted * accepted / rows
+            self._gain_steps += 1.0
+            self._gain_w2 += rows
+
+    def gain_se(self) -> float:
+        """The standard error of ``gain``: each step's mean over its R rows taken to spread sigma^2 / R about g,
+        sigma^2 estimated from the steps (sum w R (m - g)^2 / sum w), the weights' own spread counted
+        (var g = sigma^2 sum w^2 R / (sum w R)^2); 0 with fewer than two steps."""
+        W, g = self._gain_rows, self.gain or 0.0
+        if self._gain_steps < 1.5 or W <= 0:
+            return 0.0
+        sigma2 = max(self._gain_sq - g * g * W, 0.0) / self._gain_steps
+        return (sigma2 * self._gain_w2) ** 0.5 / W
 
     def time_ratio(self, rows: int) -> float:
         """T_plain / T_draft at ``rows`` rows: from adjacent steps where there are enough (``paired``), else the
@@ -201,20 +251,27 @@ class DraftGate:
 
     def explore_after(self, rows: int) -> float:
         """Steps between two explorations of the losing kind: N with loss / N = explore_loss (explore_loss_closed
-        when the gate is closed), loss being the share
-        of N steps' tokens an exploration loses, by r = ratio(rows) and rho = T_plain / T_draft: an open gate's
-        PLAIN_RUN plain steps take PLAIN_RUN rho / N of the time at 1 / r of drafting's rate,
-        PLAIN_RUN (1 - 1 / r) rho; a closed gate's drafting step takes 1 / (rho N) of it at r times plain's
-        rate, (1 - r) / rho."""
+        when the gate is closed), loss being the share of N steps' tokens an exploration loses, by
+        r = ratio(rows), rho = T_plain / T_draft and the round trip's own cost O (switch_cost, o_d = O / T_draft,
+        o_p = O / T_plain). An open gate's exploration takes PLAIN_RUN T_plain + O, in which drafting emits
+        PLAIN_RUN r + o_d (1 + g) tokens a row and plain decoding PLAIN_RUN: (PLAIN_RUN (r - 1) + o_d (1 + g))
+        / (1 + g) of a drafting step's tokens (with O = 0, PLAIN_RUN (1 - 1 / r) rho). A closed gate's takes
+        T_draft + O, in which plain decoding emits 1 / rho + o_p and drafting 1 + g = r / rho:
+        (1 - r) / rho + o_p of a plain step's."""
         rho = self.time_ratio(rows)
-        return self._period((1 + (self.gain or 0.0)) * rho, rho)
+        return self._period((1 + (self.gain or 0.0)) * rho, rho, rows)
 
-    def _period(self, r: float, rho: float) -> float:
+    def _period(self, r: float, rho: float, rows: int) -> float:
         budget = self.explore_loss if r > 1 else self.explore_loss_closed
         if budget <= 0:
             return float("inf")
         rho = max(rho, 1e-9)
-        loss = PLAIN_RUN * (1 - 1 / r) * rho if r > 1 else (1 - r) / rho
+        o = self.switch_cost()
+        if r > 1:
+            g1 = r / rho  # 1 + g
+            loss = (PLAIN_RUN * (r - 1) + (o / self.drafting(rows) if o else 0.0) * g1) / g1
+        else:
+            loss = (1 - r) / rho + (o / self.plain(rows) if o else 0.0)
         return min(max(loss / budget, EXPLORE_MIN), EXPLORE_MAX)
 
     def worth(self, rows: int) -> bool:
@@ -225,6 +282,9 @@ class DraftGate:
         """This step's choice for ``rows`` decoding rows: draft (True) or decode plainly."""
         self.decisions += 1
         self._gain_rows *= _DECAY  # one step older
+        self._gain_sq *= _DECAY
+        self._gain_steps *= _DECAY
+        self._gain_w2 *= _DECAY * _DECAY
         if self._plain_left:
             self._plain_left -= 1
             self._since += 1
@@ -240,10 +300,10 @@ class DraftGate:
             choice = True
         else:
             rho = self.time_ratio(rows)
-            r = (1 + (self.gain or 0.0)) * rho
-            choice = r > 1  # (worth)
+            r = (1 + (self.gain or 0.0) + self.z * self.gain_se()) * rho  # shut only on evidence (Z)
+            choice = r > 1
             self._since += 1
-            if self._since >= self._period(r, rho):  # the other kind now and then: both stay measured
+            if self._since >= self._period(r, rho, rows):  # the other kind now and then: both stay measured
                 self._since = 0
                 choice = not choice
                 self._plain_left = 0 if choice else PLAIN_RUN - 1

@@ -159,6 +159,7 @@ class Engine:
         # and the drafter's predicted survival scaled to what verification found (core/survival_calibration.py)
         self.survival_cal = SurvivalCalibration() if self.draft_gate is not None else None
         self._drafter_ran = True  # whether the last step's drafts were asked for (the gate was open)
+        self._gate_kind = None  # the last call's decode-only step for the gate: "draft", "plain" (in flight) or None
         self._drafts_asked = True  # ... or a seeded request's (``_drafting``)
         self._overlap_plain = False  # whether a plain step of a dynamic engine runs under overlap scheduling
         self._length_steps, self._calibrate = 0, False  # dynamic drafting steps; whether this one feeds calibration
@@ -278,6 +279,7 @@ class Engine:
         plain_rows = len(prev.state.batch.seqs) if prev is not None and prev.gate_plain else 0  # (gate timing)
         steady = plain_rows and prev.gate_steady
         gate_record = None  # (drafted, rows, start): this call's step for the gate, timed to the call's end
+        switch, kind = None, None  # a switch between kinds for the gate (record_switch's arguments); this call's kind
         if prev is not None and any(s.pending and s.params.needs_output_tokens for s in prev.sample_seqs):
             self._collect_step(prev, touched)  # bad words / logits processors read the output tokens on the host
             prev = None
@@ -295,6 +297,9 @@ class Engine:
                 self._inflight = launched
                 if self.draft_gate is not None and _decodes_only(launched.state.batch):
                     launched.gate_plain, launched.gate_steady = True, bool(plain_rows)
+                    kind = "plain"
+                    if not plain_rows and self._gate_kind == "draft":  # the first plain step after drafting
+                        switch = (True, 0, 0)
                     if steady:
                         # A plain step in a stream of plain steps: this call (its collection, its wait included,
                         # the next one's launch, the outputs) is what one costs there, max(host, device). Only
@@ -313,10 +318,18 @@ class Engine:
                         self.step_time.record(self._step_tokens(launched, replays), dt, len(b.seqs))
                     if self.draft_gate is not None:
                         gate_record = (self._drafter_ran, len(b.seqs), t0)  # (after a plain one's collection)
+                        if self._drafter_ran:
+                            kind = "draft"
+                            if plain_rows:  # it collected the last plain step of a run
+                                switch = (False, plain_rows, len(b.seqs))
         outputs = self._collect(touched)
         if gate_record is not None:  # the outputs are part of a step's cost, of either kind
             drafted, rows, start = gate_record
             self.draft_gate.record_step(drafted, rows, time.perf_counter() - start)
+        if switch is not None:  # the whole call: what the switch cost beyond its steps (DraftGate.switch_cost)
+            self.draft_gate.record_switch(switch[0], time.perf_counter() - t_call, *switch[1:])
+        if self.draft_gate is not None:
+            self._gate_kind = kind
         return outputs
 
     @torch.no_grad()
