@@ -115,6 +115,17 @@ ratio)
     --settings none dspark:4 dspark:4#b dspark:4:dynamic --rounds "${ROUNDS:-100}" --steps "${STEPS:-8}" \
     --warmup-steps 64 --concurrency 1 16 --budget-s 360 --commit "${2:-?}" --out "$OUT/spec_sweep_ratio.jsonl" \
     2>&1 | grep -v -i warn | tail -16 ;;
+order)
+  # Whether dynamic's drafting steps cost more than fixed's by itself or by where its engine sits: the ratio at one
+  # request with the dynamic engine built first, then both kinds' steps profiled (host functions, 96 steps)
+  [ -e /tmp/ced_padded/config.json ] || \
+    timeout 240 python3 scripts/pad_demo.py --out /tmp/ced_padded --shared-gb "${PAD_GB:-12}" --device cuda
+  timeout 200 python3 benchmarks/spec_sweep.py --targets path --model /tmp/ced_padded --text-prompts \
+    --settings dspark:4:dynamic dspark:4 dspark:4#b --rounds 60 --steps 8 --warmup-steps 64 --concurrency 1 \
+    --budget-s 150 --commit "${2:-?}" --out "$OUT/spec_sweep_order.jsonl" 2>&1 | grep -v -i warn | tail -8
+  timeout 200 python3 benchmarks/profile_spec_step.py --targets path --model /tmp/ced_padded --text-prompts \
+    --settings dspark:4 dspark:4:dynamic --concurrency 1 --steps 96 --top 400 --commit "${2:-?}" \
+    --out "$OUT/spec_profile_order.jsonl" 2>&1 | grep -v -i warn | tail -4 ;;
 bench)
   bench ;;
 *)
