@@ -305,6 +305,33 @@ def test_plain_steps_of_a_dynamic_engine_overlap_and_change_nothing(pattern, mon
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+def test_the_gate_s_bookkeeping_waits_for_a_collection_and_loses_nothing(overlap):
+    """A dynamic engine records its steps in the gate at the next collection (before it waits for the device), or
+    once the engine is idle; every accepted draft and every drafting step reaches the gate, in order."""
+    llm = LLM(speculative_config={"method": "dspark", "num_speculative_tokens": 4, "dynamic": True},
+              overlap_scheduling=overlap, num_kv_blocks=64, block_size=16)
+    eng = llm.engine
+    gate, where, collect = eng.draft_gate, [], eng._collect_step
+    inside = [False]
+
+    def collecting(launched, touched, collect=collect, inside=inside):
+        inside[0] = True
+        try:
+            return collect(launched, touched)
+        finally:
+            inside[0] = False
+    eng._collect_step = collecting
+    accepted, record = [], gate.record_accepted
+    gate.record_accepted = lambda rows, a: (accepted.append(a), where.append(inside[0]), record(rows, a))
+    sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([[5, 9, 13, 17, 21, 5, 9, 13], list(range(60, 80)), [7] * 12], sp, use_tqdm=False)
+    assert all(o.error is None for o in outs) and not eng._gate_todo
+    stats = llm.spec_stats()
+    assert len(accepted) > 0 and sum(accepted) == stats["num_accepted_tokens"]
+    assert where.count(True) >= len(where) - 1  # all but the idle engine's last one inside a collection
+
+
+@pytest.mark.parametrize("overlap", [False, True])
 def test_the_calls_that_switch_kinds_are_priced_for_the_gate(overlap, monkeypatch):
     """Under overlap scheduling the call that launches a run's first plain step (after a drafting step) and the one
     that collects its last and drafts are the gate's switches, each timed whole: the engine's clock jumping in
@@ -444,8 +471,30 @@ def test_the_gate_shuts_on_evidence_not_on_a_few_unlucky_rows():
     assert one.gain + dg.Z * one.gain_se() > 1.5 and many.gain_se() == 0.0
     assert one.open(1) and not many.open(64)
     no_doubt = DraftGate(z=0)
-    no_doubt.__dict__.update({k: v for k, v in one.__dict__.items() if k != "z"})
+    no_doubt.__dict__.update({k: v for k, v in one.__dict__.items() if k not in ("z", "_est")})
     assert not no_doubt.open(1)  # z = 0: the estimate alone
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([16, 16, 16, 64]), st.floats(1e-3, 1e-2), st.integers(0, 4), st.booleans(),
+                          st.sampled_from([None, 16, 64]), st.floats(0, 4e-3)), min_size=40, max_size=160))
+def test_a_prepared_estimate_chooses_as_a_fresh_one(steps):
+    """The engine has the gate prepare its estimate while the device runs a step; whatever was recorded since, and
+    at whatever rows it was prepared, the choices equal those of a gate that weighs everything afresh."""
+    kept, fresh = DraftGate(), DraftGate()
+    for rows, t, per_row, switch, prep_rows, extra in steps:
+        if prep_rows is not None:
+            kept.prepare(prep_rows)
+        fresh._est = None
+        got, want = kept.open(rows), fresh.open(rows)
+        assert got == want
+        for gate in (kept, fresh):
+            gate.record_step(got, rows, t if got else 0.6 * t)
+            if got and per_row != 2:
+                gate.record_accepted(rows, per_row * rows)
+            if switch:
+                gate.record_switch(not got, extra, plain_rows=rows if got else 0, draft_rows=rows if got else 0)
+    assert kept.closed == fresh.closed
 
 
 def test_a_closed_gate_at_one_request_learns_the_gain_from_its_exploring_steps():

@@ -177,11 +177,13 @@ class DraftGate:
         self.closed = 0  # steps the gate sent to plain decoding
         self._plain_left = 0  # plain steps still owed to the run of PLAIN_RUN the last one started
         self._switches = {True: deque(maxlen=SWITCHES), False: deque(maxlen=SWITCHES)}  # into / out of plain
+        self._est = None  # (rows, prepare(rows)) until the next record
 
     def record_step(self, drafted: bool, rows: int, seconds: float) -> None:
         """A decode-only step of ``rows`` rows took ``seconds``, with the drafter run (whatever lengths were then
         verified) or plainly."""
         (self.drafting if drafted else self.plain).record(rows, seconds)
+        self._est = None
         prev = self._prev
         if prev is not None and prev[0] != drafted and abs(prev[1] - rows) <= NEAR * max(rows, prev[1]):
             plain, draft = (prev[2], seconds) if drafted else (seconds, prev[2])
@@ -200,6 +202,7 @@ class DraftGate:
             return
         steps = (self.plain(plain_rows) if plain_rows else 0.0) + (self.drafting(draft_rows) if draft_rows else 0.0)
         self._switches[into_plain].append(seconds - steps)
+        self._est = None
 
     def switch_cost(self) -> float:
         """Seconds a round trip between the kinds costs beyond its steps' times: the median of the recent calls
@@ -221,6 +224,7 @@ class DraftGate:
     def record_accepted(self, rows: int, accepted: int) -> None:
         """A drafting step's rows and the drafts accepted over them."""
         if rows:
+            self._est = None
             w = self._gain_rows
             self.gain = ((self.gain or 0.0) * w + accepted) / (w + rows)
             self._gain_rows = w + rows
@@ -278,6 +282,22 @@ class DraftGate:
         """Whether drafting pays at ``rows`` rows by the measured steps (no exploration)."""
         return self.ratio(rows) > 1
 
+    def prepare(self, rows: int) -> tuple:
+        """What ``open`` weighs at ``rows`` rows: (plain steps known there, drafting steps known there, the drafting
+        / plain rate ratio with g raised by Z se, the steps between explorations), kept until the next record.
+        The engine asks for it while the device runs a step, so that the choice at the next step's start is a
+        lookup (core/engine.py, _gate_chores)."""
+        if self._est is not None and self._est[0] == rows:
+            return self._est[1]
+        plain_known, draft_known = self.plain.knows(rows), self.drafting.knows(rows)
+        r = period = None
+        if plain_known and draft_known:
+            rho = self.time_ratio(rows)
+            r = (1 + (self.gain or 0.0) + self.z * self.gain_se()) * rho  # shut only on evidence (Z)
+            period = self._period(r, rho, rows)
+        self._est = (rows, (plain_known, draft_known, r, period))
+        return self._est[1]
+
     def open(self, rows: int) -> bool:
         """This step's choice for ``rows`` decoding rows: draft (True) or decode plainly."""
         self.decisions += 1
@@ -294,16 +314,16 @@ class DraftGate:
         elif len(self.plain) < WARM_PLAIN:
             choice = self.decisions % EXPLORE_FIRST != 0
             self._plain_left = 0 if choice else PLAIN_RUN - 1
-        elif not self.plain.knows(rows):  # a row count not yet measured (both ways): measure it, not guess it
-            choice = False
-        elif not self.drafting.knows(rows):
-            choice = True
         else:
-            rho = self.time_ratio(rows)
-            r = (1 + (self.gain or 0.0) + self.z * self.gain_se()) * rho  # shut only on evidence (Z)
+            plain_known, draft_known, r, period = self.prepare(rows)
+            if not plain_known:  # a row count not yet measured (both ways): measure it, not guess it
+                self.closed += 1
+                return False
+            if not draft_known:
+                return True
             choice = r > 1
             self._since += 1
-            if self._since >= self._period(r, rho, rows):  # the other kind now and then: both stay measured
+            if self._since >= period:  # the other kind now and then: both stay measured
                 self._since = 0
                 choice = not choice
                 self._plain_left = 0 if choice else PLAIN_RUN - 1
