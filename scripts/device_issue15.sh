@@ -30,7 +30,8 @@
 #                                          # fixed / dynamic
 #   bash scripts/device_issue15.sh ratio COMMIT   # dynamic / fixed at 1 and 16 requests on the padded demo, the same
 #                                          # requests in ROUNDS x STEPS (100 x 8) alternating blocks: the 1% goal, with a
-#                                          # second fixed engine as the control (test_draft_gate.py first; TESTS=0 skips)
+#                                          # second fixed engine as the control (test_draft_gate.py first; TESTS=0 skips;
+#                                          # CONC="1 16 64 128" for more concurrencies)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -113,7 +114,7 @@ ratio)
     2>&1 | tail -3
   timeout 400 python3 benchmarks/spec_sweep.py --targets path --model /tmp/ced_padded --text-prompts \
     --settings none dspark:4 dspark:4#b dspark:4:dynamic --rounds "${ROUNDS:-100}" --steps "${STEPS:-8}" \
-    --warmup-steps 64 --concurrency 1 16 --budget-s 360 --commit "${2:-?}" --out "$OUT/spec_sweep_ratio.jsonl" \
+    --warmup-steps 64 --concurrency ${CONC:-1 16} --budget-s 360 --commit "${2:-?}" --out "$OUT/spec_sweep_ratio.jsonl" \
     2>&1 | grep -v -i warn | tail -16 ;;
 order)
   # Whether dynamic's drafting steps cost more than fixed's by itself or by where its engine sits: the ratio at one
