@@ -29,7 +29,7 @@
 #                                          # each round new requests on new text, the same for every setting), none /
 #                                          # fixed / dynamic
 #   bash scripts/device_issue15.sh ratio COMMIT   # dynamic / fixed at 1 and 16 requests on the padded demo, the same
-#                                          # requests in ROUNDS x STEPS (100 x 8) alternating blocks: the 1% goal, with a
+#                                          # requests in ROUNDS x STEPS (60 x 8: more outgrow the demo's 4096 positions) alternating blocks: the 1% goal, with a
 #                                          # second fixed engine as the control (test_draft_gate.py first; TESTS=0 skips;
 #                                          # CONC="1 16 64 128" for more concurrencies)
 set -uo pipefail
@@ -113,7 +113,7 @@ ratio)
   [ "${TESTS:-1}" = 0 ] || timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_draft_gate.py \
     2>&1 | tail -3
   timeout 400 python3 benchmarks/spec_sweep.py --targets path --model /tmp/ced_padded --text-prompts \
-    --settings none dspark:4 dspark:4#b dspark:4:dynamic --rounds "${ROUNDS:-100}" --steps "${STEPS:-8}" \
+    --settings none dspark:4 dspark:4#b dspark:4:dynamic --rounds "${ROUNDS:-60}" --steps "${STEPS:-8}" \
     --warmup-steps 64 --concurrency ${CONC:-1 16} --budget-s 360 --commit "${2:-?}" --out "$OUT/spec_sweep_ratio.jsonl" \
     2>&1 | grep -v -i warn | tail -16 ;;
 order)
