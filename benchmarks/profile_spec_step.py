@@ -28,7 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_bench  # noqa: E402
-import spec_sweep  # noqa: E402
+import spec_sweep  # noqa: E402  (its targets' builder)
+from deepinfer import bench_sweep  # noqa: E402
 
 
 class PhaseTimer:
@@ -101,7 +102,7 @@ def host_top(eng, steps: int, n: int) -> list:
 
 
 def profile_one(llm, vocab: int, C: int, args) -> dict:
-    run = spec_sweep.Run(llm, vocab, C, args, args.seed)
+    run = bench_sweep.Run(llm, vocab, C, args, args.seed)
     eng = run.eng
     try:
         gpu_bench.sync(eng.device)
@@ -135,16 +136,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if "path" in args.targets and not args.model:
         ap.error("target 'path' needs --model DIR")
-    # what spec_sweep.Run and build read
+    # what bench_sweep.Run and spec_sweep.build read
     args.input_len, args.motif, args.warmup_steps, args.rounds, args.sync_steps = 256, 24, 32, 4, 0
     args.seed = 0
-    args.text = spec_sweep.load_text(args.model) if args.text_prompts else None
+    args.text = bench_sweep.load_text(args.model) if args.text_prompts else None
     rows = []
     for target in args.targets:
         for setting in args.settings:
-            spec = spec_sweep.parse_setting(setting)
+            spec = bench_sweep.parse_setting(setting)
             with tempfile.TemporaryDirectory() as d:
-                llm, vocab = spec_sweep.build(target, spec, args, args.concurrency, Path(d))
+                llm, vocab = spec_sweep.build(target, spec, args, Path(d))
             vocab = vocab or llm.engine.model.vocab_size
             for C in args.concurrency:
                 row = {"bench": "benchmarks/profile_spec_step.py", "target": target, "setting": setting,

@@ -418,6 +418,12 @@ def cmd_bench(args) -> int:
     return EXIT_OK
 
 
+def cmd_bench_sweep(args) -> int:
+    from .bench_sweep import main
+
+    return EXIT_OK if main(args) else EXIT_USAGE
+
+
 # --- check ----------------------------------------------------------------------------------------------------
 
 def _ids(text: str, flag: str) -> list:
@@ -566,6 +572,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub, functools.partial(_model_args, parallel=False))
     add_bench_serve_parser(sub)
+    from . import bench_sweep, sweep_plot
+
+    p = sub.add_parser("bench-sweep", help="speculative decoding in steady decode over concurrency and draft "
+                                           "settings (also spelled `deepinfer bench sweep`); JSONL rows with --out",
+                       description=bench_sweep.__doc__.split("\n\n")[1])
+    bench_sweep.add_arguments(p)
+    p.set_defaults(func=cmd_bench_sweep)
+    p = sub.add_parser("bench-sweep-plot", help="tokens/s against concurrency from sweep rows: a table, an SVG with "
+                                                "--svg (also spelled `deepinfer bench sweep-plot`)",
+                       description=sweep_plot.__doc__.split("\n\n")[1])
+    sweep_plot.add_arguments(p)
+    p.set_defaults(func=lambda args: sweep_plot.main(args))
 
     p = sub.add_parser("check", help="numerical checks of fast paths against their oracles")
     check = p.add_subparsers(dest="check", metavar="CHECK", required=True)
@@ -598,8 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["bench", "serve"]:  # `deepinfer bench serve`: the HTTP client benchmark (bench-serve)
-        argv = ["bench-serve", *argv[2:]]
+    if argv[:2] in (["bench", "serve"], ["bench", "sweep"], ["bench", "sweep-plot"]):  # bench-serve, bench-sweep...
+        argv = [f"bench-{argv[1]}", *argv[2:]]
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2, message already printed)

@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 spec_sweep = pytest.importorskip("spec_sweep")
+from deepinfer import bench_sweep  # noqa: E402
 
 
 def test_smoke_sweep_rows_add_up(tmp_path):
@@ -35,7 +36,7 @@ def test_interleaved_rounds_add_up_per_setting(tmp_path):
         assert r["steps"] == 2 * 4 and len(r["block_step_rates"]) == 2 and r["rounds"] == 2
         assert r["output_tokens"] == r["steps"] * r["concurrency"] + r["accepted_tokens"], r
         assert len(r["block_output_tok_s"]) == 2 and all(x > 0 for x in r["block_output_tok_s"])
-    pairs = spec_sweep.paired(rows)
+    pairs = bench_sweep.paired(rows)
     assert {(C, a, b) for _, C, a, b, _, _ in pairs} == {(c, "ngram:2", "none") for c in (1, 3)}
 
 
@@ -62,11 +63,11 @@ def test_paired_ratio_is_the_median_of_the_rounds():
     rows = [{"target": "t", "concurrency": 4, "setting": "none", "block_output_tok_s": [100.0, 50.0, 200.0]},
             {"target": "t", "concurrency": 4, "setting": "fast", "block_output_tok_s": [110.0, 60.0, 190.0]},
             {"target": "t", "concurrency": 8, "setting": "none", "block_output_tok_s": [10.0]}]  # one round: none
-    (t, C, a, b, med, ratios), = spec_sweep.paired(rows)
+    (t, C, a, b, med, ratios), = bench_sweep.paired(rows)
     assert (t, C, a, b) == ("t", 4, "fast", "none") and ratios == [1.1, 1.2, 0.95] and med == 1.1
 
 
 def test_bad_setting_names_the_problem():
     with pytest.raises(ValueError, match="METHOD:K"):
-        spec_sweep.parse_setting("ngram")
-    assert spec_sweep.parse_setting("dspark:4:dynamic")["dynamic"] is True
+        bench_sweep.parse_setting("ngram")
+    assert bench_sweep.parse_setting("dspark:4:dynamic")["dynamic"] is True
