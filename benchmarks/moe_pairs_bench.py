@@ -7,7 +7,8 @@ bench config's MoE shape, bf16 and FP8 block-scaled weights.
 Both are checked first against the reference (experts_dense on float32 copies: relative error of each, and of
 one against the other); then timed from one CUDA graph of several calls rotating over input sets
 (benchmarks/kernels_gpu.time_calls, as the decode graphs replay them). Where pair_experts is faster is where the
-nvidia backend should take it (triton_moe_pairs.MAX_PAIRS caps it; not dispatched until this has run).
+nvidia backend should take it: the last line prints the MOE_PAIRS_MAX of backends/nvidia/ops.py these rows give
+(0 until this has run on the H200: never dispatched; triton_moe_pairs.MAX_PAIRS caps it).
 """
 
 from __future__ import annotations
@@ -82,7 +83,22 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['weights']:>7} {r['tokens']:>6} {r['fused_us']:>9} {r['pairs_us']:>9} {r['pairs_over_fused']:>6} "
               f"{r['fused_rel_err']:>10.2e} {r['pairs_rel_err']:>10.2e}")
+    print(f"MOE_PAIRS_MAX (backends/nvidia/ops.py) by these rows: {pairs_max(rows)}")
     return 0
+
+
+def pairs_max(rows: list) -> int:
+    """The most (token, expert) pairs up to which pair_experts beat fused_experts at every measured count, in every
+    weight format (0: it never did); past the first count where it lost, fused_experts."""
+    best = None
+    for name in sorted({r["weights"] for r in rows}):
+        won = 0
+        for r in sorted((r for r in rows if r["weights"] == name), key=lambda r: r["tokens"]):
+            if r["pairs_over_fused"] >= 1:
+                break
+            won = r["tokens"] * r["top_k"]
+        best = won if best is None else min(best, won)
+    return best or 0
 
 
 if __name__ == "__main__":

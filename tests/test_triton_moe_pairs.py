@@ -90,3 +90,22 @@ def test_gpu_ced_bench_shape_in_a_graph_with_new_routing(T):
         torch.cuda.synchronize()
         assert rel_err(out, ref_moe.experts_routed(nx, w13, w2, nw, ni, clamp=10.0)) < 1e-2
         assert rel_err(out, triton_moe.fused_experts(nx, w13, w2, nw, ni, clamp=10.0)) < 1e-2
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_the_backend_takes_the_pair_kernel_up_to_moe_pairs_max(invariant, monkeypatch):
+    """NvidiaOps.moe_experts runs pair_experts up to MOE_PAIRS_MAX (token, expert) pairs and fused_experts past it
+    (0, the default until the H200 bench has run: never), never in batch-invariant mode; either way the
+    reference's function (experts_dense, float32)."""
+    from deepinfer.backends.nvidia import ops as nv
+
+    monkeypatch.setattr(nv, "MOE_PAIRS_MAX", 8)
+    backend = nv.NvidiaOps(DEV)
+    backend.batch_invariant = invariant  # (as backends/batch_invariant.py sets it)
+    for T, want in ((1, "moe_pairs"), (2, "moe_pairs"), (3, "fused_moe")):  # k = 4: 4, 8, 12 pairs
+        x, w13, w2, weights, ids = make_case(gen(T), T, 6, 4, 24, 20)
+        before = dict(backend.kernel_calls)
+        out = backend.moe_experts(x, w13, w2, weights, ids, clamp=0.7)
+        ran = {n for n, c in backend.kernel_calls.items() if c != before.get(n, 0)}
+        assert ran == ({"fused_moe"} if invariant else {want}), (T, ran)
+        assert rel_err(out, ref_moe.experts_dense(x, w13, w2, weights, ids, clamp=0.7)) < 1e-5

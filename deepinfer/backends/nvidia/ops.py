@@ -41,6 +41,11 @@ INVARIANT_MOE_BLOCK_M = 16  # batch-invariant mode: the fused MoE's one M-block 
 # router kernel on the logits. benchmarks/ced_route_bench.py on the H200 (bench shape): cuBLAS + router faster at
 # every count, 7.9 vs 13.8 us at 1 token, 1.1-1.2x from 8 to 256; so 0 (the in-kernel GEMV stays, tested, unused)
 CED_ROUTE_GEMV_MAX_ROWS = 0
+# The routed experts of a few tokens: up to this many (token, expert) pairs triton_moe_pairs.pair_experts (a GEMV
+# per pair, two launches) instead of fused_experts (sort by expert, two GEMMs, k-sum: five). 0 until
+# benchmarks/moe_pairs_bench.py has timed both on the H200 (`bash scripts/device_issue12.sh moe-pairs`): the count
+# where pairs stop winning goes here. Never in batch-invariant mode (fused_experts' one M-block size there).
+MOE_PAIRS_MAX = 0
 INVARIANT_CED_SPLIT_TILES = 4  # batch-invariant mode: key tiles per split of the CED attention kernel
 
 
@@ -106,13 +111,21 @@ class NvidiaOps(ReferenceOps):
         return super().moe_route(router_logits, top_k, **kw)
 
     def moe_experts(self, x, w13, w2, weights, ids, *, clamp=None, impl="routed", w13_scale=None, w2_scale=None):
-        """impl "routed" runs the fused Triton MoE (no host sync, CUDA-graph safe), FP8 block-scaled weights
+        """impl "routed" runs the fused Triton MoE (no host sync, CUDA-graph safe; up to MOE_PAIRS_MAX (token,
+        expert) pairs the two-launch pair kernel, same contract), FP8 block-scaled weights
         included (w8a16: tiles widened to x's dtype in registers, block products scaled). It does not range-check
         ids (that would sync): an id outside [0, E) is the router's bug and its pair contributes zero; the
         reference path ("dense", or any input the kernel does not support) raises on it."""
         from . import triton_moe  # imported on first use, like the reference's moe module
 
         scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
+        if impl == "routed" and not self.batch_invariant and ids.numel() <= MOE_PAIRS_MAX \
+                and kernel_device_ok(x, w13, w2, weights, ids, w13_scale, w2_scale):
+            from . import triton_moe_pairs
+
+            if triton_moe_pairs.supports(x, w13, w2, weights, ids, **scales):
+                self.kernel_calls["moe_pairs"] += 1
+                return triton_moe_pairs.pair_experts(x, w13, w2, weights, ids, clamp=clamp, **scales)
         if impl == "routed" and kernel_device_ok(x, w13, w2, weights, ids, w13_scale, w2_scale) \
                 and triton_moe.supports(x, w13, w2, weights, ids, **scales):
             self.kernel_calls["fused_moe"] += 1
