@@ -34,7 +34,8 @@ def parse_setting(text: str):
         return None
     parts = text.split(":")
     if len(parts) not in (2, 3) or not parts[1].isdigit() or parts[2:] not in ([], ["dynamic"]):
-        raise ValueError(f"setting {text!r} is invalid: use none or METHOD:K[:dynamic] (e.g. ngram:4, dspark:4:dynamic)")
+        raise ValueError(f"setting {text!r} is invalid: use none or METHOD:K[:dynamic][#LABEL] (e.g. ngram:4, "
+                         "dspark:4:dynamic)")
     spec = {"method": parts[0], "num_speculative_tokens": int(parts[1]), "dynamic": parts[2:] == ["dynamic"]}
     if parts[0] == "ngram":
         spec.update(prompt_lookup_min=1, prompt_lookup_max=4)
@@ -138,7 +139,8 @@ class Run:
         for i, kind in enumerate(kinds[:-1]):
             self.calls[kind].append(walls[i])
             self.periods[kind].append(starts[i + 1] - starts[i])
-        self.seconds, self.steps, self.tokens = self.seconds + dt, self.steps + steps, self.tokens + self._emitted() - tokens0
+        self.seconds, self.steps = self.seconds + dt, self.steps + steps
+        self.tokens += self._emitted() - tokens0
         self.spec = {k: v + spec_counts(self.llm)[k] - spec0[k] for k, v in self.spec.items()}
         self.rates.append(round(steps / dt, 2))
         self.block_tok_s.append(round((self._emitted() - tokens0) / dt, 2))
@@ -208,7 +210,8 @@ def header(target: str, setting: str, spec, args, llm, build_s: float) -> dict:
             "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             "input_len": args.input_len, "motif": None if args.text is not None else args.motif,
             "prompts": "heldout_text" if args.text is not None else "motif", "model": args.model,
-            "commit": getattr(args, "commit", None), "rounds": args.rounds, "fresh_rounds": bool(getattr(args, "fresh_rounds", False)),
+            "commit": getattr(args, "commit", None), "rounds": args.rounds,
+            "fresh_rounds": bool(getattr(args, "fresh_rounds", False)),
             "build_s": round(build_s, 2), "cuda_graphs": llm.engine.decode_graphs is not None,
             "overlap": llm.engine.overlap}
 

@@ -73,6 +73,14 @@ def process_rows(raw: torch.Tensor, batch, rows: torch.Tensor, drafts: torch.Ten
     return process_logits(raw.reshape(R * K1, V), flat_sampling(batch, rows, drafts, lens)).view(R, K1, V)
 
 
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """What a row draws from where its draft was rejected: max(p - q, 0), unnormalised (the exponential race needs
+    no normalising); p itself where that is zero everywhere (p <= q: p == q, a draw from p is exact). q is zero at
+    the bonus position, so the residual there is p."""
+    res = (p - q).clamp_min(0)
+    return torch.where(res.sum(-1, keepdim=True) > 0, res, p)
+
+
 def accept_batch(logits: Optional[torch.Tensor], drafts: torch.Tensor, lens: torch.Tensor, q: Optional[torch.Tensor],
                  greedy: torch.Tensor, noise: Optional[tuple], all_greedy: bool = False,
                  best: Optional[torch.Tensor] = None) -> tuple:
@@ -108,9 +116,7 @@ def accept_batch(logits: Optional[torch.Tensor], drafts: torch.Tensor, lens: tor
             q_a = torch.zeros_like(p_a).scatter_(1, drafts.gather(1, at), rejected)
         else:
             q_a = q.float().gather(1, at[:, :, None].expand(R, 1, V))[:, 0] * rejected
-        res = (p_a - q_a).clamp_min(0)
-        res = torch.where(res.sum(-1, keepdim=True) > 0, res, p_a)  # p <= q everywhere: a draw from p is exact
-        fix = torch.where(greedy, fix, (res / e).argmax(-1))
+        fix = torch.where(greedy, fix, (residual(p_a, q_a) / e).argmax(-1))
     padded = torch.cat([drafts, drafts.new_zeros(R, 1)], 1)  # [R, K+1]
     tokens = torch.where(cols[None, :] < acc[:, None], padded, -1)
     return tokens.scatter_(1, acc[:, None], fix[:, None]), acc
