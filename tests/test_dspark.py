@@ -157,6 +157,20 @@ def test_chosen_lengths_are_optimal(survival, a, b):
     assert value(got) >= best * (1 - 1e-9)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 32])
+def test_low_confidences_draft_nothing_high_ones_everything(rows):
+    """Each extra token costs 2% of a step (T = 1 + 0.02 n): drafts predicted to stand 1% of the time are not
+    verified (k = 0), drafts predicted to stand 99% of the time all are (k = 5); under a flat T(n) every draft
+    with any chance is verified (it costs nothing)."""
+    T = lambda n: 1.0 + 0.02 * n  # noqa: E731
+    low = [[0.01 ** (i + 1) for i in range(5)]] * rows
+    high = [[0.99 ** (i + 1) for i in range(5)]] * rows
+    assert choose_lengths(low, T) == [0] * rows
+    assert choose_lengths(high, T) == [5] * rows
+    assert choose_lengths(low, lambda n: 1.0) == [5] * rows
+    assert choose_lengths(high, lambda n: 1.0) == [5] * rows
+
+
 def test_step_time_through_one_token_count_keeps_the_measured_time():
     """All samples at one n (a step that always verifies): T(n) there is what was measured, the prior's shape
     elsewhere (the slope cannot be fitted from one point)."""
