@@ -28,6 +28,7 @@
 #                                          # and dynamic steps profiled (PROFILE=0 skips), then the sweep on it (ROUNDS x STEPS,
 #                                          # each round new requests on new text, the same for every setting), none /
 #                                          # fixed / dynamic
+#   (pass COMMIT by hand: the device copy's git history can be older than its tree)
 #   bash scripts/device_issue15.sh ratio COMMIT   # dynamic / fixed at 1 and 16 requests on the padded demo, the same
 #                                          # requests in ROUNDS x STEPS (60 x 8: more outgrow the demo's 4096 positions) alternating blocks: the 1% goal, with a
 #                                          # second fixed engine as the control (test_draft_gate.py first; TESTS=0 skips;
@@ -108,9 +109,10 @@ ratio)
   nvidia-smi -L
   [ -e /tmp/ced_padded/config.json ] || \
     timeout 240 python3 scripts/pad_demo.py --out /tmp/ced_padded --shared-gb "${PAD_GB:-12}" --device cuda
-  # the gate's tests first (they time real engine calls), then the sweep; dspark:4#b is a second fixed engine:
+  # the gate's tests first (they time real engine calls; each builds a CUDA engine: 150 s ran 34 of 52 serially),
+  # then the sweep; dspark:4#b is a second fixed engine:
   # what two identical engines differ by, the control for dynamic / fixed
-  [ "${TESTS:-1}" = 0 ] || timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_draft_gate.py \
+  [ "${TESTS:-1}" = 0 ] || timeout 240 python3 -m pytest -q -n 4 -p no:cacheprovider -rfE tests/test_draft_gate.py \
     2>&1 | tail -3
   timeout 400 python3 benchmarks/spec_sweep.py --targets path --model /tmp/ced_padded --text-prompts \
     --settings none dspark:4 dspark:4#b dspark:4:dynamic --rounds "${ROUNDS:-60}" --steps "${STEPS:-8}" \
