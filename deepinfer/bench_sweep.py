@@ -426,7 +426,13 @@ def main(args) -> list:
     kw = {} if model is None else {"dtype": "bfloat16" if args.device == "cuda" else "float32"}
 
     def build(spec):
-        return LLM(model, device=args.device, **kw, **engine_args(args, spec)), None
+        try:
+            return LLM(model, device=args.device, **kw, **engine_args(args, spec)), None
+        except ValueError as exc:
+            if "max_model_len" not in str(exc):
+                raise
+            raise ValueError(f"{exc}. The sweep asks max_model_len={max_model_len(args)} so that --input-len, "
+                             "--warmup-steps and --rounds x --steps (up to 6 tokens a step) fit: lower them") from None
 
     rows: list = []
     sweep(args, "demo" if model is None else "path", args.settings, build, rows, time.perf_counter())

@@ -100,7 +100,8 @@ def test_bad_input_is_an_error_that_names_it(tmp_path, capsys):
     bad.write_text("not json\n")
     assert cli.main(["bench", "sweep-plot", str(bad)]) == 2
     assert "bad.jsonl:1: not JSON" in capsys.readouterr().err
-    for argv, msg in [(["--steps", "0"], "--steps=0 is invalid"), (["--settings", "ngram"], "METHOD:K"),
+    for argv, msg in [(["--rounds", "200", "--steps", "8"], "--rounds x --steps"),
+                      (["--steps", "0"], "--steps=0 is invalid"), (["--settings", "ngram"], "METHOD:K"),
                       (["--settings", "none", "none"], "#LABEL"), (["--fresh-rounds"], "--rounds 2"),
                       (["--concurrency", "0"], "--concurrency 0")]:
         assert cli.main(["bench", "sweep", "--device", "cpu", *argv]) == 2, argv
