@@ -4,6 +4,7 @@
 #                                            # the groups; one device call each, junit xml and log in $OUT)
 #   bash scripts/device_issue12.sh ced-prefill COMMIT # the 16K bounded / exact prefill ratio alone (LENGTHS=...)
 #   bash scripts/device_issue12.sh moe-pairs          # the two-launch decode MoE: GPU tests and its bench
+#   bash scripts/device_issue12.sh next COMMIT        # the pair-MoE bench and the 16K prefill ratio in one call
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -67,6 +68,13 @@ ced-prefill)
   timeout 300 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced_prefill.jsonl" --commit "${1:-?}" \
     --phases roofline,ced --ced-prefill-tokens ${LENGTHS:-16384} --ced-batches --ced-repeats "${REPEATS:-3}" \
     --budget-s 270 2>&1 | tee "$OUT/gpu_bench_ced_prefill.log" | grep -v Warning | tail -20 ;;
+next)
+  # The twelfth session's open measurements in one call (~7 min): the pair MoE against the fused one (its last line
+  # gives MOE_PAIRS_MAX for backends/nvidia/ops.py), then the 16K bounded / exact prefill ratio.
+  timeout 120 python3 benchmarks/moe_pairs_bench.py --out "$OUT/moe_pairs.jsonl" 2>&1 | grep -v Warning | tail -17
+  timeout 300 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced_prefill.jsonl" --commit "${1:-?}" \
+    --phases roofline,ced --ced-prefill-tokens ${LENGTHS:-16384} --ced-batches --ced-repeats "${REPEATS:-3}" \
+    --budget-s 270 2>&1 | tee "$OUT/gpu_bench_ced_prefill.log" | grep -v Warning | tail -20 ;;
 final)
   # One call (carry .whl_tl/a): the first TileLang part, every GPU test file at once (xdist, a file per worker;
   # kv_sizing alone after, since it measures the device's free memory), the CED bench, the prefix-cache bench.
@@ -107,5 +115,5 @@ mla)
     2>&1 | tail -15
   PYTHONPATH=/tmp/tlsite:$PWD timeout 120 python3 scripts/mla_kernel_calls.py ;;
 *)
-  echo "usage: bash scripts/device_issue12.sh tests K | suite | smoke | ced-bench COMMIT | final COMMIT | final2 | mla" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue12.sh tests K | suite | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

@@ -132,5 +132,5 @@ order)
 bench)
   bench ;;
 *)
-  echo "usage: bash scripts/device_issue15.sh train | bench | tests | sweep COMMIT | big-train | big-sweep COMMIT | gate COMMIT | padded COMMIT | ratio COMMIT" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue15.sh train | bench | tests | sweep COMMIT | big-train | big-sweep COMMIT | gate COMMIT | padded COMMIT | ratio COMMIT | order COMMIT" >&2; exit 2 ;;
 esac
