@@ -76,7 +76,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from deepinfer.bench import append_jsonl, machine_info  # noqa: E402
+from deepinfer.bench import append_jsonl, free_memory, machine_info, random_ids, sync  # noqa: E402
 
 # --- shapes --------------------------------------------------------------------------------------------------
 
@@ -174,18 +174,6 @@ class Phase:
 
 
 # --- device helpers ------------------------------------------------------------------------------------------
-
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def free_memory(device) -> None:
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
 
 def memory_gib(device) -> dict:
     if torch.device(device).type != "cuda":
@@ -580,10 +568,6 @@ def build_llm(path: Path, args, hf_config: dict, **kw):
 
 
 # --- measurements --------------------------------------------------------------------------------------------
-
-def random_ids(rng: random.Random, vocab: int, n: int) -> list:
-    return [rng.randrange(vocab) for _ in range(n)]
-
 
 def _abort_all(engine, rids) -> None:
     for rid in rids:

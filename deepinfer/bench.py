@@ -31,6 +31,26 @@ import torch
 from .core.params import SamplingParams
 
 
+# --- device and ids (shared with benchmarks/gpu_bench.py and bench_sweep.py) ----------------------------------
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory(device) -> None:
+    import gc
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def random_ids(rng: random.Random, vocab: int, n: int) -> list:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
 # --- prompts -------------------------------------------------------------------------------------------
 
 def random_prompts(tokenizer, num_prompts: int, input_len, seed: int = 0) -> list:

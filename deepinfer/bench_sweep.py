@@ -16,7 +16,6 @@ measurement on the GPU bench's model shapes.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from .bench import append_jsonl, free_memory, random_ids, sync
 
 
 def parse_setting(text: str):
@@ -40,15 +41,6 @@ def parse_setting(text: str):
     if parts[0] == "ngram":
         spec.update(prompt_lookup_min=1, prompt_lookup_max=4)
     return spec
-
-
-def random_ids(rng: random.Random, vocab: int, n: int) -> list:
-    return [rng.randrange(vocab) for _ in range(n)]
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def prompts(rng: random.Random, vocab: int, C: int, n: int, motif: int) -> list:
@@ -124,7 +116,7 @@ class Run:
         tokens0, spec0 = self._emitted(), spec_counts(self.llm)
         gate = self.eng.draft_gate
         closed0 = gate.closed if gate is not None else 0
-        _sync(self.eng.device)
+        sync(self.eng.device)
         t0 = time.perf_counter()
         drafts, starts, walls, kinds = self.eng.drafter is not None, [], [], []
         for _ in range(steps):
@@ -134,7 +126,7 @@ class Run:
             starts.append(t)
             walls.append(time.perf_counter() - t)
             kinds.append("draft" if drafts and (gate is None or gate.closed == c0) else "plain")
-        _sync(self.eng.device)
+        sync(self.eng.device)
         dt = time.perf_counter() - t0
         for i, kind in enumerate(kinds[:-1]):
             self.calls[kind].append(walls[i])
@@ -222,19 +214,10 @@ def emit(rows: list, row: dict, args) -> None:
         row["tau_formula"] = round(1 + row["k"] * row["acceptance_rate"], 4)  # fixed length: it holds
     rows.append(row)
     if args.out:
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_jsonl(args.out, [row])
     print(f"{row['target']} {row['setting']} C={row['concurrency']}: {row['step_rate']} steps/s, "
           f"{row['output_tok_s']} tok/s, {row['tokens_per_seq_step']} tok/seq-step, syncs/step {row['syncs_per_step']}",
           flush=True)
-
-
-def free_memory(device) -> None:
-    import gc
-
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _built(build: Callable, spec) -> tuple:
