@@ -69,14 +69,16 @@ def test_align_pairs_is_a_padded_stable_sort(T, E, k, block_m, bad, seed):
 dims = dict(d=st.sampled_from([24, 48, 72]), F=st.sampled_from([20, 48, 52]))  # masked and whole 16-wide tiles
 
 
+@pytest.mark.parametrize("impl", sorted(EXPERTS))
 @FAST
 @given(T=st.integers(0, 40), E=st.integers(1, 10), k=st.integers(1, 4), **dims, clamp=st.sampled_from([None, 0.7]),
        block_m=st.sampled_from([None, 16, 32]), seed=st.integers(0, 2**16))
-def test_float32_matches_dense_oracle(T, E, k, d, F, clamp, block_m, seed):
+def test_float32_matches_dense_oracle(impl, T, E, k, d, F, clamp, block_m, seed):
     k = min(k, E)
     x, w13, w2, weights, ids = make_case(gen(seed), T, E, k, d, F)
     poison_free_memory((T * k + 64) * (d + F) * 4)
-    out = triton_moe.fused_experts(x, w13, w2, weights, ids, clamp=clamp, block_m=block_m)
+    kw = {"block_m": block_m} if impl == "fused" else {}  # (the pair kernel has no M blocks)
+    out = EXPERTS[impl](x, w13, w2, weights, ids, clamp=clamp, **kw)
     ref = ref_moe.experts_dense(x, w13, w2, weights, ids, clamp=clamp)
     assert out.shape == (T, d) and out.dtype == torch.float32
     if T:
