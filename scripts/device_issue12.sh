@@ -5,6 +5,7 @@
 #   bash scripts/device_issue12.sh ced-prefill COMMIT # the 16K bounded / exact prefill ratio alone (LENGTHS=...)
 #   bash scripts/device_issue12.sh moe-pairs          # the two-launch decode MoE: GPU tests and its bench
 #   bash scripts/device_issue12.sh next COMMIT        # the pair-MoE bench and the 16K prefill ratio in one call
+#   bash scripts/device_issue12.sh sweep              # GEMV kernel vs cuBLAS, CED attention's launch knobs
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -75,6 +76,12 @@ next)
   timeout 300 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced_prefill.jsonl" --commit "${1:-?}" \
     --phases roofline,ced --ced-prefill-tokens ${LENGTHS:-16384} --ced-batches --ced-repeats "${REPEATS:-3}" \
     --budget-s 270 2>&1 | tee "$OUT/gpu_bench_ced_prefill.log" | grep -v Warning | tail -20 ;;
+sweep)
+  # The thirteenth session's kernel sweeps (~5 min): the GEMV kernel's GPU tests, then triton_gemv against cuBLAS at
+  # the bench projections (its last lines: the knobs, GEMV_MAX_ROWS), then CED attention's launch knobs.
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_triton_gemv.py 2>&1 | tail -3
+  timeout 240 python3 benchmarks/gemv_bench.py --out "$OUT/gemv.jsonl" 2>&1 | grep -v Warning | tail -9
+  timeout 230 python3 benchmarks/ced_attn_sweep.py --out "$OUT/ced_attn_sweep.jsonl" 2>&1 | grep -v Warning | tail -6 ;;
 final)
   # One call (carry .whl_tl/a): the first TileLang part, every GPU test file at once (xdist, a file per worker;
   # kv_sizing alone after, since it measures the device's free memory), the CED bench, the prefix-cache bench.
@@ -115,5 +122,5 @@ mla)
     2>&1 | tail -15
   PYTHONPATH=/tmp/tlsite:$PWD timeout 120 python3 scripts/mla_kernel_calls.py ;;
 *)
-  echo "usage: bash scripts/device_issue12.sh tests K | suite | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | final COMMIT | final2 | mla" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue12.sh tests K | suite | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

@@ -26,6 +26,15 @@ class Ops:
     # paths whose reduction order per row does not depend on the other rows of the call.
     batch_invariant = False
 
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, K] @ w.T for a weight w [N, K], no bias -> [T, N] in x's dtype (F.linear's contract): a model's
+        projection, which a backend may run as a GEMV kernel at a few rows."""
+        raise NotImplementedError
+
+    def grouped_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, G, K], w [G, N, K] -> [T, G, N], group g's rows x[:, g] @ w[g].T: CED's grouped output projection."""
+        raise NotImplementedError
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise NotImplementedError
 

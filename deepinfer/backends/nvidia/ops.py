@@ -18,7 +18,7 @@ import torch
 from ..base import AttnMetadata
 from ..reference import lowbit
 from ..reference.ops import ReferenceOps
-from . import kernel_choice, triton_act, triton_attention, triton_kvquant, triton_norm
+from . import kernel_choice, triton_act, triton_attention, triton_gemv, triton_kvquant, triton_norm
 
 INTERPRET = triton_norm.INTERPRET  # the kernels were decorated for the interpreter (decided at import)
 
@@ -42,10 +42,14 @@ INVARIANT_MOE_BLOCK_M = 16  # batch-invariant mode: the fused MoE's one M-block 
 # every count, 7.9 vs 13.8 us at 1 token, 1.1-1.2x from 8 to 256; so 0 (the in-kernel GEMV stays, tested, unused)
 CED_ROUTE_GEMV_MAX_ROWS = 0
 # The routed experts of a few tokens: up to this many (token, expert) pairs triton_moe_pairs.pair_experts (a GEMV
-# per pair, two launches) instead of fused_experts (sort by expert, two GEMMs, k-sum: five). 0 until
-# benchmarks/moe_pairs_bench.py has timed both on the H200 (`bash scripts/device_issue12.sh moe-pairs`): the count
-# where pairs stop winning goes here. Never in batch-invariant mode (fused_experts' one M-block size there).
+# per pair, two launches) instead of fused_experts (sort by expert, two GEMMs, k-sum: five). Never in batch-invariant
+# mode (fused_experts' one M-block size there). benchmarks/moe_pairs_bench.py on the H200 (bench shape, 13th session):
+# pairs slower at every token count in bf16 (1.95x at 1 token, 1.29x at 4) and in FP8 but at 4 tokens (0.83x), so 0.
 MOE_PAIRS_MAX = 0
+# Projections (ops.linear, grouped_linear) of up to this many rows run triton_gemv's GEMV kernel instead of cuBLAS.
+# benchmarks/gemv_bench.py times both at the CED bench config's projections; the last row count where the kernel
+# wins at every shape goes here.
+GEMV_MAX_ROWS = 0
 INVARIANT_CED_SPLIT_TILES = 4  # batch-invariant mode: key tiles per split of the CED attention kernel
 
 
@@ -75,6 +79,26 @@ class NvidiaOps(ReferenceOps):
         # Kernel launches by op (Python calls; CUDA-graph replays are not counted), so tests and benchmarks
         # can confirm that the fast path ran.
         self.kernel_calls = collections.Counter()
+
+    # Projections.
+    def linear(self, x, w):
+        """The GEMV kernel (triton_gemv) up to GEMV_MAX_ROWS rows, cuBLAS's GEMM past them and in batch-invariant
+        mode (whose matmul override keeps a row's reduction independent of the other rows)."""
+        if self._gemv_ok(x, w) and x.dim() == 2 and w.dim() == 2 \
+                and triton_gemv.supports(x[:, None, :], w[None]):
+            self.kernel_calls["gemv"] += 1
+            return triton_gemv.linear(x, w)
+        return super().linear(x, w)
+
+    def grouped_linear(self, x, w):
+        if self._gemv_ok(x, w) and triton_gemv.supports(x, w):
+            self.kernel_calls["gemv"] += 1
+            return triton_gemv.grouped_gemv(x, w)
+        return super().grouped_linear(x, w)
+
+    def _gemv_ok(self, x, w):
+        return not self.batch_invariant and 0 < x.shape[0] <= GEMV_MAX_ROWS and kernel_device_ok(x, w) \
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
 
     # Norms and activations.
     def rms_norm(self, x, weight, eps):

@@ -206,13 +206,14 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
                      entry_slots: torch.Tensor, *, pos: torch.Tensor, cut: torch.Tensor, fresh_lo: torch.Tensor,
                      fresh_start: torch.Tensor, ring_slot: torch.Tensor, window: int, entry_fmt: str,
                      sinks: Optional[torch.Tensor], scale: float, ring_fmt: str = RING_FMT,
-                     num_splits: Optional[int] = None) -> torch.Tensor:
+                     num_splits: Optional[int] = None, launch: Optional[dict] = None) -> torch.Tensor:
     """One softmax per query over its window keys, its selected FP4 entries and the sink (see the module doc).
 
     q [T, H, D]; kv [T, D] this pass's fresh latents (q's dtype); ring = (codes [S, RING, D], scales
     [S, RING, D // 32]) uint8; entries = (codes [N, D // 2], scales [N, D // G]) uint8 or None (no global
     branch); entry_slots [T, K] int64 cache rows, -1 = none; pos, cut, fresh_lo, fresh_start, ring_slot [T]
-    int64 per query; window W; sinks [H] or None. Returns [T, H, D] in q's dtype.
+    int64 per query; window W; sinks [H] or None. Returns [T, H, D] in q's dtype. ``launch`` overrides
+    launch_config's keys (and ``num_stages``): benchmarks/ced_attn_sweep.py times the choices.
     """
     if not supports(q, kv, ring, entries, entry_slots, ring_fmt, entry_fmt, sinks):
         raise ValueError(f"sparse_attention: unsupported inputs: q {q.dtype} {tuple(q.shape)}, kv {kv.dtype} "
@@ -234,7 +235,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
     ec, es = entries if has_entries else (rc, rs)  # unused when there are no entries
     if entry_slots.stride(1) != 1:
         entry_slots = entry_slots.contiguous()
-    cfg = launch_config(H, D, q.dtype)
+    cfg = dict(launch_config(H, D, q.dtype), **(launch or {}))
     BLOCK_H, BLOCK_N, BLOCK_D = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["BLOCK_D"]
     num_ht = cdiv(H, BLOCK_H)
     win_tiles, sel_tiles = cdiv(window, BLOCK_N), cdiv(K, BLOCK_N) if has_entries else 0
@@ -261,7 +262,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         WIN_TILES=cdiv(win_tiles, S), SEL_TILES=cdiv(sel_tiles, S),
         GROUP=GROUPS.get(entry_fmt, 16), E8M0=entry_fmt == "mxfp4", HAS_ENTRIES=has_entries,
         HAS_SINKS=has_sinks, DIRECT=S == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"],
+        num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
     )
     if S > 1:
         _merge_kernel[(T, H)](mid_m, mid_l, mid_o, sinks_arg, out, out.stride(0), out.stride(1), H, D, S,

@@ -10,7 +10,6 @@ and a decoder query i attends SWA keys in [max(s, i - n_win + 1), i]
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import TYPE_CHECKING, Optional
 
@@ -74,8 +73,8 @@ class CEDLayer(nn.Module):
     def query(self, x, pos):
         """x [T, d] (normed) -> q [T, H, D] with RoPE, and the query latent cq [T, q_lora]."""
         c, ops = self.c, self._kernels(x)
-        cq = fn.rms(F.linear(x, self.wq_a), self.q_norm, c.rms_norm_eps, ops=ops)
-        q = F.linear(cq, self.wq_b).view(x.shape[0], c.num_heads, c.head_dim)
+        cq = fn.rms(self._linear(x, self.wq_a), self.q_norm, c.rms_norm_eps, ops=ops)
+        q = self._linear(cq, self.wq_b).view(x.shape[0], c.num_heads, c.head_dim)
         return fn.apply_rope(q, pos, c.rope_dim, c.rope_theta, ops=ops), cq
 
     def swa_kv(self, x, pos):
@@ -92,7 +91,7 @@ class CEDLayer(nn.Module):
 
     def swa_proj(self, x):
         """x [T, d] (normed) -> the SWA projection W_kv x [T, D] (what ``swa_kv_rows`` takes)."""
-        return F.linear(x, self.wkv)
+        return self._linear(x, self.wkv)
 
     def swa_kv_rows(self, y, pos, ring, ring_slot, ops):
         """swa_kv_to_ring from the projection y = swa_proj(x): a prefill runs it twice on the same y (a row-wise
@@ -123,10 +122,10 @@ class CEDLayer(nn.Module):
         """entries(x, entry_ids) quantized into this layer's cache rows ``rows`` (CEDCache.write_entries): one
         op per kind (``Ops.ced_compress_write``, one kernel each on the nvidia backend) after the projections."""
         c, m = self.c, self.m
-        z, zi = (F.linear(x, self.wz), F.linear(x, self.wzi)) if m > 1 else (None, None)
-        ops.ced_compress_write(F.linear(x, self.wkv), z, m, self.kv_norm, c.rms_norm_eps, entry_ids, c.rope_dim,
+        z, zi = (self._linear(x, self.wz), self._linear(x, self.wzi)) if m > 1 else (None, None)
+        ops.ced_compress_write(self._linear(x, self.wkv), z, m, self.kv_norm, c.rms_norm_eps, entry_ids, c.rope_dim,
                                c.rope_theta, c.global_kv_format, c.fake_quant, cache.kv[self.i], rows)
-        ops.ced_compress_write(F.linear(x, self.wik), zi, m, None, c.rms_norm_eps, entry_ids, 0, c.rope_theta,
+        ops.ced_compress_write(self._linear(x, self.wik), zi, m, None, c.rms_norm_eps, entry_ids, 0, c.rope_theta,
                                c.index_k_format, c.fake_quant, cache.ik[self.i], rows)
 
     def _kernels(self, x):
@@ -134,10 +133,15 @@ class CEDLayer(nn.Module):
         rms and apply_rope (one fused kernel each) take them; the CPU keeps the torch formulas."""
         return ops_of(self, x.device) if x.is_cuda else None
 
+    def _linear(self, x, w):
+        """F.linear(x, w), through the backend's ``linear`` on CUDA (a GEMV kernel at a few rows, nvidia)."""
+        ops = self._kernels(x)
+        return F.linear(x, w) if ops is None else ops.linear(x, w)
+
     def index_query(self, x, cq):
         c = self.c
-        q = F.linear(cq, self.wiq).view(x.shape[0], c.index_heads, c.index_head_dim)
-        w = F.linear(x, self.wiw) * c.index_heads ** -0.5
+        q = self._linear(cq, self.wiq).view(x.shape[0], c.index_heads, c.index_head_dim)
+        w = self._linear(x, self.wiw) * c.index_heads ** -0.5
         return q, w
 
     def choose_entries(self, iq, iw, ik, qpos, pool=None, pool_impl: str = "gather"):
@@ -165,10 +169,11 @@ class CEDLayer(nn.Module):
 
     def out_proj(self, o, pos):
         """o [T, H, D] attended latent -> inverse RoPE, grouped projection, final projection -> [T, d]."""
-        c = self.c
-        o = fn.apply_rope(o, pos, c.rope_dim, c.rope_theta, inverse=True, ops=self._kernels(o))
+        c, ops = self.c, self._kernels(o)
+        o = fn.apply_rope(o, pos, c.rope_dim, c.rope_theta, inverse=True, ops=ops)
         og = o.reshape(o.shape[0], c.out_groups, -1)
-        return F.linear(torch.einsum("tgi,goi->tgo", og, self.wo_a).flatten(1), self.wo_b)
+        grouped = torch.einsum("tgi,goi->tgo", og, self.wo_a) if ops is None else ops.grouped_linear(og, self.wo_a)
+        return self._linear(grouped.flatten(1), self.wo_b)
 
     def _router_f32(self):
         """The router's weight and bias in float32, where the router computes: a bf16 model would otherwise cast
@@ -198,7 +203,7 @@ class CEDLayer(nn.Module):
         y = self.routed_experts(x, weights, ids)
         shared = None
         if self.shared_w13 is not None:  # (ced_swiglu: the clamped SwiGLU, one kernel on CUDA)
-            shared = F.linear(ops.ced_swiglu(F.linear(x, self.shared_w13), c.swiglu_limit), self.shared_w2)
+            shared = self._linear(ops.ced_swiglu(self._linear(x, self.shared_w13), c.swiglu_limit), self.shared_w2)
         return y, shared, ids
 
     def routed_experts(self, x, weights, ids):
@@ -427,7 +432,7 @@ class CEDForCausalLM(CEDEngineMixin, nn.Module):
     def logits(self, h):
         c = self.c_norm(h)
         w = self.embed.weight if self.lm_head is None else self.lm_head
-        return F.linear(c, w).float()
+        return (self.ops.linear(c, w) if h.is_cuda else F.linear(c, w)).float()
 
     def c_norm(self, h):
         return fn.rms(h, self.norm, self.config.rms_norm_eps, ops=self.ops if h.is_cuda else None)
@@ -440,7 +445,6 @@ class CEDForCausalLM(CEDEngineMixin, nn.Module):
         ids = input_ids[None] if single else input_ids
         B, N = ids.shape
         s = max(0, min(replay_start, N - 1))
-        c = self.config
         pos = torch.arange(N, device=ids.device)
         h = self.embed(ids)  # [B, N, d]
         out = []

@@ -1,0 +1,103 @@
+"""A decode step's projections on the GPU: cuBLAS (F.linear, the grouped einsum) against triton_gemv's kernel and
+its launch knobs, at the CED bench config's shapes and 1-8 rows, bf16.
+
+    python benchmarks/gemv_bench.py --out $OUT/gemv.jsonl      # H200, ~2 min
+
+Every output is checked first against a float64 product (relative L2 error; a variant over 1e-2 cannot win).
+Timing: benchmarks/kernels_gpu.time_calls (one CUDA graph of calls replayed, median per call), rotating over
+enough weight copies (``--rotate-mb``) that no call finds its weight in the 50 MB L2, as a decode step's
+layers do not. A row per (shape, rows, implementation); then, per row count, the step's total over the shapes
+(each weighted by its calls per step) for cuBLAS and for each knob setting. The last lines print the knobs
+whose total is lowest at one row (triton_gemv's TILE, PROGRAMS_PER_SM, num_warps) and GEMV_MAX_ROWS for
+backends/nvidia/ops.py: the largest row count up to which the kernel's total beats cuBLAS's at every count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels_gpu import time_calls  # noqa: E402
+
+# (name, groups, N, K, calls per decode step) of the CED bench config (models/ced/config.py SIZES["bench"]:
+# d 2048, 16 heads x 512, q_lora 1024, 8 output groups of 1024, 16 layers, 3 full + 1 reindex, vocab 4096).
+SHAPES = [("wq_a", 1, 1024, 2048, 16), ("wq_b", 1, 8192, 1024, 16), ("wkv", 1, 512, 2048, 16),
+          ("wo_a", 8, 1024, 1024, 16), ("wo_b", 1, 2048, 8192, 16), ("shared_w13", 1, 1024, 2048, 16),
+          ("shared_w2", 1, 2048, 512, 16), ("wiq", 1, 2048, 1024, 4), ("lm_head", 1, 4096, 2048, 1)]
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--tiles", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--per-sm", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--rotate-mb", type=float, default=256.0)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default="gemv.jsonl")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    from deepinfer.backends.nvidia import triton_gemv as tg
+
+    dev, g = torch.device("cuda"), torch.Generator().manual_seed(0)
+    knobs = list(itertools.product(a.tiles, a.per_sm, a.warps))
+    totals = {}  # (rows, impl) -> us per step
+    with open(a.out, "w") as f:
+        for name, G, N, K, per_step in SHAPES:
+            nbytes = G * N * K * 2
+            copies = max(2, min(64, int(a.rotate_mb * 2**20 // nbytes) + 1))
+            ws = [(torch.randn(G, N, K, generator=g) * K ** -0.5).to(dev, torch.bfloat16) for _ in range(copies)]
+            for M in a.rows:
+                xs = [torch.randn(M, G, K, generator=g).to(dev, torch.bfloat16) for _ in range(copies)]
+                ref = torch.einsum("mgk,gnk->mgn", xs[0].double(), ws[0].double())
+                if G == 1:
+                    cublas = lambda x, w: torch.nn.functional.linear(x[:, 0], w[0])  # noqa: E731
+                else:
+                    cublas = lambda x, w: torch.einsum("tgi,goi->tgo", x, w)  # noqa: E731
+                impls = {"cublas": cublas}
+                for tile, per_sm, nw in knobs:
+                    impls[f"gemv t{tile} p{per_sm} w{nw}"] = (
+                        lambda x, w, _k=dict(tile=tile, per_sm=per_sm, num_warps=nw): tg.grouped_gemv(x, w, **_k))
+                for impl, fn in impls.items():
+                    out = fn(xs[0], ws[0]).reshape(ref.shape)
+                    err = rel(out, ref)
+                    us, mode = time_calls([lambda x=x, w=w: fn(x, w) for x, w in zip(xs, ws)], a.reps)
+                    us *= 1e3
+                    row = dict(bench="gemv", shape=name, groups=G, N=N, K=K, rows=M, impl=impl, us=round(us, 2),
+                               tb_s=round(nbytes / (us * 1e-6) / 1e12, 3), rel_err=err, ok=err < 1e-2,
+                               per_step=per_step, timing=mode, device=torch.cuda.get_device_name())
+                    f.write(json.dumps(row) + "\n")
+                    key = (M, impl)
+                    totals[key] = totals.get(key, 0.0) + (us if row["ok"] else float("inf")) * per_step
+                print(f"{name:<11} rows {M}  bytes {nbytes / 2**20:6.1f} MB  done", flush=True)
+        print(f"\n{'rows':>4}  {'cublas us/step':>14}  {'best gemv us/step':>17}  best knobs")
+        max_rows, winning = 0, True
+        for M in a.rows:
+            gem = {i: v for (m, i), v in totals.items() if m == M and i != "cublas"}
+            best = min(gem, key=gem.get)
+            print(f"{M:>4}  {totals[(M, 'cublas')]:14.1f}  {gem[best]:17.1f}  {best}")
+            f.write(json.dumps(dict(bench="gemv_step", rows=M, cublas_us=round(totals[(M, 'cublas')], 1),
+                                    gemv_us=round(gem[best], 1), knobs=best)) + "\n")
+            winning = winning and gem[best] < totals[(M, "cublas")]
+            if winning:
+                max_rows = M
+        one = {i: v for (m, i), v in totals.items() if m == a.rows[0] and i != "cublas"}
+        print(f"knobs at {a.rows[0]} row(s): {min(one, key=one.get)}")
+        print(f"GEMV_MAX_ROWS (backends/nvidia/ops.py) by these rows: {max_rows}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""Skinny products in Triton: y = x @ w.T for a few rows of x, one launch, bandwidth-bound by design.
+
+At a decode step of one or a few sequences a linear layer is a GEMV: the time is the weight's bytes over the
+memory bandwidth. cuBLAS's kernels for these shapes (the CED bench config's 2-32 MB projections) reached about
+half the H200's copy bandwidth (docs/benchmarks.md, "Where a decode step goes"), since its tiles leave few
+bytes in flight per SM. Here a program owns BLOCK_N output columns of one group and walks K in tiles of
+BLOCK_N x BLOCK_K weights (a fixed number of elements, so every program keeps the same bytes in flight);
+BLOCK_N shrinks until the grid has a few programs per SM. Each of the M <= BLOCK_M rows of x is multiplied in
+float32 and summed per tile (CUDA cores: at a few rows the products cost less than the loads), the row's
+float32 total rounded once to x's dtype at the end.
+
+Shapes: x [M, G, K] and w [G, N, K] give [M, G, N] (a grouped projection: CED's output groups); a plain
+linear is G = 1 (``linear``). No split over K, no atomics: deterministic, one launch, and block sizes come
+from shapes only, so it is safe inside a CUDA graph capture.
+
+Precision: float32 accumulation of exact products of bf16 / fp16 / float32 values, one rounding (round to
+nearest even) at the end, as cuBLAS computes; the summation order differs, so results agree to the last bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_attention import sm_count
+from .triton_norm import cast_rne
+from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+_INTERP = tl.constexpr(INTERPRET)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_ROWS = 8  # past this the per-row products cost more than the loads save: cuBLAS's GEMM
+TILE = 4096  # weight elements a program loads per K step (8 KB in bf16)
+PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
+                 stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_I: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1).to(tl.int64)
+    n_mask = n < N
+    rows = tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + g * stride_wg + n[:, None].to(tl.int64) * stride_wn
+    x_g = x_ptr + g * stride_xg
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K_I if _INTERP else K, BLOCK_K):
+        k = k0 + kk
+        k_mask = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        for r in tl.static_range(BLOCK_M):
+            xr = tl.load(x_g + r * stride_xm + k, mask=k_mask & (r < M), other=0.0).to(tl.float32)
+            s = tl.sum(w * xr[None, :], axis=1)  # [BLOCK_N]
+            acc = tl.where(rows[:, None] == r, acc + s[None, :], acc)
+    o = out_ptr + g * stride_og + rows[:, None].to(tl.int64) * stride_om + n[None, :]
+    tl.store(o, cast_rne(acc, out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_mask[None, :])
+
+
+def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether grouped_gemv runs x [M, G, K] against w [G, N, K] (contiguous along K, one dtype, M <= MAX_ROWS)."""
+    if x.dim() != 3 or w.dim() != 3 or x.dtype not in SUPPORTED_DTYPES or w.dtype != x.dtype:
+        return False
+    if x.device != w.device or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[2]:
+        return False
+    return 0 < x.shape[0] <= MAX_ROWS and x.stride(2) == 1 and w.stride(2) == 1
+
+
+def block_sizes(M: int, G: int, N: int, K: int, device: torch.device, tile: int = TILE,
+                per_sm: int = PROGRAMS_PER_SM) -> tuple:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): BLOCK_N halved from 64 while the grid would give fewer than ``per_sm``
+    programs per SM, BLOCK_K = tile / BLOCK_N (at most K rounded up to a power of two). Shapes only."""
+    bn = min(64, next_pow2(N))
+    while bn > 1 and G * cdiv(N, bn) < per_sm * sm_count(device):
+        bn //= 2
+    bk = max(16, min(next_pow2(K), tile // bn))
+    return next_pow2(M), bn, bk
+
+
+def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, tile: int = TILE, per_sm: int = PROGRAMS_PER_SM,
+                 num_warps: int = 4) -> torch.Tensor:
+    """x [M, G, K] @ w[g].T per group -> [M, G, N] in x's dtype (see the module doc). ``tile``, ``per_sm`` and
+    ``num_warps`` are the launch's knobs (benchmarks/gemv_bench.py times them)."""
+    if not supports(x, w):
+        raise ValueError(f"grouped_gemv: unsupported inputs: x {x.dtype} {tuple(x.shape)} stride {x.stride()}, "
+                         f"w {w.dtype} {tuple(w.shape)} stride {w.stride()} (x [M <= {MAX_ROWS}, G, K] and "
+                         f"w [G, N, K] in one of {SUPPORTED_DTYPES}, contiguous along K)")
+    M, G, K = x.shape
+    N = w.shape[1]
+    out = torch.empty(M, G, N, dtype=x.dtype, device=x.device)
+    if N == 0 or G == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    BM, BN, BK = block_sizes(M, G, N, K, x.device, tile, per_sm)
+    _gemv_kernel[(cdiv(N, BN), G)](
+        x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, K_I=K if INTERPRET else 0, num_warps=num_warps)
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, **knobs) -> torch.Tensor:
+    """F.linear(x, w) without bias for x [M, K] (M <= MAX_ROWS), w [N, K] -> [M, N]."""
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"linear: x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    return grouped_gemv(x[:, None, :], w[None], **knobs)[:, 0, :]

@@ -1,0 +1,127 @@
+"""The skinny-product kernel (nvidia/triton_gemv.py) against a float64 product, and the backend's dispatch to it
+(NvidiaOps.linear / grouped_linear up to GEMV_MAX_ROWS rows). The oracle is torch's float64 einsum; the bound is
+one rounding of the output to its dtype plus float32 accumulation over K, scaled by sum |x w| (so it holds for
+any magnitudes). Without CUDA through Triton's interpreter on small shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+from deepinfer.testing.kernels import DEV, capture_graph, examples, gen, gpu, no_host_sync, skip_module_without_kernels
+
+skip_module_without_kernels()
+
+from deepinfer.backends.nvidia import triton_gemv as tg  # noqa: E402
+
+UNIT = {torch.float32: 0.0, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}  # half an ulp, relative
+TINY = {torch.float32: 2.0 ** -149, torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134}  # half a subnormal step
+
+
+def check(out, x, w):
+    """out [M, G, N] against x [M, G, K] @ w[g].T in float64: |out - ref| <= half an ulp of ref in out's dtype
+    (half a subnormal step below its normal range) plus K float32 roundings of sum |x w|."""
+    ref = torch.einsum("mgk,gnk->mgn", x.double().cpu(), w.double().cpu())
+    mag = torch.einsum("mgk,gnk->mgn", x.double().cpu().abs(), w.double().cpu().abs())
+    K = x.shape[-1]
+    bound = UNIT[out.dtype] * ref.abs() * 1.01 + (K + 2) * 2.0 ** -24 * mag + TINY[out.dtype]
+    err = (out.double().cpu() - ref).abs()
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+@examples(25)
+@given(M=st.integers(1, tg.MAX_ROWS), G=st.integers(1, 3), N=st.integers(1, 70), K=st.integers(1, 300),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), scale=st.sampled_from([1e-3, 1.0, 50.0]),
+       seed=st.integers(0, 2**16))
+def test_grouped_gemv_matches_float64(M, G, N, K, dtype, scale, seed):
+    g = gen(seed)
+    x = (torch.randn(M, G, K, generator=g) * scale).to(DEV, dtype)
+    w = torch.randn(G, N, K, generator=g).to(DEV, dtype)
+    check(tg.grouped_gemv(x, w), x, w)
+
+
+@examples(8)
+@given(M=st.integers(1, tg.MAX_ROWS), N=st.integers(1, 90), K=st.integers(1, 200), seed=st.integers(0, 2**16))
+def test_linear_of_strided_rows_matches_float64(M, N, K, seed):
+    """x a column slice of a wider tensor (row stride != K), as a model's views are."""
+    g = gen(seed)
+    wide = torch.randn(M, K + 7, generator=g).to(DEV, torch.bfloat16)
+    x = wide[:, 3:3 + K]
+    w = torch.randn(N, K, generator=g).to(DEV, torch.bfloat16)
+    out = tg.linear(x, w)
+    assert out.shape == (M, N)
+    check(out[:, None, :], x[:, None, :], w[None])
+
+
+def test_launch_config_fills_the_gpu_and_keeps_the_tile():
+    """BLOCK_N shrinks until the grid has PROGRAMS_PER_SM programs per SM (or is 1); BLOCK_K keeps BLOCK_N x BLOCK_K
+    at TILE elements while K allows."""
+    from deepinfer.backends.nvidia.triton_attention import sm_count
+
+    sms = sm_count(torch.device(DEV))
+    for G, N, K in ((1, 2048, 8192), (1, 512, 2048), (8, 1024, 1024), (1, 8192, 1024), (1, 3, 5000)):
+        bm, bn, bk = tg.block_sizes(1, G, N, K, torch.device(DEV))
+        assert bm == 1 and bn >= 1 and bk >= 16
+        assert bn == 1 or G * -(-N // bn) >= tg.PROGRAMS_PER_SM * sms or bn == min(64, 1 << (N - 1).bit_length())
+        assert bk == max(16, min(1 << (K - 1).bit_length(), tg.TILE // bn))
+    assert tg.block_sizes(5, 1, 64, 64, torch.device(DEV))[0] == 8
+
+
+def test_bad_inputs_are_refused_with_their_shapes():
+    x = torch.randn(2, 1, 16, device=DEV)
+    with pytest.raises(ValueError, match="unsupported inputs"):
+        tg.grouped_gemv(x, torch.randn(1, 4, 8, device=DEV))  # K differs
+    with pytest.raises(ValueError, match="unsupported inputs"):
+        tg.grouped_gemv(x.bfloat16(), torch.randn(1, 4, 16, device=DEV))  # dtypes differ
+    with pytest.raises(ValueError, match="unsupported inputs"):
+        tg.grouped_gemv(torch.randn(tg.MAX_ROWS + 1, 1, 16, device=DEV), torch.randn(1, 4, 16, device=DEV))
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        tg.linear(torch.randn(16, device=DEV), torch.randn(4, 16, device=DEV))
+    empty = tg.grouped_gemv(torch.randn(1, 1, 0, device=DEV), torch.randn(1, 3, 0, device=DEV))
+    assert empty.shape == (1, 1, 3) and not empty.any()
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_the_backend_takes_the_kernel_up_to_gemv_max_rows(invariant, monkeypatch):
+    """NvidiaOps.linear / grouped_linear run the kernel up to GEMV_MAX_ROWS rows, cuBLAS past them, in batch-invariant
+    mode, and for tensors that need a gradient; either way F.linear's function."""
+    from deepinfer.backends.nvidia import ops as nv
+
+    monkeypatch.setattr(nv, "GEMV_MAX_ROWS", 2)
+    backend = nv.NvidiaOps(DEV)
+    backend.batch_invariant = invariant
+    g = gen(3)
+    w = torch.randn(24, 40, generator=g).to(DEV)
+    wg = torch.randn(3, 8, 40, generator=g).to(DEV)
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, 40, generator=g).to(DEV)
+        for call, args in ((backend.linear, (x, w)), (backend.grouped_linear, (x[:, None].expand(rows, 3, 40), wg))):
+            before = backend.kernel_calls["gemv"]
+            out = call(*args)
+            took = backend.kernel_calls["gemv"] - before
+            assert took == (0 if invariant or rows > 2 else 1), (rows, invariant)
+            ref = F.linear(x, w) if call == backend.linear else torch.einsum("tgi,goi->tgo", *args)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    xg = torch.randn(1, 40, generator=g).to(DEV).requires_grad_()
+    before = backend.kernel_calls["gemv"]
+    backend.linear(xg, w).sum().backward()  # autograd: cuBLAS (the kernel has no backward)
+    assert backend.kernel_calls["gemv"] == before and xg.grad is not None
+
+
+@gpu
+@pytest.mark.parametrize("G,N,K", [(1, 2048, 8192), (8, 1024, 1024), (1, 8192, 1024), (1, 512, 2048)])
+def test_gpu_ced_bench_projections_in_a_graph(G, N, K):
+    """The CED bench config's decode projections, bf16, one row: no host sync, captured once and replayed with new
+    rows, each replay against the float64 product."""
+    g = gen(7)
+    w = (torch.randn(G, N, K, generator=g) * K ** -0.5).to(DEV, torch.bfloat16)
+    x = torch.zeros(1, G, K, device=DEV, dtype=torch.bfloat16)
+    graph, out = no_host_sync(lambda: capture_graph(lambda: tg.grouped_gemv(x, w)))
+    for _ in range(3):
+        x.copy_(torch.randn(1, G, K, generator=g).to(DEV, torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, x, w)
