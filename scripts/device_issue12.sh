@@ -6,6 +6,7 @@
 #   bash scripts/device_issue12.sh moe-pairs          # the two-launch decode MoE: GPU tests and its bench
 #   bash scripts/device_issue12.sh next COMMIT        # the pair-MoE bench and the 16K prefill ratio in one call
 #   bash scripts/device_issue12.sh sweep              # GEMV kernel vs cuBLAS, CED attention's launch knobs
+#   bash scripts/device_issue12.sh sweep2             # the same at batch 64 / the second GEMV kernel, the decode profile
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -82,6 +83,14 @@ sweep)
   timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_triton_gemv.py 2>&1 | tail -3
   timeout 240 python3 benchmarks/gemv_bench.py --out "$OUT/gemv.jsonl" 2>&1 | grep -v Warning | tail -9
   timeout 230 python3 benchmarks/ced_attn_sweep.py --out "$OUT/ced_attn_sweep.jsonl" 2>&1 | grep -v Warning | tail -6 ;;
+sweep2)
+  # The GEMV kernel without per-step reductions (tests, bench), CED attention's knobs at batch 64, the decode profile.
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_triton_gemv.py 2>&1 | tail -2
+  timeout 170 python3 benchmarks/gemv_bench.py --out "$OUT/gemv.jsonl" 2>&1 | grep -v Warning | tail -8
+  timeout 150 python3 benchmarks/ced_attn_sweep.py --batches 64 --stages 1 2 --out "$OUT/ced_attn_sweep_b64.jsonl" \
+    2>&1 | grep -v Warning | tail -3
+  timeout 120 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 --steps 16 \
+    --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | tail -45 ;;
 final)
   # One call (carry .whl_tl/a): the first TileLang part, every GPU test file at once (xdist, a file per worker;
   # kv_sizing alone after, since it measures the device's free memory), the CED bench, the prefix-cache bench.
@@ -122,5 +131,5 @@ mla)
     2>&1 | tail -15
   PYTHONPATH=/tmp/tlsite:$PWD timeout 120 python3 scripts/mla_kernel_calls.py ;;
 *)
-  echo "usage: bash scripts/device_issue12.sh tests K | suite | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | final COMMIT | final2 | mla" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue12.sh tests K | suite | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

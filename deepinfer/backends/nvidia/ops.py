@@ -47,9 +47,10 @@ CED_ROUTE_GEMV_MAX_ROWS = 0
 # pairs slower at every token count in bf16 (1.95x at 1 token, 1.29x at 4) and in FP8 but at 4 tokens (0.83x), so 0.
 MOE_PAIRS_MAX = 0
 # Projections (ops.linear, grouped_linear) of up to this many rows run triton_gemv's GEMV kernel instead of cuBLAS.
-# benchmarks/gemv_bench.py times both at the CED bench config's projections; the last row count where the kernel
-# wins at every shape goes here.
-GEMV_MAX_ROWS = 0
+# benchmarks/gemv_bench.py at the CED bench config's projections on the H200 (13th session, the first kernel): at
+# one row faster at all 9 shapes (3.4 against cuBLAS's 13.2 us at 1024 x 2048, 10.7 against 15.3 at 2048 x 8192;
+# 609 against 1079 us a step), at 2 rows at 6 of 9, past that slower. So 1.
+GEMV_MAX_ROWS = 1
 INVARIANT_CED_SPLIT_TILES = 4  # batch-invariant mode: key tiles per split of the CED attention kernel
 
 
