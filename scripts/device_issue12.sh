@@ -7,6 +7,7 @@
 #   bash scripts/device_issue12.sh next COMMIT        # the pair-MoE bench and the 16K prefill ratio in one call
 #   bash scripts/device_issue12.sh sweep              # GEMV kernel vs cuBLAS, CED attention's launch knobs
 #   bash scripts/device_issue12.sh sweep2             # the same at batch 64 / the second GEMV kernel, the decode profile
+#   bash scripts/device_issue12.sh check              # the touched kernels' GPU tests, the decode profile at 1/16/64
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -91,6 +92,12 @@ sweep2)
     2>&1 | grep -v Warning | tail -3
   timeout 120 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 --steps 16 \
     --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | tail -45 ;;
+check)
+  # After the sweeps' choices: the touched kernels' GPU tests, then the decode profile at batch 1, 16, 64.
+  timeout -s INT 200 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_triton_gemv.py \
+    tests/test_triton_ced_launch.py tests/test_triton_ced.py tests/test_ced_decode_path.py 2>&1 | tail -4
+  timeout 150 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | grep -B1 -A22 "== batch" | grep -v "^host\|cProfile" ;;
 final)
   # One call (carry .whl_tl/a): the first TileLang part, every GPU test file at once (xdist, a file per worker;
   # kv_sizing alone after, since it measures the device's free memory), the CED bench, the prefix-cache bench.
@@ -131,5 +138,5 @@ mla)
     2>&1 | tail -15
   PYTHONPATH=/tmp/tlsite:$PWD timeout 120 python3 scripts/mla_kernel_calls.py ;;
 *)
-  echo "usage: bash scripts/device_issue12.sh tests K | suite | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | final COMMIT | final2 | mla" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue12.sh tests K | suite | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

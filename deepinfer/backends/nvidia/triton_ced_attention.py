@@ -195,6 +195,29 @@ def launch_config(H: int, D: int, dtype: torch.dtype) -> dict:
             "BLOCK_N": BLOCK_N, "num_warps": num_warps}
 
 
+def decode_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int) -> Optional[tuple]:
+    """(launch overrides, splits) for a decode-sized call (T <= 64 queries) of wide latents (BLOCK_D >= 512, bf16 /
+    fp16, compiled), or None (launch_config and choose_splits decide). From benchmarks/ced_attn_sweep.py on the H200
+    at the CED bench config (16 heads x 512, window 128, 512 entries, 13th session; the old choice in brackets):
+    1 query: BLOCK_N 16, 8 warps, 32 splits, 13.3 us [16 splits: 16.9]; 16: BLOCK_N 32, 8 warps, 8 splits, 22.0
+    [34.0]; 64: BLOCK_N 32, 4 warps, 4 splits, 45.6 [9 splits: 117.6]. About 256 programs (128 from 5 to 31
+    queries), fewer splits as rows grow: each split's partials are written and merged again. Batch-invariant mode
+    never takes this (its split count must not follow T)."""
+    BLOCK_D = next_pow2(D)
+    if INTERPRET or dtype == torch.float32 or BLOCK_D < 512 or not 0 < T <= 64:
+        return None
+    BLOCK_H = launch_config(H, D, dtype)["BLOCK_H"]
+    rows = T * cdiv(H, BLOCK_H)
+    if T <= 4:
+        bn, warps, programs, most = 16, 8, 256, 32
+    elif T < 32:
+        bn, warps, programs, most = 32, 8, 128, 16
+    else:
+        bn, warps, programs, most = 32, 4, 256, 16
+    tiles = max(cdiv(window, bn), cdiv(K, bn), 1)
+    return {"BLOCK_N": bn, "num_warps": warps, "num_stages": 1}, int(max(1, min(cdiv(programs, rows), tiles, most)))
+
+
 def choose_splits(rows: int, head_tiles: int, tiles: int, device: torch.device) -> int:
     """Key splits so the grid fills the GPU (about 4 programs per SM), each split at least one tile.
     Depends on shapes only."""
@@ -235,6 +258,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
     ec, es = entries if has_entries else (rc, rs)  # unused when there are no entries
     if entry_slots.stride(1) != 1:
         entry_slots = entry_slots.contiguous()
+    if launch is None and num_splits is None:  # decode-sized calls: the launch the H200 sweep chose
+        launch, num_splits = decode_launch(T, H, D, q.dtype, window, K if has_entries else 0) or (None, None)
     cfg = dict(launch_config(H, D, q.dtype), **(launch or {}))
     BLOCK_H, BLOCK_N, BLOCK_D = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["BLOCK_D"]
     num_ht = cdiv(H, BLOCK_H)

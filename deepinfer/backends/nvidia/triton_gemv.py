@@ -5,10 +5,10 @@ memory bandwidth. cuBLAS's kernels for these shapes (the CED bench config's 2-32
 half the H200's copy bandwidth (docs/benchmarks.md, "Where a decode step goes"), since its tiles leave few
 bytes in flight per SM. Here a program owns BLOCK_N output columns of one group and walks K in tiles of
 BLOCK_N x BLOCK_K weights (a fixed number of elements, so every program keeps the same bytes in flight);
-BLOCK_N shrinks until the grid has a few programs per SM. Each of the M <= BLOCK_M rows of x is multiplied in
-float32 on the CUDA cores (at a few rows the products cost less than the loads) into partial sums kept per
-(row, column, k lane), reduced over k once after the loop (a reduction per step costs shuffles that, at 2-8
-rows, made the kernel compute-bound), and the float32 total rounded once to x's dtype.
+BLOCK_N shrinks until the grid has a few programs per SM. (cuBLAS picked a kernel that read a 1024 x 2048 bf16
+weight at 0.3 TB/s: 13 us, where this takes 3.4.) Each of the M <= BLOCK_M rows of x is multiplied in
+float32 and summed per tile (CUDA cores: at a few rows the products cost less than the loads), the row's
+float32 total rounded once to x's dtype at the end.
 
 Shapes: x [M, G, K] and w [G, N, K] give [M, G, N] (a grouped projection: CED's output groups); a plain
 linear is G = 1 (``linear``). No split over K, no atomics: deterministic, one launch, and block sizes come
@@ -32,9 +32,12 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 8  # past this the per-row products cost more than the loads save: cuBLAS's GEMM
-TILE = 4096  # weight elements a program loads per K step (8 KB in bf16)
-ACC_ELEMS = 8192  # float32 partial sums a program keeps (BLOCK_M x BLOCK_N x BLOCK_K): 64 registers a thread at 4 warps
+# Launch knobs from benchmarks/gemv_bench.py on the H200 (13th session): the lowest step total at one row over the
+# CED bench projections (609 us against cuBLAS's 1079). A variant that summed per k lane and reduced once after
+# the loop was slower at 1-2 rows (656 / 815 us against 609 / 752) and lost to cuBLAS from 4 rows as this does.
+TILE = 8192  # weight elements a program loads per K step (16 KB in bf16)
 PROGRAMS_PER_SM = 4
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -46,19 +49,19 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
     n_mask = n < N
     rows = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + g * stride_wg + n[None, :, None].to(tl.int64) * stride_wn  # [1, BLOCK_N, 1]
-    x_rows = x_ptr + g * stride_xg + rows[:, None, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1, 1]
-    # Products summed elementwise over the K steps, reduced across K once at the end: no shuffles in the loop.
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    w_rows = w_ptr + g * stride_wg + n[:, None].to(tl.int64) * stride_wn
+    x_g = x_ptr + g * stride_xg
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K_I if _INTERP else K, BLOCK_K):
-        k = (k0 + kk)[None, None, :]
+        k = k0 + kk
         k_mask = k < K
-        w = tl.load(w_rows + k, mask=n_mask[None, :, None] & k_mask, other=0.0).to(tl.float32)
-        x = tl.load(x_rows + k, mask=(rows < M)[:, None, None] & k_mask, other=0.0).to(tl.float32)
-        acc += x * w
-    y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        for r in tl.static_range(BLOCK_M):
+            xr = tl.load(x_g + r * stride_xm + k, mask=k_mask & (r < M), other=0.0).to(tl.float32)
+            s = tl.sum(w * xr[None, :], axis=1)  # [BLOCK_N]
+            acc = tl.where(rows[:, None] == r, acc + s[None, :], acc)
     o = out_ptr + g * stride_og + rows[:, None].to(tl.int64) * stride_om + n[None, :]
-    tl.store(o, cast_rne(y, out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_mask[None, :])
+    tl.store(o, cast_rne(acc, out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_mask[None, :])
 
 
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -73,18 +76,16 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
 def block_sizes(M: int, G: int, N: int, K: int, device: torch.device, tile: int = TILE,
                 per_sm: int = PROGRAMS_PER_SM) -> tuple:
     """(BLOCK_M, BLOCK_N, BLOCK_K): BLOCK_N halved from 64 while the grid would give fewer than ``per_sm``
-    programs per SM, BLOCK_K = tile / BLOCK_N (at most K rounded up to a power of two; the tile shrinks as
-    rows grow, so the float32 partial sums of BLOCK_M x tile stay within ACC_ELEMS). Shapes only."""
-    bm = next_pow2(M)
+    programs per SM, BLOCK_K = tile / BLOCK_N (at most K rounded up to a power of two). Shapes only."""
     bn = min(64, next_pow2(N))
     while bn > 1 and G * cdiv(N, bn) < per_sm * sm_count(device):
         bn //= 2
-    bk = max(16, min(next_pow2(K), min(tile, ACC_ELEMS // bm) // bn))
-    return bm, bn, bk
+    bk = max(16, min(next_pow2(K), tile // bn))
+    return next_pow2(M), bn, bk
 
 
 def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, tile: int = TILE, per_sm: int = PROGRAMS_PER_SM,
-                 num_warps: int = 4) -> torch.Tensor:
+                 num_warps: int = NUM_WARPS) -> torch.Tensor:
     """x [M, G, K] @ w[g].T per group -> [M, G, N] in x's dtype (see the module doc). ``tile``, ``per_sm`` and
     ``num_warps`` are the launch's knobs (benchmarks/gemv_bench.py times them)."""
     if not supports(x, w):

@@ -1,0 +1,51 @@
+"""CED sparse attention's decode launch (triton_ced_attention.decode_launch, chosen on the H200 by
+benchmarks/ced_attn_sweep.py): the rule itself, and that a launch override changes nothing but speed (the same
+function as the reference op). Without CUDA through Triton's interpreter on small shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from deepinfer.testing.kernels import DEV, examples, skip_module_without_kernels
+
+skip_module_without_kernels()
+
+from deepinfer.backends.nvidia import triton_ced_attention as tca  # noqa: E402
+from deepinfer.backends.reference.ops import ReferenceOps  # noqa: E402
+from deepinfer.testing.attention_cases import ced_attention_case  # noqa: E402
+
+
+def test_decode_launch_rule(monkeypatch):
+    """The sweep's winners at the bench shape (16 heads x 512, window 128, top-K 512), fewer splits as rows grow,
+    never more splits than key tiles; nothing for prefill-sized calls, narrow latents, float32 or the interpreter."""
+    monkeypatch.setattr(tca, "INTERPRET", False)
+    bf = torch.bfloat16
+    assert tca.decode_launch(1, 16, 512, bf, 128, 512) == ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 1}, 32)
+    assert tca.decode_launch(16, 16, 512, bf, 128, 512) == ({"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}, 8)
+    assert tca.decode_launch(64, 16, 512, bf, 128, 512) == ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}, 4)
+    splits = [tca.decode_launch(T, 16, 512, bf, 128, 512)[1] for T in range(1, 65)]
+    for lo, hi in ((1, 4), (5, 31), (32, 64)):  # within each regime, fewer splits as rows grow
+        part = splits[lo - 1:hi]
+        assert all(a >= b for a, b in zip(part, part[1:])), (lo, hi, part)
+    assert all(1 <= s <= 32 for s in splits)
+    assert tca.decode_launch(1, 16, 512, bf, 40, 0)[1] == 3  # 40 window keys: 3 tiles of 16, no more splits
+    for args in ((65, 16, 512, bf), (1, 16, 256, bf), (1, 16, 512, torch.float32), (0, 16, 512, bf)):
+        assert tca.decode_launch(*args, 128, 512) is None
+    monkeypatch.setattr(tca, "INTERPRET", True)
+    assert tca.decode_launch(1, 16, 512, bf, 128, 512) is None
+
+
+@examples(6)
+@given(T=st.integers(1, 4), block_n=st.sampled_from([16, 32]), splits=st.sampled_from([1, 2, 5]),
+       seed=st.integers(0, 2**16))
+def test_launch_overrides_keep_the_function(T, block_n, splits, seed):
+    torch.manual_seed(seed)
+    args, kw = ced_attention_case([(45, 1, 0)] * T, window=16, ring_size=20, heads=4, dim=64, topk=8,
+                                  fmt="fp4_e2m1_e4m3", dtype=torch.float32, sinks=True, device=DEV, n_entries=64,
+                                  full_selection=True, poison=False)
+    out = tca.sparse_attention(*args, launch=dict(BLOCK_N=block_n, num_warps=4, num_stages=1), num_splits=splits,
+                               **kw)
+    ref = ReferenceOps(DEV).ced_sparse_attention(*args, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
