@@ -93,9 +93,13 @@ sweep2)
   timeout 120 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 --steps 16 \
     --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | tail -45 ;;
 check)
-  # After the sweeps' choices: the touched kernels' GPU tests, then the decode profile at batch 1, 16, 64.
+  # After the sweeps' choices: the touched kernels' GPU tests, the pair MoE with GEMV-sized tiles against the fused
+  # one (its last line: MOE_PAIRS_MAX), then the decode profile at batch 1, 16, 64.
   timeout -s INT 200 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_triton_gemv.py \
-    tests/test_triton_ced_launch.py tests/test_triton_ced.py tests/test_ced_decode_path.py 2>&1 | tail -4
+    tests/test_triton_ced_launch.py tests/test_triton_ced.py tests/test_ced_decode_path.py \
+    tests/test_triton_moe_pairs.py 2>&1 | tail -4
+  timeout 100 python3 benchmarks/moe_pairs_bench.py --tokens 1 2 4 8 16 --out "$OUT/moe_pairs.jsonl" 2>&1 \
+    | grep -v Warning | tail -12
   timeout 150 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
     --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | grep -B1 -A22 "== batch" | grep -v "^host\|cProfile" ;;
 final)

@@ -15,7 +15,7 @@ a few tokens every pair has its own expert anyway, and the launches cost more th
 The roundings are fused_experts' (the activation and each pair's weighted output to x's dtype, the k-sum in
 float32); the sums run in another order, so results agree to the last bits, not bit for bit. FP8 block-scaled
 weights as fused_experts takes them (float8_e4m3fn with [E, cdiv(rows, 128), cdiv(cols, 128)] float32 scales;
-BLOCK_K divides 128, so a step's products take one scale per row). Ids outside [0, E) contribute zero (not
+with them BLOCK_K divides 128, so a step's products take one scale per row). Ids outside [0, E) contribute zero (not
 checked: a host sync). Block sizes from shapes only: capture-safe, deterministic.
 """
 
@@ -130,14 +130,22 @@ def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
     return fused_supports(x, w13, w2, weights, ids, w13_scale, w2_scale) and ids.numel() <= MAX_PAIRS
 
 
-def _block_n(cols: int, rows: int, device: torch.device) -> int:
-    """Output columns per program: 64, halved (to 16) while rows x column tiles would give fewer than two
-    programs per SM (at one token the 4 pairs x 512 columns made 32 programs for 132 SMs, each reading whole
-    weight rows: bandwidth left idle)."""
-    bn = 32 if INTERPRET else 64
-    while bn > 16 and rows * cdiv(cols, bn) < 2 * sm_count(device):
+TILE = 512 if INTERPRET else 8192  # weight elements a program loads per K step (bf16 / fp16 weights)
+PROGRAMS_PER_SM = 4
+
+
+def _blocks(cols: int, rows: int, K: int, fp8: bool, device: torch.device) -> tuple:
+    """(BLOCK_N, BLOCK_K) as triton_gemv sizes a GEMV (its H200 sweep: few rows, big tiles, ~4 programs per SM):
+    BLOCK_N halved from 64 while rows x column tiles would give fewer than PROGRAMS_PER_SM programs per SM (the
+    first version stopped at 16 and took 128-wide K steps: 128 programs of 4 KB loads at one token, 1.9x slower
+    than fused_experts), BLOCK_K = TILE / BLOCK_N. FP8 weights keep K steps of 128 (32 under the interpreter), so
+    a step's products take one scale per row."""
+    bn = min(64, next_pow2(cols))
+    while bn > 2 and rows * cdiv(cols, bn) < PROGRAMS_PER_SM * sm_count(device):
         bn //= 2
-    return min(bn, next_pow2(cols))
+    if fp8:
+        return bn, 32 if INTERPRET else 128
+    return bn, max(16, min(next_pow2(K), TILE // bn))
 
 
 def _i(n: int) -> int:
@@ -167,16 +175,15 @@ def pair_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
     s2 = w2_scale if fp8 else rw
     s13_strides = s13.stride() if fp8 else (0, 0, 0)
     s2_strides = s2.stride() if fp8 else (0, 0, 0)
-    BK = 32 if INTERPRET else 128  # divides 128: a K step stays inside one FP8 scale block
-    BN1 = _block_n(F, T * k, x.device)
-    BN2 = _block_n(d, T, x.device)
+    BN1, BK1 = _blocks(F, T * k, d, fp8, x.device)
+    BN2, BK2 = _blocks(d, T, F, fp8, x.device)
     act = torch.empty(T * k, F, dtype=x.dtype, device=x.device)
     _pairs_up_kernel[(T * k, cdiv(F, BN1))](
         x, w13, s13, ids_flat, act, x.stride(0), x.stride(1), *w13.stride(), *s13_strides, act.stride(0),
         F, d, w13.shape[0], k, float(clamp) if clamp is not None else 0.0,
-        BLOCK_N=BN1, BLOCK_K=BK, HAS_CLAMP=clamp is not None, FP8_W=fp8, D_I=_i(d), num_warps=4)
+        BLOCK_N=BN1, BLOCK_K=BK1, HAS_CLAMP=clamp is not None, FP8_W=fp8, D_I=_i(d), num_warps=8)
     out = torch.empty(T, d, dtype=x.dtype, device=x.device)
     _pairs_down_kernel[(T, cdiv(d, BN2))](
         act, w2, s2, ids_flat, rw, out, act.stride(0), *w2.stride(), *s2_strides, out.stride(0),
-        F, d, w13.shape[0], k, BLOCK_N=BN2, BLOCK_K=BK, FP8_W=fp8, F_I=_i(F), K_I=_i(k), num_warps=4)
+        F, d, w13.shape[0], k, BLOCK_N=BN2, BLOCK_K=BK2, FP8_W=fp8, F_I=_i(F), K_I=_i(k), num_warps=8)
     return out
