@@ -81,9 +81,8 @@ def test_gpu_ced_bench_shape_in_a_graph_with_new_routing(T):
 
 @pytest.mark.parametrize("invariant", [False, True])
 def test_the_backend_takes_the_pair_kernel_up_to_moe_pairs_max(invariant, monkeypatch):
-    """NvidiaOps.moe_experts runs pair_experts up to MOE_PAIRS_MAX (token, expert) pairs and fused_experts past it
-    (0, the default until the H200 bench has run: never), never in batch-invariant mode; either way the
-    reference's function (experts_dense, float32)."""
+    """NvidiaOps.moe_experts runs pair_experts up to MOE_PAIRS_MAX (token, expert) pairs and fused_experts past it,
+    never in batch-invariant mode; either way the reference's function (experts_dense, float32)."""
     from deepinfer.backends.nvidia import ops as nv
 
     monkeypatch.setattr(nv, "MOE_PAIRS_MAX", 8)
@@ -96,3 +95,27 @@ def test_the_backend_takes_the_pair_kernel_up_to_moe_pairs_max(invariant, monkey
         ran = {n for n, c in backend.kernel_calls.items() if c != before.get(n, 0)}
         assert ran == ({"fused_moe"} if invariant else {want}), (T, ran)
         assert rel_err(out, ref_moe.experts_dense(x, w13, w2, weights, ids, clamp=0.7)) < 1e-5
+
+
+@pytest.mark.parametrize("fp8_max,want", [(0, "fused_moe"), (8, "moe_pairs")])
+def test_fp8_weights_take_the_pair_kernel_only_up_to_their_own_limit(fp8_max, want, monkeypatch):
+    """FP8 block-scaled weights follow MOE_PAIRS_MAX_FP8 (0 by the H200 bench: slower at one or two tokens), not
+    MOE_PAIRS_MAX; the output is the dequantised weights' function either way."""
+    from deepinfer.backends.nvidia import ops as nv
+    from deepinfer.testing.kernels import fp8_weights
+
+    monkeypatch.setattr(nv, "MOE_PAIRS_MAX", 64)
+    monkeypatch.setattr(nv, "MOE_PAIRS_MAX_FP8", fp8_max)
+    backend = nv.NvidiaOps(DEV)
+    g = gen(11)
+    E, d, F, k = 4, 256, 128, 2
+    q13, s13, dq13 = fp8_weights(g, E, 2 * F, d, DEV)
+    q2, s2, dq2 = fp8_weights(g, E, d, F, DEV)
+    x = torch.randn(1, d, generator=g).to(DEV, torch.bfloat16)
+    weights, ids = ref_moe.route(torch.randn(1, E, generator=g), k)
+    weights, ids = weights.to(DEV), ids.to(DEV)
+    before = dict(backend.kernel_calls)
+    out = backend.moe_experts(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    ran = {n for n, c in backend.kernel_calls.items() if c != before.get(n, 0)}
+    assert ran == {want}
+    assert rel_err(out, ref_moe.experts_dense(x.float(), dq13, dq2, weights, ids)) < 1e-2

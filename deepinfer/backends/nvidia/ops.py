@@ -43,9 +43,13 @@ INVARIANT_MOE_BLOCK_M = 16  # batch-invariant mode: the fused MoE's one M-block 
 CED_ROUTE_GEMV_MAX_ROWS = 0
 # The routed experts of a few tokens: up to this many (token, expert) pairs triton_moe_pairs.pair_experts (a GEMV
 # per pair, two launches) instead of fused_experts (sort by expert, two GEMMs, k-sum: five). Never in batch-invariant
-# mode (fused_experts' one M-block size there). benchmarks/moe_pairs_bench.py on the H200 (bench shape, 13th session):
-# pairs slower at every token count in bf16 (1.95x at 1 token, 1.29x at 4) and in FP8 but at 4 tokens (0.83x), so 0.
-MOE_PAIRS_MAX = 0
+# mode (fused_experts' one M-block size there). benchmarks/moe_pairs_bench.py on the H200 (bench shape: 32 experts,
+# top-4, d 2048, F 512; 13th session, after the pair kernels took GEMV-sized tiles): bf16 pairs / fused 0.63 / 0.67 /
+# 0.89 / 0.98 / 1.33 at 1 / 2 / 4 / 8 / 16 tokens (15.8 against 25.3 us at one), so 16 pairs (4 tokens of top-4);
+# FP8 weights (128-wide K steps for their scales) 1.55 / 1.26 at 1 / 2 tokens, 0.85-0.97 from 4 to 16: too uneven
+# to take at a few tokens, so 0 for them.
+MOE_PAIRS_MAX = 16
+MOE_PAIRS_MAX_FP8 = 0
 # Projections (ops.linear, grouped_linear) of up to this many rows run triton_gemv's GEMV kernel instead of cuBLAS.
 # benchmarks/gemv_bench.py at the CED bench config's projections on the H200 (13th session, the first kernel): at
 # one row faster at all 9 shapes (3.4 against cuBLAS's 13.2 us at 1024 x 2048, 10.7 against 15.3 at 2048 x 8192;
@@ -137,14 +141,15 @@ class NvidiaOps(ReferenceOps):
 
     def moe_experts(self, x, w13, w2, weights, ids, *, clamp=None, impl="routed", w13_scale=None, w2_scale=None):
         """impl "routed" runs the fused Triton MoE (no host sync, CUDA-graph safe; up to MOE_PAIRS_MAX (token,
-        expert) pairs the two-launch pair kernel, same contract), FP8 block-scaled weights
+        expert) pairs, MOE_PAIRS_MAX_FP8 with FP8 weights, the two-launch pair kernel, same contract), FP8 block-scaled weights
         included (w8a16: tiles widened to x's dtype in registers, block products scaled). It does not range-check
         ids (that would sync): an id outside [0, E) is the router's bug and its pair contributes zero; the
         reference path ("dense", or any input the kernel does not support) raises on it."""
         from . import triton_moe  # imported on first use, like the reference's moe module
 
         scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
-        if impl == "routed" and not self.batch_invariant and ids.numel() <= MOE_PAIRS_MAX \
+        most = MOE_PAIRS_MAX_FP8 if w13_scale is not None else MOE_PAIRS_MAX
+        if impl == "routed" and not self.batch_invariant and ids.numel() <= most \
                 and kernel_device_ok(x, w13, w2, weights, ids, w13_scale, w2_scale):
             from . import triton_moe_pairs
 
