@@ -28,12 +28,14 @@ class Ops:
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, K] @ w.T for a weight w [N, K], no bias -> [T, N] in x's dtype (F.linear's contract): a model's
-        projection, which a backend may run as a GEMV kernel at a few rows."""
-        raise NotImplementedError
+        projection, which a backend may run as a GEMV kernel at a few rows. Added after the first backends, so it
+        has torch's default here (a backend written against the older interface keeps working)."""
+        return torch.nn.functional.linear(x, w)
 
     def grouped_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [T, G, K], w [G, N, K] -> [T, G, N], group g's rows x[:, g] @ w[g].T: CED's grouped output projection."""
-        raise NotImplementedError
+        """x [T, G, K], w [G, N, K] -> [T, G, N], group g's rows x[:, g] @ w[g].T: CED's grouped output projection
+        (torch's einsum by default, as ``linear``)."""
+        return torch.einsum("tgi,goi->tgo", x, w)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise NotImplementedError

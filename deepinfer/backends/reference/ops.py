@@ -15,12 +15,6 @@ class ReferenceOps(Ops):
     def __init__(self, device="cpu"):
         self.device = torch.device(device)
 
-    def linear(self, x, w):
-        return F.linear(x, w)
-
-    def grouped_linear(self, x, w):
-        return torch.einsum("tgi,goi->tgo", x, w)
-
     def rms_norm(self, x, weight, eps):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
