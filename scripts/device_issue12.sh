@@ -9,6 +9,7 @@
 #   bash scripts/device_issue12.sh sweep2             # the same at batch 64 / the second GEMV kernel, the decode profile
 #   bash scripts/device_issue12.sh check              # the touched kernels' GPU tests, the decode profile at 1/16/64
 #   bash scripts/device_issue12.sh suite-short        # every GPU test file but kv_sizing, 12 workers, 330 s
+#   bash scripts/device_issue12.sh moe-graphs         # the files the pair MoE and the GEMV touch, ~3 min
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -128,6 +129,14 @@ suite-short)
   files=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import gpu_tests; print(' '.join(f for f in gpu_tests.gpu_test_files() if 'kv_sizing' not in f))")
   timeout -s INT 330 python3 -m pytest -n 12 --dist loadfile -p no:cacheprovider -q -rfE --durations=10 \
     --junitxml="$OUT/gpu_tests_all.xml" $files 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+moe-graphs)
+  # What the pair-MoE dispatch and the one-row GEMV touch, in one short call (~3 min): the MoE kernels and FP8 experts,
+  # CUDA graphs and GPU parity of every model family (MoE models decode a few tokens on the pair kernel now), CED
+  # decode, speculative decoding, the GEMV and attention-launch tests.
+  timeout -s INT 180 python3 -m pytest -n 9 --dist loadfile -p no:cacheprovider -q -rfE --durations=6 \
+    --junitxml="$OUT/gpu_tests_moe_graphs.xml" tests/test_triton_moe.py tests/test_moe_fp8.py \
+    tests/test_cuda_graphs.py tests/test_gpu_parity.py tests/test_ced_decode_path.py tests/test_triton_moe_pairs.py \
+    tests/test_speculative.py tests/test_triton_gemv.py tests/test_triton_ced_launch.py 2>&1 | tail -20 ;;
 prefix)
   # The prefix-cache bench on the Llama-8B shape (with the first TileLang part copied, carry .whl_tl/a).
   bash scripts/device_tilelang.sh stage1 > /dev/null
