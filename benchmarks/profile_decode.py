@@ -6,7 +6,9 @@ For the Llama-3.1-8B shape with random bf16 weights (as benchmarks/gpu_bench.py 
 ``step_ms``: steady engine step (wall, B sequences decoding, overlap scheduling as configured);
 ``replay_ms``: the captured decode graph alone, replayed back to back (CUDA events) - the GPU's share;
 ``kernels``: the top kernels by GPU time per step under torch.profiler (the graph's kernels are listed one by
-one), so the gap to the bandwidth roofline can be attributed. One JSONL row per batch size, and a table.
+one), so the gap to the bandwidth roofline can be attributed; ``device_ms`` and the rest of ``device_split``: the
+GPU's busy time a step and the part launched outside the graph, so a step longer than its replay says whether the
+device works or waits. One JSONL row per batch size, and a table.
 """
 
 from __future__ import annotations
@@ -99,6 +101,24 @@ def top_kernels(prof, n_steps: int, k: int = 18) -> list:
     return [{"kernel": a, "ms_per_step": round(b, 4), "calls_per_step": c} for a, b, c in rows[:k]]
 
 
+def device_split(prof, n_steps: int) -> dict:
+    """Where a step's wall time is on the device, from the profiled steps: ``device_ms`` the GPU's busy time a step
+    (every kernel and copy, the graph's and the rest), ``launches_outside_graph`` the kernels the host launched one
+    by one (cudaLaunchKernel / cuLaunchKernel calls a step) and ``graph_launches``. Beside the engine step and the
+    replay: busy well over the replay means device work outside the graph; busy well under the step, an idle
+    device waiting for the host."""
+    busy = launches = graphs = 0.0
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA":
+            busy += getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        elif e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
+            launches += e.count
+        elif e.key == "cudaGraphLaunch":
+            graphs += e.count
+    return {"device_ms": round(busy / 1e3 / n_steps, 3), "launches_outside_graph": round(launches / n_steps, 1),
+            "graph_launches": round(graphs / n_steps, 1)}
+
+
 def top_functions(prof, n_steps: int, k: int = 22) -> list:
     """Host time per step by function (self time), from cProfile."""
     import pstats
@@ -139,14 +159,16 @@ def main() -> int:
         _, prof = steady_steps(llm, B, args.input_len, 8, vocab, profile="gpu")
         host_ms, hprof = steady_steps(llm, B, args.input_len, 16, vocab, profile="host")
         row = {"shape": args.shape, "batch_invariant": args.batch_invariant, "batch": B, "step_ms": round(step, 3), "replay_ms": rep and round(rep, 3),
-               "overlap": llm.engine.overlap, "kernels": top_kernels(prof, 8), "syncs": hprof.syncs,
+               "overlap": llm.engine.overlap, **device_split(prof, 8), "kernels": top_kernels(prof, 8),
+               "syncs": hprof.syncs,
                "host": top_functions(hprof, 16)}
         rows.append(row)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
     for r in rows:
         print(f"\n== batch {r['batch']}: engine step {r['step_ms']} ms, graph replay {r['replay_ms']} ms "
-              f"(overlap {r['overlap']})")
+              f"(overlap {r['overlap']}); under the profiler the GPU is busy {r['device_ms']} ms a step, with "
+              f"{r['launches_outside_graph']} kernels launched outside the {r['graph_launches']} graph launches")
         print(f"{'ms/step':>9} {'calls':>5}  kernel")
         for k in r["kernels"]:
             print(f"{k['ms_per_step']:9.4f} {k['calls_per_step']:5d}  {k['kernel']}")
