@@ -30,6 +30,9 @@ from kernels_gpu import time_calls  # noqa: E402
 SHAPES = [("wq_a", 1, 1024, 2048, 16), ("wq_b", 1, 8192, 1024, 16), ("wkv", 1, 512, 2048, 16),
           ("wo_a", 8, 1024, 1024, 16), ("wo_b", 1, 2048, 8192, 16), ("shared_w13", 1, 1024, 2048, 16),
           ("shared_w2", 1, 2048, 512, 16), ("wiq", 1, 2048, 1024, 4), ("lm_head", 1, 4096, 2048, 1)]
+# The router's logits: bf16 rows against the float32 gate [32 experts, 2048] into float32 (cuBLAS: x.float() and a
+# float32 GEMV; the kernel: one launch). Timed and totalled apart (CED_ROUTE_LOGITS_GEMV_MAX_ROWS).
+ROUTER = ("router", 1, 32, 2048, 16)
 
 
 def rel(a, b) -> float:
@@ -45,31 +48,42 @@ def main(argv=None) -> int:
     ap.add_argument("--rotate-mb", type=float, default=256.0)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="gemv.jsonl")
+    ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: shapes / 32, checks the script")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs CUDA", file=sys.stderr)
+    shapes = SHAPES + [ROUTER]
+    if a.smoke:
+        shapes = [(n, G, max(1, N // 32), max(1, K // 32), c) for n, G, N, K, c in shapes]
+        a.rows, a.tiles, a.per_sm, a.warps, a.reps, a.rotate_mb = [1, 2], [256], [4], [4], 2, 0.01
+    elif not torch.cuda.is_available():
+        print("needs CUDA (or --smoke with TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
     from deepinfer.backends.nvidia import triton_gemv as tg
 
-    dev, g = torch.device("cuda"), torch.Generator().manual_seed(0)
+    dev, g = torch.device("cpu" if a.smoke else "cuda"), torch.Generator().manual_seed(0)
     knobs = list(itertools.product(a.tiles, a.per_sm, a.warps))
     totals = {}  # (rows, impl) -> us per step
     with open(a.out, "w") as f:
-        for name, G, N, K, per_step in SHAPES:
-            nbytes = G * N * K * 2
+        for name, G, N, K, per_step in shapes:
+            router = name == "router"
+            wdtype = torch.float32 if router else torch.bfloat16
+            nbytes = G * N * K * (4 if router else 2)
             copies = max(2, min(64, int(a.rotate_mb * 2**20 // nbytes) + 1))
-            ws = [(torch.randn(G, N, K, generator=g) * K ** -0.5).to(dev, torch.bfloat16) for _ in range(copies)]
+            ws = [(torch.randn(G, N, K, generator=g) * K ** -0.5).to(dev, wdtype) for _ in range(copies)]
             for M in a.rows:
                 xs = [torch.randn(M, G, K, generator=g).to(dev, torch.bfloat16) for _ in range(copies)]
                 ref = torch.einsum("mgk,gnk->mgn", xs[0].double(), ws[0].double())
-                if G == 1:
+                if router:
+                    cublas = lambda x, w: torch.nn.functional.linear(x[:, 0].float(), w[0])  # noqa: E731
+                elif G == 1:
                     cublas = lambda x, w: torch.nn.functional.linear(x[:, 0], w[0])  # noqa: E731
                 else:
                     cublas = lambda x, w: torch.einsum("tgi,goi->tgo", x, w)  # noqa: E731
                 impls = {"cublas": cublas}
+                out_dtype = torch.float32 if router else None
                 for tile, per_sm, nw in knobs:
                     impls[f"gemv t{tile} p{per_sm} w{nw}"] = (
-                        lambda x, w, _k=dict(tile=tile, per_sm=per_sm, num_warps=nw): tg.grouped_gemv(x, w, **_k))
+                        lambda x, w, _k=dict(tile=tile, per_sm=per_sm, num_warps=nw, out_dtype=out_dtype):
+                        tg.grouped_gemv(x, w, **_k))
                 for impl, fn in impls.items():
                     out = fn(xs[0], ws[0]).reshape(ref.shape)
                     err = rel(out, ref)
@@ -77,25 +91,30 @@ def main(argv=None) -> int:
                     us *= 1e3
                     row = dict(bench="gemv", shape=name, groups=G, N=N, K=K, rows=M, impl=impl, us=round(us, 2),
                                tb_s=round(nbytes / (us * 1e-6) / 1e12, 3), rel_err=err, ok=err < 1e-2,
-                               per_step=per_step, timing=mode, device=torch.cuda.get_device_name())
+                               per_step=per_step, timing=mode,
+                               device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu")
                     f.write(json.dumps(row) + "\n")
-                    key = (M, impl)
+                    key = (M, impl, router)
                     totals[key] = totals.get(key, 0.0) + (us if row["ok"] else float("inf")) * per_step
                 print(f"{name:<11} rows {M}  bytes {nbytes / 2**20:6.1f} MB  done", flush=True)
-        print(f"\n{'rows':>4}  {'cublas us/step':>14}  {'best gemv us/step':>17}  best knobs")
-        max_rows, winning = 0, True
-        for M in a.rows:
-            gem = {i: v for (m, i), v in totals.items() if m == M and i != "cublas"}
-            best = min(gem, key=gem.get)
-            print(f"{M:>4}  {totals[(M, 'cublas')]:14.1f}  {gem[best]:17.1f}  {best}")
-            f.write(json.dumps(dict(bench="gemv_step", rows=M, cublas_us=round(totals[(M, 'cublas')], 1),
-                                    gemv_us=round(gem[best], 1), knobs=best)) + "\n")
-            winning = winning and gem[best] < totals[(M, "cublas")]
-            if winning:
-                max_rows = M
-        one = {i: v for (m, i), v in totals.items() if m == a.rows[0] and i != "cublas"}
-        print(f"knobs at {a.rows[0]} row(s): {min(one, key=one.get)}")
-        print(f"GEMV_MAX_ROWS (backends/nvidia/ops.py) by these rows: {max_rows}")
+        for router, limit in ((False, "GEMV_MAX_ROWS"), (True, "CED_ROUTE_LOGITS_GEMV_MAX_ROWS")):
+            print(f"\n{'router' if router else 'projections'}:\n{'rows':>4}  {'cublas us/step':>14}  "
+                  f"{'best gemv us/step':>17}  best knobs")
+            max_rows, winning = 0, True
+            for M in a.rows:
+                gem = {i: v for (m, i, r), v in totals.items() if m == M and r == router and i != "cublas"}
+                best = min(gem, key=gem.get)
+                cub = totals[(M, "cublas", router)]
+                print(f"{M:>4}  {cub:14.1f}  {gem[best]:17.1f}  {best}")
+                f.write(json.dumps(dict(bench="gemv_step", router=router, rows=M, cublas_us=round(cub, 1),
+                                        gemv_us=round(gem[best], 1), knobs=best)) + "\n")
+                winning = winning and gem[best] < cub
+                if winning:
+                    max_rows = M
+            if not router:
+                one = {i: v for (m, i, r), v in totals.items() if m == a.rows[0] and not r and i != "cublas"}
+                print(f"knobs at {a.rows[0]} row(s): {min(one, key=one.get)}")
+            print(f"{limit} (backends/nvidia/ops.py) by these rows: {max_rows}")
     return 0
 
 

@@ -10,6 +10,7 @@
 #   bash scripts/device_issue12.sh check              # the touched kernels' GPU tests, the decode profile at 1/16/64
 #   bash scripts/device_issue12.sh suite-short        # every GPU test file but kv_sizing, 12 workers, 330 s
 #   bash scripts/device_issue12.sh moe-graphs         # the files the pair MoE and the GEMV touch, ~3 min
+#   bash scripts/device_issue12.sh next13             # the router-logits GEMV bench, the decode profile's device split
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -123,6 +124,14 @@ suite)
   timeout -s INT 420 python3 -m pytest -n 8 --dist loadfile -p no:cacheprovider -q -rfE --durations=15 \
     --junitxml="$OUT/gpu_tests_all.xml" $files 2>&1 | tee "$OUT/gpu_tests.log" | tail -45
   timeout -s INT 90 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_kv_sizing.py 2>&1 | tail -5 ;;
+next13)
+  # What the thirteenth session left for the next one's first call (~5 min): the GEMV bench with the router's logits
+  # row (its last line: CED_ROUTE_LOGITS_GEMV_MAX_ROWS), then the decode profile with the GPU's busy time a step
+  # and the kernels launched outside the graph (the 0.9 ms between replay and step at batch 16 and 64).
+  timeout 200 python3 benchmarks/gemv_bench.py --tiles 8192 --per-sm 2 4 --warps 4 8 --out "$OUT/gemv.jsonl" 2>&1 \
+    | grep -v Warning | tail -16
+  timeout 170 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | grep -B1 -A22 "== batch" | grep -v "^host\|cProfile" ;;
 suite-short)
   # The GPU test files under xdist in one shorter call (a device budget's end): kv_sizing left out (it measures free
   # memory, nothing of which changed), a 330 s limit.

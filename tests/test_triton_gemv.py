@@ -44,6 +44,18 @@ def test_grouped_gemv_matches_float64(M, G, N, K, dtype, scale, seed):
 
 
 @examples(8)
+@given(M=st.integers(1, tg.MAX_ROWS), N=st.integers(1, 40), K=st.integers(1, 300),
+       xdtype=st.sampled_from([torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16))
+def test_mixed_dtypes_compute_in_float32(M, N, K, xdtype, seed):
+    """A bf16 / fp16 row against a float32 weight into a float32 output (CED's router logits, x.float() @ gate.T):
+    both widened exactly, so the bound is K float32 roundings of sum |x w|."""
+    g = gen(seed)
+    x = torch.randn(M, 1, K, generator=g).to(DEV, xdtype)
+    w = torch.randn(1, N, K, generator=g).to(DEV)
+    check(tg.grouped_gemv(x, w, out_dtype=torch.float32), x.float(), w)
+
+
+@examples(8)
 @given(M=st.integers(1, tg.MAX_ROWS), N=st.integers(1, 90), K=st.integers(1, 200), seed=st.integers(0, 2**16))
 def test_linear_of_strided_rows_matches_float64(M, N, K, seed):
     """x a column slice of a wider tensor (row stride != K), as a model's views are."""
@@ -75,7 +87,9 @@ def test_bad_inputs_are_refused_with_their_shapes():
     with pytest.raises(ValueError, match="unsupported inputs"):
         tg.grouped_gemv(x, torch.randn(1, 4, 8, device=DEV))  # K differs
     with pytest.raises(ValueError, match="unsupported inputs"):
-        tg.grouped_gemv(x.bfloat16(), torch.randn(1, 4, 16, device=DEV))  # dtypes differ
+        tg.grouped_gemv(x.double(), torch.randn(1, 4, 16, device=DEV, dtype=torch.float64))  # float64
+    with pytest.raises(ValueError, match="unsupported inputs"):
+        tg.grouped_gemv(x, torch.randn(1, 4, 16, device=DEV), out_dtype=torch.int32)
     with pytest.raises(ValueError, match="unsupported inputs"):
         tg.grouped_gemv(torch.randn(tg.MAX_ROWS + 1, 1, 16, device=DEV), torch.randn(1, 4, 16, device=DEV))
     with pytest.raises(ValueError, match=r"\[M, K\]"):
@@ -125,3 +139,32 @@ def test_gpu_ced_bench_projections_in_a_graph(G, N, K):
         graph.replay()
         torch.cuda.synchronize()
         check(out, x, w)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_ced_router_logits_take_the_kernel_up_to_their_limit(invariant, monkeypatch):
+    """NvidiaOps.ced_moe_route computes the logits (bf16 rows against the float32 gate) with the kernel up to
+    CED_ROUTE_LOGITS_GEMV_MAX_ROWS rows, never in batch-invariant mode. The routing matches the reference's:
+    compared by the float64 biased scores of what each side chose (a near tie may pick either expert) and by the
+    chosen weights, never by copying one side's choice into the other."""
+    from deepinfer.backends.nvidia import ops as nv
+    from deepinfer.backends.reference.ops import ReferenceOps
+
+    monkeypatch.setattr(nv, "CED_ROUTE_LOGITS_GEMV_MAX_ROWS", 2)
+    backend = nv.NvidiaOps(DEV)
+    backend.batch_invariant = invariant
+    g = gen(9)
+    E, d, k = 12, 96, 3
+    gate = torch.randn(E, d, generator=g).to(DEV) * d ** -0.5
+    bias = (torch.randn(E, generator=g) * 0.1).to(DEV)
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, d, generator=g).to(DEV, torch.bfloat16)
+        before = backend.kernel_calls["gemv"]
+        w, ids = backend.ced_moe_route(x, gate, k, bias=bias, scaling=1.5)
+        assert backend.kernel_calls["gemv"] - before == (0 if invariant or rows > 2 else 1), (rows, invariant)
+        rw, rids = ReferenceOps(DEV).ced_moe_route(x, gate, k, bias=bias, scaling=1.5)
+        logits = x.double() @ gate.double().T
+        score = torch.sqrt(torch.nn.functional.softplus(logits)) + bias.double()
+        mine, ref = score.gather(1, ids).sort(1).values, score.gather(1, rids).sort(1).values
+        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w.sort(1).values, rw.sort(1).values, rtol=1e-5, atol=1e-6)

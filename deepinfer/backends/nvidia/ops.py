@@ -41,6 +41,10 @@ INVARIANT_MOE_BLOCK_M = 16  # batch-invariant mode: the fused MoE's one M-block 
 # router kernel on the logits. benchmarks/ced_route_bench.py on the H200 (bench shape): cuBLAS + router faster at
 # every count, 7.9 vs 13.8 us at 1 token, 1.1-1.2x from 8 to 256; so 0 (the in-kernel GEMV stays, tested, unused)
 CED_ROUTE_GEMV_MAX_ROWS = 0
+# CED's router logits (x.float() @ gate.T, gate float32) by triton_gemv's kernel up to this many rows: one launch
+# where cuBLAS's float32 GEMV takes three (x's cast, the dot and its reduction; 0.08-0.1 ms a step at batch 1 by the
+# 13th session's profile). 0 until benchmarks/gemv_bench.py's router row has timed both on the H200.
+CED_ROUTE_LOGITS_GEMV_MAX_ROWS = 0
 # The routed experts of a few tokens: up to this many (token, expert) pairs triton_moe_pairs.pair_experts (a GEMV
 # per pair, two launches) instead of fused_experts (sort by expert, two GEMMs, k-sum: five). Never in batch-invariant
 # mode (fused_experts' one M-block size there). benchmarks/moe_pairs_bench.py on the H200 (bench shape: 32 experts,
@@ -101,8 +105,9 @@ class NvidiaOps(ReferenceOps):
             return triton_gemv.grouped_gemv(x, w)
         return super().grouped_linear(x, w)
 
-    def _gemv_ok(self, x, w):
-        return not self.batch_invariant and 0 < x.shape[0] <= GEMV_MAX_ROWS and kernel_device_ok(x, w) \
+    def _gemv_ok(self, x, w):  # (one dtype: F.linear's contract; the kernel itself takes mixed ones)
+        return not self.batch_invariant and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == w.dtype \
+            and kernel_device_ok(x, w) \
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
 
     # Norms and activations.
@@ -325,7 +330,8 @@ class NvidiaOps(ReferenceOps):
         return super().ced_swiglu(gu, limit)
 
     def ced_moe_route(self, x, gate, top_k, *, bias, scaling):
-        """cuBLAS's gate GEMV, then the router kernel (up to CED_ROUTE_GEMV_MAX_ROWS tokens: the GEMV in the kernel).
+        """cuBLAS's gate GEMV, then the router kernel (up to CED_ROUTE_GEMV_MAX_ROWS tokens: the GEMV in the kernel; up
+        to CED_ROUTE_LOGITS_GEMV_MAX_ROWS: triton_gemv's kernel for the logits).
         Batch-invariant mode: always the gate matmul (routed to the invariant kernel) then the router kernel, so a
         row's logits do not depend on how many rows the step has."""
         from . import triton_ced_route as tcr
@@ -335,6 +341,12 @@ class NvidiaOps(ReferenceOps):
                 and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
             self.kernel_calls["ced_moe_route"] += 1
             return tcr.route_from_hidden(x, gate, top_k, scaling=scaling, bias=bias)
+        if not self.batch_invariant and 0 < x.shape[0] <= CED_ROUTE_LOGITS_GEMV_MAX_ROWS and kernel_device_ok(x, gate) \
+                and gate.dtype == torch.float32 and triton_gemv.supports(x[:, None, :], gate[None]) \
+                and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
+            self.kernel_calls["gemv"] += 1
+            logits = triton_gemv.linear(x, gate, out_dtype=torch.float32)
+            return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
         return super().ced_moe_route(x, gate, top_k, bias=bias, scaling=scaling)
 
     def _rows(self, table, q_rows, ids, count=False):

@@ -20,6 +20,8 @@ nearest even) at the end, as cuBLAS computes; the summation order differs, so re
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -65,8 +67,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
 
 
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether grouped_gemv runs x [M, G, K] against w [G, N, K] (contiguous along K, one dtype, M <= MAX_ROWS)."""
-    if x.dim() != 3 or w.dim() != 3 or x.dtype not in SUPPORTED_DTYPES or w.dtype != x.dtype:
+    """Whether grouped_gemv runs x [M, G, K] against w [G, N, K] (contiguous along K, M <= MAX_ROWS; each in one
+    of SUPPORTED_DTYPES, not necessarily the same: a bf16 hidden row against CED's float32 router weight)."""
+    if x.dim() != 3 or w.dim() != 3 or x.dtype not in SUPPORTED_DTYPES or w.dtype not in SUPPORTED_DTYPES:
         return False
     if x.device != w.device or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[2]:
         return False
@@ -84,17 +87,19 @@ def block_sizes(M: int, G: int, N: int, K: int, device: torch.device, tile: int 
     return next_pow2(M), bn, bk
 
 
-def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, tile: int = TILE, per_sm: int = PROGRAMS_PER_SM,
-                 num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """x [M, G, K] @ w[g].T per group -> [M, G, N] in x's dtype (see the module doc). ``tile``, ``per_sm`` and
+def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.dtype] = None, tile: int = TILE,
+                 per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """x [M, G, K] @ w[g].T per group -> [M, G, N] in ``out_dtype`` (default x's; see the module doc: both operands
+    are widened to float32 exactly, so mixed dtypes compute x.float() @ w.float().T). ``tile``, ``per_sm`` and
     ``num_warps`` are the launch's knobs (benchmarks/gemv_bench.py times them)."""
-    if not supports(x, w):
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if not supports(x, w) or out_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"grouped_gemv: unsupported inputs: x {x.dtype} {tuple(x.shape)} stride {x.stride()}, "
-                         f"w {w.dtype} {tuple(w.shape)} stride {w.stride()} (x [M <= {MAX_ROWS}, G, K] and "
-                         f"w [G, N, K] in one of {SUPPORTED_DTYPES}, contiguous along K)")
+                         f"w {w.dtype} {tuple(w.shape)} stride {w.stride()}, out {out_dtype} (x [M <= {MAX_ROWS}, "
+                         f"G, K] and w [G, N, K] in {SUPPORTED_DTYPES}, contiguous along K)")
     M, G, K = x.shape
     N = w.shape[1]
-    out = torch.empty(M, G, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, G, N, dtype=out_dtype, device=x.device)
     if N == 0 or G == 0:
         return out
     if K == 0:
