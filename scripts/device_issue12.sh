@@ -11,6 +11,7 @@
 #   bash scripts/device_issue12.sh suite-short        # every GPU test file but kv_sizing, 12 workers, 330 s
 #   bash scripts/device_issue12.sh moe-graphs         # the files the pair MoE and the GEMV touch, ~3 min
 #   bash scripts/device_issue12.sh next13             # the router-logits GEMV bench, the decode profile's device split
+#   bash scripts/device_issue12.sh prefill-attn       # CED attention's launch knobs on a 16K prefill chunk
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -132,6 +133,11 @@ next13)
     | grep -v Warning | tail -16
   timeout 170 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
     --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | grep -B1 -A22 "== batch" | grep -v "^host\|cProfile" ;;
+prefill-attn)
+  # CED attention's launch knobs on a 2048-query prefill chunk at 16K (2.4 ms a layer on the default launch, most
+  # of a 16K prefill; the decode sweep's winners cut batch 64 by 2.6x).
+  timeout 300 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --stages 1 2 \
+    --out "$OUT/ced_attn_sweep_prefill.jsonl" 2>&1 | grep -v Warning | tail -3 ;;
 suite-short)
   # The GPU test files under xdist in one shorter call (a device budget's end): kv_sizing left out (it measures free
   # memory, nothing of which changed), a 330 s limit.
