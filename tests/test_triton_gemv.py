@@ -69,15 +69,18 @@ def test_linear_of_strided_rows_matches_float64(M, N, K, seed):
 
 
 def test_launch_config_fills_the_gpu_and_keeps_the_tile():
-    """BLOCK_N shrinks until the grid has PROGRAMS_PER_SM programs per SM (or is 1); BLOCK_K keeps BLOCK_N x BLOCK_K
-    at TILE elements while K allows."""
+    """BLOCK_N is the widest power of two (at most 64, at most N rounded up) whose grid has PROGRAMS_PER_SM programs
+    per SM, or 1; BLOCK_K keeps BLOCK_N x BLOCK_K at TILE elements while K allows."""
     from deepinfer.backends.nvidia.triton_attention import sm_count
 
-    sms = sm_count(torch.device(DEV))
-    for G, N, K in ((1, 2048, 8192), (1, 512, 2048), (8, 1024, 1024), (1, 8192, 1024), (1, 3, 5000)):
+    want = tg.PROGRAMS_PER_SM * sm_count(torch.device(DEV))
+    for G, N, K in ((1, 2048, 8192), (1, 512, 2048), (8, 1024, 1024), (1, 8192, 1024), (1, 3, 5000), (2, 40, 7)):
         bm, bn, bk = tg.block_sizes(1, G, N, K, torch.device(DEV))
-        assert bm == 1 and bn >= 1 and bk >= 16
-        assert bn == 1 or G * -(-N // bn) >= tg.PROGRAMS_PER_SM * sms or bn == min(64, 1 << (N - 1).bit_length())
+        start = min(64, 1 << (N - 1).bit_length())
+        grid = lambda b: G * -(-N // b)  # noqa: E731
+        assert bm == 1 and 1 <= bn <= start and bn & (bn - 1) == 0
+        assert grid(bn) >= want or bn == 1, (G, N, bn)  # full, or as narrow as it goes
+        assert bn == start or grid(2 * bn) < want, (G, N, bn)  # and no narrower than needed
         assert bk == max(16, min(1 << (K - 1).bit_length(), tg.TILE // bn))
     assert tg.block_sizes(5, 1, 64, 64, torch.device(DEV))[0] == 8
 
