@@ -432,7 +432,7 @@ class CEDForCausalLM(CEDEngineMixin, nn.Module):
     def logits(self, h):
         c = self.c_norm(h)
         w = self.embed.weight if self.lm_head is None else self.lm_head
-        return (self.ops.linear(c, w) if h.is_cuda else F.linear(c, w)).float()
+        return (model_ops(self).linear(c, w) if h.is_cuda else F.linear(c, w)).float()
 
     def c_norm(self, h):
         return fn.rms(h, self.norm, self.config.rms_norm_eps, ops=self.ops if h.is_cuda else None)
