@@ -89,7 +89,8 @@ sweep)
   timeout 240 python3 benchmarks/gemv_bench.py --out "$OUT/gemv.jsonl" 2>&1 | grep -v Warning | tail -9
   timeout 230 python3 benchmarks/ced_attn_sweep.py --out "$OUT/ced_attn_sweep.jsonl" 2>&1 | grep -v Warning | tail -6 ;;
 sweep2)
-  # The GEMV kernel without per-step reductions (tests, bench), CED attention's knobs at batch 64, the decode profile.
+  # The GEMV kernel (at d9f9d5a its per-lane variant) tests and bench, CED attention's knobs at batch 64, the decode
+  # profile at batch 1 and 16.
   timeout 60 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_triton_gemv.py 2>&1 | tail -2
   timeout 170 python3 benchmarks/gemv_bench.py --out "$OUT/gemv.jsonl" 2>&1 | grep -v Warning | tail -8
   timeout 150 python3 benchmarks/ced_attn_sweep.py --batches 64 --stages 1 2 --out "$OUT/ced_attn_sweep_b64.jsonl" \
@@ -139,8 +140,8 @@ prefill-attn)
   timeout 300 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --stages 1 2 \
     --out "$OUT/ced_attn_sweep_prefill.jsonl" 2>&1 | grep -v Warning | tail -3 ;;
 suite-short)
-  # The GPU test files under xdist in one shorter call (a device budget's end): kv_sizing left out (it measures free
-  # memory, nothing of which changed), a 330 s limit.
+  # The GPU test files under xdist in one shorter call (a device budget's end), a 330 s limit; kv_sizing left out (it
+  # measures the device's free memory, so it runs alone: `suite` runs it after the rest).
   files=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import gpu_tests; print(' '.join(f for f in gpu_tests.gpu_test_files() if 'kv_sizing' not in f))")
   timeout -s INT 330 python3 -m pytest -n 12 --dist loadfile -p no:cacheprovider -q -rfE --durations=10 \
     --junitxml="$OUT/gpu_tests_all.xml" $files 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
@@ -173,5 +174,5 @@ mla)
     2>&1 | tail -15
   PYTHONPATH=/tmp/tlsite:$PWD timeout 120 python3 scripts/mla_kernel_calls.py ;;
 *)
-  echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | final COMMIT | final2 | mla" >&2; exit 2 ;;
+  echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac
