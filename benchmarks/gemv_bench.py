@@ -1,5 +1,5 @@
 """A decode step's projections on the GPU: cuBLAS (F.linear, the grouped einsum) against triton_gemv's kernel and
-its launch knobs, at the CED bench config's shapes and 1-8 rows, bf16.
+its launch knobs (and its tensor-core variant), at the CED bench config's shapes and 1-16 rows, bf16.
 
     python benchmarks/gemv_bench.py --out $OUT/gemv.jsonl      # H200, ~2 min
 
@@ -10,7 +10,8 @@ layers do not. A row per (shape, rows, implementation); then, per row count, the
 (each weighted by its calls per step) for cuBLAS and for each knob setting. The last lines print the knobs
 whose total is lowest at one row (triton_gemv's TILE, PROGRAMS_PER_SM, NUM_WARPS) and GEMV_MAX_ROWS for
 backends/nvidia/ops.py: the largest row count up to which the shipped knobs' total beats cuBLAS's at every count
-(likewise CED_ROUTE_LOGITS_GEMV_MAX_ROWS from the router's row).
+(likewise CED_ROUTE_LOGITS_GEMV_MAX_ROWS from the router's row), and GEMV_DOT_MAX_ROWS: past that, the largest
+row count up to which the tensor-core variant ("dot" rows, up to 16 rows) beats cuBLAS at every count.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def rel(a, b) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--tiles", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--per-sm", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     shapes = SHAPES + [ROUTER]
     if a.smoke:
         shapes = [(n, G, max(1, N // 32), max(1, K // 32), c) for n, G, N, K, c in shapes]
-        a.rows, a.tiles, a.per_sm, a.warps, a.reps, a.rotate_mb = [1, 2], [256], [4], [4], 2, 0.01
+        a.rows, a.tiles, a.per_sm, a.warps, a.reps, a.rotate_mb = [1, 2, 16], [256], [4], [4], 2, 0.01
     elif not torch.cuda.is_available():
         print("needs CUDA (or --smoke with TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
@@ -85,9 +86,13 @@ def main(argv=None) -> int:
                     cublas = lambda x, w: torch.einsum("tgi,goi->tgo", x, w)  # noqa: E731
                 impls = {"cublas": cublas}
                 out_dtype = torch.float32 if router else None
-                for tile, per_sm, nw in knobs:
+                for tile, per_sm, nw in knobs if M <= tg.MAX_ROWS else ():
                     impls[f"gemv t{tile} p{per_sm} w{nw}"] = (
                         lambda x, w, _k=dict(tile=tile, per_sm=per_sm, num_warps=nw, out_dtype=out_dtype):
+                        tg.grouped_gemv(x, w, **_k))
+                for tile, per_sm in dict.fromkeys((t, p) for t, p, _ in knobs) if M <= tg.DOT_ROWS else ():
+                    impls[f"dot t{tile} p{per_sm}"] = (  # the tensor-core variant (GEMV_DOT_MAX_ROWS)
+                        lambda x, w, _k=dict(tile=tile, per_sm=per_sm, out_dtype=out_dtype, dot=True):
                         tg.grouped_gemv(x, w, **_k))
                 for impl, fn in impls.items():
                     out = fn(xs[0], ws[0]).reshape(ref.shape)
@@ -104,21 +109,34 @@ def main(argv=None) -> int:
                 print(f"{name:<11} rows {M}  bytes {nbytes / 2**20:6.1f} MB  done", flush=True)
         for router, limit in ((False, "GEMV_MAX_ROWS"), (True, "CED_ROUTE_LOGITS_GEMV_MAX_ROWS")):
             print(f"\n{'router' if router else 'projections'}:\n{'rows':>4}  {'cublas us/step':>14}  "
-                  f"{'shipped us/step':>15}  {'best gemv us/step':>17}  best knobs")
-            max_rows, winning = 0, True
+                  f"{'shipped us/step':>15}  {'best gemv us/step':>17}  {'best dot us/step':>16}  best knobs")
+            max_rows, winning, dot_rows, dot_winning = 0, True, 0, True
             for M in a.rows:
-                gem = {i: v for (m, i, r), v in totals.items() if m == M and r == router and i != "cublas"}
-                best = min(gem, key=gem.get)
-                cub, mine = totals[(M, "cublas", router)], gem[shipped_name]
-                print(f"{M:>4}  {cub:14.1f}  {mine:15.1f}  {gem[best]:17.1f}  {best}")
+                mine = {i: v for (m, i, r), v in totals.items() if m == M and r == router}
+                cub = mine["cublas"]
+                gem = {i: v for i, v in mine.items() if i.startswith("gemv")}
+                dots = {i: v for i, v in mine.items() if i.startswith("dot")}
+                best = min(gem, key=gem.get) if gem else None
+                bdot = min(dots, key=dots.get) if dots else None
+                ship = gem.get(shipped_name, float("inf"))
+                nan = float("nan")
+                print(f"{M:>4}  {cub:14.1f}  {ship if gem else nan:15.1f}  {gem[best] if gem else nan:17.1f}  "
+                      f"{dots[bdot] if dots else nan:16.1f}  {best} / {bdot}")
                 f.write(json.dumps(dict(bench="gemv_step", router=router, rows=M, cublas_us=round(cub, 1),
-                                        shipped_us=round(mine, 1), gemv_us=round(gem[best], 1), knobs=best)) + "\n")
-                winning = winning and mine < cub
+                                        shipped_us=round(ship, 1) if gem else None,
+                                        gemv_us=round(gem[best], 1) if gem else None, knobs=best,
+                                        dot_us=round(dots[bdot], 1) if dots else None, dot_knobs=bdot)) + "\n")
+                winning = winning and ship < cub
                 if winning:
                     max_rows = M
+                if M > max_rows and dots:  # the tensor-core variant past the CUDA-core kernel's rows
+                    dot_winning = dot_winning and dots[bdot] < cub
+                    if dot_winning:
+                        dot_rows = M
             if not router:
-                one = {i: v for (m, i, r), v in totals.items() if m == a.rows[0] and not r and i != "cublas"}
+                one = {i: v for (m, i, r), v in totals.items() if m == a.rows[0] and not r and i.startswith("gemv")}
                 print(f"knobs at {a.rows[0]} row(s): {min(one, key=one.get)}")
+                print(f"GEMV_DOT_MAX_ROWS (backends/nvidia/ops.py) by these rows: {dot_rows}")
             print(f"{limit} (backends/nvidia/ops.py) by these rows: {max_rows}")
     return 0
 

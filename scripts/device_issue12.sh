@@ -128,10 +128,11 @@ suite)
   timeout -s INT 90 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_kv_sizing.py 2>&1 | tail -5 ;;
 next13)
   # What the thirteenth session left for the next one's first call (~5 min): the GEMV bench with the router's logits
-  # row (its last line: CED_ROUTE_LOGITS_GEMV_MAX_ROWS), then the decode profile with the GPU's busy time a step
+  # row and the tensor-core variant at 2-16 rows (its last lines: GEMV_DOT_MAX_ROWS, CED_ROUTE_LOGITS_GEMV_MAX_ROWS),
+  # then the decode profile with the GPU's busy time a step
   # and the kernels launched outside the graph (the 0.9 ms between replay and step at batch 16 and 64).
   timeout 200 python3 benchmarks/gemv_bench.py --tiles 8192 --per-sm 2 4 --warps 4 8 --out "$OUT/gemv.jsonl" 2>&1 \
-    | grep -v Warning | tail -16
+    | grep -v Warning | tail -20
   timeout 170 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
     --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | grep -B1 -A22 "== batch" | grep -v "^host\|cProfile" ;;
 prefill-attn)

@@ -43,6 +43,20 @@ def test_grouped_gemv_matches_float64(M, G, N, K, dtype, scale, seed):
     check(tg.grouped_gemv(x, w), x, w)
 
 
+@examples(12)
+@given(M=st.integers(1, tg.DOT_ROWS), G=st.integers(1, 3), N=st.integers(1, 70), K=st.integers(1, 300),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), mixed=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_tensor_core_variant_matches_float64(M, G, N, K, dtype, mixed, seed):
+    """dot=True (rows padded to 16, one MMA per K step; float32 and mixed operands through an "ieee" dot): the same
+    bound as the CUDA-core kernel, up to DOT_ROWS rows."""
+    g = gen(seed)
+    x = torch.randn(M, G, K, generator=g).to(DEV, dtype)
+    w = torch.randn(G, N, K, generator=g).to(DEV, torch.float32 if mixed else dtype)
+    out = tg.grouped_gemv(x, w, dot=True, out_dtype=torch.float32 if mixed else None)
+    check(out, x.float() if mixed else x, w)
+
+
 @examples(8)
 @given(M=st.integers(1, tg.MAX_ROWS), N=st.integers(1, 40), K=st.integers(1, 300),
        xdtype=st.sampled_from([torch.bfloat16, torch.float16]), seed=st.integers(0, 2**16))
@@ -95,10 +109,29 @@ def test_bad_inputs_are_refused_with_their_shapes():
         tg.grouped_gemv(x, torch.randn(1, 4, 16, device=DEV), out_dtype=torch.int32)
     with pytest.raises(ValueError, match="unsupported inputs"):
         tg.grouped_gemv(torch.randn(tg.MAX_ROWS + 1, 1, 16, device=DEV), torch.randn(1, 4, 16, device=DEV))
+    with pytest.raises(ValueError, match="unsupported inputs"):
+        tg.grouped_gemv(torch.randn(tg.DOT_ROWS + 1, 1, 16, device=DEV), torch.randn(1, 4, 16, device=DEV), dot=True)
     with pytest.raises(ValueError, match=r"\[M, K\]"):
         tg.linear(torch.randn(16, device=DEV), torch.randn(4, 16, device=DEV))
     empty = tg.grouped_gemv(torch.randn(1, 1, 0, device=DEV), torch.randn(1, 3, 0, device=DEV))
     assert empty.shape == (1, 1, 3) and not empty.any()
+
+
+def test_the_backend_takes_the_tensor_core_variant_past_gemv_max_rows(monkeypatch):
+    """Rows in (GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS] take dot=True, fewer the CUDA-core kernel, more cuBLAS."""
+    from deepinfer.backends.nvidia import ops as nv
+
+    monkeypatch.setattr(nv, "GEMV_MAX_ROWS", 1)
+    monkeypatch.setattr(nv, "GEMV_DOT_MAX_ROWS", 4)
+    backend = nv.NvidiaOps(DEV)
+    seen = []
+    real = tg.grouped_gemv
+    monkeypatch.setattr(tg, "grouped_gemv", lambda *a, **k: seen.append(k.get("dot")) or real(*a, **k))
+    w = torch.randn(24, 40, generator=gen(4)).to(DEV)
+    for rows in (1, 3, 4, 5):
+        x = torch.randn(rows, 40, generator=gen(rows)).to(DEV)
+        torch.testing.assert_close(backend.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert seen == [False, True, True]  # 5 rows: cuBLAS
 
 
 @pytest.mark.parametrize("invariant", [False, True])

@@ -59,6 +59,9 @@ MOE_PAIRS_MAX_FP8 = 0
 # one row faster at all 9 shapes (3.4 against cuBLAS's 13.2 us at 1024 x 2048, 10.7 against 15.3 at 2048 x 8192;
 # 609 against 1079 us a step), at 2 rows at 6 of 9, past that slower. So 1.
 GEMV_MAX_ROWS = 1
+# Past GEMV_MAX_ROWS and up to this many rows, the kernel's tensor-core variant (triton_gemv dot=True: rows padded to
+# one MMA's 16). 0 until benchmarks/gemv_bench.py's "dot" rows have timed it against cuBLAS on the H200.
+GEMV_DOT_MAX_ROWS = 0
 INVARIANT_CED_SPLIT_TILES = 4  # batch-invariant mode: key tiles per split of the CED attention kernel
 
 
@@ -91,24 +94,31 @@ class NvidiaOps(ReferenceOps):
 
     # Projections.
     def linear(self, x, w):
-        """The GEMV kernel (triton_gemv) up to GEMV_MAX_ROWS rows, cuBLAS's GEMM past them and in batch-invariant
-        mode (whose matmul override keeps a row's reduction independent of the other rows)."""
-        if self._gemv_ok(x, w) and x.dim() == 2 and w.dim() == 2 \
-                and triton_gemv.supports(x[:, None, :], w[None]):
-            self.kernel_calls["gemv"] += 1
-            return triton_gemv.linear(x, w)
+        """The GEMV kernel (triton_gemv) up to GEMV_MAX_ROWS rows, its tensor-core variant up to GEMV_DOT_MAX_ROWS,
+        cuBLAS's GEMM past them and in batch-invariant mode (whose matmul override keeps a row's reduction
+        independent of the other rows)."""
+        if x.dim() == 2 and w.dim() == 2:
+            dot = self._gemv_route(x, w)
+            if dot is not None and triton_gemv.supports(x[:, None, :], w[None], dot):
+                self.kernel_calls["gemv"] += 1
+                return triton_gemv.linear(x, w, dot=dot)
         return super().linear(x, w)
 
     def grouped_linear(self, x, w):
-        if self._gemv_ok(x, w) and triton_gemv.supports(x, w):
+        dot = self._gemv_route(x, w)
+        if dot is not None and triton_gemv.supports(x, w, dot):
             self.kernel_calls["gemv"] += 1
-            return triton_gemv.grouped_gemv(x, w)
+            return triton_gemv.grouped_gemv(x, w, dot=dot)
         return super().grouped_linear(x, w)
 
-    def _gemv_ok(self, x, w):  # (one dtype: F.linear's contract; the kernel itself takes mixed ones)
-        return not self.batch_invariant and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == w.dtype \
-            and kernel_device_ok(x, w) \
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+    def _gemv_route(self, x, w):
+        """None (cuBLAS), False (the GEMV kernel) or True (its tensor-core variant) for x's row count; one dtype
+        (F.linear's contract; the kernel itself takes mixed ones), no autograd, never in batch-invariant mode."""
+        rows = x.shape[0]
+        if self.batch_invariant or x.dtype != w.dtype or not 0 < rows <= max(GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS) \
+                or not kernel_device_ok(x, w) or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+            return None
+        return rows > GEMV_MAX_ROWS
 
     # Norms and activations.
     def rms_norm(self, x, weight, eps):

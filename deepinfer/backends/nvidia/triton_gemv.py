@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import sm_count
+from .triton_attention import _dot, sm_count
 from .triton_norm import cast_rne
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
@@ -34,6 +34,7 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 8  # past this the per-row products cost more than the loads save: cuBLAS's GEMM
+DOT_ROWS = 16  # the tensor-core variant: one MMA's rows
 # Launch knobs from benchmarks/gemv_bench.py on the H200 (13th session): the lowest step total at one row over the
 # CED bench projections (609 us against cuBLAS's 1079). A variant that summed per k lane and reduced once after
 # the loop was slower at 1-2 rows (656 / 815 us against 609 / 752) and lost to cuBLAS from 4 rows as this does.
@@ -66,34 +67,64 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
     tl.store(o, cast_rne(acc, out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_mask[None, :])
 
 
-def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether grouped_gemv runs x [M, G, K] against w [G, N, K] (contiguous along K, M <= MAX_ROWS; each in one
-    of SUPPORTED_DTYPES, not necessarily the same: a bf16 hidden row against CED's float32 router weight)."""
+@triton.jit
+def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
+                stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_I: tl.constexpr, WIDEN: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """The same product for up to DOT_ROWS rows on the tensor cores: x's rows padded to 16 (the MMA's M), one dot
+    per K step; WIDEN: mixed dtypes, both operands widened to float32 (exact) for an "ieee" dot."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1).to(tl.int64)
+    n_mask = n < N
+    rows = tl.arange(0, 16)
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + g * stride_wg + n[:, None].to(tl.int64) * stride_wn
+    x_rows = x_ptr + g * stride_xg + rows[:, None].to(tl.int64) * stride_xm
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K_I if _INTERP else K, BLOCK_K):
+        k = k0 + kk
+        k_mask = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=(rows < M)[:, None] & k_mask[None, :], other=0.0)
+        if WIDEN:
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        acc += _dot(x, tl.trans(w), PRECISION)
+    o = out_ptr + g * stride_og + rows[:, None].to(tl.int64) * stride_om + n[None, :]
+    tl.store(o, cast_rne(acc, out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_mask[None, :])
+
+
+def supports(x: torch.Tensor, w: torch.Tensor, dot: bool = False) -> bool:
+    """Whether grouped_gemv runs x [M, G, K] against w [G, N, K] (contiguous along K, M <= MAX_ROWS, or DOT_ROWS
+    with ``dot``; each in one of SUPPORTED_DTYPES, not necessarily the same: a bf16 hidden row against CED's
+    float32 router weight)."""
     if x.dim() != 3 or w.dim() != 3 or x.dtype not in SUPPORTED_DTYPES or w.dtype not in SUPPORTED_DTYPES:
         return False
     if x.device != w.device or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[2]:
         return False
-    return 0 < x.shape[0] <= MAX_ROWS and x.stride(2) == 1 and w.stride(2) == 1
+    return 0 < x.shape[0] <= (DOT_ROWS if dot else MAX_ROWS) and x.stride(2) == 1 and w.stride(2) == 1
 
 
 def block_sizes(M: int, G: int, N: int, K: int, device: torch.device, tile: int = TILE,
-                per_sm: int = PROGRAMS_PER_SM) -> tuple:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): BLOCK_N halved from 64 while the grid would give fewer than ``per_sm``
-    programs per SM, BLOCK_K = tile / BLOCK_N (at most K rounded up to a power of two). Shapes only."""
-    bn = min(64, next_pow2(N))
-    while bn > 1 and G * cdiv(N, bn) < per_sm * sm_count(device):
+                per_sm: int = PROGRAMS_PER_SM, min_n: int = 1) -> tuple:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): BLOCK_N halved from 64 (down to ``min_n``) while the grid would give fewer than
+    ``per_sm`` programs per SM, BLOCK_K = tile / BLOCK_N (at most K rounded up to a power of two). Shapes only."""
+    bn = max(min_n, min(64, next_pow2(N)))
+    while bn > min_n and G * cdiv(N, bn) < per_sm * sm_count(device):
         bn //= 2
     bk = max(16, min(next_pow2(K), tile // bn))
     return next_pow2(M), bn, bk
 
 
 def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.dtype] = None, tile: int = TILE,
-                 per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS) -> torch.Tensor:
+                 per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS, dot: bool = False) -> torch.Tensor:
     """x [M, G, K] @ w[g].T per group -> [M, G, N] in ``out_dtype`` (default x's; see the module doc: both operands
     are widened to float32 exactly, so mixed dtypes compute x.float() @ w.float().T). ``tile``, ``per_sm`` and
-    ``num_warps`` are the launch's knobs (benchmarks/gemv_bench.py times them)."""
+    ``num_warps`` are the launch's knobs (benchmarks/gemv_bench.py times them); ``dot``: the tensor-core kernel
+    (up to DOT_ROWS rows, padded to 16; BLOCK_N at least 16), float32 operands through an "ieee" dot."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    if not supports(x, w) or out_dtype not in SUPPORTED_DTYPES:
+    if not supports(x, w, dot) or out_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"grouped_gemv: unsupported inputs: x {x.dtype} {tuple(x.shape)} stride {x.stride()}, "
                          f"w {w.dtype} {tuple(w.shape)} stride {w.stride()}, out {out_dtype} (x [M <= {MAX_ROWS}, "
                          f"G, K] and w [G, N, K] in {SUPPORTED_DTYPES}, contiguous along K)")
@@ -104,6 +135,14 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
         return out
     if K == 0:
         return out.zero_()
+    if dot:
+        _, BN, BK = block_sizes(M, G, N, K, x.device, tile, per_sm, min_n=16)
+        widen = x.dtype != w.dtype or x.dtype == torch.float32
+        _dot_kernel[(cdiv(N, BN), G)](
+            x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+            BLOCK_N=BN, BLOCK_K=BK, K_I=K if INTERPRET else 0, WIDEN=widen, PRECISION="ieee" if widen else "tf32",
+            num_warps=4)
+        return out
     BM, BN, BK = block_sizes(M, G, N, K, x.device, tile, per_sm)
     _gemv_kernel[(cdiv(N, BN), G)](
         x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
