@@ -126,6 +126,8 @@ def main(argv=None) -> int:
                                         shipped_us=round(ship, 1) if gem else None,
                                         gemv_us=round(gem[best], 1) if gem else None, knobs=best,
                                         dot_us=round(dots[bdot], 1) if dots else None, dot_knobs=bdot)) + "\n")
+                if router and not gem:  # past the CUDA-core kernel's rows the router takes the tensor-core variant
+                    ship = dots[bdot] if dots else float("inf")
                 winning = winning and ship < cub
                 if winning:
                     max_rows = M

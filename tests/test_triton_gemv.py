@@ -180,24 +180,25 @@ def test_gpu_ced_bench_projections_in_a_graph(G, N, K):
 @pytest.mark.parametrize("invariant", [False, True])
 def test_ced_router_logits_take_the_kernel_up_to_their_limit(invariant, monkeypatch):
     """NvidiaOps.ced_moe_route computes the logits (bf16 rows against the float32 gate) with the kernel up to
-    CED_ROUTE_LOGITS_GEMV_MAX_ROWS rows, never in batch-invariant mode. The routing matches the reference's:
+    CED_ROUTE_LOGITS_GEMV_MAX_ROWS rows (its tensor-core variant past MAX_ROWS), never in batch-invariant mode. The routing matches the reference's:
     compared by the float64 biased scores of what each side chose (a near tie may pick either expert) and by the
     chosen weights, never by copying one side's choice into the other."""
     from deepinfer.backends.nvidia import ops as nv
     from deepinfer.backends.reference.ops import ReferenceOps
 
-    monkeypatch.setattr(nv, "CED_ROUTE_LOGITS_GEMV_MAX_ROWS", 2)
+    monkeypatch.setattr(nv, "CED_ROUTE_LOGITS_GEMV_MAX_ROWS", tg.MAX_ROWS + 1)  # the last row count on the variant
     backend = nv.NvidiaOps(DEV)
     backend.batch_invariant = invariant
     g = gen(9)
     E, d, k = 12, 96, 3
     gate = torch.randn(E, d, generator=g).to(DEV) * d ** -0.5
     bias = (torch.randn(E, generator=g) * 0.1).to(DEV)
-    for rows in (1, 2, 3):
+    limit = tg.MAX_ROWS + 1
+    for rows in (1, 2, limit, limit + 1):
         x = torch.randn(rows, d, generator=g).to(DEV, torch.bfloat16)
         before = backend.kernel_calls["gemv"]
         w, ids = backend.ced_moe_route(x, gate, k, bias=bias, scaling=1.5)
-        assert backend.kernel_calls["gemv"] - before == (0 if invariant or rows > 2 else 1), (rows, invariant)
+        assert backend.kernel_calls["gemv"] - before == (0 if invariant or rows > limit else 1), (rows, invariant)
         rw, rids = ReferenceOps(DEV).ced_moe_route(x, gate, k, bias=bias, scaling=1.5)
         logits = x.double() @ gate.double().T
         score = torch.sqrt(torch.nn.functional.softplus(logits)) + bias.double()

@@ -41,9 +41,11 @@ INVARIANT_MOE_BLOCK_M = 16  # batch-invariant mode: the fused MoE's one M-block 
 # router kernel on the logits. benchmarks/ced_route_bench.py on the H200 (bench shape): cuBLAS + router faster at
 # every count, 7.9 vs 13.8 us at 1 token, 1.1-1.2x from 8 to 256; so 0 (the in-kernel GEMV stays, tested, unused)
 CED_ROUTE_GEMV_MAX_ROWS = 0
-# CED's router logits (x.float() @ gate.T, gate float32) by triton_gemv's kernel up to this many rows: one launch
-# where cuBLAS's float32 GEMV takes three (x's cast, the dot and its reduction; 0.08-0.1 ms a step at batch 1 by the
-# 13th session's profile). 0 until benchmarks/gemv_bench.py's router row has timed both on the H200.
+# CED's router logits (x.float() @ gate.T, gate float32) by triton_gemv's kernel up to this many rows (its
+# tensor-core variant past triton_gemv.MAX_ROWS, at most DOT_ROWS): one launch where cuBLAS's float32 path takes
+# three at one row (x's cast, the dot and its reduction: 0.08-0.1 ms a step at batch 1 by the 13th session's
+# profile) and a SIMT float32 GEMM at 16 rows (0.085 ms a step). 0 until benchmarks/gemv_bench.py's router rows
+# have timed both on the H200.
 CED_ROUTE_LOGITS_GEMV_MAX_ROWS = 0
 # The routed experts of a few tokens: up to this many (token, expert) pairs triton_moe_pairs.pair_experts (a GEMV
 # per pair, two launches) instead of fused_experts (sort by expert, two GEMMs, k-sum: five). Never in batch-invariant
@@ -351,11 +353,12 @@ class NvidiaOps(ReferenceOps):
                 and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
             self.kernel_calls["ced_moe_route"] += 1
             return tcr.route_from_hidden(x, gate, top_k, scaling=scaling, bias=bias)
+        dot = x.shape[0] > triton_gemv.MAX_ROWS  # past the CUDA-core kernel's rows, its tensor-core variant
         if not self.batch_invariant and 0 < x.shape[0] <= CED_ROUTE_LOGITS_GEMV_MAX_ROWS and kernel_device_ok(x, gate) \
-                and gate.dtype == torch.float32 and triton_gemv.supports(x[:, None, :], gate[None]) \
+                and gate.dtype == torch.float32 and triton_gemv.supports(x[:, None, :], gate[None], dot) \
                 and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
             self.kernel_calls["gemv"] += 1
-            logits = triton_gemv.linear(x, gate, out_dtype=torch.float32)
+            logits = triton_gemv.linear(x, gate, out_dtype=torch.float32, dot=dot)
             return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
         return super().ced_moe_route(x, gate, top_k, bias=bias, scaling=scaling)
 
