@@ -67,7 +67,8 @@ def main(argv=None) -> int:
                 splits = 1 if sc == 0 else max(1, min(32, round(s0 * sc)))
                 settings.append((f"bn{bn} w{nw} s{ns} x{sc:g}", dict(BLOCK_N=bn, num_warps=nw, num_stages=ns), splits))
             for name, launch, splits in settings:
-                fn = lambda args, kw, _l=launch, _s=splits: tca.sparse_attention(*args, launch=_l, num_splits=_s, **kw)  # noqa: E731
+                def fn(args, kw, _l=launch, _s=splits):
+                    return tca.sparse_attention(*args, launch=_l, num_splits=_s, **kw)
                 row = dict(bench="ced_attn_sweep", batch=B, chunk=chunk, context=a.context, setting=name,
                            splits=splits or s_default, device=torch.cuda.get_device_name())
                 try:
@@ -86,8 +87,9 @@ def main(argv=None) -> int:
             mine = [r for r in rows if r["batch"] == B and r["chunk"] == chunk and r["ok"]]
             d = next((r for r in mine if r["setting"] == "default"), None)
             b = min(mine, key=lambda r: r["us"])
-            print(f"{'B' + str(B) if chunk == 1 else 'chunk' + str(chunk):<5} default {d['us'] if d else float('nan'):8.1f} us (splits {s_default})   best {b['us']:8.1f} us  "
-                  f"{b['setting']} (splits {b['splits']})", flush=True)
+            label = f"B{B}" if chunk == 1 else f"chunk{chunk}"
+            print(f"{label:<5} default {d['us'] if d else float('nan'):8.1f} us (splits {s_default})   "
+                  f"best {b['us']:8.1f} us  {b['setting']} (splits {b['splits']})", flush=True)
         if totals:
             best = min(totals, key=totals.get)
             print(f"lowest total over batches {a.batches}: {best} ({totals[best]:.1f} us)")

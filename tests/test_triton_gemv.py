@@ -180,9 +180,9 @@ def test_gpu_ced_bench_projections_in_a_graph(G, N, K):
 @pytest.mark.parametrize("invariant", [False, True])
 def test_ced_router_logits_take_the_kernel_up_to_their_limit(invariant, monkeypatch):
     """NvidiaOps.ced_moe_route computes the logits (bf16 rows against the float32 gate) with the kernel up to
-    CED_ROUTE_LOGITS_GEMV_MAX_ROWS rows (its tensor-core variant past MAX_ROWS), never in batch-invariant mode. The routing matches the reference's:
-    compared by the float64 biased scores of what each side chose (a near tie may pick either expert) and by the
-    chosen weights, never by copying one side's choice into the other."""
+    CED_ROUTE_LOGITS_GEMV_MAX_ROWS rows (its tensor-core variant past MAX_ROWS), never in batch-invariant mode.
+    The routing matches the reference's: compared by the float64 biased scores of what each side chose (a near tie
+    may pick either expert) and by the chosen weights, never by copying one side's choice into the other."""
     from deepinfer.backends.nvidia import ops as nv
     from deepinfer.backends.reference.ops import ReferenceOps
 

@@ -158,10 +158,10 @@ class NvidiaOps(ReferenceOps):
 
     def moe_experts(self, x, w13, w2, weights, ids, *, clamp=None, impl="routed", w13_scale=None, w2_scale=None):
         """impl "routed" runs the fused Triton MoE (no host sync, CUDA-graph safe; up to MOE_PAIRS_MAX (token,
-        expert) pairs, MOE_PAIRS_MAX_FP8 with FP8 weights, the two-launch pair kernel, same contract), FP8 block-scaled weights
-        included (w8a16: tiles widened to x's dtype in registers, block products scaled). It does not range-check
-        ids (that would sync): an id outside [0, E) is the router's bug and its pair contributes zero; the
-        reference path ("dense", or any input the kernel does not support) raises on it."""
+        expert) pairs, MOE_PAIRS_MAX_FP8 with FP8 weights, the two-launch pair kernel, same contract), FP8
+        block-scaled weights included (w8a16: tiles widened to x's dtype in registers, block products scaled). It
+        does not range-check ids (that would sync): an id outside [0, E) is the router's bug and its pair contributes
+        zero; the reference path ("dense", or any input the kernel does not support) raises on it."""
         from . import triton_moe  # imported on first use, like the reference's moe module
 
         scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
