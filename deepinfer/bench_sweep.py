@@ -132,10 +132,11 @@ class Run:
             self.calls[kind].append(walls[i])
             self.periods[kind].append(starts[i + 1] - starts[i])
         self.seconds, self.steps = self.seconds + dt, self.steps + steps
-        self.tokens += self._emitted() - tokens0
-        self.spec = {k: v + spec_counts(self.llm)[k] - spec0[k] for k, v in self.spec.items()}
+        emitted, spec1 = self._emitted() - tokens0, spec_counts(self.llm)
+        self.tokens += emitted
+        self.spec = {k: v + spec1[k] - spec0[k] for k, v in self.spec.items()}
         self.rates.append(round(steps / dt, 2))
-        self.block_tok_s.append(round((self._emitted() - tokens0) / dt, 2))
+        self.block_tok_s.append(round(emitted / dt, 2))
         if gate is not None:
             self.block_plain.append(gate.closed - closed0)
 
@@ -307,8 +308,6 @@ def paired(rows: list) -> list:
     median over rounds of the ratio of their output tok/s in that round (their blocks ran back to back), which a
     machine whose speed drifts between rounds moves far less than the ratio of the totals (a 2-core CPU's blocks
     of one setting ranged 11-22 steps/s in one run). Returns (target, C, setting, against, median, ratios)."""
-    import statistics
-
     out = []
     groups: dict = {}
     for r in rows:
@@ -343,8 +342,6 @@ def table(rows: list) -> str:
         lines.append("paired, median over rounds of the per-round tok/s ratio:")
         lines += [f"{t:>13} C={C:<4d} {a} / {b}: {m:.3f}" for t, C, a, b, m, _ in pairs]
     return "\n".join(lines)
-
-
 
 
 DEFAULT_SETTINGS = ["none", "dspark:4", "dspark:4:dynamic"]
@@ -390,9 +387,9 @@ def check_args(args) -> None:
         raise ValueError("--fresh-rounds needs --rounds 2 or more")
     for setting in args.settings:
         parse_setting(setting)
-    labels = [s for s in args.settings]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"--settings lists {labels} with a repeat: give a second engine of a setting a #LABEL")
+    if len(set(args.settings)) != len(args.settings):
+        raise ValueError(f"--settings lists {args.settings} with a repeat: give a second engine of a setting a "
+                         "#LABEL")
 
 
 def main(args) -> list:

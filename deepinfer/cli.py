@@ -583,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "--svg (also spelled `deepinfer bench sweep-plot`)",
                        description=sweep_plot.__doc__.split("\n\n")[1])
     sweep_plot.add_arguments(p)
-    p.set_defaults(func=lambda args: sweep_plot.main(args))
+    p.set_defaults(func=sweep_plot.main)
 
     p = sub.add_parser("check", help="numerical checks of fast paths against their oracles")
     check = p.add_subparsers(dest="check", metavar="CHECK", required=True)
