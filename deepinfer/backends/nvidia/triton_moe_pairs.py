@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..reference.moe import FP8, _check_experts, check_scales
-from .triton_attention import sm_count
+from . import triton_gemv
 from .triton_moe import SUPPORTED_DTYPES
 from .triton_norm import cast_rne
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
@@ -140,12 +140,9 @@ def _blocks(cols: int, rows: int, K: int, fp8: bool, device: torch.device) -> tu
     first version stopped at 16 and took 128-wide K steps: 128 programs of 4 KB loads at one token, 1.9x slower
     than fused_experts), BLOCK_K = TILE / BLOCK_N. FP8 weights keep K steps of 128 (32 under the interpreter), so
     a step's products take one scale per row."""
-    bn = min(64, next_pow2(cols))
-    while bn > 2 and rows * cdiv(cols, bn) < PROGRAMS_PER_SM * sm_count(device):
-        bn //= 2
-    if fp8:
-        return bn, 32 if INTERPRET else 128
-    return bn, max(16, min(next_pow2(K), TILE // bn))
+    _, bn, bk = triton_gemv.block_sizes(1, rows, cols, K, device, TILE, PROGRAMS_PER_SM,
+                                        min_n=min(2, next_pow2(cols)))  # (rows as the GEMV's groups)
+    return bn, (32 if INTERPRET else 128) if fp8 else bk
 
 
 def _i(n: int) -> int:
