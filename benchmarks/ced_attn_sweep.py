@@ -60,7 +60,7 @@ def main(argv=None) -> int:
             K = first[0][4].shape[1]
             tiles = max(cdiv(first[1]["window"], cfg0["BLOCK_N"]), cdiv(K, cfg0["BLOCK_N"]))
             s0 = tca.choose_splits(T, cdiv(H, cfg0["BLOCK_H"]), tiles, q.device)  # (the sweep's splits scale this)
-            shipped = tca.decode_launch(T, H, D, q.dtype, first[1]["window"], K)  # what "default" runs at decode sizes
+            shipped = tca.wide_launch(T, H, D, q.dtype, first[1]["window"], K)  # what "default" runs at wide latents
             s_default = shipped[1] if shipped else s0
             settings = [("default", None, None)]
             for bn, nw, ns, sc in itertools.product(a.block_n, a.warps, a.stages, a.split_scale):

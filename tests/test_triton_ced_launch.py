@@ -1,4 +1,4 @@
-"""CED sparse attention's decode launch (triton_ced_attention.decode_launch, chosen on the H200 by
+"""CED sparse attention's launch at wide latents (triton_ced_attention.wide_launch, chosen on the H200 by
 benchmarks/ced_attn_sweep.py): the rule itself, and that a launch override changes nothing but speed (the same
 function as the reference op). Without CUDA through Triton's interpreter on small shapes."""
 
@@ -17,24 +17,28 @@ from deepinfer.backends.reference.ops import ReferenceOps  # noqa: E402
 from deepinfer.testing.attention_cases import ced_attention_case  # noqa: E402
 
 
-def test_decode_launch_rule(monkeypatch):
+def test_wide_launch_rule(monkeypatch):
     """The sweep's winners at the bench shape (16 heads x 512, window 128, top-K 512), fewer splits as rows grow,
-    never more splits than key tiles; nothing for prefill-sized calls, narrow latents, float32 or the interpreter."""
+    never more splits than key tiles; past 64 queries (a prefill chunk) the last regime: 4 warps, one stage, one split
+    from 256 queries; nothing for narrow latents, float32 or the interpreter."""
     monkeypatch.setattr(tca, "INTERPRET", False)
     bf = torch.bfloat16
-    assert tca.decode_launch(1, 16, 512, bf, 128, 512) == ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 1}, 32)
-    assert tca.decode_launch(16, 16, 512, bf, 128, 512) == ({"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}, 8)
-    assert tca.decode_launch(64, 16, 512, bf, 128, 512) == ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}, 4)
-    splits = [tca.decode_launch(T, 16, 512, bf, 128, 512)[1] for T in range(1, 65)]
+    assert tca.wide_launch(1, 16, 512, bf, 128, 512) == ({"BLOCK_N": 16, "num_warps": 8, "num_stages": 1}, 32)
+    assert tca.wide_launch(16, 16, 512, bf, 128, 512) == ({"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}, 8)
+    assert tca.wide_launch(64, 16, 512, bf, 128, 512) == ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}, 4)
+    splits = [tca.wide_launch(T, 16, 512, bf, 128, 512)[1] for T in range(1, 65)]
     for lo, hi in ((1, 4), (5, 31), (32, 64)):  # within each regime, fewer splits as rows grow
         part = splits[lo - 1:hi]
         assert all(a >= b for a, b in zip(part, part[1:])), (lo, hi, part)
     assert all(1 <= s <= 32 for s in splits)
-    assert tca.decode_launch(1, 16, 512, bf, 40, 0)[1] == 3  # 40 window keys: 3 tiles of 16, no more splits
-    for args in ((65, 16, 512, bf), (1, 16, 256, bf), (1, 16, 512, torch.float32), (0, 16, 512, bf)):
-        assert tca.decode_launch(*args, 128, 512) is None
+    assert tca.wide_launch(1, 16, 512, bf, 40, 0)[1] == 3  # 40 window keys: 3 tiles of 16, no more splits
+    prefill = [tca.wide_launch(T, 16, 512, bf, 128, 512) for T in (65, 100, 255, 256, 2048)]
+    assert all(p[0] == {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1} for p in prefill)
+    assert [p[1] for p in prefill] == [4, 3, 2, 1, 1]  # cdiv(256, T) programs' worth of splits, one from 256
+    for args in ((1, 16, 256, bf), (1, 16, 512, torch.float32), (0, 16, 512, bf)):
+        assert tca.wide_launch(*args, 128, 512) is None
     monkeypatch.setattr(tca, "INTERPRET", True)
-    assert tca.decode_launch(1, 16, 512, bf, 128, 512) is None
+    assert tca.wide_launch(1, 16, 512, bf, 128, 512) is None
 
 
 @examples(6)

@@ -141,6 +141,7 @@ def test_the_backend_takes_the_kernel_up_to_gemv_max_rows(invariant, monkeypatch
     from deepinfer.backends.nvidia import ops as nv
 
     monkeypatch.setattr(nv, "GEMV_MAX_ROWS", 2)
+    monkeypatch.setattr(nv, "GEMV_DOT_MAX_ROWS", 0)  # (the tensor-core variant's own test: above)
     backend = nv.NvidiaOps(DEV)
     backend.batch_invariant = invariant
     g = gen(3)

@@ -43,10 +43,11 @@ INVARIANT_MOE_BLOCK_M = 16  # batch-invariant mode: the fused MoE's one M-block 
 CED_ROUTE_GEMV_MAX_ROWS = 0
 # CED's router logits (x.float() @ gate.T, gate float32) by triton_gemv's kernel up to this many rows (its
 # tensor-core variant past triton_gemv.MAX_ROWS, at most DOT_ROWS): one launch where cuBLAS's float32 path takes
-# three at one row (x's cast, the dot and its reduction: 0.08-0.1 ms a step at batch 1 by the 13th session's
-# profile) and a SIMT float32 GEMM at 16 rows (0.085 ms a step). 0 until benchmarks/gemv_bench.py's router rows
-# have timed both on the H200.
-CED_ROUTE_LOGITS_GEMV_MAX_ROWS = 0
+# three at one row (x's cast, the dot and its reduction) and a cast and a SIMT float32 GEMM at more.
+# benchmarks/gemv_bench.py's router rows on the H200 (14th session; 32 x 2048, 16 calls a step): cuBLAS / kernel
+# 93.4 / 26.4 us a step at 1 row, 151.0 / 34.0 at 2, 151.1 / 46.9 at 4, 159.4 / 75.1 at 8; the tensor-core variant
+# 677 at 16 (its 16-row MMA tiles leave a 32-wide output a handful of programs). So 8: the CUDA-core kernel only.
+CED_ROUTE_LOGITS_GEMV_MAX_ROWS = 8
 # The routed experts of a few tokens: up to this many (token, expert) pairs triton_moe_pairs.pair_experts (a GEMV
 # per pair, two launches) instead of fused_experts (sort by expert, two GEMMs, k-sum: five). Never in batch-invariant
 # mode (fused_experts' one M-block size there). benchmarks/moe_pairs_bench.py on the H200 (bench shape: 32 experts,
@@ -57,13 +58,14 @@ CED_ROUTE_LOGITS_GEMV_MAX_ROWS = 0
 MOE_PAIRS_MAX = 16
 MOE_PAIRS_MAX_FP8 = 0
 # Projections (ops.linear, grouped_linear) of up to this many rows run triton_gemv's GEMV kernel instead of cuBLAS.
-# benchmarks/gemv_bench.py at the CED bench config's projections on the H200 (13th session, the first kernel): at
-# one row faster at all 9 shapes (3.4 against cuBLAS's 13.2 us at 1024 x 2048, 10.7 against 15.3 at 2048 x 8192;
-# 609 against 1079 us a step), at 2 rows at 6 of 9, past that slower. So 1.
-GEMV_MAX_ROWS = 1
+# benchmarks/gemv_bench.py at the CED bench config's 9 projections on the H200, a step's total (13th session: at one
+# row faster at all 9 shapes, 3.4 against cuBLAS's 13.2 us at 1024 x 2048); 14th session, shipped knobs, cuBLAS /
+# kernel us a step: 1043 / 603 at 1 row, 1019 / 802 at 2, 906 / 1149 at 4, 815 / 2081 at 8. So 2.
+GEMV_MAX_ROWS = 2
 # Past GEMV_MAX_ROWS and up to this many rows, the kernel's tensor-core variant (triton_gemv dot=True: rows padded to
-# one MMA's 16). 0 until benchmarks/gemv_bench.py's "dot" rows have timed it against cuBLAS on the H200.
-GEMV_DOT_MAX_ROWS = 0
+# one MMA's 16). The same bench, cuBLAS / variant us a step: 906 / 854 at 4 rows, 815 / 879 at 8, 822 / 839 at 16
+# (it wins at the narrow projections, 5.1 against 5.9-12.0 us at 1024 x 2048, and loses at 8192 x 1024). So 4.
+GEMV_DOT_MAX_ROWS = 4
 INVARIANT_CED_SPLIT_TILES = 4  # batch-invariant mode: key tiles per split of the CED attention kernel
 
 

@@ -195,16 +195,19 @@ def launch_config(H: int, D: int, dtype: torch.dtype) -> dict:
             "BLOCK_N": BLOCK_N, "num_warps": num_warps}
 
 
-def decode_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int) -> Optional[tuple]:
-    """(launch overrides, splits) for a decode-sized call (T <= 64 queries) of wide latents (BLOCK_D >= 512, bf16 /
-    fp16, compiled), or None (launch_config and choose_splits decide). From benchmarks/ced_attn_sweep.py on the H200
-    at the CED bench config (16 heads x 512, window 128, 512 entries, 13th session; the old choice in brackets):
-    1 query: BLOCK_N 16, 8 warps, 32 splits, 13.3 us [16 splits: 16.9]; 16: BLOCK_N 32, 8 warps, 8 splits, 22.0
-    [34.0]; 64: BLOCK_N 32, 4 warps, 4 splits, 45.6 [9 splits: 117.6]. About 256 programs (128 from 5 to 31
-    queries), fewer splits as rows grow: each split's partials are written and merged again. Batch-invariant mode
-    never takes this (its split count must not follow T)."""
+def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int) -> Optional[tuple]:
+    """(launch overrides, splits) for a call of wide latents (BLOCK_D >= 512, bf16 / fp16, compiled), decode or
+    prefill, or None (launch_config and choose_splits decide). From benchmarks/ced_attn_sweep.py on the H200 at the
+    CED bench config (16 heads x 512, window 128, 512 entries, 16K of context; the old choice in brackets). Decode
+    (13th session): 1 query: BLOCK_N 16, 8 warps, 32 splits, 13.3 us [16 splits: 16.9]; 16: BLOCK_N 32, 8 warps,
+    8 splits, 22.0 [34.0]; 64: BLOCK_N 32, 4 warps, 4 splits, 45.6 [9 splits: 117.6]. About 256 programs (128 from
+    5 to 31 queries), fewer splits as rows grow: each split's partials are written and merged again. Prefill (14th
+    session): a 2048-query chunk on BLOCK_N 32, 4 warps, 1 stage, 1 split, 1117 us [launch_config's BLOCK_N 16,
+    8 warps, Triton's default stages: 2380]; every 4-warp BLOCK_N 32 setting beat every 8-warp one there, so the
+    decode rule's last regime holds on past 64 queries (one split from 256). Batch-invariant mode never takes this
+    (its split count must not follow T)."""
     BLOCK_D = next_pow2(D)
-    if INTERPRET or dtype == torch.float32 or BLOCK_D < 512 or not 0 < T <= 64:
+    if INTERPRET or dtype == torch.float32 or BLOCK_D < 512 or T <= 0:
         return None
     BLOCK_H = launch_config(H, D, dtype)["BLOCK_H"]
     rows = T * cdiv(H, BLOCK_H)
@@ -258,8 +261,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
     ec, es = entries if has_entries else (rc, rs)  # unused when there are no entries
     if entry_slots.stride(1) != 1:
         entry_slots = entry_slots.contiguous()
-    if launch is None and num_splits is None:  # decode-sized calls: the launch the H200 sweep chose
-        launch, num_splits = decode_launch(T, H, D, q.dtype, window, K if has_entries else 0) or (None, None)
+    if launch is None and num_splits is None:  # wide latents: the launch the H200 sweeps chose
+        launch, num_splits = wide_launch(T, H, D, q.dtype, window, K if has_entries else 0) or (None, None)
     cfg = dict(launch_config(H, D, q.dtype), **(launch or {}))
     BLOCK_H, BLOCK_N, BLOCK_D = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["BLOCK_D"]
     num_ht = cdiv(H, BLOCK_H)
