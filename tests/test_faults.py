@@ -23,12 +23,12 @@ def ckpt(tmp_path_factory):
     return str(d)
 
 
-def make(ckpt, overlap: bool, stage: str = None, **args):
+def make(ckpt, overlap: bool, stage: str = None, after: str = "verify", **args):
     reg = get_registry()
     faults.register(reg)
     pipe = Pipeline.from_recipe("reference", registry=reg)
     if stage == "inject_fault":
-        pipe = pipe.insert(stage, after="verify", **args)
+        pipe = pipe.insert(stage, after=after, **args)
     elif stage == "inject_host_fault":
         pipe = pipe.insert(stage, after="detokenize", **args)
     # A token budget of 8: the long prompt is chunked while the others decode (mixed steps).
@@ -56,6 +56,30 @@ def test_a_row_fault_fails_its_request_alone(ckpt, clean, overlap, stage, mode, 
         else:
             assert o.error is None and o.outputs[0].token_ids == clean[i]
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("after", ["verify", "grammar"])
+def test_the_guard_runs_after_every_writer_that_changed_the_logits(ckpt, clean, after, monkeypatch):
+    """The grammar stage with no constrained request leaves the logits as they were and says so
+    (state.logits_kept): the engine guards once a step after verify, not again after it; a writer that does
+    not say so is guarded, wherever it runs (here NaN logits put after verify, or after the grammar stage)."""
+    from deepinfer.core import engine as engine_mod
+
+    calls = []
+    real = engine_mod._guard_logits
+    monkeypatch.setattr(engine_mod, "_guard_logits", lambda state: (calls.append(1), real(state)))
+    llm = make(ckpt, False)
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert len(calls) == llm.engine.stats["steps"] > 0
+    calls.clear()
+    faulty = make(ckpt, False, "inject_fault", after=after, request_ids=("2",))
+    outs = faulty.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert len(calls) == 2 * faulty.engine.stats["steps"]  # verify's guard and the fault stage's, every step
+    for i, o in enumerate(outs):
+        if o.request_id == "2":
+            assert o.outputs[0].finish_reason == "error" and "non-finite logits" in o.error
+        else:
+            assert o.error is None and o.outputs[0].token_ids == clean[i]
 
 
 @pytest.mark.parametrize("overlap", [False, True])

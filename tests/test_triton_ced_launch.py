@@ -4,7 +4,6 @@ function as the reference op). Without CUDA through Triton's interpreter on smal
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import given, strategies as st
 

@@ -490,12 +490,15 @@ class Engine:
         device = not all(getattr(st, "host", False) for st in stages)  # host stages (detokenize) need no kernels
         with self.kernel_mode() if device else contextlib.nullcontext():
             for stage in stages:
+                state.logits_kept = False
                 try:
                     stage(state)
                 except RowError as exc:
                     for i in exc.rows:
                         failed.setdefault(i, f"stage {stage.name!r} failed for this request: {exc.messages.get(i, exc)}")
-                if "logits" in stage.writes:
+                # (a writer that left the logits as they were this step says so: they were guarded after their
+                # producer, and the guard's four launches a step count at batch 1)
+                if "logits" in stage.writes and not state.logits_kept:
                     _guard_logits(state)
         return failed
 

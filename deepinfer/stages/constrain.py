@@ -162,6 +162,7 @@ class GrammarStage(Stage):
 
     def __call__(self, state) -> None:
         if not self._requests:
+            state.logits_kept = True  # nothing masked: the engine need not guard the logits again
             return
         batch = state.batch
         rows = state.sample_rows
@@ -204,6 +205,8 @@ class GrammarStage(Stage):
             device = state.logits.device
             self.ops.apply_token_bitmask(state.logits, to_device(bitmask[:len(work)], torch.int32, device),
                                          to_device([r for r, _ in work], torch.int64, device))
+        if not spec and not work:
+            state.logits_kept = True
         if failed:
             # Each request gets its own message (its grammar's).
             raise RowError(list(failed), "; ".join(sorted(set(failed.values()))), messages=failed)
