@@ -9,6 +9,10 @@ one against the other); then timed from one CUDA graph of several calls rotating
 (benchmarks/kernels_gpu.time_calls, as the decode graphs replay them). Where pair_experts is faster is where the
 nvidia backend should take it: the last line prints the MOE_PAIRS_MAX of backends/nvidia/ops.py these rows give
 (0 until this has run on the H200: never dispatched; triton_moe_pairs.MAX_PAIRS caps it).
+
+``--shared``: instead, the routed experts with the shared expert (Fs = F, bf16) at 1, 2 and 4 tokens, apart (the
+pair kernels, then NvidiaOps' linear, ced_swiglu and linear for the shared expert: five launches, the sum left to
+the next norm as the engine leaves it) against together (pair_experts(shared=...): two launches).
 """
 
 from __future__ import annotations
@@ -37,10 +41,13 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", default="moe_pairs.jsonl")
+    ap.add_argument("--shared", action="store_true", help="the shared expert apart vs on the pair kernels")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
+    if a.shared:
+        return shared_rows(a)
     from deepinfer.backends.nvidia import triton_moe, triton_moe_pairs as tmp
     from deepinfer.backends.reference import moe as ref_moe
     from deepinfer.testing.kernels import fp8_weights
@@ -84,6 +91,51 @@ def main(argv=None) -> int:
         print(f"{r['weights']:>7} {r['tokens']:>6} {r['fused_us']:>9} {r['pairs_us']:>9} {r['pairs_over_fused']:>6} "
               f"{r['fused_rel_err']:>10.2e} {r['pairs_rel_err']:>10.2e}")
     print(f"MOE_PAIRS_MAX (backends/nvidia/ops.py) by these rows: {pairs_max(rows)}")
+    return 0
+
+
+def shared_rows(a) -> int:
+    from deepinfer.backends.nvidia import triton_moe_pairs as tmp
+    from deepinfer.backends.nvidia.ops import NvidiaOps
+    from deepinfer.backends.reference import moe as ref_moe
+
+    dev, g = torch.device("cuda"), torch.Generator().manual_seed(1)
+    E, d, F, k = a.experts, a.hidden, a.intermediate, a.top_k
+    bf = torch.bfloat16
+    w13 = (torch.randn(E, 2 * F, d, generator=g) * d ** -0.5).to(dev, bf)
+    w2 = (torch.randn(E, d, F, generator=g) * F ** -0.5).to(dev, bf)
+    sw13 = (torch.randn(2 * F, d, generator=g) * d ** -0.5).to(dev, bf)
+    sw2 = (torch.randn(d, F, generator=g) * F ** -0.5).to(dev, bf)
+    ops = NvidiaOps(dev)
+
+    def apart(x, wts, ids):
+        routed = tmp.pair_experts(x, w13, w2, wts, ids, clamp=10.0)
+        return routed, ops.linear(ops.ced_swiglu(ops.linear(x, sw13), 10.0), sw2)
+
+    def together(x, wts, ids):
+        return tmp.pair_experts(x, w13, w2, wts, ids, clamp=10.0, shared=(sw13, sw2))
+
+    rows = []
+    with open(a.out, "w") as f:
+        for T in [t for t in a.tokens if t * (k + 1) <= tmp.MAX_PAIRS and t <= 4]:
+            sets = []
+            for _ in range(8):
+                wts, ids = ref_moe.route(torch.randn(T, E, generator=g), k)
+                sets.append((torch.randn(T, d, generator=g).to(dev, bf), wts.to(dev), ids.to(dev)))
+            r, sh = apart(*sets[0])
+            t_apart, mode = time_calls([lambda s=s: apart(*s) for s in sets], a.reps)
+            t_together, _ = time_calls([lambda s=s: together(*s) for s in sets], a.reps)
+            row = dict(bench="moe_pairs_shared", tokens=T, hidden=d, intermediate=F, experts=E, top_k=k,
+                       apart_us=round(t_apart * 1e3, 2), together_us=round(t_together * 1e3, 2),
+                       together_over_apart=round(t_together / t_apart, 3),
+                       rel_err=rel(together(*sets[0]), r.float() + sh.float()), timing=mode,
+                       device=torch.cuda.get_device_name())
+            rows.append(row)
+            f.write(json.dumps(row) + "\n")
+    print(f"{'tokens':>6} {'apart us':>9} {'together us':>12} {'ratio':>6} {'rel err':>9}")
+    for r in rows:
+        print(f"{r['tokens']:>6} {r['apart_us']:>9} {r['together_us']:>12} {r['together_over_apart']:>6} "
+              f"{r['rel_err']:>9.2e}")
     return 0
 
 

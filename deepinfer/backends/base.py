@@ -101,6 +101,15 @@ class Ops:
         its float32 block products (w8a16). A ValueError names a missing, unpaired or misshapen scale."""
         raise NotImplementedError
 
+    def moe_experts_shared(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                           ids: torch.Tensor, shared_w13: torch.Tensor, shared_w2: torch.Tensor, *,
+                           clamp: Optional[float] = None, w13_scale: Optional[torch.Tensor] = None,
+                           w2_scale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """moe_experts("routed") plus an ungated shared SwiGLU expert (shared_w13 [2 Fs, d], shared_w2 [d, Fs],
+        the same clamp) in one op where a backend fuses them, or None: the caller then runs moe_experts and the
+        shared expert apart (the default; their sum is the same function)."""
+        return None
+
     def sample(self, logits: torch.Tensor, batch, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         raise NotImplementedError
 

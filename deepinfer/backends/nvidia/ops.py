@@ -183,6 +183,22 @@ class NvidiaOps(ReferenceOps):
             return triton_moe.fused_experts(x, w13, w2, weights, ids, clamp=clamp, block_m=block_m, **scales)
         return super().moe_experts(x, w13, w2, weights, ids, clamp=clamp, impl=impl, **scales)
 
+    def moe_experts_shared(self, x, w13, w2, weights, ids, shared_w13, shared_w2, *, clamp=None, w13_scale=None,
+                           w2_scale=None):
+        """Where moe_experts takes the pair kernels (up to MOE_PAIRS_MAX pairs, bf16 / fp16 experts), the shared
+        expert rides on them as Fs / F more pairs a token (triton_moe_pairs' module doc): two launches for what
+        took five (its w13 GEMV, the activation, its w2 GEMV). None elsewhere (the caller runs both apart)."""
+        from . import triton_moe_pairs
+
+        shared = (shared_w13, shared_w2)
+        if self.batch_invariant or w13_scale is not None or ids.numel() > MOE_PAIRS_MAX \
+                or not kernel_device_ok(x, w13, w2, weights, ids, shared_w13, shared_w2) \
+                or (torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2, shared_w13, shared_w2))) \
+                or not triton_moe_pairs.supports(x, w13, w2, weights, ids, shared=shared):
+            return None
+        self.kernel_calls["moe_pairs_shared"] += 1
+        return triton_moe_pairs.pair_experts(x, w13, w2, weights, ids, clamp=clamp, shared=shared)
+
     # Attention.
     def paged_attention(self, q, k_cache, v_cache, meta: AttnMetadata, scale, window=None, sinks=None):
         if self.batch_invariant:

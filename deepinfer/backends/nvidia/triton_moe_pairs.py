@@ -12,6 +12,11 @@ a few tokens every pair has its own expert anyway, and the launches cost more th
    times the pair's routing weight in float32, rounded to x's dtype, and the k of them summed in float32 in pair
    order (deterministic, no atomics), stored in x's dtype.
 
+With ``shared`` (a DeepSeek-style shared expert, sw13 [2 Fs, d] and sw2 [d, Fs], Fs a multiple of F) each token
+also gets Fs / F pairs of weight 1 whose "expert" is a width-F slice of the shared one (its gate and up rows
+j F .. (j + 1) F, sw2's columns alike): SwiGLU is per channel and the down projection a sum over channels, so
+the slices' outputs add up to the shared expert's. Its three launches (w13, the activation, w2) ride on these two.
+
 The roundings are fused_experts' (the activation and each pair's weighted output to x's dtype, the k-sum in
 float32); the sums run in another order, so results agree to the last bits, not bit for bit. FP8 block-scaled
 weights as fused_experts takes them (float8_e4m3fn with [E, cdiv(rows, 128), cdiv(cols, 128)] float32 scales;
@@ -46,21 +51,44 @@ def _weight_tile(ptrs, mask):
 
 @triton.jit
 def _pairs_up_kernel(
-    x_ptr, w_ptr, ws_ptr, ids_ptr, act_ptr,
+    x_ptr, w_ptr, ws_ptr, ids_ptr, act_ptr, sw_ptr,
     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_at,
-    F, D, E, TOPK, clamp,
+    stride_swn, stride_swk, F, FS, D, E, TOPK, P, NS, clamp,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_CLAMP: tl.constexpr, FP8_W: tl.constexpr, D_I: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
 ):
-    """act[p, n-tile] = silu(gate(x[t])) * up(x[t]) of pair p's expert (zero for an id out of range)."""
+    """act[p, n-tile] = silu(gate(x[t])) * up(x[t]) of pair p's expert (zero for an id out of range); pairs from P
+    on (HAS_SHARED) are the shared expert's slices, NS a token."""
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < F
-    t = (p // TOPK).to(tl.int64)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    valid = (e >= 0) & (e < E)
-    e = tl.where(valid, e, 0)
+    e = tl.load(ids_ptr + tl.minimum(p, P - 1)).to(tl.int64)
+    if HAS_SHARED:
+        shared = p >= P
+        t = tl.where(shared, (p - P) // NS, p // TOPK).to(tl.int64)
+        valid = shared | ((e >= 0) & (e < E))
+        e = tl.where(shared | ~valid, 0, e)
+        slice_ = (p - P) % NS
+        z = p.to(tl.int64) * 0  # (int64 tensors in both branches: a stride or size of 1 arrives as a constant)
+        if shared:  # two bases, one per program
+            w_e = sw_ptr + (slice_ * F).to(tl.int64) * stride_swn
+            sn = z + stride_swn
+            sk = z + stride_swk
+            up = z + FS
+        else:
+            w_e = w_ptr + e * stride_we
+            sn = z + stride_wn
+            sk = z + stride_wk
+            up = z + F
+    else:
+        t = (p // TOPK).to(tl.int64)
+        valid = (e >= 0) & (e < E)
+        e = tl.where(valid, e, 0)
+        w_e = w_ptr + e * stride_we
+        sn = stride_wn
+        sk = stride_wk
+        up = F
     kk = tl.arange(0, BLOCK_K)
-    w_e = w_ptr + e * stride_we
     s_e = ws_ptr + e * stride_se
     acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -69,8 +97,8 @@ def _pairs_up_kernel(
         k_mask = k < D
         xv = tl.load(x_ptr + t * stride_xt + k * stride_xk, mask=k_mask, other=0.0).to(tl.float32)
         m = n_mask[:, None] & k_mask[None, :]
-        wg = _weight_tile(w_e + n[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk, m)
-        wu = _weight_tile(w_e + (F + n)[:, None].to(tl.int64) * stride_wn + k[None, :] * stride_wk, m)
+        wg = _weight_tile(w_e + n[:, None].to(tl.int64) * sn + k[None, :] * sk, m)
+        wu = _weight_tile(w_e + (up + n)[:, None].to(tl.int64) * sn + k[None, :] * sk, m)
         g = tl.sum(wg * xv[None, :], axis=1)
         u = tl.sum(wu * xv[None, :], axis=1)
         if FP8_W:  # one scale per 128 x 128 block; this K step lies inside one block column
@@ -88,12 +116,14 @@ def _pairs_up_kernel(
 
 @triton.jit
 def _pairs_down_kernel(
-    act_ptr, w_ptr, ws_ptr, ids_ptr, rw_ptr, out_ptr,
-    stride_at, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ot,
-    F, D, E, TOPK,
+    act_ptr, w_ptr, ws_ptr, ids_ptr, rw_ptr, out_ptr, sw_ptr,
+    stride_at, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ot, stride_swn, stride_swk,
+    F, D, E, TOPK, P, NS,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_W: tl.constexpr, F_I: tl.constexpr, K_I: tl.constexpr,
+    HAS_SHARED: tl.constexpr, NS_I: tl.constexpr,
 ):
-    """out[t, n-tile] = sum over t's pairs of round(weight * act[p] @ w2[e].T), in pair order."""
+    """out[t, n-tile] = sum over t's pairs of round(weight * act[p] @ w2[e].T), in pair order, then (HAS_SHARED)
+    its shared expert's NS slices, each round(act[p] @ sw2[:, slice].T)."""
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < D
@@ -119,15 +149,40 @@ def _pairs_down_kernel(
             acc += y
         y = cast_rne(acc * tl.load(rw_ptr + p), out_ptr.dtype.element_ty).to(tl.float32)  # fused_experts' rounding
         total += tl.where(valid, y, 0.0)
+    if HAS_SHARED:
+        for j in range(0, NS_I if _INTERP else NS):
+            p = P + t * NS + j
+            w_j = sw_ptr + (t * 0 + j * F).to(tl.int64) * stride_swk
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for f0 in range(0, F_I if _INTERP else F, BLOCK_K):
+                f = f0 + kk
+                f_mask = f < F
+                av = tl.load(act_ptr + p.to(tl.int64) * stride_at + f, mask=f_mask, other=0.0).to(tl.float32)
+                w = _weight_tile(w_j + n[:, None].to(tl.int64) * stride_swn + f[None, :] * stride_swk,
+                                 n_mask[:, None] & f_mask[None, :])
+                acc += tl.sum(w * av[None, :], axis=1)
+            total += cast_rne(acc, out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + n, cast_rne(total, out_ptr.dtype.element_ty), mask=n_mask)
 
 
 def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-             w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None) -> bool:
-    """Whether pair_experts runs these inputs: fused_experts' (triton_moe.supports) with at most MAX_PAIRS pairs."""
+             w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+             shared: Optional[tuple] = None) -> bool:
+    """Whether pair_experts runs these inputs: fused_experts' (triton_moe.supports) with at most MAX_PAIRS pairs;
+    a shared expert (sw13 [2 Fs, d], sw2 [d, Fs]) in x's dtype, Fs a multiple of the experts' F, beside
+    bf16 / fp16 / float32 experts (not FP8 ones)."""
     from .triton_moe import supports as fused_supports
 
-    return fused_supports(x, w13, w2, weights, ids, w13_scale, w2_scale) and ids.numel() <= MAX_PAIRS
+    if not (fused_supports(x, w13, w2, weights, ids, w13_scale, w2_scale) and ids.numel() <= MAX_PAIRS):
+        return False
+    if shared is None:
+        return True
+    sw13, sw2 = shared
+    F, d = w13.shape[1] // 2, x.shape[1]
+    return w13.dtype != FP8 and sw13.dtype == sw2.dtype == x.dtype and sw13.device == sw2.device == x.device \
+        and sw13.dim() == 2 and sw2.dim() == 2 and sw13.shape[1] == d and sw13.shape[0] % 2 == 0 and F > 0 \
+        and sw13.shape[0] // 2 % F == 0 and tuple(sw2.shape) == (d, sw13.shape[0] // 2) \
+        and x.shape[0] * (ids.shape[1] + sw13.shape[0] // 2 // F) <= MAX_PAIRS
 
 
 TILE = 512 if INTERPRET else 8192  # weight elements a program loads per K step (bf16 / fp16 weights)
@@ -152,19 +207,26 @@ def _i(n: int) -> int:
 
 def pair_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  *, clamp: Optional[float] = None, w13_scale: Optional[torch.Tensor] = None,
-                 w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 w2_scale: Optional[torch.Tensor] = None, shared: Optional[tuple] = None) -> torch.Tensor:
     """triton_moe.fused_experts' contract (x [T, d], w13 [E, 2F, d], w2 [E, d, F] in x's dtype or FP8 with
-    scales, weights / ids [T, k]) for at most MAX_PAIRS pairs, in two launches. Returns [T, d] in x's dtype."""
+    scales, weights / ids [T, k]) for at most MAX_PAIRS pairs, in two launches. Returns [T, d] in x's dtype.
+    ``shared`` = (sw13 [2 Fs, d], sw2 [d, Fs]): plus the shared expert's SwiGLU (the same clamp), in the same two
+    launches (see the module doc)."""
     _check_experts(x, w13, w2, weights, ids, clamp)
     check_scales(w13, w2, w13_scale, w2_scale)
-    if not supports(x, w13, w2, weights, ids, w13_scale, w2_scale):
+    if not supports(x, w13, w2, weights, ids, w13_scale, w2_scale, shared):
         raise ValueError(f"pair_experts: unsupported inputs: x {x.dtype} {tuple(x.shape)}, w13 {w13.dtype}, "
                          f"w2 {w2.dtype}, {ids.numel()} pairs (at most {MAX_PAIRS}; dtypes {SUPPORTED_DTYPES} "
-                         f"or FP8 weights with both scales)")
+                         f"or FP8 weights with both scales)"
+                         + ("" if shared is None else f", shared expert {[(t.dtype, tuple(t.shape)) for t in shared]}"
+                            " (x's dtype, sw13 [2 Fs, d] and sw2 [d, Fs], Fs a multiple of F; not with FP8 experts)"))
     T, d = x.shape
     F, k = w13.shape[1] // 2, ids.shape[1]
     if T == 0 or F == 0 or d == 0:
         return torch.zeros(T, d, dtype=x.dtype, device=x.device)
+    P = T * k  # routed pairs; the shared expert's slices follow, NS a token
+    sw13, sw2 = shared if shared is not None else (x, x)  # placeholders: never read without HAS_SHARED
+    NS = sw13.shape[0] // 2 // F if shared is not None else 0
     fp8 = w13.dtype == FP8
     ids_flat = ids.reshape(-1).contiguous()
     rw = weights.reshape(-1).to(torch.float32).contiguous()
@@ -172,15 +234,18 @@ def pair_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
     s2 = w2_scale if fp8 else rw
     s13_strides = s13.stride() if fp8 else (0, 0, 0)
     s2_strides = s2.stride() if fp8 else (0, 0, 0)
-    BN1, BK1 = _blocks(F, T * k, d, fp8, x.device)
+    BN1, BK1 = _blocks(F, P + T * NS, d, fp8, x.device)
     BN2, BK2 = _blocks(d, T, F, fp8, x.device)
-    act = torch.empty(T * k, F, dtype=x.dtype, device=x.device)
-    _pairs_up_kernel[(T * k, cdiv(F, BN1))](
-        x, w13, s13, ids_flat, act, x.stride(0), x.stride(1), *w13.stride(), *s13_strides, act.stride(0),
-        F, d, w13.shape[0], k, float(clamp) if clamp is not None else 0.0,
-        BLOCK_N=BN1, BLOCK_K=BK1, HAS_CLAMP=clamp is not None, FP8_W=fp8, D_I=_i(d), num_warps=8)
+    act = torch.empty(P + T * NS, F, dtype=x.dtype, device=x.device)
+    _pairs_up_kernel[(P + T * NS, cdiv(F, BN1))](
+        x, w13, s13, ids_flat, act, sw13, x.stride(0), x.stride(1), *w13.stride(), *s13_strides, act.stride(0),
+        sw13.stride(0), sw13.stride(1), F, NS * F, d, w13.shape[0], k, P, max(NS, 1),
+        float(clamp) if clamp is not None else 0.0,
+        BLOCK_N=BN1, BLOCK_K=BK1, HAS_CLAMP=clamp is not None, FP8_W=fp8, D_I=_i(d), HAS_SHARED=NS > 0,
+        num_warps=8)
     out = torch.empty(T, d, dtype=x.dtype, device=x.device)
     _pairs_down_kernel[(T, cdiv(d, BN2))](
-        act, w2, s2, ids_flat, rw, out, act.stride(0), *w2.stride(), *s2_strides, out.stride(0),
-        F, d, w13.shape[0], k, BLOCK_N=BN2, BLOCK_K=BK2, FP8_W=fp8, F_I=_i(F), K_I=_i(k), num_warps=8)
+        act, w2, s2, ids_flat, rw, out, sw2, act.stride(0), *w2.stride(), *s2_strides, out.stride(0),
+        sw2.stride(0), sw2.stride(1), F, d, w13.shape[0], k, P, max(NS, 1),
+        BLOCK_N=BN2, BLOCK_K=BK2, FP8_W=fp8, F_I=_i(F), K_I=_i(k), HAS_SHARED=NS > 0, NS_I=_i(NS), num_warps=8)
     return out

@@ -194,17 +194,32 @@ class CEDLayer(nn.Module):
 
     def moe_parts(self, x):
         """x [T, d] (normed) -> (routed experts [T, d], shared expert [T, d] or None, chosen ids [T, k]), through the
-        owning model's backend ops (``ops_of``): sqrt-softplus scores, top-k on score + gate_bias, renormalised
+        owning model's backend ops (``ops_of``); where the backend runs both in one op (``moe_experts_shared``) the
+        first is their sum and the second None. Sqrt-softplus scores, top-k on score + gate_bias, renormalised
         weights times the routed scaling factor; SwiGLU experts clamped at swiglu_limit, FP8 with their block
         scales when the loader kept them FP8 (models/quant.py). No host sync where the ops have none (nvidia)."""
         c, ops = self.c, ops_of(self, x.device)
         gate, bias = self._router_f32()
         weights, ids = ops.ced_moe_route(x, gate, c.num_experts_per_tok, bias=bias, scaling=c.routed_scaling_factor)
+        if self.shared_w13 is not None and type(self).routed_experts is CEDLayer.routed_experts:
+            both = self._experts_and_shared(x, weights, ids, ops)  # one op where the backend fuses them
+            if both is not None:
+                return both, None, ids
         y = self.routed_experts(x, weights, ids)
         shared = None
         if self.shared_w13 is not None:  # (ced_swiglu: the clamped SwiGLU, one kernel on CUDA)
             shared = self._linear(ops.ced_swiglu(self._linear(x, self.shared_w13), c.swiglu_limit), self.shared_w2)
         return y, shared, ids
+
+    def _experts_and_shared(self, x, weights, ids, ops):
+        """routed_experts + the shared expert through ``ops.moe_experts_shared``, or None where it does not fuse
+        them (an expert-parallel layer's own routed_experts never comes here)."""
+        from ..quant import fp8_scales
+
+        if self.placement is not None:
+            ids = self.placement.physical_ids(ids)
+        return ops.moe_experts_shared(x, self.w13, self.w2, weights, ids, self.shared_w13, self.shared_w2,
+                                      clamp=self.c.swiglu_limit, **fp8_scales(self))
 
     def routed_experts(self, x, weights, ids):
         """The routed experts' weighted sum [T, d] of x [T, d] routed to ids [T, k] with weights [T, k] (expert
