@@ -12,6 +12,8 @@
 #   bash scripts/device_issue12.sh moe-graphs         # the files the pair MoE and the GEMV touch, ~3 min
 #   bash scripts/device_issue12.sh next13             # the router-logits GEMV bench, the decode profile's device split
 #   bash scripts/device_issue12.sh prefill-attn       # CED attention's launch knobs on a 16K prefill chunk
+#   bash scripts/device_issue12.sh check14            # 14th session (carry .whl312): every GPU test file but
+#                                            # kv_sizing, the shared expert on the pair kernels, the decode profile
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -140,6 +142,17 @@ prefill-attn)
   # of a 16K prefill; the decode sweep's winners cut batch 64 by 2.6x).
   timeout 300 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --stages 1 2 \
     --out "$OUT/ced_attn_sweep_prefill.jsonl" 2>&1 | grep -v Warning | tail -3 ;;
+check14)
+  # After the 14th session's kernel changes (the wide attention launch for prefill chunks, the GEMV knobs, the
+  # shared expert on the pair kernels): the GPU files under xdist (300 s), the shared-expert bench, the decode
+  # profile at batch 1, 16 and 64 (~2.5 min).
+  files=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import gpu_tests; print(' '.join(f for f in gpu_tests.gpu_test_files() if 'kv_sizing' not in f))")
+  timeout -s INT 300 python3 -m pytest -n 12 --dist loadfile -p no:cacheprovider -q -rfE --durations=10 \
+    --junitxml="$OUT/gpu_tests_all.xml" $files tests/test_triton_ced_launch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout 60 python3 benchmarks/moe_pairs_bench.py --shared --tokens 1 2 4 --out "$OUT/moe_pairs_shared.jsonl" 2>&1 \
+    | grep -v Warning | tail -5
+  timeout 150 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | grep -B1 -A22 "== batch" | grep -v "^host\|cProfile" ;;
 suite-short)
   # The GPU test files under xdist in one shorter call (a device budget's end), a 330 s limit; kv_sizing left out (it
   # measures the device's free memory, so it runs alone: `suite` runs it after the rest).
