@@ -166,9 +166,9 @@ def test_the_backend_takes_the_pair_kernel_up_to_moe_pairs_max(invariant, monkey
 
 @pytest.mark.parametrize("invariant", [False, True])
 def test_the_backend_fuses_the_shared_expert_where_it_takes_the_pairs(invariant, monkeypatch):
-    """NvidiaOps.moe_experts_shared: the pair kernels with the shared expert up to MOE_PAIRS_MAX routed pairs, None
-    past them, in batch-invariant mode, for FP8 experts and under autograd (the caller then runs the two apart);
-    its result is the float64 oracle's function."""
+    """NvidiaOps.moe_experts_shared: None while MOE_SHARED_ON_PAIRS is off (as shipped); on, the pair kernels with
+    the shared expert up to MOE_PAIRS_MAX routed pairs, None past them, in batch-invariant mode and under autograd
+    (the caller then runs the two apart); its result is the float64 oracle's function."""
     from deepinfer.backends.nvidia import ops as nv
     from deepinfer.backends.reference.ops import ReferenceOps
 
@@ -176,6 +176,10 @@ def test_the_backend_fuses_the_shared_expert_where_it_takes_the_pairs(invariant,
     backend = nv.NvidiaOps(DEV)
     backend.batch_invariant = invariant
     assert ReferenceOps(DEV).moe_experts_shared(*make_case(gen(0), 1, 6, 4, 24, 20), None, None) is None
+    case = make_case(gen(0), 1, 6, 4, 24, 20)
+    monkeypatch.setattr(nv, "MOE_SHARED_ON_PAIRS", False)  # the shipped setting: never (see its comment)
+    assert backend.moe_experts_shared(*case, *shared_case(gen(0), 20, 1, 24, torch.float32)) is None
+    monkeypatch.setattr(nv, "MOE_SHARED_ON_PAIRS", True)
     for T in (1, 2, 3):  # k = 4: 4, 8, 12 routed pairs
         g = gen(T)
         x, w13, w2, weights, ids = make_case(g, T, 6, 4, 24, 20)
@@ -188,6 +192,26 @@ def test_the_backend_fuses_the_shared_expert_where_it_takes_the_pairs(invariant,
             + shared_oracle(x, sw13, sw2, 0.7)
         assert out is not None and rel_err(out, oracle) < 1e-5
         assert backend.moe_experts_shared(x.requires_grad_(), w13, w2, weights, ids, sw13, sw2) is None
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_the_ced_layer_takes_the_shared_expert_on_the_pairs_where_the_backend_does(on, monkeypatch):
+    """CEDLayer.moe_parts through NvidiaOps: with MOE_SHARED_ON_PAIRS the sum comes back as one tensor (shared None),
+    without it the two apart; either way the reference module's function (test_moe_fp8.old_ced_moe, float32), the
+    same chosen experts."""
+    from deepinfer.backends.nvidia import ops as nv
+    from test_moe_fp8 import draw_ced, old_ced_moe
+
+    monkeypatch.setattr(nv, "MOE_SHARED_ON_PAIRS", on)
+    model = draw_ced(4, 2, 1, 1.5, 0.5, 3, nv.NvidiaOps(DEV)).to(DEV)
+    layer = model.layers[1]
+    x = torch.randn(3, 32, generator=gen(4)).to(DEV)
+    with torch.no_grad():
+        routed, shared, ids = layer.moe_parts(x)
+        want, want_ids = old_ced_moe(layer, x)
+    assert (shared is None) == on and torch.equal(ids, want_ids)
+    assert model.ops.kernel_calls["moe_pairs_shared"] == (1 if on else 0)
+    assert rel_err(routed if shared is None else routed + shared, want) < 1e-5
 
 
 @pytest.mark.parametrize("fp8_max,want", [(0, "fused_moe"), (8, "moe_pairs")])
