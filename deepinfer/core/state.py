@@ -156,7 +156,7 @@ class StepState:
         self.draft_logits: Optional[torch.Tensor] = None  # verify: [D, V] logits at the drafted positions (row order)
         self.prompt_logprobs: Optional[dict] = None  # verify: seq_id -> (first position, prompt logprob entries)
         self.bad_rows: Optional[torch.Tensor] = None  # engine: [S] bool, sampling rows whose logits were not finite
-        self.logits_kept = False  # a stage that writes logits sets it when it left them as they were this step
+        self.logits_kept = False  # engine: reset before each stage; a logits writer that left them as they were sets it
         self.next_tokens: Optional[torch.Tensor] = None  # sample: [S] int64
         self.logprobs: Any = None  # sample: LogprobsTensors or None
         self.outputs: Optional[list] = None  # detokenize: [S] SeqUpdate
