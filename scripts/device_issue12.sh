@@ -16,6 +16,7 @@
 #                                            # kv_sizing, the shared expert on the pair kernels, the decode profile
 #   bash scripts/device_issue12.sh final14 COMMIT     # 14th session's last call: the files check14 failed in
 #                                            # (shared expert now off), the decode profile, the 16K prefill ratio
+#   bash scripts/device_issue12.sh final14s           # final14 without the 16K prefill (~2.5 min)
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -166,6 +167,12 @@ final14)
   timeout 170 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced_prefill.jsonl" --commit "${1:-?}" \
     --phases roofline,ced --ced-prefill-tokens 16384 --ced-batches --ced-repeats 1 \
     --budget-s 160 2>&1 | tee "$OUT/gpu_bench_ced_prefill.log" | grep -v Warning | tail -14 ;;
+final14s)
+  timeout -s INT 100 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_triton_moe_pairs.py \
+    "tests/test_speculative.py::test_greedy_speculation_reproduces_plain_decoding" \
+    tests/test_swa_pool.py 2>&1 | tail -4
+  timeout 110 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | grep -A8 "== batch" | grep -v "^host\|cProfile" ;;
 suite-short)
   # The GPU test files under xdist in one shorter call (a device budget's end), a 330 s limit; kv_sizing left out (it
   # measures the device's free memory, so it runs alone: `suite` runs it after the rest).
