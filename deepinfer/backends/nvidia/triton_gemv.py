@@ -126,8 +126,9 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if not supports(x, w, dot) or out_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"grouped_gemv: unsupported inputs: x {x.dtype} {tuple(x.shape)} stride {x.stride()}, "
-                         f"w {w.dtype} {tuple(w.shape)} stride {w.stride()}, out {out_dtype} (x [M <= {MAX_ROWS}, "
-                         f"G, K] and w [G, N, K] in {SUPPORTED_DTYPES}, contiguous along K)")
+                         f"w {w.dtype} {tuple(w.shape)} stride {w.stride()}, out {out_dtype} "
+                         f"(x [M <= {DOT_ROWS if dot else MAX_ROWS}, G, K] and w [G, N, K] in {SUPPORTED_DTYPES}, "
+                         "contiguous along K)")
     M, G, K = x.shape
     N = w.shape[1]
     out = torch.empty(M, G, N, dtype=out_dtype, device=x.device)
