@@ -17,6 +17,7 @@
 #   bash scripts/device_issue12.sh final14 COMMIT     # 14th session's last call: the files check14 failed in
 #                                            # (shared expert now off), the decode profile, the 16K prefill ratio
 #   bash scripts/device_issue12.sh final14s           # final14 without the 16K prefill (~2.5 min)
+#   bash scripts/device_issue12.sh diag15             # the shared expert's divergence, cold prefill profiles
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -207,6 +208,15 @@ mla)
     tests/test_triton_mla.py tests/test_gpu_parity.py tests/test_cuda_graphs.py -k "mla or deepseek or MLA" \
     2>&1 | tail -15
   PYTHONPATH=/tmp/tlsite:$PWD timeout 120 python3 scripts/mla_kernel_calls.py ;;
+diag15)
+  # 15th session's first call (~7 min): the shared expert on the pairs switched on with every eager call checked
+  # against its parts and a float64 oracle while the tests that parted run (scripts/diag_shared_pairs.py), then a
+  # cold 16K and 4K prefill profiled in both replay modes (benchmarks/profile_cold_prefill.py).
+  timeout -s INT 170 python3 scripts/diag_shared_pairs.py 2>&1 | grep -v Warning | tail -14
+  timeout 200 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --repeats 3 \
+    --out "$OUT/profile_cold_prefill_16k" 2>&1 | grep -v "Warning\|^-\|^ \|USDT" | tail -72
+  timeout 120 python3 benchmarks/profile_cold_prefill.py --tokens 4096 --repeats 3 --top 12 \
+    --out "$OUT/profile_cold_prefill_4k" 2>&1 | grep "^== " ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

@@ -1,0 +1,135 @@
+"""Where a cold CED prefill goes on the GPU: the CED bench config (prefix caching off, as gpu_bench's phase ced
+builds it) prefills one random prompt of ``--tokens`` in each replay mode; the wall time against the matmul
+floor (gpu_bench.ced_prefill_flops), then under torch.profiler the GPU's busy time and the kernels by device time,
+grouped by name, and the host's top ops by self CPU time.
+
+    python benchmarks/profile_cold_prefill.py --tokens 16384 --out $OUT/profile_cold_prefill   # device
+
+Writes OUT.txt (the tables) and OUT.jsonl (a row per mode: wall, busy, launches, the top kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_bench  # noqa: E402
+
+LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+def build(d: Path, args, mode: str):
+    tokens = args.tokens
+    cfg = gpu_bench.ced_config(args.size, tokens + 16)
+    gpu_bench.write_model_dir(d, cfg)
+    ns = argparse.Namespace(dtype=args.dtype, device=args.device, backend=None, build_in_dtype="always")
+    llm = gpu_bench.build_llm(d, ns, cfg, hf_overrides={"replay_mode": mode}, max_model_len=tokens + 16,
+                              max_num_seqs=4, max_num_batched_tokens=tokens, enable_prefix_caching=False,
+                              num_kv_blocks=(tokens + 16) // 16 + 64)[0]
+    return llm, cfg
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def prefill(llm, prompt) -> float:
+    sync()
+    t0 = time.perf_counter()
+    gpu_bench.Runner._ced_prefill(llm, prompt)
+    sync()
+    return time.perf_counter() - t0
+
+
+def kernel_rows(prof) -> list:
+    """Device kernels grouped by name: calls, total us; sorted by total. Without CUDA (a check of the script on
+    the CPU) the ops by self CPU time stand in for them."""
+    by: dict = {}
+    cuda = torch.cuda.is_available()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA or not cuda:
+            name = e.name[:90]
+            n, t = by.get(name, (0, 0.0))
+            by[name] = (n + 1, t + (e.device_time if cuda else e.self_cpu_time_total))
+    return sorted(([k, n, t] for k, (n, t) in by.items()), key=lambda r: -r[2])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--modes", nargs="+", default=["bounded", "exact"])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--size", default="bench", help="a CEDConfig size (small: a CPU check of the script)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--out", default="profile_cold_prefill")
+    args = ap.parse_args()
+    report, rows = io.StringIO(), []
+
+    def say(*a):
+        print(*a, flush=True)
+        print(*a, file=report)
+
+    n = 8192 if args.device == "cuda" else 512
+    x = torch.randn(n, n, device=args.device, dtype=getattr(torch, args.dtype))
+    for _ in range(3):
+        x @ x
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        x @ x
+    sync()
+    rate = 10 * 2 * n ** 3 / (time.perf_counter() - t0)
+    del x
+    say(f"{args.dtype} matmul {n}^3: {rate / 1e12:.1f} TFLOP/s")
+    for mode in args.modes:
+        with tempfile.TemporaryDirectory() as d:
+            llm, cfg = build(Path(d), args, mode)
+            vocab = llm.engine.model.vocab_size
+            g = torch.Generator().manual_seed(args.tokens)
+            prompt = torch.randint(0, vocab, (args.tokens,), generator=g).tolist()
+            prefill(llm, prompt)  # compiles every kernel this length uses
+            walls = [prefill(llm, prompt) for _ in range(args.repeats)]
+            model = llm.engine.model
+            flops = gpu_bench.ced_prefill_flops(model, model.counters)
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                prof_wall = prefill(llm, prompt)
+            kern = kernel_rows(prof)
+            busy = sum(r[2] for r in kern) / 1e6
+            ev = prof.key_averages()
+            launches = sum(e.count for e in ev if e.key in LAUNCH)
+            wall = statistics.median(walls)
+            say(f"\n== {mode}: {args.tokens} tokens, wall {wall * 1e3:.1f} ms (all {[round(w * 1e3, 1) for w in walls]}),"
+                f" profiled {prof_wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms, {launches} launches;"
+                f" matmul floor {flops['flops'] / rate * 1e3:.1f} ms ({flops['flops'] / rate / wall:.1%} of the wall)"
+                f"; layer tokens {list(model.counters['layer_tokens'])}")
+            say(f"{'kernel':90s} {'calls':>6s} {'ms':>8s} {'share':>6s}")
+            for name, n, t in kern[:args.top]:
+                say(f"{name:90s} {n:6d} {t / 1e3:8.2f} {t / 1e6 / busy:6.1%}")
+            say(ev.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+            rows.append({"bench": "profile_cold_prefill", "mode": mode, "tokens": args.tokens, "wall_s": wall,
+                         "walls_s": walls, "busy_s": busy, "launches": launches, "flops": flops,
+                         "matmul_flop_per_s": rate, "fraction_of_matmul_rate": flops["flops"] / rate / wall,
+                         "kernels": [[k, n, round(t, 1)] for k, n, t in kern[:60]]})
+            del llm, model
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    Path(args.out + ".txt").write_text(report.getvalue())
+    Path(args.out + ".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
