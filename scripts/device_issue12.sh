@@ -18,6 +18,7 @@
 #                                            # (shared expert now off), the decode profile, the 16K prefill ratio
 #   bash scripts/device_issue12.sh final14s           # final14 without the 16K prefill (~2.5 min)
 #   bash scripts/device_issue12.sh diag15             # the shared expert's divergence, cold prefill profiles
+#   bash scripts/device_issue12.sh check15            # the shared expert on (its roundings), decode and prefill profiles
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -217,6 +218,16 @@ diag15)
     --out "$OUT/profile_cold_prefill_16k" 2>&1 | grep -v "Warning\|^-\|^ \|USDT" | tail -72
   timeout 120 python3 benchmarks/profile_cold_prefill.py --tokens 4096 --repeats 3 --top 12 \
     --out "$OUT/profile_cold_prefill_4k" 2>&1 | grep "^== " ;;
+check15)
+  # After the shared expert's roundings matched the unfused path and it went on (~6 min): the tests that parted and
+  # the files around the MoE and CED decode, the decode profile at batch 1, 16 and 64, a cold 16K prefill profiled.
+  timeout -s INT 220 python3 -m pytest -n 6 --dist loadfile -q -p no:cacheprovider -rfE tests/test_triton_moe_pairs.py \
+    tests/test_swa_pool.py tests/test_speculative.py tests/test_ced_decode_path.py tests/test_moe_fp8.py \
+    tests/test_cuda_graphs.py 2>&1 | tail -6
+  timeout 110 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | grep -A8 "== batch" | grep -v "^host\|cProfile"
+  timeout 150 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --repeats 3 --top 16 \
+    --out "$OUT/profile_cold_prefill_16k" 2>&1 | grep -v "Warning\|^-\|^ \|USDT\|Self" | tail -40 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

@@ -59,12 +59,13 @@ MOE_PAIRS_MAX = 16
 MOE_PAIRS_MAX_FP8 = 0
 # A shared expert on the pair kernels (moe_experts_shared: two launches for routed + shared where five ran).
 # benchmarks/moe_pairs_bench.py --shared on the H200 (14th session, bench shape): 17.4 against 21.1 us at one token,
-# 24.7 / 30.1 at 2, 38.9 / 46.0 at 4 (0.82-0.85x), and its kernel tests pass there (float32 within 1e-5 of a float64
-# oracle, the bench shape in a CUDA graph). But with it on, three GPU tests of the tiny float32 CED model parted
-# from their twin runs on the H200, deterministically (test_speculative: greedy speculation against plain decoding;
-# test_swa_pool: a restored prefix hit against a cold prefill, twice), and passed with it off; on the CPU under
-# Triton's interpreter the same runs agree to 5 decimals either way. Cause not found: off until it is.
-MOE_SHARED_ON_PAIRS = False
+# 24.7 / 30.1 at 2, 38.9 / 46.0 at 4 (0.82-0.85x). Shipped off in the 14th session: three GPU twin-run tests parted
+# with it on. Their cause (15th session, scripts/diag_shared_pairs.py on the H200: every eager call as accurate
+# against a float64 oracle as the unfused path): those tests run bf16 on the GPU, and the kernel rounded the routed
+# and shared sums once where the unfused path rounds each and then their sum, so a prefix hit's few-token suffix
+# (pairs) and a cold prefill (fused_experts, shared apart) parted by a bf16 rounding. The kernel now rounds as the
+# unfused path does (triton_moe_pairs' module doc), bit-equal to it but for float32 sums' order.
+MOE_SHARED_ON_PAIRS = True
 # Projections (ops.linear, grouped_linear) of up to this many rows run triton_gemv's GEMV kernel instead of cuBLAS.
 # benchmarks/gemv_bench.py at the CED bench config's 9 projections on the H200, a step's total (13th session: at one
 # row faster at all 9 shapes, 3.4 against cuBLAS's 13.2 us at 1024 x 2048); 14th session, shipped knobs, cuBLAS /
@@ -193,7 +194,7 @@ class NvidiaOps(ReferenceOps):
 
     def moe_experts_shared(self, x, w13, w2, weights, ids, shared_w13, shared_w2, *, clamp=None, w13_scale=None,
                            w2_scale=None):
-        """With MOE_SHARED_ON_PAIRS (off: see there), where moe_experts takes the pair kernels (up to MOE_PAIRS_MAX
+        """With MOE_SHARED_ON_PAIRS (on: see there), where moe_experts takes the pair kernels (up to MOE_PAIRS_MAX
         pairs, bf16 / fp16 experts), the shared expert rides on them as Fs / F more pairs a token (triton_moe_pairs'
         module doc): two launches for what took five (its w13 GEMV, the activation, its w2 GEMV). None elsewhere
         (the caller runs both apart)."""

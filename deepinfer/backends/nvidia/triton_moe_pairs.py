@@ -18,7 +18,11 @@ j F .. (j + 1) F, sw2's columns alike): SwiGLU is per channel and the down proje
 the slices' outputs add up to the shared expert's. Its three launches (w13, the activation, w2) ride on these two.
 
 The roundings are fused_experts' (the activation and each pair's weighted output to x's dtype, the k-sum in
-float32); the sums run in another order, so results agree to the last bits, not bit for bit. FP8 block-scaled
+float32); the sums run in another order, so results agree to the last bits, not bit for bit. The shared expert's
+are those of the unfused path it replaces (its gate / up products, ced_swiglu's silu and output, its down product
+and the routed sum each rounded to x's dtype, then their sum): a step of a few tokens (a prefix hit's suffix, a
+decode step) then rounds as one of many tokens (fused_experts and the shared expert apart) does, as prefix hits
+and speculation's twin runs expect (in bf16 one rounding more or less parted them by 1e-3 nats). FP8 block-scaled
 weights as fused_experts takes them (float8_e4m3fn with [E, cdiv(rows, 128), cdiv(cols, 128)] float32 scales;
 with them BLOCK_K divides 128, so a step's products take one scale per row). Ids outside [0, E) contribute zero (not
 checked: a host sync). Block sizes from shapes only: capture-safe, deterministic.
@@ -35,7 +39,8 @@ import triton.language as tl
 from ..reference.moe import FP8, _check_experts, check_scales
 from . import triton_gemv
 from .triton_moe import SUPPORTED_DTYPES
-from .triton_norm import cast_rne
+from .triton_ced_fused import _exp
+from .triton_norm import cast_rne, to_f32
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -107,11 +112,20 @@ def _pairs_up_kernel(
             u = u * tl.load(s_e + ((F + n) // 128) * stride_sn + kb * stride_sk, mask=n_mask, other=0.0)
         acc_g += g
         acc_u += u
+    DT = act_ptr.dtype.element_ty
+    if HAS_SHARED:
+        if p >= P:  # the unfused shared expert's roundings: its w13 product, then ced_swiglu's silu, to the dtype
+            acc_g = to_f32(cast_rne(acc_g, DT))
+            acc_u = to_f32(cast_rne(acc_u, DT))
     if HAS_CLAMP:  # DeepSeek-V4: gate <= clamp, -clamp <= up <= clamp
         acc_g = tl.minimum(acc_g, clamp)
         acc_u = tl.maximum(tl.minimum(acc_u, clamp), -clamp)
-    a = tl.where(valid, acc_g * tl.sigmoid(acc_g) * acc_u, 0.0)
-    tl.store(act_ptr + p.to(tl.int64) * stride_at + n, cast_rne(a, act_ptr.dtype.element_ty), mask=n_mask)
+    silu = acc_g * tl.sigmoid(acc_g)
+    if HAS_SHARED:
+        if p >= P:
+            silu = to_f32(cast_rne(acc_g / (1.0 + _exp(-acc_g)), DT))
+    a = tl.where(valid, silu * acc_u, 0.0)
+    tl.store(act_ptr + p.to(tl.int64) * stride_at + n, cast_rne(a, DT), mask=n_mask)
 
 
 @triton.jit
@@ -149,11 +163,12 @@ def _pairs_down_kernel(
             acc += y
         y = cast_rne(acc * tl.load(rw_ptr + p), out_ptr.dtype.element_ty).to(tl.float32)  # fused_experts' rounding
         total += tl.where(valid, y, 0.0)
-    if HAS_SHARED:
+    DT = out_ptr.dtype.element_ty
+    if HAS_SHARED:  # the unfused path's roundings: routed sum and shared product each to the dtype, then their sum
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for j in range(0, NS_I if _INTERP else NS):
             p = P + t * NS + j
             w_j = sw_ptr + (t * 0 + j * F).to(tl.int64) * stride_swk
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for f0 in range(0, F_I if _INTERP else F, BLOCK_K):
                 f = f0 + kk
                 f_mask = f < F
@@ -161,8 +176,8 @@ def _pairs_down_kernel(
                 w = _weight_tile(w_j + n[:, None].to(tl.int64) * stride_swn + f[None, :] * stride_swk,
                                  n_mask[:, None] & f_mask[None, :])
                 acc += tl.sum(w * av[None, :], axis=1)
-            total += cast_rne(acc, out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + n, cast_rne(total, out_ptr.dtype.element_ty), mask=n_mask)
+        total = to_f32(cast_rne(total, DT)) + to_f32(cast_rne(acc, DT))
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + n, cast_rne(total, DT), mask=n_mask)
 
 
 def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
