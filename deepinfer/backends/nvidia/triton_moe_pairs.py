@@ -129,6 +129,25 @@ def _pairs_up_kernel(
 
 
 @triton.jit
+def _down_product(a_row, w_e, s_e, n, n_mask, kk, stride_wn, stride_wk, stride_sn, stride_sk, F, F_I: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, FP8_W: tl.constexpr):
+    """One pair's activation row (a_row: F values) @ its expert's down weights (w_e: [d, F] by the strides) for the
+    columns n, float32; FP8 weights scaled per 128 x 128 block (s_e)."""
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for f0 in range(0, F_I if _INTERP else F, BLOCK_K):
+        f = f0 + kk
+        f_mask = f < F
+        av = tl.load(a_row + f, mask=f_mask, other=0.0).to(tl.float32)
+        w = _weight_tile(w_e + n[:, None].to(tl.int64) * stride_wn + f[None, :] * stride_wk,
+                         n_mask[:, None] & f_mask[None, :])
+        y = tl.sum(w * av[None, :], axis=1)
+        if FP8_W:
+            y = y * tl.load(s_e + (n // 128) * stride_sn + (f0 // 128) * stride_sk, mask=n_mask, other=0.0)
+        acc += y
+    return acc
+
+
+@triton.jit
 def _pairs_down_kernel(
     act_ptr, w_ptr, ws_ptr, ids_ptr, rw_ptr, out_ptr, sw_ptr,
     stride_at, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ot, stride_swn, stride_swk,
@@ -148,19 +167,9 @@ def _pairs_down_kernel(
         e = tl.load(ids_ptr + p).to(tl.int64)
         valid = (e >= 0) & (e < E)
         e = tl.where(valid, e, 0)
-        w_e = w_ptr + e * stride_we
-        s_e = ws_ptr + e * stride_se
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for f0 in range(0, F_I if _INTERP else F, BLOCK_K):
-            f = f0 + kk
-            f_mask = f < F
-            av = tl.load(act_ptr + p.to(tl.int64) * stride_at + f, mask=f_mask, other=0.0).to(tl.float32)
-            w = _weight_tile(w_e + n[:, None].to(tl.int64) * stride_wn + f[None, :] * stride_wk,
-                             n_mask[:, None] & f_mask[None, :])
-            y = tl.sum(w * av[None, :], axis=1)
-            if FP8_W:
-                y = y * tl.load(s_e + (n // 128) * stride_sn + (f0 // 128) * stride_sk, mask=n_mask, other=0.0)
-            acc += y
+        acc = _down_product(act_ptr + p.to(tl.int64) * stride_at, w_ptr + e * stride_we, ws_ptr + e * stride_se,
+                            n, n_mask, kk, stride_wn, stride_wk, stride_sn, stride_sk, F, F_I, BLOCK_K, BLOCK_N,
+                            FP8_W)
         y = cast_rne(acc * tl.load(rw_ptr + p), out_ptr.dtype.element_ty).to(tl.float32)  # fused_experts' rounding
         total += tl.where(valid, y, 0.0)
     DT = out_ptr.dtype.element_ty
@@ -168,14 +177,9 @@ def _pairs_down_kernel(
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for j in range(0, NS_I if _INTERP else NS):
             p = P + t * NS + j
-            w_j = sw_ptr + (t * 0 + j * F).to(tl.int64) * stride_swk
-            for f0 in range(0, F_I if _INTERP else F, BLOCK_K):
-                f = f0 + kk
-                f_mask = f < F
-                av = tl.load(act_ptr + p.to(tl.int64) * stride_at + f, mask=f_mask, other=0.0).to(tl.float32)
-                w = _weight_tile(w_j + n[:, None].to(tl.int64) * stride_swn + f[None, :] * stride_swk,
-                                 n_mask[:, None] & f_mask[None, :])
-                acc += tl.sum(w * av[None, :], axis=1)
+            w_j = sw_ptr + (t * 0 + j * F).to(tl.int64) * stride_swk  # slice j: sw2's columns j F .. (j + 1) F
+            acc += _down_product(act_ptr + p.to(tl.int64) * stride_at, w_j, sw_ptr, n, n_mask, kk, stride_swn,
+                                 stride_swk, 0, 0, F, F_I, BLOCK_K, BLOCK_N, False)
         total = to_f32(cast_rne(total, DT)) + to_f32(cast_rne(acc, DT))
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + n, cast_rne(total, DT), mask=n_mask)
 
