@@ -1,7 +1,8 @@
 """Where a cold CED prefill goes on the GPU: the CED bench config (prefix caching off, as gpu_bench's phase ced
 builds it) prefills one random prompt of ``--tokens`` in each replay mode; the wall time against the matmul
 floor (gpu_bench.ced_prefill_flops), then under torch.profiler the GPU's busy time and the kernels by device time,
-grouped by name, and the host's top ops by self CPU time.
+grouped by name, the host's top ops by self CPU time, and the device's idle spans with where the host was then
+(``--host``: a cProfile of one more prefill too).
 
     python benchmarks/profile_cold_prefill.py --tokens 16384 --out $OUT/profile_cold_prefill   # device
 
@@ -66,6 +67,40 @@ def kernel_rows(prof) -> list:
     return sorted(([k, n, t] for k, (n, t) in by.items()), key=lambda r: -r[2])
 
 
+def gaps(prof, least_us: float = 500.0) -> list:
+    """The device's idle spans of at least ``least_us`` between the first and the last kernel, each with where the
+    host was when it began (the innermost CPU op running then, with its stack of ops): [start us from the first
+    kernel, length us, host op path]."""
+    kern = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    out, end = [], None
+    first = kern[0][0] if kern else 0
+    if kern:
+        out.append([0.0, round(first - min(e.time_range.start for e in cpu), 1), "before the first kernel"])
+    for a, b in kern:
+        if end is not None and a - end >= least_us:
+            live = [e for e in cpu if e.time_range.start <= end <= e.time_range.end]
+            path = " > ".join(e.name[:40] for e in sorted(live, key=lambda e: e.time_range.start)[-4:])
+            out.append([round(end - first, 1), round(a - end, 1), path])
+        end = b if end is None else max(end, b)
+    return out
+
+
+def host_top(llm, prompt, n: int = 30) -> str:
+    """cProfile of one more prefill: the top functions by own time (the host's share of the wall)."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    prefill(llm, prompt)
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(n)
+    return s.getvalue()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=16384)
@@ -75,6 +110,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--host", action="store_true", help="also cProfile one prefill (host functions by own time)")
     ap.add_argument("--out", default="profile_cold_prefill")
     args = ap.parse_args()
     report, rows = io.StringIO(), []
@@ -121,9 +157,16 @@ def main() -> int:
             for name, n, t in kern[:args.top]:
                 say(f"{name:90s} {n:6d} {t / 1e3:8.2f} {t / 1e6 / busy:6.1%}")
             say(ev.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+            idle = gaps(prof) if torch.cuda.is_available() else []
+            say(f"device idle spans >= 0.5 ms: {len(idle)}, {sum(g[1] for g in idle) / 1e3:.1f} ms in all")
+            for g in idle[:25]:
+                say(f"  at {g[0] / 1e3:8.2f} ms for {g[1] / 1e3:7.2f} ms  host in: {g[2]}")
+            if args.host:
+                say(host_top(llm, prompt))
             rows.append({"bench": "profile_cold_prefill", "mode": mode, "tokens": args.tokens, "wall_s": wall,
                          "walls_s": walls, "busy_s": busy, "launches": launches, "flops": flops,
                          "matmul_flop_per_s": rate, "fraction_of_matmul_rate": flops["flops"] / rate / wall,
+                         "idle_spans": idle,
                          "kernels": [[k, n, round(t, 1)] for k, n, t in kern[:60]]})
             del llm, model
             if torch.cuda.is_available():

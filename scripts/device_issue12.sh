@@ -19,6 +19,7 @@
 #   bash scripts/device_issue12.sh final14s           # final14 without the 16K prefill (~2.5 min)
 #   bash scripts/device_issue12.sh diag15             # the shared expert's divergence, cold prefill profiles
 #   bash scripts/device_issue12.sh check15            # the shared expert on (its roundings), decode and prefill profiles
+#   bash scripts/device_issue12.sh suite15            # GPU files (carry .whl312), a cold 16K prefill's idle spans
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -228,6 +229,15 @@ check15)
     --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | grep -A8 "== batch" | grep -v "^host\|cProfile"
   timeout 150 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --repeats 3 --top 16 \
     --out "$OUT/profile_cold_prefill_16k" 2>&1 | grep -v "Warning\|^-\|^ \|USDT\|Self" | tail -40 ;;
+suite15)
+  # 15th session (carry .whl312): every GPU test file but kv_sizing under xdist (330 s), then a cold 16K prefill in
+  # both replay modes with the device's idle spans and a cProfile of the host (~2.5 min).
+  files=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import gpu_tests; print(' '.join(f for f in gpu_tests.gpu_test_files() if 'kv_sizing' not in f))")
+  timeout -s INT 330 python3 -m pytest -n 12 --dist loadfile -p no:cacheprovider -q -rfE --durations=5 \
+    --junitxml="$OUT/gpu_tests_all.xml" $files tests/test_triton_ced_launch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -14
+  timeout 170 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --repeats 2 --top 10 --host \
+    --out "$OUT/profile_cold_prefill_16k" > "$OUT/profile_cold_prefill_16k.log" 2>&1
+  grep "^== \|idle\|  at " "$OUT/profile_cold_prefill_16k.log" | head -60 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

@@ -60,6 +60,7 @@ class DecodeGraphs:
         self.graphs: dict = {}  # (B, NB) decode, (B, NB, Q) verify -> (graph, static inputs, static output)
         self.pool = None
         self.num_replays = 0
+        self.last_key = None  # the (batch, blocks) buckets of the last decode replay (benchmarks/profile_decode.py)
         self.verify_width = 0  # Q of the verify graphs (K + 1); 0: verify steps run eagerly
         self.max_len = tables.max_blocks * block_size  # positions a padded verify token may reach
         self.num_verify_replays = 0
@@ -190,6 +191,7 @@ class DecodeGraphs:
         st["rows"].copy_(dev[2])
         graph.replay()
         self.num_replays += 1
+        self.last_key = (B, NB)
         return self._split(out[:n].clone())  # the static output is overwritten by the next replay
 
     def run_verify(self, ids: list, starts: list, slots: list, future=None) -> torch.Tensor:
