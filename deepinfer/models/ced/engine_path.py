@@ -26,6 +26,7 @@ low-bit caches in place: the reference ops dequantize what they read, kernels de
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ...backends.base import to_device
@@ -34,14 +35,27 @@ from .model import model_ops
 
 
 def _on_device(lists: list, device) -> list:
-    """Host int lists on the device in one copy: [tensor] views of one int64 buffer, one per list."""
-    flat = [v for lst in lists for v in lst]
-    buf = to_device(flat, torch.long, device)
+    """Host int lists (or numpy arrays) on the device in one copy: [tensor] views of one int64 buffer, one per list."""
+    arrays = [np.asarray(lst, dtype=np.int64).reshape(-1) for lst in lists]
+    buf = to_device(torch.from_numpy(np.concatenate(arrays) if arrays else np.zeros(0, np.int64)), torch.long, device)
     out, a = [], 0
-    for lst in lists:
-        out.append(buf[a:a + len(lst)])
-        a += len(lst)
+    for arr in arrays:
+        out.append(buf[a:a + arr.size])
+        a += arr.size
     return out
+
+
+def _segments(counts) -> tuple:
+    """Rows of the given lengths laid end to end: (each element's row, its index within its row), numpy int64.
+    The host layouts below are built from these, so a 16K-token prefill costs numpy calls, not 16K Python steps
+    (the 15th session's profile: ~50 ms of Python per 16K prefill with the device idle)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    rows = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    return rows, np.arange(rows.size, dtype=np.int64) - (np.cumsum(counts) - counts)[rows]
+
+
+def _ints(xs) -> np.ndarray:
+    return np.asarray(list(xs), dtype=np.int64).reshape(-1)
 
 
 class Upload:
@@ -122,56 +136,46 @@ class Pass(_Uploaded, Shared):
     def __init__(self, meta, lo: list, hi: list, device, cut: list, score: bool = False, up: Upload = None,
                  ring: tuple = None):
         self.meta, self.device = meta, device
-        self.rows, self.local, pos = [], [], []
         self.lo, self.cut, self.score = lo, cut, score  # [R] first queried position, SWA cut
-        self.lstart = []  # [R] offset of the row's first query in this pass
-        n = 0
-        for r in range(len(meta.starts)):
-            self.lstart.append(n)
-            q = max(0, hi[r] - lo[r])  # row r queries positions lo[r] .. hi[r] - 1
-            self.rows += [r] * q
-            pos += range(lo[r], lo[r] + q)
-            n += q
-        self.n = n
-        self.min_pos = min(pos) if pos else None  # host-known: counting it needs no device read
+        lo_a, cut_a, slots = _ints(lo), _ints(cut), _ints(meta.state_slots)
+        starts, nums = _ints(meta.starts), _ints(meta.nums)
+        q = np.maximum(0, _ints(hi) - lo_a)  # row r queries positions lo[r] .. lo[r] + q[r] - 1
+        rows, local = _segments(q)
+        lstart = np.cumsum(q) - q
+        self.lstart = lstart.tolist()  # [R] offset of the row's first query in this pass
+        self._q, self._rows, self._local = q, rows, local  # (host: each row's last queries, ``_last``)
+        self.n = n = int(rows.size)
+        pos = lo_a[rows] + local
+        self.min_pos = int(pos.min()) if n else None  # host-known: counting it needs no device read
         # Index of each query among the step's T tokens (-1: a position before the row's chunk, whose input
         # the caller supplies: a restored row's decoder, see ``early``).
-        qs = [0]
-        for k in meta.nums:
-            qs.append(qs[-1] + k)
-        tok = [qs[r] + (p - meta.starts[r]) if p >= meta.starts[r] else -1 for r, p in zip(self.rows, pos)]
-        early = [i for i, t in enumerate(tok) if t < 0]
-        slots = list(meta.state_slots)
+        first = (np.cumsum(nums) - nums)[rows]  # the row's first token among the step's
+        tok = np.where(pos >= starts[rows], first + pos - starts[rows], -1)
+        early = np.flatnonzero(tok < 0)
         # Per query: its row, position, token, replay cut, first fresh position, offset of that position's row,
         # and ring (state slot); copied with the step's other lists.
-        per_query = [[per_row[r] for r in self.rows] for per_row in (cut, lo, self.lstart, slots)]
-        named = dict(rows_t=self.rows, pos=pos, tok=tok, cut_t=per_query[0], lo_t=per_query[1],
-                     lstart_t=per_query[2], ring_slot=per_query[3])
-        if early:  # [E], [n - E] queries before / inside their row's chunk (None when E = 0)
-            named.update(early=early, late=[i for i, t in enumerate(tok) if t >= 0])
+        named = dict(rows_t=rows, pos=pos, tok=tok, cut_t=cut_a[rows], lo_t=lo_a[rows], lstart_t=lstart[rows],
+                     ring_slot=slots[rows])
+        if early.size:  # [E], [n - E] queries before / inside their row's chunk (None when E = 0)
+            named.update(early=early, late=np.flatnonzero(tok >= 0))
         else:
             self.early = self.late = None
         self.ring_size = self.scratch = None
         if ring is not None:
             self.ring_size, self.scratch = ring
             keep = self._last(self.ring_size)
-            self.has_last = bool(keep)
-            named.update(keep=keep, keep_slot=[slots[self.rows[i]] for i in keep], keep_pos=[pos[i] for i in keep])
+            self.has_last = bool(keep.size)
+            named.update(keep=keep, keep_slot=slots[rows[keep]], keep_pos=pos[keep])
             if self.scratch is not None:
-                dst = [self.scratch] * n
-                for i in keep:
-                    dst[i] = slots[self.rows[i]]
+                dst = np.full(n, self.scratch, dtype=np.int64)
+                dst[keep] = slots[rows[keep]]
                 named["ring_dst"] = dst
         self._register(up if up is not None else Upload(device), named)
         self._kept = {}
 
-    def _last(self, size: int) -> list:
-        """Each row's last ``size`` queries (indices into the pass)."""
-        keep = []
-        for r in range(len(self.lstart)):
-            n_r = (self.lstart[r + 1] if r + 1 < len(self.lstart) else self.n) - self.lstart[r]
-            keep += range(self.lstart[r] + max(0, n_r - size), self.lstart[r] + n_r)
-        return keep
+    def _last(self, size: int) -> np.ndarray:
+        """Each row's last ``size`` queries (indices into the pass, ascending)."""
+        return np.flatnonzero(self._local >= self._q[self._rows] - size)
 
     def last_queries(self, size: int):
         """(queries, their state slots, their positions): each row's last ``size`` queries, or None."""
@@ -223,9 +227,9 @@ def _last_queries(P: Pass, size: int, device):
     """(queries, their state slots, their positions): each row's last ``size`` queries of pass P, or None
     when there is none (a size the step's copy did not hold: a copy of its own)."""
     keep = P._last(size)
-    if not keep:
+    if not keep.size:
         return None
-    idx = to_device(keep, torch.long, device)
+    idx = to_device(torch.from_numpy(keep), torch.long, device)
     return idx, P.ring_slot[idx], P.pos[idx]
 
 
@@ -258,8 +262,10 @@ def _block_table(meta, device) -> torch.Tensor:
 
 def _register_block_table(meta, up: Upload) -> None:
     nb = max([len(t) for t in meta.block_tables] + [1])
-    flat = [b for t in meta.block_tables for b in (list(t) + [0] * nb)[:nb]]
-    meta.cache["ced_block_table"] = (nb, _Lists(up, bt=flat))
+    flat = np.zeros((len(meta.block_tables), nb), dtype=np.int64)
+    for r, t in enumerate(meta.block_tables):
+        flat[r, :len(t)] = t
+    meta.cache["ced_block_table"] = (nb, _Lists(up, bt=flat.reshape(-1)))
 
 
 class _Compression(_Uploaded):
@@ -273,33 +279,36 @@ class _Compression(_Uploaded):
 
     def __init__(self, meta, m: int, size: int, cache, device, up: Upload = None):
         self.m, self.device, self.block_size, self.meta = m, device, cache.block_size, meta
-        floors = meta.write_floors or [0] * len(meta.starts)
-        slots = meta.state_slots
-        tail_slot, tail_pos, tail_at = [], [], []  # pending rows read (m > 1), and where each row's begin
-        for r, a in enumerate(meta.starts):
-            tail_at.append(len(tail_slot))
-            if m > 1:
-                tail_slot += [slots[r]] * (a % m)
-                tail_pos += [p % size for p in range(a - a % m, a)]
-        n_tail = len(tail_slot)
-        src, ids, id_rows = [], [], []  # per compressed token: its row in [tails; xs]; per entry: id, row
-        keep_slot, keep_pos, keep_src = [], [], []  # tail slots written (m > 1) from rows of xs
-        qs = 0
-        for r, (a, k) in enumerate(zip(meta.starts, meta.nums)):
-            b, pend = a + k, a % m
-            j0, j1 = a // m, b // m  # the row's tokens from j0 * m on: its tail, then its chunk
-            skip = min(max(0, floors[r] // m - j0), j1 - j0)  # entries of a prefix hit's shared blocks
-            if j1 > j0 + skip:
-                src += [tail_at[r] + i if i < pend else n_tail + qs + i - pend for i in range(skip * m, (j1 - j0) * m)]
-                ids += range(j0 + skip, j1)
-                id_rows += [r] * (j1 - j0 - skip)
-            if m > 1:  # the chunk's last tokens, complete groups' too: a rejected draft may roll back into them
-                keep = range(max(a, b - size), b)
-                keep_slot += [slots[r]] * len(keep)
-                keep_pos += [p % size for p in keep]
-                keep_src += [qs + p - a for p in keep]
-            qs += k
-        self.identity = n_tail == 0 and src == list(range(qs))  # the groups are xs itself
+        starts, nums, slots = _ints(meta.starts), _ints(meta.nums), _ints(meta.state_slots)
+        floors = _ints(meta.write_floors) if meta.write_floors else np.zeros_like(starts)
+        ends, first = starts + nums, np.cumsum(nums) - nums  # first: the row's first token among xs
+        # Pending rows read (m > 1): each row's a % m inputs of its last incomplete group, from its tail.
+        pend = starts % m if m > 1 else np.zeros_like(starts)
+        t_rows, t_local = _segments(pend)
+        tail_slot, tail_pos = slots[t_rows], (starts - pend)[t_rows] + t_local
+        tail_pos = tail_pos % size if m > 1 else tail_pos
+        tail_at, n_tail = np.cumsum(pend) - pend, int(pend.sum())
+        # Per compressed token: its row in [tails; xs]; per entry: its id and row. A prefix hit's shared blocks'
+        # entries are skipped (write_floors).
+        j0, j1 = starts // m, ends // m  # the row's tokens from j0 * m on: its tail, then its chunk
+        skip = np.minimum(np.maximum(0, floors // m - j0), j1 - j0)
+        per_row = j1 - j0 - skip
+        s_rows, s_local = _segments(per_row * m)
+        i = skip[s_rows] * m + s_local
+        src = np.where(i < pend[s_rows], tail_at[s_rows] + i, n_tail + first[s_rows] + i - pend[s_rows])
+        e_rows, e_local = _segments(per_row)
+        ids, id_rows = (j0 + skip)[e_rows] + e_local, e_rows
+        # Tail slots written (m > 1) from rows of xs: the chunk's last tokens, complete groups' too (a rejected
+        # draft may roll back into them).
+        if m > 1:
+            k_from = np.maximum(starts, ends - size)
+            k_rows, k_local = _segments(ends - k_from)
+            kp = k_from[k_rows] + k_local
+            keep_slot, keep_pos, keep_src = slots[k_rows], kp % size, first[k_rows] + kp - starts[k_rows]
+        else:
+            keep_slot = keep_pos = keep_src = np.zeros(0, dtype=np.int64)
+        T = int(nums.sum())
+        self.identity = n_tail == 0 and src.size == T and bool((src == np.arange(T)).all())  # the groups are xs
         self.n_tail, self.n_entries, self.n_keep = n_tail, len(ids), len(keep_slot)
         self._register(up if up is not None else Upload(device),
                        dict(tail_slot=tail_slot, tail_pos=tail_pos, src=src, ids=ids, id_rows=id_rows,
