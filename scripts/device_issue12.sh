@@ -20,6 +20,7 @@
 #   bash scripts/device_issue12.sh diag15             # the shared expert's divergence, cold prefill profiles
 #   bash scripts/device_issue12.sh check15            # the shared expert on (its roundings), decode and prefill profiles
 #   bash scripts/device_issue12.sh suite15            # GPU files (carry .whl312), a cold 16K prefill's idle spans
+#   bash scripts/device_issue12.sh final15 COMMIT     # 4K / 16K prefill ratios, a 16K prefill's idle time, GPU files
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -238,6 +239,18 @@ suite15)
   timeout 170 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --repeats 2 --top 10 --host \
     --out "$OUT/profile_cold_prefill_16k" > "$OUT/profile_cold_prefill_16k.log" 2>&1
   grep "^== \|idle\|  at " "$OUT/profile_cold_prefill_16k.log" | head -60 ;;
+final15)
+  # 15th session's last call (carry .whl312, ~6.5 min): the 4K and 16K bounded / exact prefill (gpu_bench, three
+  # alternating repeats), a cold 16K prefill's device busy and idle time, then every GPU test file but kv_sizing.
+  timeout 200 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced_prefill.jsonl" --commit "${1:-?}" \
+    --phases roofline,ced --ced-prefill-tokens 4096 16384 --ced-batches --ced-repeats 3 \
+    --budget-s 180 2>&1 | tee "$OUT/gpu_bench_ced_prefill.log" | grep -v Warning | tail -12
+  timeout 90 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --repeats 2 --top 8 \
+    --out "$OUT/profile_cold_prefill_16k" > "$OUT/profile_cold_prefill_16k.log" 2>&1
+  grep "^== \|idle\|  at " "$OUT/profile_cold_prefill_16k.log" | head -20
+  files=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import gpu_tests; print(' '.join(f for f in gpu_tests.gpu_test_files() if 'kv_sizing' not in f))")
+  timeout -s INT 280 python3 -m pytest -n 12 --dist loadfile -p no:cacheprovider -q -rfE \
+    --junitxml="$OUT/gpu_tests_all.xml" $files tests/test_triton_ced_launch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac
