@@ -63,8 +63,8 @@ def install() -> None:
             apart = self.moe_experts(x, w13, w2, weights, ids, clamp=clamp, impl="routed") \
                 + self.linear(self.ced_swiglu(self.linear(x, shared_w13), clamp), shared_w2)
             ref = oracle(x, w13, w2, weights, ids, shared_w13, shared_w2, clamp)
-            row.update(fused_vs_oracle=rel(out, ref), apart_vs_oracle=rel(apart, ref), fused_vs_apart=rel(out, apart.double()),
-                       finite=bool(torch.isfinite(out).all()))
+            row.update(fused_vs_oracle=rel(out, ref), apart_vs_oracle=rel(apart, ref),
+                       fused_vs_apart=rel(out, apart.double()), finite=bool(torch.isfinite(out).all()))
         ROWS.append(row)
         return out
 
