@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.bench import format_table
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_gpu import time_calls  # noqa: E402
 
@@ -58,10 +60,9 @@ def main(argv=None) -> int:
                        timing=mode, device=torch.cuda.get_device_name())
             rows.append(row)
             f.write(json.dumps(row) + "\n")
-    print(f"{'tokens':>7} {'in-kernel us':>13} {'cuBLAS+route us':>16} {'ratio':>6} {'same ids':>9}")
-    for r in rows:
-        print(f"{r['tokens']:>7} {r['gemv_in_kernel_us']:>13} {r['cublas_then_route_us']:>16} {r['ratio']:>6} "
-              f"{r['rows_same_ids']:>9.3f}")
+    print(format_table(rows, (("tokens", "tokens", "{}"), ("in-kernel us", "gemv_in_kernel_us", "{}"),
+                              ("cuBLAS+route us", "cublas_then_route_us", "{}"), ("ratio", "ratio", "{}"),
+                              ("same ids", "rows_same_ids", "{:.3f}"))))
     return 0
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.bench import format_table
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_gpu import time_calls  # noqa: E402
 
@@ -85,11 +87,9 @@ def main(argv=None) -> int:
                            device=torch.cuda.get_device_name())
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")
-    print(f"{'weights':>7} {'tokens':>6} {'fused us':>9} {'pairs us':>9} {'ratio':>6} {'err fused':>10} "
-          f"{'err pairs':>10}")
-    for r in rows:
-        print(f"{r['weights']:>7} {r['tokens']:>6} {r['fused_us']:>9} {r['pairs_us']:>9} {r['pairs_over_fused']:>6} "
-              f"{r['fused_rel_err']:>10.2e} {r['pairs_rel_err']:>10.2e}")
+    print(format_table(rows, (("weights", "weights", "{}"), ("tokens", "tokens", "{}"), ("fused us", "fused_us", "{}"),
+                              ("pairs us", "pairs_us", "{}"), ("ratio", "pairs_over_fused", "{}"),
+                              ("err fused", "fused_rel_err", "{:.2e}"), ("err pairs", "pairs_rel_err", "{:.2e}"))))
     print(f"MOE_PAIRS_MAX (backends/nvidia/ops.py) by these rows: {pairs_max(rows)}")
     return 0
 
@@ -132,10 +132,9 @@ def shared_rows(a) -> int:
                        device=torch.cuda.get_device_name())
             rows.append(row)
             f.write(json.dumps(row) + "\n")
-    print(f"{'tokens':>6} {'apart us':>9} {'together us':>12} {'ratio':>6} {'rel err':>9}")
-    for r in rows:
-        print(f"{r['tokens']:>6} {r['apart_us']:>9} {r['together_us']:>12} {r['together_over_apart']:>6} "
-              f"{r['rel_err']:>9.2e}")
+    print(format_table(rows, (("tokens", "tokens", "{}"), ("apart us", "apart_us", "{}"),
+                              ("together us", "together_us", "{}"), ("ratio", "together_over_apart", "{}"),
+                              ("rel err", "rel_err", "{:.2e}"))))
     return 0
 
 

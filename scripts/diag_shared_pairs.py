@@ -18,28 +18,20 @@ import pytest
 import torch
 
 from deepinfer.backends.nvidia import ops as nv
+from deepinfer.backends.reference.moe import experts_dense
 
 TESTS = ["tests/test_swa_pool.py", "tests/test_speculative.py::test_greedy_speculation_reproduces_plain_decoding"]
 ROWS: list = []
 
 
 def oracle(x, w13, w2, weights, ids, sw13, sw2, clamp):
-    """float64: each token's k experts' clamped SwiGLU times its weight, plus the shared expert's."""
-    x, w13, w2, sw13, sw2 = (t.double() for t in (x, w13, w2, sw13, sw2))
-
-    def swiglu(h, F):
-        g, u = h[..., :F], h[..., F:]
-        if clamp is not None:
-            g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
-        return torch.nn.functional.silu(g) * u
-
-    out = swiglu(x @ sw13.T, sw13.shape[0] // 2) @ sw2.T
-    F = w13.shape[1] // 2
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            out[t] += float(weights[t, j]) * (swiglu(x[t] @ w13[e].T, F) @ w2[e].T)
-    return out
+    """float64: the routed experts by the reference's dense oracle, plus the shared expert's clamped SwiGLU."""
+    x, w13, w2, weights, sw13, sw2 = (t.double() for t in (x, w13, w2, weights, sw13, sw2))
+    gu = x @ sw13.T
+    g, u = gu.chunk(2, dim=-1)
+    if clamp is not None:
+        g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+    return experts_dense(x, w13, w2, weights, ids, clamp=clamp) + (torch.nn.functional.silu(g) * u) @ sw2.T
 
 
 def rel(a, b) -> float:

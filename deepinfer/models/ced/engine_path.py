@@ -36,7 +36,7 @@ from .model import model_ops
 
 def _on_device(lists: list, device) -> list:
     """Host int lists (or numpy arrays) on the device in one copy: [tensor] views of one int64 buffer, one per list."""
-    arrays = [np.asarray(lst, dtype=np.int64).reshape(-1) for lst in lists]
+    arrays = [_ints(lst) for lst in lists]
     buf = to_device(torch.from_numpy(np.concatenate(arrays) if arrays else np.zeros(0, np.int64)), torch.long, device)
     out, a = [], 0
     for arr in arrays:
@@ -55,7 +55,8 @@ def _segments(counts) -> tuple:
 
 
 def _ints(xs) -> np.ndarray:
-    return np.asarray(list(xs), dtype=np.int64).reshape(-1)
+    """A host int list (or range, or numpy array) as a flat numpy int64 array."""
+    return np.asarray(xs, dtype=np.int64).reshape(-1)
 
 
 class Upload:
