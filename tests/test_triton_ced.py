@@ -310,6 +310,31 @@ def test_indexer_topk_matches_reference(row_js, nh, dh, fmt, k, dup, with_allowe
     check_same_topk(ids.cpu(), ref.cpu(), ref_scores.cpu(), tol)
 
 
+@examples(8)
+@given(row_js=st.lists(st.integers(0, 24), min_size=1, max_size=3), nh=st.integers(1, 3),
+       fmt=st.sampled_from(FP4), block_q=st.sampled_from([2, 4]), dtype=st.sampled_from([torch.float32,
+                                                                                        torch.bfloat16]),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_indexer_scores_in_query_blocks(row_js, nh, fmt, block_q, dtype, seed, data):
+    """The score kernel's prefill blocking (BLOCK_Q queries a program, launch_config's choice from 64 queries):
+    blocks within one sequence decode their keys once; blocks that span sequences, and the last partial block,
+    take each query's own keys. Scores and selections as the reference's."""
+    queries = data.draw(st.lists(st.integers(1, 6), min_size=len(row_js), max_size=len(row_js)))
+    args, _ = indexer_case(gen(seed), row_js, queries, nh, 32, fmt, dtype, False, False)
+    k = 5
+    q, w, (codes, scales), *rest = args
+    ids, scores = triton_ced_indexer.indexer_topk(q, w, codes, scales, *rest, k, return_scores=True,
+                                                  launch={"BLOCK_Q": block_q})
+    ref, ref_scores = REF.ced_indexer_topk(*args, k, return_scores=True)
+    vis = torch.arange(scores.shape[1], device=DEV)[None, :] < args[6][:, None]
+    zero = torch.zeros_like(scores)
+    assert_logits_close(torch.where(vis, scores, zero), torch.where(vis, ref_scores, zero), factor=SCORE_FACTOR,
+                        dtype=torch.float32)
+    assert bool((scores[~vis] == float("-inf")).all())
+    tol = 1e-5 * float(ref_scores[vis].abs().max()) if bool(vis.any()) else 0.0
+    check_same_topk(ids.cpu(), ref.cpu(), ref_scores.cpu(), tol)
+
+
 @examples(10)
 @given(Tq=st.integers(1, 4), J=st.integers(1, 100), k=st.integers(1, 40), levels=st.integers(1, 6),
        with_allowed=st.booleans(), block=st.sampled_from([None, 16, 128]), seed=st.integers(0, 2**16))
@@ -571,31 +596,46 @@ for dt in ("bf16", "fp32"):
                                                "stride_rss", "stride_rsr", "stride_ec", "stride_es", "stride_sel",
                                                "stride_ot", "stride_oh", "H", "D", "K", "RING", "NUM_SPLITS",
                                                "WINDOW"))
-            compile_(tca._ced_attn_kernel, f"attn_{dt}_D{D}_{'direct' if direct else 'split'}", sig,
-                     dict(BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-                          WIN_TILES=2, SEL_TILES=8, GROUP=16, E8M0=False, HAS_ENTRIES=True, HAS_SINKS=True,
-                          DIRECT=direct, DOT_PRECISION="ieee" if dt == "fp32" else "tf32"),
-                     div16=("stride_qt", "stride_qh", "stride_kv", "stride_rs", "stride_rr", "stride_rss",
-                            "stride_ec", "stride_sel", "stride_ot", "stride_oh", "H", "D", "K"),
-                     num_warps=cfg["num_warps"])
+            wide = tca.wide_launch(2048, H, D, torch.bfloat16, 128, 512) if dt == "bf16" and direct else None
+            for kind, lc in (("", cfg), ("_prefill", dict(cfg, **wide[0]) if wide else None)):
+                if lc is None:
+                    continue
+                fast = dt == "bf16" and lc["BLOCK_D"] >= 256 and triton_fp4.fast_decode(
+                    torch.bfloat16, lc["BLOCK_N"] * lc["BLOCK_D"] // 2, lc["num_warps"])  # (sparse_attention's rule)
+                compile_(tca._ced_attn_kernel, f"attn_{dt}_D{D}_{'direct' if direct else 'split'}{kind}", sig,
+                         dict(BLOCK_H=lc["BLOCK_H"], BLOCK_N=lc["BLOCK_N"], BLOCK_D=lc["BLOCK_D"],
+                              WIN_TILES=2, SEL_TILES=8, GROUP=16, E8M0=False, HAS_ENTRIES=True, HAS_SINKS=True,
+                              DIRECT=direct, DOT_PRECISION="ieee" if dt == "fp32" else "tf32", FAST_FP4=fast),
+                         div16=("stride_qt", "stride_qh", "stride_kv", "stride_rs", "stride_rr", "stride_rss",
+                                "stride_ec", "stride_sel", "stride_ot", "stride_oh", "H", "D", "K"),
+                         num_warps=lc["num_warps"], **({"num_stages": lc["num_stages"]} if "num_stages" in lc else {}))
+                report[f"attn_{dt}_D{D}_{'direct' if direct else 'split'}{kind}"]["fast"] = fast
     for nh, dh in ((16, 128), (2, 32)):  # the bench indexer; the engine test's
-        icfg = tci.launch_config(nh, dh)
-        compile_(tci._score_kernel, f"score_{dt}_dh{dh}",
-                 dict(q_ptr=p, w_ptr=p, codes_ptr="*u8", scales_ptr="*u8", slots_ptr="*i64", rows_ptr="*i64",
-                      nvis_ptr="*i64", out_ptr="*fp32", **ints("stride_qt", "stride_qh", "stride_wt", "stride_wh",
-                                                              "stride_c", "stride_s", "stride_sr", "stride_ot", "NH",
-                                                              "DH", "J")),
-                 dict(BLOCK_H=icfg["BLOCK_H"], BLOCK_D=icfg["BLOCK_D"], BLOCK_J=icfg["BLOCK_J"], GROUP=32,
-                      E8M0=True, DOT_PRECISION="ieee" if dt == "fp32" else "tf32"),
-                 div16=("stride_qt", "stride_qh", "stride_c", "stride_sr", "stride_ot", "NH", "DH"),
-                 num_warps=icfg["num_warps"])
+        for Tq in (1, 2048):  # a query a program (decode), several (prefill)
+            icfg = tci.launch_config(nh, dh, Tq, torch.bfloat16 if dt == "bf16" else torch.float32)
+            fast = dt == "bf16" and triton_fp4.fast_decode(torch.bfloat16, icfg["BLOCK_J"] * icfg["BLOCK_D"] // 2,
+                                                           icfg["num_warps"])
+            name = f"score_{dt}_dh{dh}_q{icfg['BLOCK_Q']}"
+            compile_(tci._score_kernel, name,
+                     dict(q_ptr=p, w_ptr=p, codes_ptr="*u8", scales_ptr="*u8", slots_ptr="*i64", rows_ptr="*i64",
+                          nvis_ptr="*i64", out_ptr="*fp32", **ints("stride_qt", "stride_qh", "stride_wt",
+                                                                  "stride_wh", "stride_c", "stride_s", "stride_sr",
+                                                                  "stride_ot", "Tq", "NH", "DH", "J")),
+                     dict(BLOCK_Q=icfg["BLOCK_Q"], BLOCK_H=icfg["BLOCK_H"], BLOCK_D=icfg["BLOCK_D"],
+                          BLOCK_J=icfg["BLOCK_J"], GROUP=32, E8M0=True, FAST=fast,
+                          DOT_PRECISION="ieee" if dt == "fp32" else "tf32"),
+                     div16=("stride_qt", "stride_qh", "stride_c", "stride_sr", "stride_ot", "NH", "DH"),
+                     num_warps=icfg["num_warps"])
+            report[name]["fast"] = fast
     for fmt, G in triton_fp4.GROUPS.items():
         compile_(triton_fp4._quant_kernel, f"quant_{fmt}_{dt}",
                  dict(x_ptr=p, codes_ptr="*u8", scales_ptr="*u8", **ints("stride_x", "stride_c", "stride_s", "NG")),
                  dict(BLOCK_G=16, GROUP=G, E8M0=fmt == "mxfp4"), num_warps=4)
+        fast = dt == "bf16" and triton_fp4.fast_decode(torch.bfloat16, 16 * G // 2, 1)
         compile_(triton_fp4._dequant_kernel, f"dequant_{fmt}_{dt}",
                  dict(codes_ptr="*u8", scales_ptr="*u8", out_ptr=p, **ints("stride_c", "stride_s", "stride_o", "NG")),
-                 dict(BLOCK_G=16, GROUP=G, E8M0=fmt == "mxfp4"), num_warps=4)
+                 dict(BLOCK_G=16, GROUP=G, E8M0=fmt == "mxfp4", FAST=fast), num_warps=1 if fast else 4)
+        report[f"dequant_{fmt}_{dt}"]["fast"] = fast
 for tiles in (1, 4):
     compile_(tci._topk_kernel, f"topk_{tiles}",
              dict(scores_ptr="*fp32", nvis_ptr="*i64", allowed_ptr="*u8", out_ptr="*i64",
@@ -613,7 +653,7 @@ def test_ced_kernels_compile_for_hopper():
     from pathlib import Path
 
     report = run_compile_script(_COMPILE_SCRIPT, timeout=600, cwd=Path(__file__).resolve().parents[1])
-    assert len(report) == 2 * (6 + 2 + 4) + 2
+    assert len(report) == 15 + 12 + 2  # bf16: 7 attention (a prefill launch), 4 scores, 4 (de)quantisers; fp32: 6 + 2 + 4
     hazards = {name: row["kwidth_hazards"] for name, row in report.items() if row["kwidth_hazards"]}
     assert not hazards, f"MMA operands whose kWidth exceeds K / 8 (miscompiled by Triton 3.6): {hazards}"
     for name in [n for n in report if n.startswith(("attn_bf16", "score_bf16"))]:

@@ -10,8 +10,10 @@ Each CED query attends one shared latent (MQA, K = V, head dim D) over
 
 A program owns one (query, head tile, split). It walks its share of the window tiles, then of the entry
 tiles, BLOCK_N keys at a time: it loads codes and scales, dequantises them in registers (exact: the
-products fit bf16) and keeps an online softmax in float32 (running max, denominator, unnormalised
-output). The heads form the M side of both products (padded to 16 rows), so each key is read once per
+products fit bf16; bf16 entries at latents of 256 and wider through triton_fp4.fp4_bf16_pair, a few integer
+operations a byte: a 2048-query prefill chunk at the bench latent 944 -> 681 us on the H200; narrower ones
+spilled registers with it; the FP8 ring only for tiles that reach below the fresh rows) and keeps an online
+softmax in float32 (running max, denominator, unnormalised output). The heads form the M side of both products (padded to 16 rows), so each key is read once per
 head tile, and since K = V the tile loaded for the scores also serves the values. A tile with no visible
 key leaves the state untouched (no branch: the max is guarded against -inf). When the grid would be too
 small to fill the GPU (decode), the keys are split (flash-decoding) and triton_attention's merge kernel
@@ -37,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .triton_attention import LOG2E, _dot, _merge_kernel, finish_softmax, sm_count
-from .triton_fp4 import GROUPS, e4m3_value, e8m0_value, fp4_tile, mma_operand
+from .triton_fp4 import GROUPS, e4m3_value, e8m0_value, fast_decode, fp4_operand, mma_operand
 from .triton_norm import cast_rne
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
@@ -63,24 +65,28 @@ def _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.conste
 
 
 @triton.jit
-def _window_tile(kv_ptr, rc_row, rs_row, p, pos, fresh_lo, fresh_start, stride_kv, stride_rr, stride_rsr,
+def _window_tile(kv_ptr, rc_row, rs_row, p_first, p, pos, fresh_lo, fresh_start, stride_kv, stride_rr, stride_rsr,
                  RING, NG, BLOCK_G: tl.constexpr, DT: tl.constexpr):
-    """Window keys at positions p [BLOCK_N] (those <= pos): fresh rows of kv, or slots of the sequence's FP8 ring
-    (codes at rc_row, scales at rs_row; NG groups of 32 channels) -> ([BLOCK_N, BLOCK_G * 32] in DT, valid)."""
+    """Window keys at positions p = p_first + 0.. [BLOCK_N] (those <= pos): fresh rows of kv, or slots of the
+    sequence's FP8 ring (codes at rc_row, scales at rs_row; NG groups of 32 channels) -> ([BLOCK_N, BLOCK_G * 32]
+    in DT, valid). The ring is decoded only for a tile that reaches below fresh_lo (a prefill chunk's first
+    window, every decode tile)."""
     g = tl.arange(0, BLOCK_G)
     ch = g[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCK_G, 32] channels, grouped as the ring's scales
     valid = p <= pos
     fresh = valid & (p >= fresh_lo)
-    ring = valid & (p < fresh_lo)
     fmask = fresh[:, None] & (g < NG)[None, :]
     frow = (fresh_start + p - fresh_lo).to(tl.int64)
     f = tl.load(kv_ptr + frow[:, None, None] * stride_kv + ch[None, :, :], mask=fmask[:, :, None], other=0.0)
-    slot = (p % RING).to(tl.int64)
-    rmask = ring[:, None] & (g < NG)[None, :]
-    c = tl.load(rc_row + slot[:, None, None] * stride_rr + ch[None, :, :], mask=rmask[:, :, None], other=0)
-    sb = tl.load(rs_row + slot[:, None] * stride_rsr + g[None, :], mask=rmask, other=0).to(tl.int32)
-    r = mma_operand(e4m3_value(c.to(tl.int32)) * e8m0_value(sb)[:, :, None], DT)  # exact product, rounded once
-    kv = tl.where(fresh[:, None, None], f.to(DT), r)  # [BLOCK_N, BLOCK_G, 32]
+    kv = f.to(DT)  # [BLOCK_N, BLOCK_G, 32]
+    if p_first < fresh_lo:
+        ring = valid & (p < fresh_lo)
+        slot = (p % RING).to(tl.int64)
+        rmask = ring[:, None] & (g < NG)[None, :]
+        c = tl.load(rc_row + slot[:, None, None] * stride_rr + ch[None, :, :], mask=rmask[:, :, None], other=0)
+        sb = tl.load(rs_row + slot[:, None] * stride_rsr + g[None, :], mask=rmask, other=0).to(tl.int32)
+        r = mma_operand(e4m3_value(c.to(tl.int32)) * e8m0_value(sb)[:, :, None], DT)  # exact product, rounded once
+        kv = tl.where(fresh[:, None, None], kv, r)
     return tl.reshape(kv, [p.shape[0], BLOCK_G * 32]), valid
 
 
@@ -97,6 +103,7 @@ def _ced_attn_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
     HAS_ENTRIES: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FAST_FP4: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     ht = tl.program_id(1)
@@ -123,9 +130,9 @@ def _ced_attn_kernel(
     rs_row = rs_ptr + ring_row * stride_rss
     n_off = tl.arange(0, BLOCK_N)
     for i in range(WIN_TILES):
-        p = lo + (split * WIN_TILES + i) * BLOCK_N + n_off
-        kv, valid = _window_tile(kv_ptr, rc_row, rs_row, p, pos, fresh_lo, fresh_start, stride_kv, stride_rr,
-                                 stride_rsr, RING, D // 32, BLOCK_D // 32, DT)
+        p_first = lo + (split * WIN_TILES + i) * BLOCK_N
+        kv, valid = _window_tile(kv_ptr, rc_row, rs_row, p_first, p_first + n_off, pos, fresh_lo, fresh_start,
+                                 stride_kv, stride_rr, stride_rsr, RING, D // 32, BLOCK_D // 32, DT)
         m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if HAS_ENTRIES:  # selected entries: this split's tiles of entry_slots[t]
@@ -133,9 +140,9 @@ def _ced_attn_kernel(
             e = (split * SEL_TILES + i) * BLOCK_N + n_off
             slot = tl.load(sel_ptr + t * stride_sel + e, mask=e < K, other=-1)
             valid = slot >= 0
-            kv = fp4_tile(ec_ptr, es_ptr, slot, valid, stride_ec, stride_es, D // GROUP, BLOCK_D // GROUP, GROUP,
-                          E8M0)
-            m_i, l_i, acc = _online_step(q, mma_operand(kv, DT), valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+            kv = fp4_operand(ec_ptr, es_ptr, slot, valid, stride_ec, stride_es, D // GROUP, BLOCK_D // GROUP, GROUP,
+                             E8M0, DT, FAST_FP4)
+            m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if DIRECT:  # one split: add the sink and finish here
         o = finish_softmax(acc, m_i, l_i, sinks_ptr + heads, h_mask, HAS_SINKS)
@@ -290,6 +297,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         WIN_TILES=cdiv(win_tiles, S), SEL_TILES=cdiv(sel_tiles, S),
         GROUP=GROUPS.get(entry_fmt, 16), E8M0=entry_fmt == "mxfp4", HAS_ENTRIES=has_entries,
         HAS_SINKS=has_sinks, DIRECT=S == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FAST_FP4=has_entries and BLOCK_D >= 256 and fast_decode(q.dtype, BLOCK_N * BLOCK_D // 2, cfg["num_warps"]),
         num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
     )
     if S > 1:

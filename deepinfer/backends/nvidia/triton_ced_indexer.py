@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .triton_attention import _dot
-from .triton_fp4 import GROUPS, fp4_tile, mma_operand
+from .triton_fp4 import GROUPS, fast_decode, fp4_operand, fp4_tile
 from .triton_norm import cast_rne, to_f32
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
@@ -47,37 +47,70 @@ MAX_HEAD_DIM = 512
 
 
 @triton.jit
+def _head_scores(q, w, k, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """q [BLOCK_Q * BLOCK_H, BLOCK_D] (query-major rows), w [same rows] float32, keys k [BLOCK_J, BLOCK_D] in q's
+    dtype -> sum_h w * relu(q . k) per query: [BLOCK_Q, BLOCK_J]."""
+    dots = _dot(q, tl.trans(k), DOT_PRECISION)  # [BLOCK_Q * BLOCK_H, BLOCK_J]
+    s = w[:, None] * tl.maximum(dots, 0.0)
+    return tl.sum(tl.reshape(s, [BLOCK_Q, BLOCK_H, k.shape[0]]), axis=1)
+
+
+@triton.jit
+def _key_tile(codes_ptr, scales_ptr, slot, vis, stride_c, stride_s, DH, DT: tl.constexpr, BLOCK_D: tl.constexpr,
+              GROUP: tl.constexpr, E8M0: tl.constexpr, FAST: tl.constexpr):
+    """The keys of cache rows ``slot`` (masked by vis) as an MMA operand in DT."""
+    if FAST or BLOCK_D < 64:
+        # FP4 values are exact in bf16/fp16. Below K = BLOCK_D = 64 the Triton 3.6 kWidth bug (see mma_operand)
+        # applies; from 64 up the direct cast is right and cheaper (fp4_operand's fast decoder is opaque to it).
+        return fp4_operand(codes_ptr, scales_ptr, slot, vis, stride_c, stride_s, DH // GROUP, BLOCK_D // GROUP,
+                           GROUP, E8M0, DT, FAST)
+    else:
+        return cast_rne(fp4_tile(codes_ptr, scales_ptr, slot, vis, stride_c, stride_s, DH // GROUP,
+                                 BLOCK_D // GROUP, GROUP, E8M0), DT)
+
+
+@triton.jit
 def _score_kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, slots_ptr, rows_ptr, nvis_ptr, out_ptr,
                   stride_qt, stride_qh, stride_wt, stride_wh, stride_c, stride_s, stride_sr, stride_ot,
-                  NH, DH, J,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr, GROUP: tl.constexpr,
-                  E8M0: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+                  Tq, NH, DH, J,
+                  BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+                  GROUP: tl.constexpr, E8M0: tl.constexpr, FAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    t0 = tl.program_id(0).to(tl.int64) * BLOCK_Q
     j0 = tl.program_id(1) * BLOCK_J
     j = j0 + tl.arange(0, BLOCK_J)
-    nvis = tl.minimum(tl.load(nvis_ptr + t), J)
-    vis = j < nvis
-    s = tl.full([BLOCK_J], float("-inf"), dtype=tl.float32)
-    if j0 < nvis:
-        row = tl.load(rows_ptr + t)
-        slot = tl.load(slots_ptr + row * stride_sr + j, mask=vis, other=0)  # [BLOCK_J] cache rows
-        k = fp4_tile(codes_ptr, scales_ptr, slot, vis, stride_c, stride_s, DH // GROUP, BLOCK_D // GROUP, GROUP,
-                     E8M0)  # [BLOCK_J, BLOCK_D]
-        h = tl.arange(0, BLOCK_H)
+    tq = t0 + tl.arange(0, BLOCK_Q)  # this program's queries
+    t_ok = tq < Tq
+    nvis = tl.minimum(tl.load(nvis_ptr + tq, mask=t_ok, other=0), J)  # [BLOCK_Q]
+    s = tl.full([BLOCK_Q, BLOCK_J], float("-inf"), dtype=tl.float32)
+    if j0 < tl.max(nvis, axis=0):
+        r = tl.arange(0, BLOCK_Q * BLOCK_H)  # MMA rows: query r // BLOCK_H, head r % BLOCK_H
+        rt = t0 + r // BLOCK_H
+        h = r % BLOCK_H
+        r_ok = (rt < Tq) & (h < NH)
         d = tl.arange(0, BLOCK_D)
-        q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
-                    mask=(h < NH)[:, None] & (d < DH)[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-        # FP4 values are exact in bf16/fp16, so the keys join the MMA in q's dtype. Below K = BLOCK_D = 64 the
-        # Triton 3.6 kWidth bug (see mma_operand) applies; from 64 up the direct cast is right and cheaper.
-        if BLOCK_D < 64:
-            kq = mma_operand(k, q.dtype)
-        else:
-            kq = cast_rne(k, q.dtype)
-        dots = _dot(q, tl.trans(kq), DOT_PRECISION)  # [BLOCK_H, BLOCK_J]
-        w = to_f32(tl.load(w_ptr + t * stride_wt + h * stride_wh, mask=h < NH, other=0.0))
-        s = tl.sum(w[:, None] * tl.maximum(dots, 0.0), axis=0)
-        s = tl.where(vis, s, float("-inf"))
-    tl.store(out_ptr + t * stride_ot + j, s, mask=j < J)
+        q = tl.load(q_ptr + rt[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                    mask=r_ok[:, None] & (d < DH)[None, :], other=0.0)
+        w = to_f32(tl.load(w_ptr + rt * stride_wt + h * stride_wh, mask=r_ok, other=0.0))
+        rows = tl.load(rows_ptr + tq, mask=t_ok, other=-1)
+        row0 = tl.load(rows_ptr + t0)
+        if tl.sum((t_ok & (rows != row0)).to(tl.int32), axis=0) == 0:
+            # One sequence (a prefill chunk): its keys are decoded once for all the block's queries.
+            vis = j < tl.max(nvis, axis=0)
+            slot = tl.load(slots_ptr + row0 * stride_sr + j, mask=vis, other=0)
+            k = _key_tile(codes_ptr, scales_ptr, slot, vis, stride_c, stride_s, DH, q.dtype, BLOCK_D, GROUP, E8M0,
+                          FAST)
+            s = _head_scores(q, w, k, BLOCK_Q, BLOCK_H, DOT_PRECISION)
+        else:  # queries of several sequences: each one's keys, its rows of the product
+            for i in range(BLOCK_Q):
+                row_i = tl.sum(tl.where(tl.arange(0, BLOCK_Q) == i, rows, 0), axis=0)
+                vis = (j < tl.sum(tl.where(tl.arange(0, BLOCK_Q) == i, nvis, 0), axis=0)) & (row_i >= 0)
+                slot = tl.load(slots_ptr + row_i * stride_sr + j, mask=vis, other=0)
+                k = _key_tile(codes_ptr, scales_ptr, slot, vis, stride_c, stride_s, DH, q.dtype, BLOCK_D, GROUP,
+                              E8M0, FAST)
+                s_i = _head_scores(q, w, k, BLOCK_Q, BLOCK_H, DOT_PRECISION)
+                s = tl.where((tl.arange(0, BLOCK_Q) == i)[:, None], s_i, s)
+        s = tl.where(j[None, :] < nvis[:, None], s, float("-inf"))
+    tl.store(out_ptr + tq[:, None] * stride_ot + j[None, :], s, mask=t_ok[:, None] & (j < J)[None, :])
 
 
 @triton.jit
@@ -158,7 +191,8 @@ def _check_visibility(Tq: int, J: int, num_visible, allowed) -> None:
 
 
 def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
-                allowed: Optional[torch.Tensor] = None, block: Optional[int] = None) -> torch.Tensor:
+                allowed: Optional[torch.Tensor] = None, block: Optional[int] = None,
+                num_warps: Optional[int] = None) -> torch.Tensor:
     """Top-k entry ids per row of scores [Tq, J] float32 among entries j < num_visible[t] (and allowed[t, j])
     scored above -inf: [Tq, k] int64 in ascending id order, -1 after the last. The same set as select_topk
     (ties to the lower id)."""
@@ -185,7 +219,7 @@ def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
     _topk_kernel[(Tq,)](scores, num_visible.contiguous(), al, out, scores.stride(0),
                         al.stride(0) if allowed is not None else 0, out.stride(0), J, k,
                         HAS_ALLOWED=allowed is not None, BLOCK=block, NUM_TILES=num_tiles, BLOCK_K=block_k,
-                        NUM_KT=cdiv(k, block_k), num_warps=8 if block >= 2048 else 4)
+                        NUM_KT=cdiv(k, block_k), num_warps=num_warps or (8 if block >= 2048 else 4))
     return out
 
 
@@ -206,22 +240,31 @@ def supports(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, scales
     return codes.stride(1) == 1 and scales.stride(1) == 1 and entry_slots.dtype == torch.int64
 
 
-def launch_config(nh: int, dh: int) -> dict:
-    """The score kernel's tiles: all heads on the MMA's M side (at least 16 rows), BLOCK_J keys per program."""
-    return {"BLOCK_H": max(16, next_pow2(nh)), "BLOCK_D": max(32, next_pow2(dh)),
-            "BLOCK_J": 16 if INTERPRET else (64 if dh <= 128 else 32), "num_warps": 4}
+def launch_config(nh: int, dh: int, Tq: int = 1, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The score kernel's tiles: BLOCK_Q queries' heads on the MMA's M side (at least 16 rows), BLOCK_J keys per
+    program. From 64 queries (prefill, verify) a program takes as many queries as make 64 rows, so a key tile is
+    decoded once for them (queries of one sequence; a block that spans sequences decodes each one's keys);
+    decode keeps a query a program, for the grid's width. Compiled float32 keeps one (its FMA product would
+    spill at 64 rows); the interpreter takes the 16-bit choice, so CPU tests run the blocked path."""
+    BLOCK_H = max(16, next_pow2(nh))
+    blocked = Tq >= 64 and (INTERPRET or dtype != torch.float32)
+    return {"BLOCK_Q": max(1, 64 // BLOCK_H) if blocked else 1, "BLOCK_H": BLOCK_H,
+            "BLOCK_D": max(32, next_pow2(dh)), "BLOCK_J": 16 if INTERPRET else (64 if dh <= 128 else 32),
+            "num_warps": 4}
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: str,
                  entry_slots: torch.Tensor, q_rows: torch.Tensor, num_visible: torch.Tensor, k: int,
-                 allowed: Optional[torch.Tensor] = None, return_scores: bool = False):
+                 allowed: Optional[torch.Tensor] = None, return_scores: bool = False,
+                 launch: Optional[dict] = None):
     """CED indexer over FP4 keys in the paged cache.
 
     q [Tq, nh, dh] and weights [Tq, nh] (bf16/fp16/fp32); codes uint8 [N, dh // 2] and scales uint8
     [N, dh // G] the index-key cache in ``fmt`` ("mxfp4" or "fp4_e2m1_e4m3"); entry_slots [R, J] int64 the
     cache row of sequence r's entry j; q_rows [Tq] int64 each query's sequence; num_visible [Tq] entries
     0 .. n-1 are visible; allowed [Tq, J] bool or None narrows them further. Returns (ids [Tq, k] int64
-    ascending, -1 after the last; scores [Tq, J] float32 with -inf past num_visible, or None).
+    ascending, -1 after the last; scores [Tq, J] float32 with -inf past num_visible, or None). ``launch``
+    overrides launch_config's keys (tests and benchmarks/ced_prefill_kernels.py).
     """
     if not supports(q, weights, codes, scales, fmt, entry_slots):
         raise ValueError(f"indexer_topk: unsupported inputs: q {q.dtype} {tuple(q.shape)}, weights "
@@ -237,13 +280,14 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, sc
     if Tq and J:
         if entry_slots.stride(1) != 1:
             entry_slots = entry_slots.contiguous()
-        cfg = launch_config(nh, dh)
-        _score_kernel[(Tq, cdiv(J, cfg["BLOCK_J"]))](
+        cfg = dict(launch_config(nh, dh, Tq, q.dtype), **(launch or {}))
+        BQ, BJ, BD = cfg["BLOCK_Q"], cfg["BLOCK_J"], cfg["BLOCK_D"]
+        _score_kernel[(cdiv(Tq, BQ), cdiv(J, BJ))](
             q, weights, codes, scales, entry_slots, q_rows.contiguous(), num_visible.contiguous(), scores,
             q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), codes.stride(0), scales.stride(0),
-            entry_slots.stride(0), scores.stride(0), nh, dh, J,
-            BLOCK_H=cfg["BLOCK_H"], BLOCK_D=cfg["BLOCK_D"], BLOCK_J=cfg["BLOCK_J"], GROUP=GROUPS[fmt],
-            E8M0=fmt == "mxfp4", DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=cfg["num_warps"])
+            entry_slots.stride(0), scores.stride(0), Tq, nh, dh, J,
+            BLOCK_Q=BQ, BLOCK_H=cfg["BLOCK_H"], BLOCK_D=BD, BLOCK_J=BJ, GROUP=GROUPS[fmt], E8M0=fmt == "mxfp4",
+            FAST=fast_decode(q.dtype, BJ * BD // 2, cfg["num_warps"]),
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"])
     ids = topk_select(scores, num_visible, k, allowed)
     return ids, (scores if return_scores else None)

@@ -89,6 +89,79 @@ def fp4_tile(codes_ptr, scales_ptr, rows, row_mask, stride_c, stride_s, NG, BLOC
     return tl.reshape(vals, [rows.shape[0], BLOCK_G * GROUP])
 
 
+# Two E2M1 nibbles of a byte n -> bf16 bits ((n & 7) << 6) | ((n & 8) << 12): the nibble's exponent and mantissa
+# bits land in bf16's, so the bits are the value times 2^-126 (code 1, 0.5, becomes the subnormal 2^-127); one
+# multiplication by 2^126 (0x7E80) restores it and one by the group's scale applies that, both exact (two and
+# four significant bits make at most six, and bf16 has fp32's exponent range). Four bytes a register: prmt
+# spreads bytes 0, 1 (2, 3) into the two halves, the masks and shifts place both nibbles of both at once.
+_FP4_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 z, k, t, a, b;
+mov.b32 z, 0;
+mov.b32 k, 0x7E807E80;
+prmt.b32 t, $4, z, 0x5140;
+and.b32 a, t, 0x00070007; shl.b32 a, a, 6; and.b32 b, t, 0x00080008; shl.b32 b, b, 12; or.b32 a, a, b;
+mul.rn.bf16x2 a, a, k; mul.rn.bf16x2 $0, a, $5;
+and.b32 a, t, 0x00700070; shl.b32 a, a, 2; and.b32 b, t, 0x00800080; shl.b32 b, b, 8; or.b32 a, a, b;
+mul.rn.bf16x2 a, a, k; mul.rn.bf16x2 $2, a, $5;
+prmt.b32 t, $4, z, 0x7362;
+and.b32 a, t, 0x00070007; shl.b32 a, a, 6; and.b32 b, t, 0x00080008; shl.b32 b, b, 12; or.b32 a, a, b;
+mul.rn.bf16x2 a, a, k; mul.rn.bf16x2 $1, a, $6;
+and.b32 a, t, 0x00700070; shl.b32 a, a, 2; and.b32 b, t, 0x00800080; shl.b32 b, b, 8; or.b32 a, a, b;
+mul.rn.bf16x2 a, a, k; mul.rn.bf16x2 $3, a, $6;
+}
+""")
+
+
+@triton.jit
+def fp4_bf16_pair(byte, scale):
+    """Compiled code only: uint8 code bytes and their groups' bf16 scales (broadcast to byte's shape) -> the low
+    and high nibbles' values in bf16, each exactly e2m1 x scale (as cast_rne(fp4_dequant(...)) gives them, NaN
+    payloads aside). A few integer operations per byte instead of e2m1_value's per nibble; opaque to Triton's
+    operand analysis (side effects), so its results may feed tl.dot directly (see mma_operand)."""
+    return tl.inline_asm_elementwise(_FP4_BF16_ASM, "=r,=r,=r,=r,r,r,r", [byte, scale],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=False, pack=4)
+
+
+@triton.jit
+def fp4_operand(codes_ptr, scales_ptr, rows, row_mask, stride_c, stride_s, NG, BLOCK_G: tl.constexpr,
+                GROUP: tl.constexpr, E8M0: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
+    """fp4_tile's rows as a tl.dot operand in DT. FAST (compiled, DT bf16; the host decides, see fast_decode)
+    decodes in fp4_bf16_pair; otherwise fp4_tile then mma_operand."""
+    if FAST:  # 2-D tiles: Triton 3.6 fails to lay out a wgmma operand reshaped from [rows, groups, bytes]
+        BN: tl.constexpr = rows.shape[0]
+        g = tl.arange(0, BLOCK_G)
+        c = tl.arange(0, BLOCK_G * GROUP // 2)
+        byte = tl.load(codes_ptr + rows[:, None] * stride_c + c[None, :],
+                       mask=row_mask[:, None] & (c < NG * (GROUP // 2))[None, :], other=0)
+        sb = tl.load(scales_ptr + rows[:, None] * stride_s + g[None, :], mask=row_mask[:, None] & (g < NG)[None, :],
+                     other=0).to(tl.int32)
+        if E8M0:
+            scale = e8m0_value(sb)
+        else:
+            scale = e4m3_value(sb)
+        scale = tl.reshape(tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None], [BN, BLOCK_G, GROUP // 2]),
+                           [BN, BLOCK_G * GROUP // 2])
+        lo, hi = fp4_bf16_pair(byte, scale)
+        # The join in interleave would widen the operand's kWidth again (see mma_operand): an opaque copy after it.
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [tl.interleave(lo, hi)], dtype=tl.bfloat16,
+                                         is_pure=False, pack=2)
+    else:
+        return mma_operand(fp4_tile(codes_ptr, scales_ptr, rows, row_mask, stride_c, stride_s, NG, BLOCK_G, GROUP,
+                                    E8M0), DT)
+
+
+FAST_DECODE = True  # benchmarks/ced_prefill_kernels.py turns it off to time the decoder it replaces
+
+
+def fast_decode(dtype: torch.dtype, tile_bytes: int, num_warps: int) -> bool:
+    """Whether a kernel decodes its code tiles of tile_bytes bytes through fp4_bf16_pair: compiled, bf16 out,
+    FAST_DECODE on, and four bytes at least to each thread, a multiple of four (Triton aborts the process when
+    an inline asm's pack does not divide a thread's elements)."""
+    return (FAST_DECODE and not INTERPRET and dtype == torch.bfloat16
+            and tile_bytes % (4 * 32 * num_warps) == 0)
+
+
 @triton.jit
 def mma_operand(x, DT: tl.constexpr):
     """Dequantised float32 x -> DT for a tl.dot operand. Triton 3.6 gives an MMA operand traced back to 8-bit
@@ -172,16 +245,23 @@ def _quant_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, stride_s, NG
 
 @triton.jit
 def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, stride_c, stride_s, stride_o, NG,
-                    BLOCK_G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr):
+                    BLOCK_G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, FAST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     g_mask = g < NG
     j = tl.arange(0, GROUP // 2)
     byte = g[:, None] * (GROUP // 2) + j[None, :]
     mask = g_mask[:, None]
-    c = tl.load(codes_ptr + row * stride_c + byte, mask=mask, other=0).to(tl.int32)
+    c = tl.load(codes_ptr + row * stride_c + byte, mask=mask, other=0)
     sb = tl.load(scales_ptr + row * stride_s + g, mask=g_mask, other=0).to(tl.int32)
-    v0, v1 = fp4_dequant(c, sb, E8M0)
+    if FAST:  # the attention and indexer kernels' decoder, so the every-byte test holds it to the reference
+        if E8M0:
+            scale = e8m0_value(sb)
+        else:
+            scale = e4m3_value(sb)
+        v0, v1 = fp4_bf16_pair(c, tl.broadcast_to(scale.to(tl.bfloat16)[:, None], c.shape))
+    else:
+        v0, v1 = fp4_dequant(c.to(tl.int32), sb, E8M0)
     dt = out_ptr.dtype.element_ty
     tl.store(out_ptr + row * stride_o + 2 * byte, cast_rne(v0, dt), mask=mask)
     tl.store(out_ptr + row * stride_o + 2 * byte + 1, cast_rne(v1, dt), mask=mask)
@@ -245,7 +325,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str,
         return out
     o2 = out.view(-1, C)
     BG = block_g(NG)
+    fast = fast_decode(dtype, BG * G // 2, 1)
     _dequant_kernel[(M, cdiv(NG, BG))](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), NG,
-                                              BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4",
-                                              num_warps=4 if BG >= 8 else 1)
+                                              BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4", FAST=fast,
+                                              num_warps=1 if fast or BG < 8 else 4)
     return out
