@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         triton_fp4.FAST_DECODE = fast
         run("attention", "fast decoder" if fast else "float32 decoder",
             lambda args, kw: tca.sparse_attention(*args, **kw), sets, attn_check)
-    del case, sets, want
+    del case, sets
     torch.cuda.empty_cache()
 
     # Indexer scores (their time: indexer_topk's less topk_select's on the same scores), then top-K.
