@@ -23,6 +23,7 @@
 #   bash scripts/device_issue12.sh final15 COMMIT     # 4K / 16K prefill ratios, a 16K prefill's idle time, GPU files
 #   bash scripts/device_issue12.sh check16            # CED kernel tests, prefill kernel variants, 16K profile, decode
 #   bash scripts/device_issue12.sh sweep16            # CED kernel tests, prefill kernel variants, attention knobs
+#   bash scripts/device_issue12.sh final16 COMMIT     # prefill ratios, 16K profile, decode profile, GPU files
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -274,6 +275,20 @@ sweep16)
     | tee "$OUT/ced_prefill_kernels.log" | grep -v Warning | tail -13
   timeout 240 python3 benchmarks/ced_attn_sweep.py --prefill-chunk 2048 --block-n 16 32 64 --warps 4 8 \
     --stages 1 2 --split-scale 0 0.5 1 2 --reps 20 --out "$OUT/ced_attn_sweep.jsonl" 2>&1 | grep -v Warning | tail -8 ;;
+final16)
+  # 16th session's last call (carry .whl312, ~7.5 min): final15's 4K / 16K prefill ratios, the cold 16K prefill by
+  # kernel and the GPU files, plus the decode profile at 1 / 16 / 64.
+  timeout 200 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced_prefill.jsonl" --commit "${1:-?}" \
+    --phases roofline,ced --ced-prefill-tokens 4096 16384 --ced-batches --ced-repeats 3 \
+    --budget-s 180 2>&1 | tee "$OUT/gpu_bench_ced_prefill.log" | grep -v Warning | tail -12
+  timeout 90 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --repeats 2 --top 12 \
+    --out "$OUT/profile_cold_prefill_16k" > "$OUT/profile_cold_prefill_16k.log" 2>&1
+  grep -A 8 "^== " "$OUT/profile_cold_prefill_16k.log" | cut -c 1-60,90-120
+  timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | tail -6
+  files=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import gpu_tests; print(' '.join(f for f in gpu_tests.gpu_test_files() if 'kv_sizing' not in f))")
+  timeout -s INT 280 python3 -m pytest -n 12 --dist loadfile -p no:cacheprovider -q -rfE \
+    --junitxml="$OUT/gpu_tests_all.xml" $files tests/test_triton_ced_launch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

@@ -15,8 +15,8 @@ Two kernels:
 - ``_topk_kernel``, one program per query: a threshold search instead of a sort. Scores are mapped to
   int32 keys with the order of floats (-0.0 folded into +0.0); 32 counting passes find, bit by bit from
   the top, the K-th largest key T; one more pass writes the entries above T and then the lowest-id entries
-  equal to T, in ascending id order, and -1 after the last. Rows up to BLOCK entries are read once and kept
-  in registers; longer rows are re-read per pass (from L2).
+  equal to T, in ascending id order, and -1 after the last. Rows up to BLOCK entries (16K) are read once and
+  kept in registers; longer rows are re-read per pass (from L2).
 
 So the selected set is exactly the reference's for the same scores. Scores computed here differ from the
 reference's float32 einsum in the last bits (summation order), so the set can differ where two entries'
@@ -212,14 +212,18 @@ def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
     if allowed is not None and allowed.stride(1) != 1:
         allowed = allowed.contiguous()
     if block is None:
-        block = 32 if INTERPRET else min(4096, max(128, next_pow2(J)))
+        # Whole rows in registers up to 16K entries (the 33 passes re-read a longer row from L2 each time): a
+        # 16K prefill's 2048-query chunk over 8192 entries took 335 us in one tile against 727 in two of 4096.
+        block = 32 if INTERPRET else min(16384, max(128, next_pow2(J)))
+    if num_warps is None:
+        num_warps = 4 if block < 2048 else (8 if block <= 8192 else 16)  # 16K: 32 a thread, as 8K on 8 warps
     num_tiles = cdiv(J, block)
     block_k = min(next_pow2(k), 16 if INTERPRET else 1024)
     al = allowed.view(torch.uint8) if allowed is not None else scores
     _topk_kernel[(Tq,)](scores, num_visible.contiguous(), al, out, scores.stride(0),
                         al.stride(0) if allowed is not None else 0, out.stride(0), J, k,
                         HAS_ALLOWED=allowed is not None, BLOCK=block, NUM_TILES=num_tiles, BLOCK_K=block_k,
-                        NUM_KT=cdiv(k, block_k), num_warps=num_warps or (8 if block >= 2048 else 4))
+                        NUM_KT=cdiv(k, block_k), num_warps=num_warps)
     return out
 
 
