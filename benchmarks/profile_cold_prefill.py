@@ -88,7 +88,8 @@ def gaps(prof, least_us: float = 500.0) -> list:
 
 
 def host_top(llm, prompt, n: int = 30) -> str:
-    """cProfile of one more prefill: the top functions by own time (the host's share of the wall)."""
+    """cProfile of one more prefill: the top functions by own time (the host's share of the wall), then by
+    cumulative time (where it is spent from the top down)."""
     import cProfile
     import pstats
 
@@ -98,6 +99,7 @@ def host_top(llm, prompt, n: int = 30) -> str:
     pr.disable()
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(n)
+    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(n)
     return s.getvalue()
 
 
