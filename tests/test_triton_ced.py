@@ -600,8 +600,7 @@ for dt in ("bf16", "fp32"):
             for kind, lc in (("", cfg), ("_prefill", dict(cfg, **wide[0]) if wide else None)):
                 if lc is None:
                     continue
-                fast = dt == "bf16" and lc["BLOCK_D"] >= 256 and triton_fp4.fast_decode(
-                    torch.bfloat16, lc["BLOCK_N"] * lc["BLOCK_D"] // 2, lc["num_warps"])  # (sparse_attention's rule)
+                fast = dt == "bf16" and tca.fast_entries(torch.bfloat16, lc)
                 compile_(tca._ced_attn_kernel, f"attn_{dt}_D{D}_{'direct' if direct else 'split'}{kind}", sig,
                          dict(BLOCK_H=lc["BLOCK_H"], BLOCK_N=lc["BLOCK_N"], BLOCK_D=lc["BLOCK_D"],
                               WIN_TILES=2, SEL_TILES=8, GROUP=16, E8M0=False, HAS_ENTRIES=True, HAS_SINKS=True,

@@ -13,11 +13,11 @@ tiles, BLOCK_N keys at a time: it loads codes and scales, dequantises them in re
 products fit bf16; bf16 entries at latents of 256 and wider through triton_fp4.fp4_bf16_pair, a few integer
 operations a byte: a 2048-query prefill chunk at the bench latent 944 -> 681 us on the H200; narrower ones
 spilled registers with it; the FP8 ring only for tiles that reach below the fresh rows) and keeps an online
-softmax in float32 (running max, denominator, unnormalised output). The heads form the M side of both products (padded to 16 rows), so each key is read once per
-head tile, and since K = V the tile loaded for the scores also serves the values. A tile with no visible
-key leaves the state untouched (no branch: the max is guarded against -inf). When the grid would be too
-small to fill the GPU (decode), the keys are split (flash-decoding) and triton_attention's merge kernel
-combines the partials and the sink. Split counts and loop bounds depend on shapes only, never on values,
+softmax in float32 (running max, denominator, unnormalised output). The heads form the M side of both
+products (padded to 16 rows), so each key is read once per head tile, and since K = V the tile loaded for the
+scores also serves the values. A tile with no visible key leaves the state untouched (no branch: the max is
+guarded against -inf). When the grid would be too small to fill the GPU (decode), the keys are split
+(flash-decoding) and triton_attention's merge kernel combines the partials and the sink. Split counts and loop bounds depend on shapes only, never on values,
 so the launch is safe inside a CUDA graph capture.
 
 Compiled code: the dequantised tiles pass an opaque identity (``triton_fp4.mma_operand``) before the products,
@@ -228,6 +228,13 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int)
     return {"BLOCK_N": bn, "num_warps": warps, "num_stages": 1}, int(max(1, min(cdiv(programs, rows), tiles, most)))
 
 
+def fast_entries(dtype: torch.dtype, cfg: dict) -> bool:
+    """Whether a launch of cfg (BLOCK_N, BLOCK_D, num_warps) decodes its FP4 entries through
+    triton_fp4.fp4_bf16_pair: latents of 256 and wider only (at 128 the compiled kernel spilled four registers
+    with it; the gain was measured at 512), and where triton_fp4.fast_decode allows it."""
+    return cfg["BLOCK_D"] >= 256 and fast_decode(dtype, cfg["BLOCK_N"] * cfg["BLOCK_D"] // 2, cfg["num_warps"])
+
+
 def choose_splits(rows: int, head_tiles: int, tiles: int, device: torch.device) -> int:
     """Key splits so the grid fills the GPU (about 4 programs per SM), each split at least one tile.
     Depends on shapes only."""
@@ -297,7 +304,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         WIN_TILES=cdiv(win_tiles, S), SEL_TILES=cdiv(sel_tiles, S),
         GROUP=GROUPS.get(entry_fmt, 16), E8M0=entry_fmt == "mxfp4", HAS_ENTRIES=has_entries,
         HAS_SINKS=has_sinks, DIRECT=S == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FAST_FP4=has_entries and BLOCK_D >= 256 and fast_decode(q.dtype, BLOCK_N * BLOCK_D // 2, cfg["num_warps"]),
+        FAST_FP4=has_entries and fast_entries(q.dtype, cfg),
         num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
     )
     if S > 1:
