@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     isets, k = indexer_inputs(a.chunk, a.context, 4, "mxfp4", torch.Generator().manual_seed(0))
     q0, w0, c0, s0, *rest0 = isets[0]
     ref_ids, ref_scores = ref_ops.ced_indexer_topk(q0, w0, (c0, s0), *rest0, k, return_scores=True)
-    bq = tci.launch_config(16, 128, a.chunk)["BLOCK_Q"]
+    bq = tci.launch_config(*q0.shape[1:], a.chunk)["BLOCK_Q"]  # (index heads, head dim) of the inputs
 
     def score_check(res):
         ids, scores = res

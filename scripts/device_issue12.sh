@@ -57,6 +57,26 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 source scripts/ngram_ep.sh  # the n-gram plugin tests (test_draft_gate) select it by name
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+prefill_ratios() {  # final15 / final16: 4K and 16K bounded / exact prefill, gpu_bench, 3 alternating repeats
+  timeout 200 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced_prefill.jsonl" --commit "$1" \
+    --phases roofline,ced --ced-prefill-tokens 4096 16384 --ced-batches --ced-repeats 3 \
+    --budget-s 180 2>&1 | tee "$OUT/gpu_bench_ced_prefill.log" | grep -v Warning | tail -12
+}
+
+gpu_files_but_kv_sizing() {  # final15 / final16: every GPU test file but kv_sizing (which runs alone), 12 workers
+  local files
+  files=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import gpu_tests; print(' '.join(f for f in gpu_tests.gpu_test_files() if 'kv_sizing' not in f))")
+  timeout -s INT 280 python3 -m pytest -n 12 --dist loadfile -p no:cacheprovider -q -rfE \
+    --junitxml="$OUT/gpu_tests_all.xml" $files tests/test_triton_ced_launch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+}
+
+ced_kernels16() {  # 16th session: tests/test_triton_ced.py, then ced_prefill_kernels.py (the table's last $1 lines)
+  timeout -s INT 220 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
+    --junitxml="$OUT/test_triton_ced.xml" 2>&1 | tee "$OUT/test_triton_ced.log" | tail -8
+  timeout 150 python3 benchmarks/ced_prefill_kernels.py --out "$OUT/ced_prefill_kernels.jsonl" 2>&1 \
+    | tee "$OUT/ced_prefill_kernels.log" | grep -v Warning | tail -"$1"
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -245,22 +265,15 @@ suite15)
 final15)
   # 15th session's last call (carry .whl312, ~6.5 min): the 4K and 16K bounded / exact prefill (gpu_bench, three
   # alternating repeats), a cold 16K prefill's device busy and idle time, then every GPU test file but kv_sizing.
-  timeout 200 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced_prefill.jsonl" --commit "${1:-?}" \
-    --phases roofline,ced --ced-prefill-tokens 4096 16384 --ced-batches --ced-repeats 3 \
-    --budget-s 180 2>&1 | tee "$OUT/gpu_bench_ced_prefill.log" | grep -v Warning | tail -12
+  prefill_ratios "${1:-?}"
   timeout 90 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --repeats 2 --top 8 \
     --out "$OUT/profile_cold_prefill_16k" > "$OUT/profile_cold_prefill_16k.log" 2>&1
   grep "^== \|idle\|  at " "$OUT/profile_cold_prefill_16k.log" | head -20
-  files=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import gpu_tests; print(' '.join(f for f in gpu_tests.gpu_test_files() if 'kv_sizing' not in f))")
-  timeout -s INT 280 python3 -m pytest -n 12 --dist loadfile -p no:cacheprovider -q -rfE \
-    --junitxml="$OUT/gpu_tests_all.xml" $files tests/test_triton_ced_launch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 ;;
+  gpu_files_but_kv_sizing ;;
 check16)
   # 16th session (~6 min): the CED kernel tests (the fast FP4 decoder, query-blocked indexer scores), the prefill
   # kernels' variants (benchmarks/ced_prefill_kernels.py), a cold 16K prefill by kernel, the decode profile.
-  timeout -s INT 220 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
-    --junitxml="$OUT/test_triton_ced.xml" 2>&1 | tee "$OUT/test_triton_ced.log" | tail -8
-  timeout 150 python3 benchmarks/ced_prefill_kernels.py --out "$OUT/ced_prefill_kernels.jsonl" 2>&1 \
-    | tee "$OUT/ced_prefill_kernels.log" | grep -v Warning | tail -12
+  ced_kernels16 12
   timeout 90 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --repeats 2 --top 10 \
     --out "$OUT/profile_cold_prefill_16k" > "$OUT/profile_cold_prefill_16k.log" 2>&1
   grep -A 12 "^== " "$OUT/profile_cold_prefill_16k.log" | cut -c 1-60,90-120
@@ -269,26 +282,19 @@ check16)
 sweep16)
   # 16th session (~6 min): the CED kernel tests, the prefill kernels' variants (top-K tiles too), then CED
   # attention's launch knobs again with the fast FP4 decoder: a 2048-query prefill chunk and decode at 1 / 16 / 64.
-  timeout -s INT 220 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
-    --junitxml="$OUT/test_triton_ced.xml" 2>&1 | tee "$OUT/test_triton_ced.log" | tail -8
-  timeout 150 python3 benchmarks/ced_prefill_kernels.py --out "$OUT/ced_prefill_kernels.jsonl" 2>&1 \
-    | tee "$OUT/ced_prefill_kernels.log" | grep -v Warning | tail -13
+  ced_kernels16 13
   timeout 240 python3 benchmarks/ced_attn_sweep.py --prefill-chunk 2048 --block-n 16 32 64 --warps 4 8 \
     --stages 1 2 --split-scale 0 0.5 1 2 --reps 20 --out "$OUT/ced_attn_sweep.jsonl" 2>&1 | grep -v Warning | tail -8 ;;
 final16)
   # 16th session's last call (carry .whl312, ~7.5 min): final15's 4K / 16K prefill ratios, the cold 16K prefill by
   # kernel and the GPU files, plus the decode profile at 1 / 16 / 64.
-  timeout 200 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced_prefill.jsonl" --commit "${1:-?}" \
-    --phases roofline,ced --ced-prefill-tokens 4096 16384 --ced-batches --ced-repeats 3 \
-    --budget-s 180 2>&1 | tee "$OUT/gpu_bench_ced_prefill.log" | grep -v Warning | tail -12
+  prefill_ratios "${1:-?}"
   timeout 90 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --repeats 2 --top 12 \
     --out "$OUT/profile_cold_prefill_16k" > "$OUT/profile_cold_prefill_16k.log" 2>&1
   grep -A 8 "^== " "$OUT/profile_cold_prefill_16k.log" | cut -c 1-60,90-120
   timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
     --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | tail -6
-  files=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import gpu_tests; print(' '.join(f for f in gpu_tests.gpu_test_files() if 'kv_sizing' not in f))")
-  timeout -s INT 280 python3 -m pytest -n 12 --dist loadfile -p no:cacheprovider -q -rfE \
-    --junitxml="$OUT/gpu_tests_all.xml" $files tests/test_triton_ced_launch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8 ;;
+  gpu_files_but_kv_sizing ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

@@ -288,6 +288,19 @@ def check_same_topk(ids, ref, ref_scores, tol):
                 assert abs(float(s[j]) - kth) <= tol, (t, sorted(a), sorted(b))
 
 
+def check_indexer_against_reference(ids, scores, args, k, allowed=None):
+    """An indexer call's (ids, scores) against the reference op on the same inputs: visible scores
+    close, the rest -inf, the same selected sets but for ties at the K-th place."""
+    ref, ref_scores = REF.ced_indexer_topk(*args, k, allowed=allowed, return_scores=True)
+    vis = torch.arange(scores.shape[1], device=DEV)[None, :] < args[6][:, None]
+    zero = torch.zeros_like(scores)
+    assert_logits_close(torch.where(vis, scores, zero), torch.where(vis, ref_scores, zero), factor=SCORE_FACTOR,
+                        dtype=torch.float32)
+    assert bool((scores[~vis] == float("-inf")).all())
+    tol = 1e-5 * float(ref_scores[vis].abs().max()) if bool(vis.any()) else 0.0
+    check_same_topk(ids.cpu(), ref.cpu(), ref_scores.cpu(), tol)
+
+
 @examples(15)
 @given(row_js=st.lists(st.integers(0, 40), min_size=1, max_size=3), nh=st.integers(1, 4),
        dh=st.sampled_from([32, 64]), fmt=st.sampled_from(FP4), k=st.integers(1, 12), dup=st.booleans(),
@@ -300,14 +313,7 @@ def test_indexer_topk_matches_reference(row_js, nh, dh, fmt, k, dup, with_allowe
     ops = NvidiaOps(DEV)
     ids, scores = ops.ced_indexer_topk(*args, k, allowed=allowed, return_scores=True)
     assert ops.kernel_calls["ced_indexer_topk"] == 1
-    ref, ref_scores = REF.ced_indexer_topk(*args, k, allowed=allowed, return_scores=True)
-    vis = torch.arange(scores.shape[1], device=DEV)[None, :] < args[6][:, None]
-    zero = torch.zeros_like(scores)
-    assert_logits_close(torch.where(vis, scores, zero), torch.where(vis, ref_scores, zero), factor=SCORE_FACTOR,
-                        dtype=torch.float32)
-    assert bool((scores[~vis] == float("-inf")).all())
-    tol = 1e-5 * float(ref_scores[vis].abs().max()) if bool(vis.any()) else 0.0
-    check_same_topk(ids.cpu(), ref.cpu(), ref_scores.cpu(), tol)
+    check_indexer_against_reference(ids, scores, args, k, allowed)
 
 
 @examples(8)
@@ -325,14 +331,7 @@ def test_indexer_scores_in_query_blocks(row_js, nh, fmt, block_q, dtype, seed, d
     q, w, (codes, scales), *rest = args
     ids, scores = triton_ced_indexer.indexer_topk(q, w, codes, scales, *rest, k, return_scores=True,
                                                   launch={"BLOCK_Q": block_q})
-    ref, ref_scores = REF.ced_indexer_topk(*args, k, return_scores=True)
-    vis = torch.arange(scores.shape[1], device=DEV)[None, :] < args[6][:, None]
-    zero = torch.zeros_like(scores)
-    assert_logits_close(torch.where(vis, scores, zero), torch.where(vis, ref_scores, zero), factor=SCORE_FACTOR,
-                        dtype=torch.float32)
-    assert bool((scores[~vis] == float("-inf")).all())
-    tol = 1e-5 * float(ref_scores[vis].abs().max()) if bool(vis.any()) else 0.0
-    check_same_topk(ids.cpu(), ref.cpu(), ref_scores.cpu(), tol)
+    check_indexer_against_reference(ids, scores, args, k)
 
 
 @examples(10)
