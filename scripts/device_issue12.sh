@@ -24,6 +24,7 @@
 #   bash scripts/device_issue12.sh check16            # CED kernel tests, prefill kernel variants, 16K profile, decode
 #   bash scripts/device_issue12.sh sweep16            # CED kernel tests, prefill kernel variants, attention knobs
 #   bash scripts/device_issue12.sh final16 COMMIT     # prefill ratios, 16K profile, decode profile, GPU files
+#   bash scripts/device_issue12.sh diag17            # PDL on a chain of small kernels; a 4K prefill's host time
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -295,6 +296,13 @@ final16)
   timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
     --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | tail -6
   gpu_files_but_kv_sizing ;;
+diag17)
+  # 17th session (~3 min): does programmatic dependent launch shorten a graph's chain of small kernels
+  # (scripts/diag_pdl.py), and where a bounded 4K prefill's host time goes (cProfile, by own and cumulative time).
+  timeout 120 python3 scripts/diag_pdl.py --out "$OUT/diag_pdl.jsonl" 2>&1 | grep -v Warning | tail -14
+  timeout 120 python3 benchmarks/profile_cold_prefill.py --tokens 4096 --modes bounded --repeats 3 --host --top 12 \
+    --out "$OUT/profile_cold_prefill_4k" > "$OUT/profile_cold_prefill_4k.log" 2>&1
+  tail -5 "$OUT/profile_cold_prefill_4k.log" ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac
