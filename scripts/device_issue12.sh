@@ -25,6 +25,7 @@
 #   bash scripts/device_issue12.sh sweep16            # CED kernel tests, prefill kernel variants, attention knobs
 #   bash scripts/device_issue12.sh final16 COMMIT     # prefill ratios, 16K profile, decode profile, GPU files
 #   bash scripts/device_issue12.sh diag17            # PDL on a chain of small kernels; a 4K prefill's host time
+#   bash scripts/device_issue12.sh check17           # PDL's variants, the touched kernels' tests, decode per PDL mode
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -303,6 +304,21 @@ diag17)
   timeout 120 python3 benchmarks/profile_cold_prefill.py --tokens 4096 --modes bounded --repeats 3 --host --top 12 \
     --out "$OUT/profile_cold_prefill_4k" > "$OUT/profile_cold_prefill_4k.log" 2>&1
   tail -5 "$OUT/profile_cold_prefill_4k.log" ;;
+check17)
+  # 17th session (~8.5 min): PDL's variants on a chain of GEMVs, the GPU tests of the kernels it and the new pair
+  # down kernel touch, the pair MoE against the fused one (with the shared expert), the decode profile per PDL mode.
+  timeout 100 python3 scripts/diag_pdl.py --out "$OUT/diag_pdl.jsonl" 2>&1 | grep -v Warning | tail -22
+  timeout -s INT 200 python3 -m pytest -n 8 -q -p no:cacheprovider -rfE tests/test_triton_pdl.py \
+    tests/test_triton_moe_pairs.py tests/test_triton_moe.py tests/test_triton_ced.py tests/test_triton_ced_fused.py \
+    tests/test_triton_ced_glue.py tests/test_triton_gemv.py tests/test_ced_decode_path.py \
+    --junitxml="$OUT/check17_tests.xml" 2>&1 | tee "$OUT/check17_tests.log" | tail -6
+  timeout 80 python3 benchmarks/moe_pairs_bench.py --shared --tokens 1 2 4 8 16 --out "$OUT/moe_pairs.jsonl" 2>&1 \
+    | grep -v Warning | tail -8
+  for m in 0 1 2; do
+    echo "== DEEPINFER_PDL=$m"
+    DEEPINFER_PDL=$m timeout 90 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+      --out "$OUT/profile_ced_pdl$m.jsonl" 2>&1 | grep "== batch" | cut -c 1-150
+  done ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

@@ -3,8 +3,10 @@
 A decode step of the CED bench config is ~350 kernels, most a few microseconds long, each waiting for the last.
 This times chains of GEMVs (y = W x, the next kernel reads y) captured in one CUDA graph, three ways:
   plain      launched as usual;
-  pdl        launch_pdl=True, each program calls griddepcontrol.launch_dependents then .wait before any load;
-  pdl-pre    as pdl, but each program loads its first weight tile (never written by the chain) before the wait.
+  pdl-wait   launch_pdl=True, each program calls griddepcontrol.wait before any load (mode 1 of triton_pdl);
+  pdl        as pdl-wait, .launch_dependents first (the next grid launches once every program started: mode 2);
+  pdl-pre    as pdl, but each program loads its first weight tile (never written by the chain) before the wait;
+  pdl-late   as pdl-wait, .launch_dependents after the loop, before the store.
 Also the host cost of one `kernel[grid](...)` launch. Prints a table and writes JSONL (--out).
 """
 from __future__ import annotations
@@ -21,13 +23,14 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 @triton.jit
 def _gemv(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-          PDL: tl.constexpr, PRE: tl.constexpr):
+          PDL: tl.constexpr, PRE: tl.constexpr, EARLY: tl.constexpr, LATE: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     w_first = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=rn[:, None] < N, other=0.0) if PRE else None
-    if PDL:
+    if EARLY:
         gdc_launch_dependents()
+    if PDL:
         gdc_wait()
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK_K):
@@ -37,17 +40,20 @@ def _gemv(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_
             w = tl.load(w_ptr + rn[:, None] * K + (k0 + rk)[None, :], mask=rn[:, None] < N, other=0.0)
         x = tl.load(x_ptr + k0 + rk)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    if LATE:
+        gdc_launch_dependents()
     tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
 def chain(ws, x, bufs, mode, block_n):
     pdl, pre = mode != "plain", mode == "pdl-pre"
+    early, late = mode in ("pdl", "pdl-pre"), mode == "pdl-late"
     cur = x
     for i, w in enumerate(ws):
         n, k = w.shape
         y = bufs[i % 2][:n]
         _gemv[(triton.cdiv(n, block_n),)](cur, w, y, n, K=k, BLOCK_N=block_n, BLOCK_K=256, PDL=pdl, PRE=pre,
-                                          num_warps=4, launch_pdl=pdl)
+                                          EARLY=early, LATE=late, num_warps=4, launch_pdl=pdl)
         cur = y
     return cur
 
@@ -81,13 +87,15 @@ def main() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     rows = []
-    # (name, N = K): 1024 -> 2 MB of weights a kernel (wq_a-sized), 2048 -> 8 MB, 256 -> 128 KB (an epilogue-sized op)
-    for name, d, block_n in (("tiny 256", 256, 16), ("gemv 1024", 1024, 8), ("gemv 2048", 2048, 16)):
+    # (name, N = K): 256 -> 128 KB of weights a kernel (an epilogue-sized op), 1024 -> 2 MB (wq_a-sized), 2048 -> 8 MB
+    # in one wave of programs, 4096 -> 32 MB (wo_b-sized) in several
+    for name, d, block_n in (("tiny 256", 256, 16), ("gemv 1024", 1024, 8), ("gemv 2048", 2048, 16),
+                             ("gemv 4096", 4096, 8)):
         ws = [torch.randn(d, d, device=dev, dtype=torch.bfloat16) / d ** 0.5 for _ in range(args.length)]
         x = torch.randn(d, device=dev, dtype=torch.bfloat16)
         bufs = [torch.empty(d, device=dev, dtype=torch.bfloat16) for _ in range(2)]
         res = {}
-        for mode in ("plain", "pdl", "pdl-pre"):
+        for mode in ("plain", "pdl-wait", "pdl", "pdl-pre", "pdl-late"):
             us, out = time_graph(lambda: chain(ws, x, bufs, mode, block_n))
             res[mode] = (us, out.float().clone())
         ref = res["plain"][1]
@@ -101,11 +109,13 @@ def main() -> None:
     w, x, y = ws[0], x, bufs[0]
     for pdl in (False, True):
         for _ in range(20):
-            _gemv[(1,)](x, w, y, 16, K=w.shape[1], BLOCK_N=16, BLOCK_K=256, PDL=pdl, PRE=False, launch_pdl=pdl)
+            _gemv[(1,)](x, w, y, 16, K=w.shape[1], BLOCK_N=16, BLOCK_K=256, PDL=pdl, PRE=False, EARLY=pdl,
+                  LATE=False, launch_pdl=pdl)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(2000):
-            _gemv[(1,)](x, w, y, 16, K=w.shape[1], BLOCK_N=16, BLOCK_K=256, PDL=pdl, PRE=False, launch_pdl=pdl)
+            _gemv[(1,)](x, w, y, 16, K=w.shape[1], BLOCK_N=16, BLOCK_K=256, PDL=pdl, PRE=False, EARLY=pdl,
+                  LATE=False, launch_pdl=pdl)
         host_us = (time.perf_counter() - t0) / 2000 * 1e6
         torch.cuda.synchronize()
         rows.append({"bench": "diag_pdl", "case": "host launch", "pdl": pdl, "host_us": round(host_us, 2)})

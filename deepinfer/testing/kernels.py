@@ -154,11 +154,13 @@ def run_compile_script(script: str, timeout: int = 300, cwd=None) -> dict:
 def compile_sm90(fn, sig: dict, const: dict, div16=(), **options):
     """Compile a @triton.jit kernel for sm_90 as a launch with 16-byte-aligned pointers and these 16-divisible
     ints would (Triton specialises every int argument divisible by 16, and every 16-byte-aligned pointer).
-    sig: argument -> type ("*bf16", "i32", ...); the rest are constexprs, given in const."""
+    sig: argument -> type ("*bf16", "i32", ...); the rest are constexprs, given in const or left at their
+    defaults (as a launch leaves them)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    const = dict({p.name: p.default for p in fn.params if p.has_default and p.name not in sig}, **const)
     full = {a: sig.get(a, "constexpr") for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]]
              for a in list(div16) + [a for a, t in sig.items() if t.startswith("*")]}

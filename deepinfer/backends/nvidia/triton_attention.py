@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .triton_norm import cast_rne, to_f32
+from .triton_pdl import launch_kw, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -171,8 +172,9 @@ def _decode_kernel(
 def _merge_kernel(
     mid_m_ptr, mid_l_ptr, mid_o_ptr, sinks_ptr, out_ptr,
     stride_ot, stride_oh, H, DV, NUM_SPLITS,
-    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s_off = tl.arange(0, BLOCK_S)
@@ -334,6 +336,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             mid_m, mid_l, mid_o, sinks_arg, out,
             out.stride(0), out.stride(1), H, Dv, S,
             BLOCK_S=next_pow2(S), BLOCK_DV=BLOCK_DV, HAS_SINKS=has_sinks,
-            num_warps=4,
+            num_warps=4, **launch_kw(out.device),
         )
     return out

@@ -41,6 +41,7 @@ import triton.language as tl
 from .triton_attention import LOG2E, _dot, _merge_kernel, finish_softmax, sm_count
 from .triton_fp4 import GROUPS, e4m3_value, e8m0_value, fast_decode, fp4_operand, mma_operand
 from .triton_norm import cast_rne
+from .triton_pdl import launch_kw, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -103,8 +104,9 @@ def _ced_attn_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
     HAS_ENTRIES: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FAST_FP4: tl.constexpr,
+    FAST_FP4: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     ht = tl.program_id(1)
     split = tl.program_id(2)
@@ -306,9 +308,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         HAS_SINKS=has_sinks, DIRECT=S == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FAST_FP4=has_entries and fast_entries(q.dtype, cfg),
         num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
+        **launch_kw(q.device),
     )
     if S > 1:
         _merge_kernel[(T, H)](mid_m, mid_l, mid_o, sinks_arg, out, out.stride(0), out.stride(1), H, D, S,
                               BLOCK_S=next_pow2(S), BLOCK_DV=BLOCK_D, HAS_SINKS=has_sinks,
-                              num_warps=4)
+                              num_warps=4, **launch_kw(q.device))
     return out

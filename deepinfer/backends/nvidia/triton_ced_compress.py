@@ -28,6 +28,7 @@ import triton.language as tl
 from .triton_ced_fused import INTERPRET, SUPPORTED_DTYPES, _exp, _rms_row, _rope_row
 from .triton_fp4 import GROUPS, fp4_dequant, fp4_quant
 from .triton_norm import cast_rne, to_f32
+from .triton_pdl import launch_kw, pdl_start
 from deepinfer.backends.nvidia.host_math import next_pow2
 
 MAX_C = 4096
@@ -38,7 +39,8 @@ MAX_M = 16
 def _compress_write_kernel(v_ptr, z_ptr, w_ptr, ids_ptr, rows_ptr, inv_ptr, codes_ptr, scales_ptr,
                            stride_v, stride_z, stride_c, stride_s, C, HALF, eps,
                            M: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
-                           HAS_NORM: tl.constexpr, HAS_ROPE: tl.constexpr, FAKE: tl.constexpr):
+                           HAS_NORM: tl.constexpr, HAS_ROPE: tl.constexpr, FAKE: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     g = tl.program_id(0).to(tl.int64)
     DT = v_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
@@ -122,4 +124,5 @@ def compress_write(v: torch.Tensor, z: Optional[torch.Tensor], m: int, weight: O
         rows.contiguous(), inv_freq.contiguous() if R else v, codes, scales,
         v.stride(0), (z if z is not None else v).stride(0), codes.stride(0), scales.stride(0), C, R // 2, float(eps),
         M=m, BLOCK=BLOCK, GROUP=GROUPS[fmt], E8M0=fmt == "mxfp4", HAS_NORM=weight is not None, HAS_ROPE=R > 0,
-        FAKE=bool(fake), num_warps=1 if INTERPRET else min(8, max(1, BLOCK // 256)), enable_fp_fusion=False)
+        FAKE=bool(fake), num_warps=1 if INTERPRET else min(8, max(1, BLOCK // 256)), enable_fp_fusion=False,
+        **launch_kw(v.device))

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .triton_norm import cast_rne, to_f32
+from .triton_pdl import launch_kw, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -92,7 +93,8 @@ def _rope_row(x, pos, inv_ptr, N, HALF, DT: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _ced_rms_kernel(x_ptr, w_ptr, o_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr):
+def _ced_rms_kernel(x_ptr, w_ptr, o_ptr, stride_x, stride_o, N, eps, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -103,7 +105,8 @@ def _ced_rms_kernel(x_ptr, w_ptr, o_ptr, stride_x, stride_o, N, eps, BLOCK: tl.c
 
 @triton.jit
 def _ced_add_rms_kernel(x_ptr, r_ptr, e_ptr, w_ptr, h_ptr, o_ptr, stride_x, stride_r, stride_e, stride_h, stride_o, N,
-                        eps, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr):
+                        eps, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -125,7 +128,8 @@ def _exp(x):
 
 
 @triton.jit
-def _ced_swiglu_kernel(gu_ptr, o_ptr, stride_g, stride_o, F, limit, BLOCK: tl.constexpr):
+def _ced_swiglu_kernel(gu_ptr, o_ptr, stride_g, stride_o, F, limit, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
@@ -140,7 +144,9 @@ def _ced_swiglu_kernel(gu_ptr, o_ptr, stride_g, stride_o, F, limit, BLOCK: tl.co
 
 @triton.jit
 def _ced_rope_kernel(x_ptr, o_ptr, pos_ptr, inv_ptr, stride_xt, stride_xm, stride_ot, stride_om, M, D, HALF,
-                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, INVERSE: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, INVERSE: tl.constexpr,
+                     PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     r_ok = rows < M
@@ -190,7 +196,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         BLOCK = next_pow2(N)
         _ced_rms_kernel[(x2.shape[0],)](x2, w, o2, x2.stride(0), o2.stride(0), N, float(eps), BLOCK=BLOCK,
                                         num_warps=1 if INTERPRET else min(16, max(1, BLOCK // 512)),
-                                        enable_fp_fusion=False)  # x * rstd, then * w: two roundings, as torch
+                                        enable_fp_fusion=False,  # x * rstd, then * w: two roundings, as torch
+                                        **launch_kw(x.device))
     return out
 
 
@@ -218,7 +225,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         _ced_add_rms_kernel[(T,)](x, residual, e, w, h, out, x.stride(0), residual.stride(0), e.stride(0),
                                   h.stride(0), out.stride(0), N, float(eps), BLOCK=BLOCK, HAS_EXTRA=extra is not None,
                                   num_warps=1 if INTERPRET else min(16, max(1, BLOCK // 512)),
-                                  enable_fp_fusion=False)
+                                  enable_fp_fusion=False, **launch_kw(x.device))
     return h, out
 
 
@@ -238,8 +245,8 @@ def swiglu(gu: torch.Tensor, limit: float) -> torch.Tensor:
     if T and F:
         BLOCK = min(1024, next_pow2(F))
         _ced_swiglu_kernel[(T, cdiv(F, BLOCK))](gu, out, gu.stride(0), out.stride(0), F, float(limit),
-                                                       BLOCK=BLOCK, num_warps=1 if INTERPRET else 4,
-                                                       enable_fp_fusion=False)
+                                                BLOCK=BLOCK, num_warps=1 if INTERPRET else 4,
+                                                enable_fp_fusion=False, **launch_kw(gu.device))
     return out
 
 
@@ -284,7 +291,8 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bo
             x3, o3, pos if pos.is_contiguous() else pos.contiguous(), inv,
             x3.stride(0), x3.stride(1), o3.stride(0), o3.stride(1), M, D, R // 2,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_R=cfg["BLOCK_R"], BLOCK_P=cfg["BLOCK_P"], INVERSE=bool(inverse),
-            num_warps=cfg["num_warps"], enable_fp_fusion=False)  # a*cos and b*sin rounded apart, as torch
+            num_warps=cfg["num_warps"], enable_fp_fusion=False,  # a*cos and b*sin rounded apart, as torch
+            **launch_kw(x.device))
     return out
 
 

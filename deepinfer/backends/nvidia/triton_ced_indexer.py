@@ -38,6 +38,7 @@ import triton.language as tl
 from .triton_attention import _dot
 from .triton_fp4 import GROUPS, fast_decode, fp4_operand, fp4_tile
 from .triton_norm import cast_rne, to_f32
+from .triton_pdl import launch_kw, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -74,7 +75,9 @@ def _score_kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, slots_ptr, rows_ptr, nvis
                   stride_qt, stride_qh, stride_wt, stride_wh, stride_c, stride_s, stride_sr, stride_ot,
                   Tq, NH, DH, J,
                   BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
-                  GROUP: tl.constexpr, E8M0: tl.constexpr, FAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  GROUP: tl.constexpr, E8M0: tl.constexpr, FAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_Q
     j0 = tl.program_id(1) * BLOCK_J
     j = j0 + tl.arange(0, BLOCK_J)
@@ -130,7 +133,8 @@ def _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, j, nvis, HAS_ALLOWED
 @triton.jit
 def _topk_kernel(scores_ptr, nvis_ptr, allowed_ptr, out_ptr, stride_st, stride_at, stride_ot, J, K,
                  HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NUM_KT: tl.constexpr):
+                 BLOCK_K: tl.constexpr, NUM_KT: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     nvis = tl.minimum(tl.load(nvis_ptr + t), J)
     offs = tl.arange(0, BLOCK)
@@ -223,7 +227,7 @@ def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
     _topk_kernel[(Tq,)](scores, num_visible.contiguous(), al, out, scores.stride(0),
                         al.stride(0) if allowed is not None else 0, out.stride(0), J, k,
                         HAS_ALLOWED=allowed is not None, BLOCK=block, NUM_TILES=num_tiles, BLOCK_K=block_k,
-                        NUM_KT=cdiv(k, block_k), num_warps=num_warps)
+                        NUM_KT=cdiv(k, block_k), num_warps=num_warps, **launch_kw(scores.device))
     return out
 
 
@@ -292,6 +296,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, sc
             entry_slots.stride(0), scores.stride(0), Tq, nh, dh, J,
             BLOCK_Q=BQ, BLOCK_H=cfg["BLOCK_H"], BLOCK_D=BD, BLOCK_J=BJ, GROUP=GROUPS[fmt], E8M0=fmt == "mxfp4",
             FAST=fast_decode(q.dtype, BJ * BD // 2, cfg["num_warps"]),
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"])
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
+            **launch_kw(q.device))
     ids = topk_select(scores, num_visible, k, allowed)
     return ids, (scores if return_scores else None)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .triton_ced_indexer import topk_select
+from .triton_pdl import launch_kw, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -33,7 +34,8 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 
 @triton.jit
 def _block_max_kernel(scores_ptr, nvis_ptr, bmax_ptr, nbv_ptr, stride_s, stride_b, J, NB,
-                      BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr):
+                      BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     i = tl.arange(0, BLOCK_P)
@@ -51,7 +53,8 @@ def _block_max_kernel(scores_ptr, nvis_ptr, bmax_ptr, nbv_ptr, stride_s, stride_
 
 @triton.jit
 def _expand_kernel(kept_ptr, nvis_ptr, out_ptr, stride_k, stride_o, J, KEEP,
-                   BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+                   BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     i = tl.arange(0, BLOCK_P)
@@ -65,7 +68,8 @@ def _expand_kernel(kept_ptr, nvis_ptr, out_ptr, stride_k, stride_o, J, KEEP,
 
 @triton.jit
 def _entry_rows_kernel(table_ptr, qrows_ptr, ids_ptr, out_ptr, count_ptr, stride_t, stride_i, stride_o, K,
-                       BLOCK_K: tl.constexpr, COUNT: tl.constexpr):
+                       BLOCK_K: tl.constexpr, COUNT: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, BLOCK_K)
     ids = tl.load(ids_ptr + t * stride_i + k, mask=k < K, other=-1)
@@ -100,7 +104,7 @@ def entry_rows(table: torch.Tensor, q_rows: torch.Tensor, ids: torch.Tensor, cou
         ids_c = ids if ids.stride(-1) == 1 or K <= 1 else ids.contiguous()
         _entry_rows_kernel[(Tq,)](table, q_rows.contiguous(), ids_c, out, cnt if count else out,
                                   table.stride(0), ids_c.stride(0), out.stride(0), K,
-                                  BLOCK_K=max(1, next_pow2(K)), COUNT=count)
+                                  BLOCK_K=max(1, next_pow2(K)), COUNT=count, **launch_kw(ids.device))
     return (out, cnt) if count else out
 
 
@@ -135,9 +139,9 @@ def pool_candidates(scores: torch.Tensor, num_visible: torch.Tensor, block: int,
     bp = next_pow2(block)
     bb = max(1, min(next_pow2(nb), (16 if INTERPRET else 4096) // bp))
     _block_max_kernel[(Tq, cdiv(nb, bb))](scores, nvis, bmax, nbv, scores.stride(0), bmax.stride(0), J, nb,
-                                                BLOCK=block, BLOCK_B=bb, BLOCK_P=bp)
+                                          BLOCK=block, BLOCK_B=bb, BLOCK_P=bp, **launch_kw(dev))
     kept = topk_select(bmax, nbv, keep)
     br = max(1, min(next_pow2(keep), (16 if INTERPRET else 4096) // bp))
     _expand_kernel[(Tq, cdiv(keep, br))](kept, nvis, out, kept.stride(0), out.stride(0), J, keep,
-                                               BLOCK=block, BLOCK_R=br, BLOCK_P=bp)
+                                         BLOCK=block, BLOCK_R=br, BLOCK_P=bp, **launch_kw(dev))
     return out

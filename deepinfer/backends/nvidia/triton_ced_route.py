@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.backends.nvidia.host_math import next_pow2
+from .triton_pdl import launch_kw, pdl_start
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
@@ -32,7 +33,9 @@ MAX_TOPK = 32
 @triton.jit
 def _route_kernel(logits_ptr, gate_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, stride_g, stride_w, stride_i, E, DIN,
                   scaling, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  RENORM: tl.constexpr, FROM_HIDDEN: tl.constexpr, BLOCK_D: tl.constexpr, DIN_I: tl.constexpr):
+                  RENORM: tl.constexpr, FROM_HIDDEN: tl.constexpr, BLOCK_D: tl.constexpr, DIN_I: tl.constexpr,
+                  PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
@@ -115,7 +118,8 @@ def _launch(rows, gate, top_k, renormalize, scaling, bias):
                             BLOCK_K=next_pow2(top_k), HAS_BIAS=bias is not None,
                             RENORM=bool(renormalize), FROM_HIDDEN=gate is not None, BLOCK_D=bd,
                             DIN_I=rows.shape[1] if INTERPRET else 0,
-                            num_warps=1 if INTERPRET or (E <= 256 and gate is None) else 4)
+                            num_warps=1 if INTERPRET or (E <= 256 and gate is None) else 4,
+                            **launch_kw(rows.device))
     return w, ids
 
 

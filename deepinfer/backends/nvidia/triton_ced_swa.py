@@ -23,6 +23,7 @@ import triton.language as tl
 from .triton_ced_fused import INTERPRET, SUPPORTED_DTYPES, _rms_row, _rope_row
 from .triton_kvquant import FMT, GROUP, fp8_pow2_dequant, fp8_pow2_quant
 from .triton_norm import cast_rne, to_f32
+from .triton_pdl import launch_kw, pdl_start
 from deepinfer.backends.nvidia.host_math import next_pow2
 
 MAX_D = 4096
@@ -31,7 +32,8 @@ MAX_D = 4096
 @triton.jit
 def _swa_kv_ring_kernel(y_ptr, w_ptr, pos_ptr, slot_ptr, inv_ptr, kv_ptr, rc_ptr, rs_ptr,
                         stride_y, stride_kv, stride_rcs, stride_rcr, stride_rss, stride_rsr,
-                        D, HALF, RING, eps, BLOCK: tl.constexpr, FAKE: tl.constexpr):
+                        D, HALF, RING, eps, BLOCK: tl.constexpr, FAKE: tl.constexpr, PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     DT = kv_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
@@ -94,5 +96,5 @@ def swa_kv_ring(y, weight, eps, pos, inv_freq, ring, ring_slot, fake: bool = Tru
                                   scales.stride(0), scales.stride(1), D, R // 2, codes.shape[1], float(eps),
                                   BLOCK=BLOCK, FAKE=bool(fake),
                                   num_warps=1 if INTERPRET else min(8, max(1, BLOCK // 256)),
-                                  enable_fp_fusion=False)
+                                  enable_fp_fusion=False, **launch_kw(y.device))
     return kv

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .triton_attention import _dot, sm_count
 from .triton_norm import cast_rne
+from .triton_pdl import launch_kw, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -46,7 +47,9 @@ NUM_WARPS = 8
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                  stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_I: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_I: tl.constexpr,
+                 PDL: tl.constexpr = 0):
+    pdl_start(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
     n_mask = n < N
@@ -71,9 +74,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
 def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                 stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_I: tl.constexpr, WIDEN: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
     """The same product for up to DOT_ROWS rows on the tensor cores: x's rows padded to 16 (the MMA's M), one dot
     per K step; WIDEN: mixed dtypes, both operands widened to float32 (exact) for an "ieee" dot."""
+    pdl_start(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
     n_mask = n < N
@@ -142,12 +146,13 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
         _dot_kernel[(cdiv(N, BN), G)](
             x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
             BLOCK_N=BN, BLOCK_K=BK, K_I=K if INTERPRET else 0, WIDEN=widen, PRECISION="ieee" if widen else "tf32",
-            num_warps=4)
+            num_warps=4, **launch_kw(x.device))
         return out
     BM, BN, BK = block_sizes(M, G, N, K, x.device, tile, per_sm)
     _gemv_kernel[(cdiv(N, BN), G)](
         x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, K_I=K if INTERPRET else 0, num_warps=num_warps)
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, K_I=K if INTERPRET else 0, num_warps=num_warps,
+        **launch_kw(x.device))
     return out
 
 

@@ -41,6 +41,7 @@ from . import triton_gemv
 from .triton_moe import SUPPORTED_DTYPES
 from .triton_ced_fused import _exp
 from .triton_norm import cast_rne, to_f32
+from .triton_pdl import launch_kw, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -60,10 +61,11 @@ def _pairs_up_kernel(
     stride_xt, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_at,
     stride_swn, stride_swk, F, FS, D, E, TOPK, P, NS, clamp,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_CLAMP: tl.constexpr, FP8_W: tl.constexpr, D_I: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
+    HAS_SHARED: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """act[p, n-tile] = silu(gate(x[t])) * up(x[t]) of pair p's expert (zero for an id out of range); pairs from P
     on (HAS_SHARED) are the shared expert's slices, NS a token."""
+    pdl_start(PDL)
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < F
@@ -129,58 +131,68 @@ def _pairs_up_kernel(
 
 
 @triton.jit
-def _down_product(a_row, w_e, s_e, n, n_mask, kk, stride_wn, stride_wk, stride_sn, stride_sk, F, F_I: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, FP8_W: tl.constexpr):
-    """One pair's activation row (a_row: F values) @ its expert's down weights (w_e: [d, F] by the strides) for the
-    columns n, float32; FP8 weights scaled per 128 x 128 block (s_e)."""
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for f0 in range(0, F_I if _INTERP else F, BLOCK_K):
-        f = f0 + kk
-        f_mask = f < F
-        av = tl.load(a_row + f, mask=f_mask, other=0.0).to(tl.float32)
-        w = _weight_tile(w_e + n[:, None].to(tl.int64) * stride_wn + f[None, :] * stride_wk,
-                         n_mask[:, None] & f_mask[None, :])
-        y = tl.sum(w * av[None, :], axis=1)
-        if FP8_W:
-            y = y * tl.load(s_e + (n // 128) * stride_sn + (f0 // 128) * stride_sk, mask=n_mask, other=0.0)
-        acc += y
-    return acc
-
-
-@triton.jit
 def _pairs_down_kernel(
     act_ptr, w_ptr, ws_ptr, ids_ptr, rw_ptr, out_ptr, sw_ptr,
     stride_at, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ot, stride_swn, stride_swk,
-    F, D, E, TOPK, P, NS,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_W: tl.constexpr, F_I: tl.constexpr, K_I: tl.constexpr,
-    HAS_SHARED: tl.constexpr, NS_I: tl.constexpr,
+    D, E, P,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_W: tl.constexpr, F: tl.constexpr, TOPK: tl.constexpr,
+    HAS_SHARED: tl.constexpr, NS: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """out[t, n-tile] = sum over t's pairs of round(weight * act[p] @ w2[e].T), in pair order, then (HAS_SHARED)
-    its shared expert's NS slices, each round(act[p] @ sw2[:, slice].T)."""
+    its shared expert's NS slices' sum, round(sum_j act[p_j] @ sw2[:, slice j].T).
+
+    A program's rows r < TOPK are the token's pairs, TOPK <= r < TOPK + NS its shared slices: one [BLOCK_R,
+    BLOCK_N, BLOCK_K] weight tile a K step, so every row's loads are in flight at once (a loop over the pairs,
+    each a load behind its expert id and a cross-warp reduction, took ~9 us for 10 MB at one token on the H200)."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < D
+    r = tl.arange(0, BLOCK_R)
+    routed = r < TOPK
+    e = tl.load(ids_ptr + t * TOPK + r, mask=routed, other=-1).to(tl.int64)
+    valid = routed & (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0)
+    live = valid
+    rows = t * TOPK + r
+    w_rows = w_ptr + e * stride_we  # [BLOCK_R] row bases
+    sn = stride_wn
+    sk = stride_wk
+    if HAS_SHARED:
+        sh = (r >= TOPK) & (r < TOPK + NS)
+        live = valid | sh
+        rows = tl.where(routed, rows, P + t * NS + (r - TOPK))
+        z = r.to(tl.int64) * 0  # int64 strides either way (a stride of 1 arrives as a constant)
+        w_rows = tl.where(sh, sw_ptr + ((r - TOPK) * F).to(tl.int64) * stride_swk, w_rows)
+        sn = tl.where(sh, z + stride_swn, z + stride_wn)
+        sk = tl.where(sh, z + stride_swk, z + stride_wk)
+        sn = sn[:, None, None]
+        sk = sk[:, None, None]
+    a_rows = act_ptr + rows.to(tl.int64) * stride_at
     kk = tl.arange(0, BLOCK_K)
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(0, K_I if _INTERP else TOPK):
-        p = t * TOPK + j
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        valid = (e >= 0) & (e < E)
-        e = tl.where(valid, e, 0)
-        acc = _down_product(act_ptr + p.to(tl.int64) * stride_at, w_ptr + e * stride_we, ws_ptr + e * stride_se,
-                            n, n_mask, kk, stride_wn, stride_wk, stride_sn, stride_sk, F, F_I, BLOCK_K, BLOCK_N,
-                            FP8_W)
-        y = cast_rne(acc * tl.load(rw_ptr + p), out_ptr.dtype.element_ty).to(tl.float32)  # fused_experts' rounding
-        total += tl.where(valid, y, 0.0)
+    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+    for f0 in tl.static_range(0, F, BLOCK_K):
+        f = f0 + kk
+        f_mask = f < F
+        av = tl.load(a_rows[:, None] + f[None, :], mask=live[:, None] & f_mask[None, :], other=0.0).to(tl.float32)
+        wp = w_rows[:, None, None] + n[None, :, None].to(tl.int64) * sn + f[None, None, :] * sk
+        m = live[:, None, None] & n_mask[None, :, None] & f_mask[None, None, :]
+        y = tl.sum(tl.load(wp, mask=m, other=0.0).to(tl.float32) * av[:, None, :], axis=2)  # [BLOCK_R, BLOCK_N]
+        if FP8_W:  # one scale per 128 x 128 block; this K step lies inside one block column
+            sc = ws_ptr + e[:, None] * stride_se + (n // 128)[None, :] * stride_sn + (f0 // 128) * stride_sk
+            y = y * tl.load(sc, mask=valid[:, None] & n_mask[None, :], other=0.0)
+        acc += y
     DT = out_ptr.dtype.element_ty
+    rw = tl.load(rw_ptr + t * TOPK + r, mask=routed, other=0.0)
+    yr = tl.where(valid[:, None], to_f32(cast_rne(acc * rw[:, None], DT)), 0.0)  # fused_experts' rounding
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOPK):  # in pair order (each row's sum is that one value: exact)
+        total += tl.sum(tl.where((r == j)[:, None], yr, 0.0), axis=0)
     if HAS_SHARED:  # the unfused path's roundings: routed sum and shared product each to the dtype, then their sum
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j in range(0, NS_I if _INTERP else NS):
-            p = P + t * NS + j
-            w_j = sw_ptr + (t * 0 + j * F).to(tl.int64) * stride_swk  # slice j: sw2's columns j F .. (j + 1) F
-            acc += _down_product(act_ptr + p.to(tl.int64) * stride_at, w_j, sw_ptr, n, n_mask, kk, stride_swn,
-                                 stride_swk, 0, 0, F, F_I, BLOCK_K, BLOCK_N, False)
-        total = to_f32(cast_rne(total, DT)) + to_f32(cast_rne(acc, DT))
+        srow = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(NS):
+            srow += tl.sum(tl.where((r == TOPK + j)[:, None], acc, 0.0), axis=0)
+        total = to_f32(cast_rne(total, DT)) + to_f32(cast_rne(srow, DT))
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + n, cast_rne(total, DT), mask=n_mask)
 
 
@@ -255,16 +267,21 @@ def pair_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
     s2_strides = s2.stride() if fp8 else (0, 0, 0)
     BN1, BK1 = _blocks(F, P + T * NS, d, fp8, x.device)
     BN2, BK2 = _blocks(d, T, F, fp8, x.device)
+    BR = next_pow2(k + NS)
+    if not fp8:  # the down kernel's tile holds all of a token's rows: TILE elements in all
+        BK2 = max(16, min(BK2, TILE // (BR * BN2)))
     act = torch.empty(P + T * NS, F, dtype=x.dtype, device=x.device)
     _pairs_up_kernel[(P + T * NS, cdiv(F, BN1))](
         x, w13, s13, ids_flat, act, sw13, x.stride(0), x.stride(1), *w13.stride(), *s13_strides, act.stride(0),
         sw13.stride(0), sw13.stride(1), F, NS * F, d, w13.shape[0], k, P, max(NS, 1),
         float(clamp) if clamp is not None else 0.0,
         BLOCK_N=BN1, BLOCK_K=BK1, HAS_CLAMP=clamp is not None, FP8_W=fp8, D_I=_i(d), HAS_SHARED=NS > 0,
-        num_warps=8)
+        num_warps=8, **launch_kw(x.device))
     out = torch.empty(T, d, dtype=x.dtype, device=x.device)
     _pairs_down_kernel[(T, cdiv(d, BN2))](
         act, w2, s2, ids_flat, rw, out, sw2, act.stride(0), *w2.stride(), *s2_strides, out.stride(0),
-        sw2.stride(0), sw2.stride(1), F, d, w13.shape[0], k, P, max(NS, 1),
-        BLOCK_N=BN2, BLOCK_K=BK2, FP8_W=fp8, F_I=_i(F), K_I=_i(k), HAS_SHARED=NS > 0, NS_I=_i(NS), num_warps=8)
+        sw2.stride(0), sw2.stride(1), d, w13.shape[0], P,
+        BLOCK_N=BN2, BLOCK_K=BK2, FP8_W=fp8, F=F, TOPK=k, HAS_SHARED=NS > 0, NS=NS, BLOCK_R=BR,
+        num_warps=8,
+        **launch_kw(x.device))
     return out

@@ -1,0 +1,149 @@
+"""Programmatic dependent launch (backends/nvidia/triton_pdl.py): every PDL-aware kernel waits for the previous grid
+before anything else, only such kernels are launched with the attribute, the compiled kernels carry the wait, and
+on a Hopper GPU a CED model generates bit for bit the same with PDL off, waiting, or signalling early."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.backends.nvidia import triton_pdl
+from deepinfer.testing.kernels import run_compile_script
+
+NVIDIA = Path(__file__).resolve().parents[1] / "deepinfer" / "backends" / "nvidia"
+
+
+def _jit_kernels(tree: ast.Module) -> dict:
+    """name -> FunctionDef of the module's @triton.jit functions."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and any(ast.unparse(d) == "triton.jit" for d in node.decorator_list):
+            out[node.name] = node
+    return out
+
+
+def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
+    body = fn.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value,
+                                                                                                 str):
+        body = body[1:]
+    return body[0]
+
+
+def _modules() -> dict:
+    return {p.name: ast.parse(p.read_text()) for p in sorted(NVIDIA.glob("triton_*.py"))}
+
+
+def test_every_pdl_kernel_waits_first():
+    """A PDL kernel that touched memory (or returned) before its wait could race the previous grid, or let the
+    next one run before the grid ahead of it finished: the wait must be its first statement."""
+    seen = []
+    for name, tree in _modules().items():
+        for kname, fn in _jit_kernels(tree).items():
+            args = [a.arg for a in fn.args.args]
+            if "PDL" not in args or kname == "pdl_start":
+                continue
+            seen.append(kname)
+            assert args[-1] == "PDL" and fn.args.defaults and ast.unparse(fn.args.defaults[-1]) == "0", \
+                f"{name}:{kname}: PDL must be the last parameter, default 0 (off where launch_kw passes nothing)"
+            assert ast.unparse(_first_statement(fn)) == "pdl_start(PDL)", \
+                f"{name}:{kname}: the first statement must be pdl_start(PDL), is {ast.unparse(_first_statement(fn))}"
+    assert {"_gemv_kernel", "_ced_attn_kernel", "_pairs_up_kernel", "_ced_rope_kernel"} <= set(seen), seen
+
+
+def test_only_pdl_kernels_launch_with_the_attribute():
+    """launch_kw sets launch_pdl: a kernel without the wait launched so would race its predecessor."""
+    kernels = {}
+    for tree in _modules().values():
+        kernels.update(_jit_kernels(tree))
+    launches = 0
+    for name, tree in _modules().items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)):
+                continue
+            if not any(kw.arg is None and "launch_kw" in ast.unparse(kw.value) for kw in node.keywords):
+                continue
+            launches += 1
+            kname = ast.unparse(node.func.value)
+            assert kname in kernels, f"{name}: launch_kw passed to {kname}, not a kernel of the backend"
+            assert "PDL" in [a.arg for a in kernels[kname].args.args], f"{name}: {kname} has no PDL parameter"
+    assert launches >= 15
+
+
+def test_off_where_no_hopper():
+    assert triton_pdl.launch_kw(torch.device("cpu")) == {}
+    assert triton_pdl.mode_for(torch.device("cpu")) == 0
+
+
+def test_bad_mode_is_refused():
+    env = dict(os.environ, DEEPINFER_PDL="3")
+    proc = subprocess.run([sys.executable, "-c", "import deepinfer.backends.nvidia.triton_pdl"], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "DEEPINFER_PDL" in proc.stderr and "'3'" in proc.stderr, proc.stderr[-500:]
+
+
+_COMPILE = r'''
+import json
+from deepinfer.backends.nvidia import triton_ced_fused as f, triton_gemv as g
+from deepinfer.testing.kernels import compile_sm90
+report = {}
+for pdl in (0, 1, 2):
+    opts = {"launch_pdl": True} if pdl else {}
+    rms = compile_sm90(f._ced_rms_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", o_ptr="*bf16", stride_x="i32",
+                       stride_o="i32", N="i32", eps="fp32"), dict(BLOCK=512, PDL=pdl), **opts)
+    gemv = compile_sm90(g._gemv_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32",
+                        K="i32", stride_xm="i32", stride_xg="i32", stride_wg="i32", stride_wn="i32", stride_om="i32",
+                        stride_og="i32"), dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, K_I=0, PDL=pdl), **opts)
+    for name, k in (("rms", rms), ("gemv", gemv)):
+        ptx = k.asm["ptx"]
+        report[f"{name}_{pdl}"] = dict(wait=ptx.count("griddepcontrol.wait"),
+                                       signal=ptx.count("griddepcontrol.launch_dependents"),
+                                       launch_pdl=bool(getattr(k.metadata, "launch_pdl", False)))
+print(json.dumps(report))
+'''
+
+
+def test_compiled_kernels_carry_the_wait():
+    report = run_compile_script(_COMPILE, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    for name in ("rms", "gemv"):
+        assert report[f"{name}_0"] == dict(wait=0, signal=0, launch_pdl=False), report
+        assert report[f"{name}_1"] == dict(wait=1, signal=0, launch_pdl=True), report
+        assert report[f"{name}_2"] == dict(wait=1, signal=1, launch_pdl=True), report
+
+
+hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                            reason="programmatic dependent launch needs a Hopper (sm_90) or later GPU")
+
+
+@hopper
+def test_ced_generates_the_same_bits_in_every_mode(tmp_path, monkeypatch):
+    """PDL changes when a kernel starts, never what it computes: CED greedy decoding in CUDA graphs, with
+    log-probabilities, is identical bit for bit with PDL off, waiting (1) and signalling early (2)."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.testing.ced import build_ced_checkpoint
+    from test_ced_decode_path import GPU_CFG
+
+    build_ced_checkpoint(tmp_path, seed=11, **GPU_CFG)
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 26)]
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
+    results = {}
+    for mode in (0, 1, 2):
+        monkeypatch.setattr(triton_pdl, "MODE", mode)
+        monkeypatch.setattr(triton_pdl, "_by_device", {})
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", num_kv_blocks=96, block_size=4, backend="nvidia",
+                  enforce_eager=False)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        assert llm.engine.decode_graphs is not None and llm.engine.decode_graphs.num_replays > 0
+        results[mode] = [(list(o.outputs[0].token_ids),
+                          [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs])
+                         for o in outs]
+        del llm
+        torch.cuda.empty_cache()
+    assert results[1] == results[0]
+    assert results[2] == results[0]
