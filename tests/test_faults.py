@@ -67,7 +67,7 @@ def test_the_guard_runs_after_every_writer_that_changed_the_logits(ckpt, clean, 
 
     calls = []
     real = engine_mod._guard_logits
-    monkeypatch.setattr(engine_mod, "_guard_logits", lambda state: (calls.append(1), real(state)))
+    monkeypatch.setattr(engine_mod, "_guard_logits", lambda state, ops: (calls.append(1), real(state, ops)))
     llm = make(ckpt, False)
     llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert len(calls) == llm.engine.stats["steps"] > 0

@@ -62,3 +62,31 @@ def test_persistent_state_matches_the_builder(params, steps, seed):
         state.record(tokens)
         for s, t in zip(rows, tokens.tolist()):
             s.token_ids.append(t)
+
+
+def test_a_repeated_batch_reuses_its_gather_and_a_join_refreshes_it():
+    """A decode stream's steps repeat one batch: its slots are gathered once; a sequence taking one of those
+    slots (or a reordered batch) gathers anew, and every batch still equals the builder's."""
+    ps = [SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=0.0), SamplingParams(top_p=0.8)]
+    seqs = [Sequence(seq_id=i, request_id=str(i), index=0, token_ids=[1, 2], num_prompt_tokens=2, params=p,
+                     arrival=i) for i, p in enumerate(ps)]
+    for s, slot in zip(seqs, (0, 1, 2)):
+        s.state_slot = slot
+    state = SamplingState(SLOTS, V, EOS, "cpu")
+
+    def check(rows):
+        got = state.batch(rows)
+        want = SamplingBatch.build([s.params for s in rows], [s.prompt_token_ids for s in rows],
+                                   [s.output_token_ids for s in rows], [s.generator for s in rows], V, EOS, "cpu")
+        for f in TENSORS:
+            assert same(getattr(got, f), getattr(want, f)), f
+        return got
+
+    a = check(seqs[:2])
+    b = check(seqs[:2])
+    assert b.temperature.data_ptr() == a.temperature.data_ptr()  # reused, not gathered again
+    c = check([seqs[1], seqs[0]])  # another order: gathered anew
+    assert c.temperature.tolist() == torch.tensor([0.0, 0.7]).tolist()
+    seqs[2].state_slot = 1  # a new sequence takes slot 1 (its old owner left)
+    d = check([seqs[0], seqs[2]])
+    assert d.top_p.tolist() == torch.tensor([1.0, 0.8]).tolist()

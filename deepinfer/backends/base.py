@@ -113,6 +113,18 @@ class Ops:
     def sample(self, logits: torch.Tensor, batch, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def guard_logits(self, logits: torch.Tensor, prev_bad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The engine's guard after a stage writes logits [R, V]: zero, in place, the rows that hold a NaN or +inf
+        or are all -inf, and return [R] bool of those rows or'ed with prev_bad's. On a device without the host
+        looking (no sync); the CPU may look."""
+        bad = ~torch.isfinite(logits.amax(-1))  # one pass: NaN with any NaN, +inf with any +inf, -inf if all are
+        if logits.device.type == "cpu":
+            if bad.any():
+                logits[bad] = 0.0
+        else:
+            logits.masked_fill_(bad[:, None], 0.0)
+        return bad if prev_bad is None else prev_bad | bad
+
     def compute_logprobs(self, logits: torch.Tensor, token_ids: torch.Tensor, num_top: int):
         raise NotImplementedError
 

@@ -43,19 +43,13 @@ def _decodes_only(batch) -> bool:
     return all(batch.samples) and all(n == 1 + len(d) for n, d in zip(batch.num_tokens, drafts))
 
 
-def _guard_logits(state) -> None:
+def _guard_logits(state, ops) -> None:
     """Zero the logits of rows that hold a NaN or +inf or are all -inf (on the device, no host sync) and
     record them in ``state.bad_rows``: the sampler then draws harmlessly and the engine fails those rows."""
     lg = state.logits
     if not isinstance(lg, torch.Tensor) or lg.ndim != 2 or lg.shape[0] == 0:
         return
-    bad = ~torch.isfinite(lg.amax(-1))  # one pass: the max is NaN with any NaN, +inf with any +inf, -inf if all are
-    if lg.device.type == "cpu":
-        if bad.any():  # the CPU may look (no device to wait for); a GPU zeroes without looking
-            lg[bad] = 0.0
-    else:
-        lg.masked_fill_(bad[:, None], 0.0)
-    state.bad_rows = bad if state.bad_rows is None else state.bad_rows | bad
+    state.bad_rows = ops.guard_logits(lg, state.bad_rows)
 
 
 class _Launched:
@@ -497,9 +491,9 @@ class Engine:
                     for i in exc.rows:
                         failed.setdefault(i, f"stage {stage.name!r} failed for this request: {exc.messages.get(i, exc)}")
                 # (a writer that left the logits as they were this step says so: they were guarded after their
-                # producer, and the guard's four launches a step count at batch 1)
+                # producer, and even the guard's one launch counts at batch 1)
                 if "logits" in stage.writes and not state.logits_kept:
-                    _guard_logits(state)
+                    _guard_logits(state, self.ops)
         return failed
 
     def _fail_batch(self, batch, exc: Exception, touched: dict) -> None:

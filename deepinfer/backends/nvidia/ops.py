@@ -466,6 +466,14 @@ class NvidiaOps(ReferenceOps):
             return triton_sampling.sample(logits, batch, generator)
         return super().sample(logits, batch, generator)
 
+    def guard_logits(self, logits, prev_bad=None):
+        from . import triton_guard
+
+        if logits.is_cuda and kernel_device_ok(logits, prev_bad) and triton_guard.supports(logits, prev_bad):
+            self.kernel_calls["guard_logits"] += 1
+            return triton_guard.guard_logits(logits, prev_bad)
+        return super().guard_logits(logits, prev_bad)
+
     def apply_token_bitmask(self, logits, bitmask, rows):
         from . import triton_bitmask
 

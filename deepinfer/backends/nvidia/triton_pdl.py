@@ -13,8 +13,11 @@ take part. ``launch_kw()`` is what a launch site passes: nothing where PDL is of
 GPUs, ``DEEPINFER_PDL=0``), so the kernels compile as before there.
 
 Modes (``DEEPINFER_PDL``): 0 off; 1 wait only (the next grid launches as this one's programs exit); 2 wait and
-signal the next grid at once (it launches as soon as every program here has started). The default is the mode
-the H200 measured faster for a decode step (docs/benchmarks.md, seventeenth session).
+signal the next grid at once (it launches as soon as every program here has started). The default, 2, is the mode
+the H200 measured fastest for the CED bench config's decode step (graph replay at batch 1: 1.517 ms off, 1.492
+wait only, 1.320 early signal; docs/benchmarks.md, seventeenth session). The signal is a hint: the waiting
+programs take SM slots early, which cost a one-wave 8 MB GEMV in a chain of them 27% (scripts/diag_pdl.py) while
+tiny kernels gained 30%; a decode step is mostly the latter.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
-DEFAULT_MODE = 1
+DEFAULT_MODE = 2
 
 
 def _mode() -> int:
