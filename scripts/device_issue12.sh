@@ -26,6 +26,8 @@
 #   bash scripts/device_issue12.sh final16 COMMIT     # prefill ratios, 16K profile, decode profile, GPU files
 #   bash scripts/device_issue12.sh diag17            # PDL on a chain of small kernels; a 4K prefill's host time
 #   bash scripts/device_issue12.sh check17           # PDL's variants, the touched kernels' tests, decode per PDL mode
+#   bash scripts/device_issue12.sh final17a          # (carry .whl312) GPU files but kv_sizing, the decode profile
+#   bash scripts/device_issue12.sh final17b COMMIT   # (warm) 4K / 16K prefill ratios, test_kv_sizing alone
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -319,6 +321,15 @@ check17)
     DEEPINFER_PDL=$m timeout 90 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
       --out "$OUT/profile_ced_pdl$m.jsonl" 2>&1 | grep "== batch" | cut -c 1-150
   done ;;
+final17a)
+  # 17th session's last calls (a: carry .whl312, ~7 min): every GPU file but kv_sizing, the decode profile (PDL
+  # mode 2, the default); b (warm, ~4 min): the 4K / 16K prefill ratios and test_kv_sizing alone.
+  gpu_files_but_kv_sizing
+  timeout 150 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --out "$OUT/profile_ced.jsonl" 2>&1 | grep "== batch" | cut -c 1-150 ;;
+final17b)
+  prefill_ratios "${1:-?}"
+  timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac
