@@ -323,13 +323,16 @@ check17)
   done ;;
 final17a)
   # 17th session's last calls (a: carry .whl312, ~7 min): every GPU file but kv_sizing, the decode profile (PDL
-  # mode 2, the default); b (warm, ~4 min): the 4K / 16K prefill ratios and test_kv_sizing alone.
+  # mode 2, the default); b (warm, ~6 min): the 4K / 16K prefill ratios, test_kv_sizing alone, the decode profile
+  # with PDL mode 3 (the streaming kernels signalling late).
   gpu_files_but_kv_sizing
-  timeout 150 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
-    --out "$OUT/profile_ced.jsonl" 2>&1 | grep "== batch" | cut -c 1-150 ;;
+  timeout 140 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --out "$OUT/profile_ced_pdl2.jsonl" 2>&1 | grep "== batch" | cut -c 1-150 ;;
 final17b)
   prefill_ratios "${1:-?}"
-  timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3 ;;
+  timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3
+  DEEPINFER_PDL=3 timeout 140 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --out "$OUT/profile_ced_pdl3.jsonl" 2>&1 | grep "== batch" | cut -c 1-150 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

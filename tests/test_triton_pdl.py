@@ -47,13 +47,17 @@ def test_every_pdl_kernel_waits_first():
     for name, tree in _modules().items():
         for kname, fn in _jit_kernels(tree).items():
             args = [a.arg for a in fn.args.args]
-            if "PDL" not in args or kname == "pdl_start":
+            if "PDL" not in args or name == "triton_pdl.py":
                 continue
             seen.append(kname)
             assert args[-1] == "PDL" and fn.args.defaults and ast.unparse(fn.args.defaults[-1]) == "0", \
                 f"{name}:{kname}: PDL must be the last parameter, default 0 (off where launch_kw passes nothing)"
-            assert ast.unparse(_first_statement(fn)) == "pdl_start(PDL)", \
-                f"{name}:{kname}: the first statement must be pdl_start(PDL), is {ast.unparse(_first_statement(fn))}"
+            first = ast.unparse(_first_statement(fn))
+            assert first in ("pdl_start(PDL)", "pdl_start(PDL, True)"), \
+                f"{name}:{kname}: the first statement must be pdl_start(PDL[, True]), is {first}"
+            signals = sum(isinstance(n, ast.Call) and ast.unparse(n.func) == "pdl_signal" for n in ast.walk(fn))
+            assert (signals > 0) == (first == "pdl_start(PDL, True)"), \
+                f"{name}:{kname}: a LATE kernel signals with pdl_signal after its main loop, and only it does"
     assert {"_gemv_kernel", "_ced_attn_kernel", "_pairs_up_kernel", "_ced_rope_kernel"} <= set(seen), seen
 
 
@@ -82,10 +86,10 @@ def test_off_where_no_hopper():
 
 
 def test_bad_mode_is_refused():
-    env = dict(os.environ, DEEPINFER_PDL="3")
+    env = dict(os.environ, DEEPINFER_PDL="4")
     proc = subprocess.run([sys.executable, "-c", "import deepinfer.backends.nvidia.triton_pdl"], env=env,
                           capture_output=True, text=True)
-    assert proc.returncode != 0 and "DEEPINFER_PDL" in proc.stderr and "'3'" in proc.stderr, proc.stderr[-500:]
+    assert proc.returncode != 0 and "DEEPINFER_PDL" in proc.stderr and "'4'" in proc.stderr, proc.stderr[-500:]
 
 
 _COMPILE = r'''
@@ -93,7 +97,7 @@ import json
 from deepinfer.backends.nvidia import triton_ced_fused as f, triton_gemv as g
 from deepinfer.testing.kernels import compile_sm90
 report = {}
-for pdl in (0, 1, 2):
+for pdl in (0, 1, 2, 3):
     opts = {"launch_pdl": True} if pdl else {}
     rms = compile_sm90(f._ced_rms_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", o_ptr="*bf16", stride_x="i32",
                        stride_o="i32", N="i32", eps="fp32"), dict(BLOCK=512, PDL=pdl), **opts)
@@ -115,6 +119,7 @@ def test_compiled_kernels_carry_the_wait():
         assert report[f"{name}_0"] == dict(wait=0, signal=0, launch_pdl=False), report
         assert report[f"{name}_1"] == dict(wait=1, signal=0, launch_pdl=True), report
         assert report[f"{name}_2"] == dict(wait=1, signal=1, launch_pdl=True), report
+        assert report[f"{name}_3"] == dict(wait=1, signal=1, launch_pdl=True), report  # at the start / after the loop
 
 
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
@@ -124,7 +129,7 @@ hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_de
 @hopper
 def test_ced_generates_the_same_bits_in_every_mode(tmp_path, monkeypatch):
     """PDL changes when a kernel starts, never what it computes: CED greedy decoding in CUDA graphs, with
-    log-probabilities, is identical bit for bit with PDL off, waiting (1) and signalling early (2)."""
+    log-probabilities, is identical bit for bit with PDL off, waiting (1), signalling early (2) or late (3)."""
     from deepinfer import LLM, SamplingParams
     from deepinfer.testing.ced import build_ced_checkpoint
     from test_ced_decode_path import GPU_CFG
@@ -133,7 +138,7 @@ def test_ced_generates_the_same_bits_in_every_mode(tmp_path, monkeypatch):
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 26)]
     sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
     results = {}
-    for mode in (0, 1, 2):
+    for mode in (0, 1, 2, 3):
         monkeypatch.setattr(triton_pdl, "MODE", mode)
         monkeypatch.setattr(triton_pdl, "_by_device", {})
         llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", num_kv_blocks=96, block_size=4, backend="nvidia",
@@ -147,3 +152,4 @@ def test_ced_generates_the_same_bits_in_every_mode(tmp_path, monkeypatch):
         torch.cuda.empty_cache()
     assert results[1] == results[0]
     assert results[2] == results[0]
+    assert results[3] == results[0]

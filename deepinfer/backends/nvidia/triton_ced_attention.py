@@ -41,7 +41,7 @@ import triton.language as tl
 from .triton_attention import LOG2E, _dot, _merge_kernel, finish_softmax, sm_count
 from .triton_fp4 import GROUPS, e4m3_value, e8m0_value, fast_decode, fp4_operand, mma_operand
 from .triton_norm import cast_rne
-from .triton_pdl import launch_kw, pdl_start
+from .triton_pdl import launch_kw, pdl_signal, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -106,7 +106,7 @@ def _ced_attn_kernel(
     HAS_ENTRIES: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_FP4: tl.constexpr, PDL: tl.constexpr = 0,
 ):
-    pdl_start(PDL)
+    pdl_start(PDL, True)
     t = tl.program_id(0).to(tl.int64)
     ht = tl.program_id(1)
     split = tl.program_id(2)
@@ -146,6 +146,7 @@ def _ced_attn_kernel(
                              E8M0, DT, FAST_FP4)
             m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
+    pdl_signal(PDL)
     if DIRECT:  # one split: add the sink and finish here
         o = finish_softmax(acc, m_i, l_i, sinks_ptr + heads, h_mask, HAS_SINKS)
         tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],

@@ -38,7 +38,7 @@ import triton.language as tl
 from .triton_attention import _dot
 from .triton_fp4 import GROUPS, fast_decode, fp4_operand, fp4_tile
 from .triton_norm import cast_rne, to_f32
-from .triton_pdl import launch_kw, pdl_start
+from .triton_pdl import launch_kw, pdl_signal, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -77,7 +77,7 @@ def _score_kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, slots_ptr, rows_ptr, nvis
                   BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
                   GROUP: tl.constexpr, E8M0: tl.constexpr, FAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   PDL: tl.constexpr = 0):
-    pdl_start(PDL)
+    pdl_start(PDL, True)
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_Q
     j0 = tl.program_id(1) * BLOCK_J
     j = j0 + tl.arange(0, BLOCK_J)
@@ -113,6 +113,7 @@ def _score_kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, slots_ptr, rows_ptr, nvis
                 s_i = _head_scores(q, w, k, BLOCK_Q, BLOCK_H, DOT_PRECISION)
                 s = tl.where((tl.arange(0, BLOCK_Q) == i)[:, None], s_i, s)
         s = tl.where(j[None, :] < nvis[:, None], s, float("-inf"))
+    pdl_signal(PDL)
     tl.store(out_ptr + tq[:, None] * stride_ot + j[None, :], s, mask=t_ok[:, None] & (j < J)[None, :])
 
 

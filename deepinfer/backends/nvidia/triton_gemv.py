@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .triton_attention import _dot, sm_count
 from .triton_norm import cast_rne
-from .triton_pdl import launch_kw, pdl_start
+from .triton_pdl import launch_kw, pdl_signal, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -49,7 +49,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                  stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_I: tl.constexpr,
                  PDL: tl.constexpr = 0):
-    pdl_start(PDL)
+    pdl_start(PDL, True)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
     n_mask = n < N
@@ -67,6 +67,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
             s = tl.sum(w * xr[None, :], axis=1)  # [BLOCK_N]
             acc = tl.where(rows[:, None] == r, acc + s[None, :], acc)
     o = out_ptr + g * stride_og + rows[:, None].to(tl.int64) * stride_om + n[None, :]
+    pdl_signal(PDL)
     tl.store(o, cast_rne(acc, out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_mask[None, :])
 
 
@@ -77,7 +78,7 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                 PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
     """The same product for up to DOT_ROWS rows on the tensor cores: x's rows padded to 16 (the MMA's M), one dot
     per K step; WIDEN: mixed dtypes, both operands widened to float32 (exact) for an "ieee" dot."""
-    pdl_start(PDL)
+    pdl_start(PDL, True)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
     n_mask = n < N
@@ -96,6 +97,7 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
             x = x.to(tl.float32)
         acc += _dot(x, tl.trans(w), PRECISION)
     o = out_ptr + g * stride_og + rows[:, None].to(tl.int64) * stride_om + n[None, :]
+    pdl_signal(PDL)
     tl.store(o, cast_rne(acc, out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_mask[None, :])
 
 

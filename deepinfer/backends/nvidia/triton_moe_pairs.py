@@ -41,7 +41,7 @@ from . import triton_gemv
 from .triton_moe import SUPPORTED_DTYPES
 from .triton_ced_fused import _exp
 from .triton_norm import cast_rne, to_f32
-from .triton_pdl import launch_kw, pdl_start
+from .triton_pdl import launch_kw, pdl_signal, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -65,7 +65,7 @@ def _pairs_up_kernel(
 ):
     """act[p, n-tile] = silu(gate(x[t])) * up(x[t]) of pair p's expert (zero for an id out of range); pairs from P
     on (HAS_SHARED) are the shared expert's slices, NS a token."""
-    pdl_start(PDL)
+    pdl_start(PDL, True)
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < F
@@ -127,6 +127,7 @@ def _pairs_up_kernel(
         if p >= P:
             silu = to_f32(cast_rne(acc_g / (1.0 + _exp(-acc_g)), DT))
     a = tl.where(valid, silu * acc_u, 0.0)
+    pdl_signal(PDL)
     tl.store(act_ptr + p.to(tl.int64) * stride_at + n, cast_rne(a, DT), mask=n_mask)
 
 
@@ -144,7 +145,7 @@ def _pairs_down_kernel(
     A program's rows r < TOPK are the token's pairs, TOPK <= r < TOPK + NS its shared slices: one [BLOCK_R,
     BLOCK_N, BLOCK_K] weight tile a K step, so every row's loads are in flight at once (a loop over the pairs,
     each a load behind its expert id and a cross-warp reduction, took ~9 us for 10 MB at one token on the H200)."""
-    pdl_start(PDL)
+    pdl_start(PDL, True)
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < D
@@ -182,6 +183,7 @@ def _pairs_down_kernel(
             sc = ws_ptr + e[:, None] * stride_se + (n // 128)[None, :] * stride_sn + (f0 // 128) * stride_sk
             y = y * tl.load(sc, mask=valid[:, None] & n_mask[None, :], other=0.0)
         acc += y
+    pdl_signal(PDL)
     DT = out_ptr.dtype.element_ty
     rw = tl.load(rw_ptr + t * TOPK + r, mask=routed, other=0.0)
     yr = tl.where(valid[:, None], to_f32(cast_rne(acc * rw[:, None], DT)), 0.0)  # fused_experts' rounding

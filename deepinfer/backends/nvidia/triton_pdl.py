@@ -13,7 +13,9 @@ take part. ``launch_kw()`` is what a launch site passes: nothing where PDL is of
 GPUs, ``DEEPINFER_PDL=0``), so the kernels compile as before there.
 
 Modes (``DEEPINFER_PDL``): 0 off; 1 wait only (the next grid launches as this one's programs exit); 2 wait and
-signal the next grid at once (it launches as soon as every program here has started). The default, 2, is the mode
+signal the next grid at once (it launches as soon as every program here has started); 3 as 2, but the kernels
+that stream weights or keys (the GEMVs, the pair MoE, CED attention, the indexer's scores: ``pdl_start(PDL,
+True)``) signal after their main loop (``pdl_signal``), where a chain of one-wave 8 MB GEMVs measured fastest. The default, 2, is the mode
 the H200 measured fastest for the CED bench config's decode step (graph replay at batch 1: 1.517 ms off, 1.492
 wait only, 1.320 early signal; docs/benchmarks.md, seventeenth session). The signal is a hint: the waiting
 programs take SM slots early, which cost a one-wave 8 MB GEMV in a chain of them 27% (scripts/diag_pdl.py) while
@@ -35,8 +37,9 @@ DEFAULT_MODE = 2
 
 def _mode() -> int:
     raw = os.environ.get("DEEPINFER_PDL", str(DEFAULT_MODE)).strip()
-    if raw not in ("0", "1", "2"):
-        raise ValueError(f"DEEPINFER_PDL must be 0 (off), 1 (wait) or 2 (wait and early signal), not {raw!r}")
+    if raw not in ("0", "1", "2", "3"):
+        raise ValueError(f"DEEPINFER_PDL must be 0 (off), 1 (wait), 2 (wait and early signal) or 3 (as 2, the "
+                         f"streaming kernels signalling late), not {raw!r}")
     return int(raw)
 
 
@@ -63,10 +66,19 @@ def launch_kw(device: torch.device) -> dict:
 
 
 @triton.jit
-def pdl_start(PDL: tl.constexpr):
-    """First statement of a PDL-aware kernel: wait for the previous grid (and signal the next one, mode 2). PDL is
-    0 wherever the kernel does not run on a Hopper GPU (the interpreter never reaches the inline PTX)."""
-    if PDL == 2:
+def pdl_start(PDL: tl.constexpr, LATE: tl.constexpr = False):
+    """First statement of a PDL-aware kernel: wait for the previous grid, and signal the next one (mode 2; mode 3
+    unless the kernel says LATE and calls pdl_signal after its main loop). PDL is 0 wherever the kernel does not
+    run on a Hopper GPU (the interpreter never reaches the inline PTX)."""
+    if PDL == 2 or (PDL == 3 and not LATE):
         gdc_launch_dependents()
     if PDL >= 1:
         gdc_wait()
+
+
+@triton.jit
+def pdl_signal(PDL: tl.constexpr):
+    """Mode 3's signal in a LATE kernel, after its main loop (before its stores): the next grid's programs then take
+    SM slots only as this one's finish, not while it streams its weights."""
+    if PDL == 3:
+        gdc_launch_dependents()
