@@ -28,6 +28,7 @@
 #   bash scripts/device_issue12.sh check17           # PDL's variants, the touched kernels' tests, decode per PDL mode
 #   bash scripts/device_issue12.sh final17a          # (carry .whl312) GPU files but kv_sizing, the decode profile
 #   bash scripts/device_issue12.sh final17b COMMIT   # (warm) 4K / 16K prefill ratios, test_kv_sizing alone
+#   bash scripts/device_issue12.sh final17c          # (carry .whl312) GPU files, decode profile at 16 / 64
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -333,6 +334,12 @@ final17b)
   timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3
   DEEPINFER_PDL=3 timeout 140 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
     --out "$OUT/profile_ced_pdl3.jsonl" 2>&1 | grep "== batch" | cut -c 1-150 ;;
+final17c)
+  # 17th session's closing call (carry .whl312, ~4.5 min): the GPU files but kv_sizing after grouped_linear's
+  # strided batched GEMM, then the decode profile at 16 and 64 rows (where out_proj takes it).
+  gpu_files_but_kv_sizing
+  timeout 80 python3 benchmarks/profile_decode.py --shape ced-bench --batches 16 64 --steps 16 \
+    --out "$OUT/profile_ced.jsonl" 2>&1 | grep "== batch" | cut -c 1-150 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

@@ -162,6 +162,48 @@ def test_the_backend_takes_the_kernel_up_to_gemv_max_rows(invariant, monkeypatch
     assert backend.kernel_calls["gemv"] == before and xg.grad is not None
 
 
+@examples(20)
+@given(M=st.integers(5, 40), G=st.integers(1, 4), N=st.integers(1, 50), K=st.integers(1, 90),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), strided=st.booleans(), seed=st.integers(0, 2**16))
+def test_grouped_linear_past_the_gemv_writes_its_layout_in_place(M, G, N, K, dtype, strided, seed):
+    """Past the GEMV's rows grouped_linear is one batched GEMM reading x [M, G, K] and writing [M, G, N] through
+    strides (a contiguous result: out_proj's flatten is then a view, not a copy kernel); x may be a view with a
+    row stride wider than G K (a slice of the attention output)."""
+    from deepinfer.backends.nvidia import ops as nv
+
+    g = gen(seed)
+    backend = nv.NvidiaOps(DEV)
+    base = torch.randn(M, G, K + (3 if strided else 0), generator=g)
+    x = base[..., :K].to(DEV, dtype) if not strided else base.to(DEV, dtype)[..., :K]
+    w = torch.randn(G, N, K, generator=g).to(DEV, dtype)
+    before = backend.kernel_calls["grouped_bmm"]
+    out = backend.grouped_linear(x, w)
+    assert backend.kernel_calls["grouped_bmm"] == before + 1 and out.is_contiguous()
+    check(out, x, w)
+
+
+@gpu
+def test_gpu_grouped_linear_at_the_bench_shape_launches_no_copy():
+    """CED's output projection at 64 rows (8 groups of 1024 x 1024, bf16): the batched GEMM's kernels only, no
+    copy or elementwise kernel around them, and the float64 product's values."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepinfer.backends.nvidia import ops as nv
+
+    g = gen(9)
+    backend = nv.NvidiaOps(DEV)
+    x = (torch.randn(64, 8, 1024, generator=g)).to(DEV, torch.bfloat16)
+    w = (torch.randn(8, 1024, 1024, generator=g) * 1024 ** -0.5).to(DEV, torch.bfloat16)
+    backend.grouped_linear(x, w)  # (cuBLAS's first call)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = backend.grouped_linear(x, w)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert names and not [n for n in names if "copy" in n.lower() or "elementwise" in n.lower()], names
+    check(out, x, w)
+
+
 @gpu
 @pytest.mark.parametrize("G,N,K", [(1, 2048, 8192), (8, 1024, 1024), (1, 8192, 1024), (1, 512, 2048)])
 def test_gpu_ced_bench_projections_in_a_graph(G, N, K):
