@@ -2,8 +2,9 @@
 and flagged (Ops.guard_logits' contract), on the device, without the host looking.
 
 The torch composition (amax, isfinite, invert, masked_fill, or) is five to eight kernels a step; at batch 1 of a
-CED decode step whose GPU work is ~1.3 ms, their launches were a fifth of the host's step time. Here a program owns
-a row: it reads the row once for the three tests, and writes zeros only where the row is bad (a second pass, rare).
+CED decode step, where the host's ~1.6 ms outlasts the GPU's ~1.3, their launches were ~0.2 ms of it
+(profile_decode). Here a program owns a row: it reads the row once for the three tests, and writes zeros only
+where the row is bad (a second pass, rare).
 """
 
 from __future__ import annotations

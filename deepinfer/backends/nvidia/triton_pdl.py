@@ -15,11 +15,11 @@ GPUs, ``DEEPINFER_PDL=0``), so the kernels compile as before there.
 Modes (``DEEPINFER_PDL``): 0 off; 1 wait only (the next grid launches as this one's programs exit); 2 wait and
 signal the next grid at once (it launches as soon as every program here has started); 3 as 2, but the kernels
 that stream weights or keys (the GEMVs, the pair MoE, CED attention, the indexer's scores: ``pdl_start(PDL,
-True)``) signal after their main loop (``pdl_signal``), where a chain of one-wave 8 MB GEMVs measured fastest. The default, 2, is the mode
-the H200 measured fastest for the CED bench config's decode step (graph replay at batch 1: 1.517 ms off, 1.492
-wait only, 1.320 early signal; docs/benchmarks.md, seventeenth session). The signal is a hint: the waiting
-programs take SM slots early, which cost a one-wave 8 MB GEMV in a chain of them 27% (scripts/diag_pdl.py) while
-tiny kernels gained 30%; a decode step is mostly the latter.
+True)``) signal after their main loop (``pdl_signal``), where a chain of one-wave 8 MB GEMVs measured fastest.
+The signal is a hint: the waiting programs take SM slots early, which cost such a GEMV 27% in a chain of them
+(scripts/diag_pdl.py) while tiny kernels gained 30%. The default, 2, is the mode the H200 ran fastest for the CED
+bench config's decode step (graph replay at batch 1: 1.517 ms off, 1.492 wait only, 1.320 early signal; mode 3
+within noise of 2 at batch 1, 16 and 64; docs/benchmarks.md, seventeenth session).
 """
 
 from __future__ import annotations
