@@ -1,6 +1,6 @@
 """Programmatic dependent launch (backends/nvidia/triton_pdl.py): every PDL-aware kernel waits for the previous grid
 before anything else, only such kernels are launched with the attribute, the compiled kernels carry the wait, and
-on a Hopper GPU a CED model generates bit for bit the same with PDL off, waiting, or signalling early."""
+on a Hopper GPU a CED model generates bit for bit the same in every mode (off, waiting, signalling early or late)."""
 
 from __future__ import annotations
 
