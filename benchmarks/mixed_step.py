@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.bench import append_jsonl
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SHAPES = {  # config.json of real shapes (dummy weights)
@@ -127,9 +129,7 @@ def main(argv=None):
                   f"mixed / (decode + prefill) = {r['mixed_over_sum']:.2f}", flush=True)
         del llm
     if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        append_jsonl(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ Also the host cost of one `kernel[grid](...)` launch. Prints a table and writes 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from deepinfer.bench import append_jsonl
 
 
 @triton.jit
@@ -121,9 +122,7 @@ def main() -> None:
         rows.append({"bench": "diag_pdl", "case": "host launch", "pdl": pdl, "host_us": round(host_us, 2)})
         print(f"host cost of one launch (pdl={pdl}): {host_us:.2f} us")
     if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        append_jsonl(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -122,9 +122,8 @@ class NvidiaOps(ReferenceOps):
         if dot is not None and triton_gemv.supports(x, w, dot):
             self.kernel_calls["gemv"] += 1
             return triton_gemv.grouped_gemv(x, w, dot=dot)
-        if not self.batch_invariant and x.dim() == 3 and w.dim() == 3 and x.dtype == w.dtype \
-                and x.shape[1] == w.shape[0] and x.shape[2] == w.shape[2] and x.stride(2) == 1 \
-                and kernel_device_ok(x, w) and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        if self._own_product(x, w) and x.dim() == 3 and w.dim() == 3 and x.shape[1] == w.shape[0] \
+                and x.shape[2] == w.shape[2] and x.stride(2) == 1:
             # cuBLAS's batched GEMM reads x [T, G, K] and writes [T, G, N] in place through strides: einsum's
             # permuted result made the caller's flatten a copy kernel a layer (0.73 ms of a 4K prefill's 20)
             self.kernel_calls["grouped_bmm"] += 1
@@ -133,12 +132,17 @@ class NvidiaOps(ReferenceOps):
             return out
         return super().grouped_linear(x, w)
 
+    def _own_product(self, x, w) -> bool:
+        """A product this backend may run its own way: one dtype (F.linear's contract), where the kernels run, no
+        autograd, not in batch-invariant mode (whose matmul override owns every product)."""
+        return not self.batch_invariant and x.dtype == w.dtype and kernel_device_ok(x, w) \
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+
     def _gemv_route(self, x, w):
-        """None (cuBLAS), False (the GEMV kernel) or True (its tensor-core variant) for x's row count; one dtype
-        (F.linear's contract; the kernel itself takes mixed ones), no autograd, never in batch-invariant mode."""
+        """None (cuBLAS), False (the GEMV kernel) or True (its tensor-core variant) for x's row count, where
+        _own_product allows (the kernel itself takes mixed dtypes)."""
         rows = x.shape[0]
-        if self.batch_invariant or x.dtype != w.dtype or not 0 < rows <= max(GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS) \
-                or not kernel_device_ok(x, w) or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        if not (0 < rows <= max(GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS) and self._own_product(x, w)):
             return None
         return rows > GEMV_MAX_ROWS
 
