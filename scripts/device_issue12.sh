@@ -29,6 +29,7 @@
 #   bash scripts/device_issue12.sh final17a          # (carry .whl312) GPU files but kv_sizing, the decode profile
 #   bash scripts/device_issue12.sh final17b COMMIT   # (warm) 4K / 16K prefill ratios, test_kv_sizing alone
 #   bash scripts/device_issue12.sh final17c          # (carry .whl312) GPU files, decode profile at 16 / 64
+#   bash scripts/device_issue12.sh diag18            # a 4K prefill's host profile in both modes, decode at batch 1
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -340,6 +341,14 @@ final17c)
   gpu_files_but_kv_sizing
   timeout 80 python3 benchmarks/profile_decode.py --shape ced-bench --batches 16 64 --steps 16 \
     --out "$OUT/profile_ced.jsonl" 2>&1 | grep "== batch" | cut -c 1-150 ;;
+diag18)
+  # 18th session (~4 min): where the 4K prefill's host time goes in both modes (cProfile by own and cumulative
+  # time, 45 rows), and the batch-1 decode step's host functions.
+  timeout 200 python3 benchmarks/profile_cold_prefill.py --tokens 4096 --modes bounded exact --repeats 3 --host \
+    --top 45 --out "$OUT/profile_cold_prefill_4k" > "$OUT/profile_cold_prefill_4k.log" 2>&1
+  grep -v Warning "$OUT/profile_cold_prefill_4k.log" | grep -i "wall\|busy" | head -8
+  timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 --steps 16 \
+    --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | tail -30 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac
