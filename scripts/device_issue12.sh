@@ -30,6 +30,8 @@
 #   bash scripts/device_issue12.sh final17b COMMIT   # (warm) 4K / 16K prefill ratios, test_kv_sizing alone
 #   bash scripts/device_issue12.sh final17c          # (carry .whl312) GPU files, decode profile at 16 / 64
 #   bash scripts/device_issue12.sh diag18            # a 4K prefill's host profile in both modes, decode at batch 1
+#   bash scripts/device_issue12.sh check18 COMMIT    # decoder-pass graphs: their GPU tests and the CED graph files,
+#                                            # a 4K prefill's wall / busy per mode, the 4K / 16K prefill ratios
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -349,6 +351,15 @@ diag18)
   grep -v Warning "$OUT/profile_cold_prefill_4k.log" | grep -i "wall\|busy" | head -8
   timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 --steps 16 \
     --out "$OUT/profile_ced.jsonl" 2>&1 | grep -v Warning | tail -30 ;;
+check18)
+  # 18th session (~7 min): bounded replay's decoder pass in CUDA graphs (models/ced/pass_graphs.py).
+  timeout -s INT 200 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_pass_graphs.py \
+    tests/test_ced_decode_path.py tests/test_ced_verify_graphs.py tests/test_ced_prefill_step.py \
+    tests/test_triton_ced_launch.py --junitxml="$OUT/check18_tests.xml" 2>&1 | tee "$OUT/check18_tests.log" | tail -6
+  timeout 100 python3 benchmarks/profile_cold_prefill.py --tokens 4096 --modes bounded exact --repeats 5 \
+    --out "$OUT/profile_cold_prefill_4k" > "$OUT/profile_cold_prefill_4k.log" 2>&1
+  grep -v Warning "$OUT/profile_cold_prefill_4k.log" | grep "^== " | cut -c 1-200
+  prefill_ratios "${1:-?}" ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

@@ -208,21 +208,24 @@ class DecodeGraphs:
         return self._split(out.index_select(0, keep))  # a copy: the next replay overwrites out
 
 
-def capture_graph(forward, device, pool) -> tuple:
+def capture_graph(forward, device, pool, warmup: bool = True, error_mode: str = "global") -> tuple:
     """(graph, output) of ``forward`` captured in a new CUDA graph in ``pool``, after one warm-up run on a side
-    stream (allocator, lazy inits). No garbage collection inside the capture: collecting an unreachable engine
+    stream (allocator, lazy inits; ``warmup=False``: the caller has just run it eagerly, and a second run would
+    repeat its side effects). No garbage collection inside the capture: collecting an unreachable engine
     destroys its graphs and events, CUDA calls a global-mode capture forbids (the capture fails, e.g. as a cuBLAS
-    error mid-model)."""
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        forward()
-    torch.cuda.current_stream(device).wait_stream(side)
+    error mid-model). ``error_mode`` "thread_local" (a capture while serving): other threads' CUDA calls stay
+    legal meanwhile."""
+    if warmup:
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     enabled = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=error_mode):
             out = forward()
     finally:
         if enabled:

@@ -58,6 +58,7 @@ class CEDCache:
                      for l in range(c.num_layers)}
         self.score_ring = {l: _alloc(c.n_win, c.head_dim, c.swa_kv_format, device, lead=(max_seqs,))
                            for l in range(c.num_encoder_layers, c.num_layers)}
+        self.pass_graphs = None  # bounded replay's decoder-pass graphs (pass_graphs.py), set by the engine
         self.henc = torch.zeros(max_seqs + 1, c.ring_size, c.hidden_size, dtype=dtype, device=device) \
             if keep_encoder_outputs else None
 

@@ -458,9 +458,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None,
         m = layer.m
         src_l = c.source_full(layer.i)
         if layer.mode == "full" and ("kv", layer.i) not in ctx:  # (the scoring pass reads what was written)
-            xs = x if src is None else fn.rms(src, layer.attn_norm, c.rms_norm_eps, ops=kernels)
-            P.compress(model, layer, xs, cache)
-            ctx[("kv", layer.i)] = P.entry_slots(m, cache)
+            compress_full(model, layer, P, src, x, cache, ctx)
         slots = ctx[("kv", src_l)]  # [R, Jmax] cache rows of each row's entries
         if layer.mode in ("full", "reindex"):
             stats["indexer_calls"][layer.i] += 1
@@ -495,6 +493,28 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None,
         pending = None
     P.write_ring(layer, kv, cache, ops)
     return (h, pending) if defer else finish(h, pending)
+
+
+def compress_full(model, layer, P, src, x, cache, ctx) -> None:
+    """A full layer's compression of every step token (``src``, the pass's full-layer input, normed; the encoder's
+    is its own x) into the paged cache, and its entries' cache rows in ``ctx``. A decoder's reads only the final
+    encoder state, so pass_graphs.py runs it before the decoder's layers."""
+    xs = x if src is None else fn.rms(src, layer.attn_norm, model.config.rms_norm_eps, ops=layer._kernels(src))
+    P.compress(model, layer, xs, cache)
+    ctx[("kv", layer.i)] = P.entry_slots(layer.m, cache)
+
+
+def decoder_layers(model, h, P, h_enc, cache, ctx, stats) -> tuple:
+    """The decoder's layers over pass P's queries, h [n, d] their inputs -> (outputs [n, d], the last
+    capture_last layers' outputs: a DSpark drafter reads them)."""
+    c = model.config
+    kept, pending = [], None
+    for layer in model.layers[c.num_encoder_layers:]:
+        h, pending = layer_engine(model, layer, h, P, h_enc, cache, ctx, stats, pending, defer=True)
+        if layer.i >= c.num_layers - getattr(model, "capture_last", 0):
+            h, pending = finish(h, pending), None
+            kept.append(h)
+    return finish(h, pending), kept
 
 
 def finish(h, pending):
@@ -557,14 +577,11 @@ def forward_engine(model, input_ids, meta, cache):
     if dec.early is not None:  # a restored row's positions before its chunk: the snapshot's encoder outputs
         e = dec.early
         hd[e] = cache.henc[dec.ring_slot[e], dec.pos[e] % cache.henc.shape[1]].to(hd.dtype)
-    kept = []  # the last capture_last decoder layers' outputs (a DSpark drafter reads them)
-    pending = None
-    for layer in model.layers[c.num_encoder_layers:]:
-        hd, pending = layer_engine(model, layer, hd, dec, h_enc, cache, ctx, stats, pending, defer=True)
-        if layer.i >= c.num_layers - getattr(model, "capture_last", 0):
-            hd, pending = finish(hd, pending), None
-            kept.append(hd)
-    hd = finish(hd, pending)
+    graphs = getattr(cache, "pass_graphs", None)  # bounded replay's decoder pass in a CUDA graph (pass_graphs.py)
+    if graphs is not None and graphs.covers(model, meta, dec, hd, scoring):
+        hd, kept = graphs.run(model, hd, dec, h_enc, cache, ctx, stats), []
+    else:
+        hd, kept = decoder_layers(model, hd, dec, h_enc, cache, ctx, stats)
     out = torch.zeros_like(h_enc)
     place = dec.tok if dec.early is None else dec.tok[dec.late]
     pick = slice(None) if dec.early is None else dec.late

@@ -288,6 +288,13 @@ class CEDEngineMixin:
         return CEDCache(self.config, num_slots // block_size, block_size, max_seqs, dtype, device,
                         keep_encoder_outputs=getattr(self, "keep_encoder_outputs", False))
 
+    def enable_pass_graphs(self, cache) -> None:
+        """With CUDA graphs (the engine's start-up): a bounded prefill's decoder pass replays from graphs held by
+        the cache (pass_graphs.py), captured as each shape first comes."""
+        from .pass_graphs import DecoderPassGraphs
+
+        cache.pass_graphs = DecoderPassGraphs()
+
     def kv_bytes_per_token(self, dtype) -> int:
         from .cache import CEDCache
 

@@ -1,0 +1,114 @@
+"""Bounded replay's decoder pass from static tensors (models/ced/pass_graphs.py) against the eager layers.
+
+On the CPU (hypothesis-drawn configs, prompt lengths, block sizes and chunk budgets): the static pass run
+eagerly (``capture=False``: full layers compressed first, entry rows padded to a power-of-two width, the pass's
+lists copied into static tensors) generates what the plain eager pass generates, and leaves the same host
+counters (tokens per layer, scored entries at the real width, indexer calls, lowest positions). On a GPU: the
+captured graphs replay (several prompt lengths per width bucket, so replays run at widths they were not
+captured with) and generate what the eager pass generates, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.core.kv_cache import blocks_needed
+from deepinfer.models.ced.pass_graphs import DecoderPassGraphs, pad_slots, width_bucket
+from deepinfer.testing.ced import block_sizes_for, build_ced_checkpoint, ced_configs
+from deepinfer.testing.compare import assert_same_or_near_tie
+
+
+def test_width_bucket_and_padding():
+    assert [width_bucket(j) for j in (0, 1, 64, 65, 128, 129, 1000)] == [64, 64, 64, 128, 128, 256, 1024]
+    s = torch.tensor([[3, 4, 9], [7, 7, 8]])
+    assert pad_slots(s, 5).tolist() == [[3, 4, 9, 9, 9], [7, 7, 8, 8, 8]]
+    assert pad_slots(torch.zeros(1, 0, dtype=torch.long), 3).tolist() == [[0, 0, 0]]
+
+
+@st.composite
+def cases(draw) -> dict:
+    ov = draw(ced_configs())
+    W = ov["n_win"]
+    return dict(ov=ov, seed=draw(st.integers(0, 2**16)), block_size=draw(block_sizes_for(ov)),
+                lens=draw(st.lists(st.integers(W, 6 * W + 5), min_size=2, max_size=4)),
+                budget=draw(st.sampled_from([4096, W + 1, 4096, 2 * W])))
+
+
+def run(path: str, case: dict, prompts: list, static: bool):
+    blocks = max(blocks_needed(len(p) + 4, case["block_size"]) for p in prompts) + 1
+    llm = LLM(path, block_size=case["block_size"], num_kv_blocks=blocks, max_num_batched_tokens=case["budget"],
+              max_num_seqs=1, device="cpu")  # one row a step: the steps the graphs take
+    graphs = DecoderPassGraphs(capture=False) if static else None
+    llm.engine.kv_cache.pass_graphs = graphs
+    calls = []
+    if static:
+        seen = graphs.run
+        graphs.run = lambda *a: calls.append(1) or seen(*a)
+    llm.engine.model.reset_counters()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    got = [o.outputs[0] for o in outs]
+    return got, {k: list(v) for k, v in llm.engine.model.counters.items()}, len(calls)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=cases())
+def test_static_pass_equals_eager(case, tmp_path_factory):
+    d = tmp_path_factory.mktemp("pass_graphs")
+    ov = dict(case["ov"], global_kv_format="fp32", index_k_format="fp32", swa_kv_format="fp32")
+    cfg = build_ced_checkpoint(d, seed=case["seed"], **ov)
+    g = torch.Generator().manual_seed(case["seed"])
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in case["lens"]]
+    fast, fast_counts, n = run(str(d), case, prompts, True)
+    slow, slow_counts, _ = run(str(d), case, prompts, False)
+    if case["budget"] >= max(case["lens"]):  # one chunk a prompt: each decoder pass is n_win queries, static
+        assert n == len(prompts)
+    assert fast_counts == slow_counts
+    for i, (f, s) in enumerate(zip(fast, slow)):
+        assert_same_or_near_tie(f.token_ids, s.token_ids, s.logprobs, 1e-4, what=f"prompt {i}")
+        if f.token_ids == s.token_ids:
+            a = [lp[t].logprob for t, lp in zip(f.token_ids, f.logprobs)]
+            b = [lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs)]
+            scale = max(1.0, max(abs(x) for x in b))
+            assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5 * scale
+
+
+# ----------------------------------------------------------------------------------------------------------
+# On a GPU: the captured graphs replay, with the eager pass's bits.
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+GPU_CFG = dict(num_layers=6, num_encoder_layers=3, layer_modes=("swa", "full", "reuse", "full", "reindex", "reuse"),
+               hidden_size=64, num_heads=2, head_dim=64, rope_dim=16, n_win=16, swa_allowance=2, encoder_ratio=2,
+               index_topk=4, pool_block=2, pool_blocks=3, index_head_dim=32, index_heads=2, q_lora_rank=32,
+               out_group_dim=32, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, decoder_ratio=1,
+               max_position_embeddings=2048)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_pass_matches_eager(tmp_path, dtype):
+    build_ced_checkpoint(tmp_path, seed=7, **GPU_CFG)
+    g = torch.Generator().manual_seed(3)
+    # lengths in one width bucket (decoder ratio 1: widths 70..120 pad to 128) and in two others
+    prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (70, 96, 120, 70, 300, 40, 301)]
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    kw = dict(device="cuda", dtype=dtype, num_kv_blocks=200, block_size=4, backend="nvidia", max_num_seqs=1,
+              enforce_eager=False)
+    fast, slow = LLM(str(tmp_path), **kw), LLM(str(tmp_path), **kw)
+    graphs = fast.engine.kv_cache.pass_graphs
+    assert isinstance(graphs, DecoderPassGraphs)
+    slow.engine.kv_cache.pass_graphs = None
+    outs = {}
+    for name, llm in (("fast", fast), ("slow", slow)):
+        llm.engine.model.reset_counters()
+        outs[name] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert graphs.captures >= 2 and graphs.replays >= 3, (graphs.captures, graphs.replays, graphs.failed)
+    assert not graphs.failed
+    assert fast.engine.model.counters == slow.engine.model.counters
+    for i, (f, s) in enumerate(zip(outs["fast"], outs["slow"])):
+        assert f.token_ids == s.token_ids, f"prompt {i}"
+        assert [lp[t].logprob for t, lp in zip(f.token_ids, f.logprobs)] == \
+            [lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs)], f"prompt {i}"
