@@ -34,7 +34,7 @@ def cases(draw) -> dict:
     W = ov["n_win"]
     return dict(ov=ov, seed=draw(st.integers(0, 2**16)), block_size=draw(block_sizes_for(ov)),
                 lens=draw(st.lists(st.integers(W, 6 * W + 5), min_size=2, max_size=4)),
-                budget=draw(st.sampled_from([4096, W + 1, 4096, 2 * W])))
+                budget=draw(st.sampled_from([4096, W + 1, 4096, 2 * W])), prompt_logprobs=draw(st.booleans()))
 
 
 def run(path: str, case: dict, prompts: list, static: bool):
@@ -48,9 +48,10 @@ def run(path: str, case: dict, prompts: list, static: bool):
         seen = graphs.run
         graphs.run = lambda *a: calls.append(1) or seen(*a)
     llm.engine.model.reset_counters()
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1,
+                            prompt_logprobs=1 if case["prompt_logprobs"] else None)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    got = [o.outputs[0] for o in outs]
+    got = [(o.outputs[0], o.prompt_logprobs) for o in outs]
     return got, {k: list(v) for k, v in llm.engine.model.counters.items()}, len(calls)
 
 
@@ -67,11 +68,17 @@ def test_static_pass_equals_eager(case, tmp_path_factory):
     if case["budget"] >= max(case["lens"]):  # one chunk a prompt: each decoder pass is n_win queries, static
         assert n == len(prompts)
     assert fast_counts == slow_counts
-    for i, (f, s) in enumerate(zip(fast, slow)):
+    for i, ((f, fp), (s, sp)) in enumerate(zip(fast, slow)):
         assert_same_or_near_tie(f.token_ids, s.token_ids, s.logprobs, 1e-4, what=f"prompt {i}")
+        a, b = [], []
         if f.token_ids == s.token_ids:
             a = [lp[t].logprob for t, lp in zip(f.token_ids, f.logprobs)]
             b = [lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs)]
+        if case["prompt_logprobs"]:  # scored by the exact-replay pass, after the static one
+            assert len(fp) == len(sp) == case["lens"][i]
+            a += [d[t].logprob for d, t in zip(fp[1:], prompts[i][1:])]  # each prompt token's own
+            b += [d[t].logprob for d, t in zip(sp[1:], prompts[i][1:])]
+        if b:
             scale = max(1.0, max(abs(x) for x in b))
             assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5 * scale
 
@@ -101,10 +108,14 @@ def test_graph_pass_matches_eager(tmp_path, dtype):
     graphs = fast.engine.kv_cache.pass_graphs
     assert isinstance(graphs, DecoderPassGraphs)
     slow.engine.kv_cache.pass_graphs = None
-    outs = {}
+    outs, scored = {}, {}
+    sp_scored = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=1)
     for name, llm in (("fast", fast), ("slow", slow)):
         llm.engine.model.reset_counters()
         outs[name] = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+        scored[name] = [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])]
+                        for o, p in zip(llm.generate(prompts[:2], sp_scored, use_tqdm=False), prompts[:2])]
+    assert scored["fast"] == scored["slow"]
     assert graphs.captures >= 2 and graphs.replays >= 3, (graphs.captures, graphs.replays, graphs.failed)
     assert not graphs.failed
     assert fast.engine.model.counters == slow.engine.model.counters
