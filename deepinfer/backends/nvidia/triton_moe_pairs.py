@@ -270,7 +270,11 @@ def pair_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
     BN1, BK1 = _blocks(F, P + T * NS, d, fp8, x.device)
     BN2, BK2 = _blocks(d, T, F, fp8, x.device)
     BR = next_pow2(k + NS)
-    if not fp8:  # the down kernel's tile holds all of a token's rows: TILE elements in all
+    # The down kernel's tile holds all of a token's rows: TILE elements in all (FP8 keeps its K step of one
+    # scale block, so its tile narrows in N instead: 8 rows x 128 K would otherwise load 8x TILE at BLOCK_N 64).
+    if fp8:
+        BN2 = max(2, min(BN2, TILE // (BR * BK2)))
+    else:
         BK2 = max(16, min(BK2, TILE // (BR * BN2)))
     act = torch.empty(P + T * NS, F, dtype=x.dtype, device=x.device)
     _pairs_up_kernel[(P + T * NS, cdiv(F, BN1))](
