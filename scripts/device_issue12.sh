@@ -355,7 +355,7 @@ check18)
   # 18th session (~7 min): bounded replay's decoder pass in CUDA graphs (models/ced/pass_graphs.py).
   timeout -s INT 200 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_pass_graphs.py \
     tests/test_ced_decode_path.py tests/test_ced_verify_graphs.py tests/test_ced_prefill_step.py \
-    tests/test_triton_ced_launch.py --junitxml="$OUT/check18_tests.xml" 2>&1 | tee "$OUT/check18_tests.log" | tail -6
+    tests/test_triton_ced_launch.py tests/test_triton_moe_pairs.py --junitxml="$OUT/check18_tests.xml" 2>&1 | tee "$OUT/check18_tests.log" | tail -6
   timeout 100 python3 benchmarks/profile_cold_prefill.py --tokens 4096 --modes bounded exact --repeats 5 \
     --out "$OUT/profile_cold_prefill_4k" > "$OUT/profile_cold_prefill_4k.log" 2>&1
   grep -v Warning "$OUT/profile_cold_prefill_4k.log" | grep "^== " | cut -c 1-200
