@@ -663,6 +663,37 @@ def warm(llm, vocab: int, B: int = 2, in_len: int = 16, out_len: int = 4) -> Non
 
 # --- the run -------------------------------------------------------------------------------------------------
 
+def pass_graph_stats(llm) -> dict:
+    """The CED engine's bounded decoder-pass graphs (models/ced/pass_graphs.py): captures, replays, failed keys."""
+    g = getattr(llm.engine.kv_cache, "pass_graphs", None)
+    if g is None:
+        return {"pass_graphs": None}
+    return {"pass_graphs": {"captures": g.captures, "replays": g.replays, "failed": len(g.failed)}}
+
+
+class GcClock:
+    """Seconds Python's cyclic garbage collector ran inside the ``with`` block (gc.callbacks): a collection of
+    the oldest generation walks every tracked object, so in a process holding two engines it can stall a
+    host-bound step for milliseconds."""
+
+    def __init__(self):
+        self.seconds, self._t = 0.0, None
+
+    def _cb(self, phase, info) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.seconds += time.perf_counter() - self._t
+            self._t = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._cb)
+
+
 class Runner:
     def __init__(self, args):
         self.args = args
@@ -1052,6 +1083,9 @@ class Runner:
                     llms[mode], in_dtype = build_llm(Path(d), a, cfg, hf_overrides={"replay_mode": mode}, **kw)
                     builds[mode] = time.perf_counter() - t0
                 vocab = llms["bounded"].engine.model.vocab_size
+                if a.gc_freeze:
+                    gc.collect()
+                    gc.freeze()
                 ws = weight_stats(llms["bounded"].engine.model, cfg)
                 bases = {m: {"phase": "ced", **self._settings(llms[m], shape, cfg, ws, builds[m], in_dtype),
                              "replay_mode": m, "n_win": cfg["n_win"]} for m in llms}
@@ -1073,8 +1107,9 @@ class Runner:
                     rng = torch.Generator().manual_seed(a.seed + n)
                     prompt = torch.randint(0, vocab, (n,), generator=rng).tolist()
                     times = {m: [] for m in llms}
+                    gcs = {m: [] for m in llms}
 
-                    def repeats(prompt=prompt, times=times):
+                    def repeats(prompt=prompt, times=times, gcs=gcs):
                         for m in llms:  # untimed: the first prefill of a length compiles its kernels
                             self._ced_prefill(llms[m], prompt)
                         for rep in range(a.ced_repeats):
@@ -1082,6 +1117,7 @@ class Runner:
                                 break
                             for m in (("bounded", "exact") if rep % 2 == 0 else ("exact", "bounded")):
                                 times[m].append(self._ced_prefill(llms[m], prompt))
+                                gcs[m].append(Runner.gc_seconds[-1])
                         return True
 
                     row = {**bases["bounded"], "measurement": "ced_prefill", "prompt_len": n, "batch": 1}
@@ -1104,7 +1140,7 @@ class Runner:
                                    "batch_tokens": n, "prefill_s": med, "prefill_s_all": times[m],
                                    "prefill_tok_s": n / med, "ttft_s": med, "encoder_tokens": c["layer_tokens"][0],
                                    "decoder_tokens": c["layer_tokens"][-1], "layer_tokens": list(c["layer_tokens"]),
-                                   **roof, **memory_gib(a.device)})
+                                   "gc_s_all": gcs[m], **pass_graph_stats(llms[m]), **roof, **memory_gib(a.device)})
                     ratio = best["exact", n] / best["bounded", n]
                     per_rep = [e / b for e, b in zip(times["exact"], times["bounded"])]
                     self.emit({**bases["bounded"], "measurement": "ced_prefill_ratio", "prompt_len": n,
@@ -1185,16 +1221,20 @@ class Runner:
                    "engine_over_formula": (got["global_kv"]["bytes_per_token"] + got["indexer_k"]["bytes_per_token"])
                    / paged if paged else None})
 
+    gc_seconds: list = []  # Python's garbage collection inside each timed CED prefill (GcClock), in order
+
     @staticmethod
     def _ced_prefill(llm, prompt: list) -> float:
         from deepinfer import SamplingParams
 
         llm.engine.model.reset_counters()
         gc.collect()
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, ignore_eos=True,
-                                                                           temperature=0.0), use_tqdm=False)
-        dt = time.perf_counter() - t0
+        with GcClock() as clock:
+            t0 = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, ignore_eos=True,
+                                                                               temperature=0.0), use_tqdm=False)
+            dt = time.perf_counter() - t0
+        Runner.gc_seconds.append(clock.seconds)
         if outs[0].error:
             raise RuntimeError(f"CED prefill failed: {outs[0].error}")
         return dt
@@ -1323,6 +1363,9 @@ def parse_args(argv=None):
     ap.add_argument("--ced-prefill-tokens", default=d["ced_prefill_tokens"], **ints)
     ap.add_argument("--ced-batches", default=d["ced_batches"], type=int, nargs="*",
                     help="CED decode batch sizes (none: the ced phase measures prefill only)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="phase ced: gc.freeze() once its engines are built (their objects out of the collector's "
+                         "walks, as a one-engine server could do); each prefill's GC time is in its row either way")
     ap.add_argument("--ced-repeats", type=int, default=2)
     ap.add_argument("--max-measure-s", type=float, default=d["max_measure_s"],
                     help="a decode measurement stops (truncated) after this many seconds")

@@ -32,6 +32,8 @@
 #   bash scripts/device_issue12.sh diag18            # a 4K prefill's host profile in both modes, decode at batch 1
 #   bash scripts/device_issue12.sh check18 COMMIT    # decoder-pass graphs: their GPU tests and the CED graph files,
 #                                            # a 4K prefill's wall / busy per mode, the 4K / 16K prefill ratios
+#   bash scripts/device_issue12.sh check18b COMMIT   # the prefill ratios with each prefill's GC time, then again
+#                                            # with --gc-freeze (5 repeats each)
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -66,9 +68,10 @@ source scripts/ngram_ep.sh  # the n-gram plugin tests (test_draft_gate) select i
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 prefill_ratios() {  # final15 / final16: 4K and 16K bounded / exact prefill, gpu_bench, 3 alternating repeats
-  timeout 200 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced_prefill.jsonl" --commit "$1" \
+  local commit=$1 tag=${2:-}; shift; shift 2>/dev/null  # (further arguments go to gpu_bench)
+  timeout 200 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced_prefill$tag.jsonl" --commit "$commit" \
     --phases roofline,ced --ced-prefill-tokens 4096 16384 --ced-batches --ced-repeats 3 \
-    --budget-s 180 2>&1 | tee "$OUT/gpu_bench_ced_prefill.log" | grep -v Warning | tail -12
+    --budget-s 180 "$@" 2>&1 | tee "$OUT/gpu_bench_ced_prefill$tag.log" | grep -v Warning | tail -12
 }
 
 gpu_files_but_kv_sizing() {  # final15 / final16: every GPU test file but kv_sizing (which runs alone), 12 workers
@@ -360,6 +363,9 @@ check18)
     --out "$OUT/profile_cold_prefill_4k" > "$OUT/profile_cold_prefill_4k.log" 2>&1
   grep -v Warning "$OUT/profile_cold_prefill_4k.log" | grep "^== " | cut -c 1-200
   prefill_ratios "${1:-?}" ;;
+check18b)
+  prefill_ratios "${1:-?}" "" --ced-repeats 5
+  prefill_ratios "${1:-?}" _gc_freeze --ced-repeats 5 --gc-freeze ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac
