@@ -105,6 +105,31 @@ def test_rope_matches_torch_formula(T, mid, D, frac, dtype, inverse, theta, max_
         assert_within_ulps(out[..., D - R:], ref[..., D - R:], 1)
 
 
+@FAST
+@given(T=st.integers(0, 5), mid=st.sampled_from([(), (1,), (3,), (2, 2)]), D=st.sampled_from([8, 24, 64]),
+       frac=st.sampled_from([1.0, 0.25]), dtype=st.sampled_from(DTYPES), inverse=st.booleans(),
+       strided=st.booleans(), seed=st.integers(0, 2**16))
+def test_rope_in_place_equals_out_of_place(T, mid, D, frac, dtype, inverse, strided, seed):
+    """``inplace``: the same bits as the out-of-place kernel, written into x and x returned, its unrotated
+    channels untouched; a strided x (not contiguous) gets a new tensor and stays as it was."""
+    g = gen(seed)
+    R = max(2, int(D * frac) // 2 * 2)
+    x = values(g, (T, *mid, D + 5 if strided else D), dtype, 1)
+    x = x[..., :D] if strided else x
+    pos = torch.randint(0, 70000, (T,), generator=g).to(DEV)
+    inv = tcf.inv_freq(R, 10000.0, x.device)
+    want = tcf.rope(x, pos, inv, inverse)
+    before = x.clone()
+    got = tcf.rope(x, pos, inv, inverse, inplace=True)
+    assert_same_bits(got.cpu(), want.cpu())
+    if not x.is_contiguous():  # (a strided slice of one row still is)
+        assert got.data_ptr() != x.data_ptr()
+        assert_same_bits(x.cpu(), before.cpu())
+    else:
+        assert got.data_ptr() == x.data_ptr() or x.numel() == 0
+        assert_same_bits(x[..., :D - R].cpu(), before[..., :D - R].cpu())
+
+
 def test_rope_inverse_undoes_rope():
     g = gen(5)
     x = values(g, (4, 3, 32), torch.float32, 0)

@@ -316,12 +316,12 @@ class NvidiaOps(ReferenceOps):
             return tcf.rms_norm(x, weight, eps)
         return super().ced_rms_norm(x, weight, eps)
 
-    def ced_rope(self, x, pos, rope_dim, theta, inverse=False):
+    def ced_rope(self, x, pos, rope_dim, theta, inverse=False, reuse_input=False):
         from . import triton_ced_fused as tcf
 
         if kernel_device_ok(x, pos) and tcf.supports_rope(x, pos, rope_dim):
             self.kernel_calls["ced_rope"] += 1
-            return tcf.rope(x, pos, tcf.inv_freq(rope_dim, theta, x.device), inverse)
+            return tcf.rope(x, pos, tcf.inv_freq(rope_dim, theta, x.device), inverse, inplace=reuse_input)
         return super().ced_rope(x, pos, rope_dim, theta, inverse)
 
     def ced_indexer_topk(self, q, weights, keys, key_fmt, entry_slots, q_rows, num_visible, k, allowed=None,

@@ -98,8 +98,9 @@ class ReferenceOps(Ops):
 
         return fn.rms(x, weight, eps)
 
-    def ced_rope(self, x, pos, rope_dim, theta, inverse=False):
-        """CED's RoPE on the last rope_dim channels of x [T, ..., D], adjacent pairs (functional.apply_rope)."""
+    def ced_rope(self, x, pos, rope_dim, theta, inverse=False, reuse_input=False):
+        """CED's RoPE on the last rope_dim channels of x [T, ..., D], adjacent pairs (functional.apply_rope).
+        ``reuse_input``: the caller drops x, so a backend may rotate it in place and return it (this one does not)."""
         from ...models.ced import functional as fn
 
         return fn.apply_rope(x, pos, rope_dim, theta, inverse)

@@ -32,12 +32,15 @@ def rope_cos_sin(pos: torch.Tensor, rope_dim: int, theta: float):
     return ang.cos(), ang.sin()
 
 
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, inverse: bool = False, ops=None):
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, inverse: bool = False, ops=None,
+               reuse_input: bool = False):
     """Rotate adjacent pairs of the last rope_dim channels of x [T, ..., D] by position (or its inverse).
-    ``ops`` (the engine's backend ops, on CUDA) runs it as one kernel, ``ops.ced_rope``, where they offer it."""
+    ``ops`` (the engine's backend ops, on CUDA) runs it as one kernel, ``ops.ced_rope``, where they offer it;
+    ``reuse_input`` (x is a temporary the caller drops) lets that kernel rotate x in place (the nvidia one then
+    touches only the rotated channels). Use the return value either way."""
     kernel = _fused(ops, "ced_rope", x)
     if kernel is not None:
-        return kernel(x, pos, rope_dim, theta, inverse)
+        return kernel(x, pos, rope_dim, theta, inverse, **({"reuse_input": True} if reuse_input else {}))
     cos, sin = rope_cos_sin(pos, rope_dim, theta)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)
     cos, sin = cos.reshape(shape), sin.reshape(shape)

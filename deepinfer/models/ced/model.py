@@ -75,7 +75,7 @@ class CEDLayer(nn.Module):
         c, ops = self.c, self._kernels(x)
         cq = fn.rms(self._linear(x, self.wq_a), self.q_norm, c.rms_norm_eps, ops=ops)
         q = self._linear(cq, self.wq_b).view(x.shape[0], c.num_heads, c.head_dim)
-        return fn.apply_rope(q, pos, c.rope_dim, c.rope_theta, ops=ops), cq
+        return fn.apply_rope(q, pos, c.rope_dim, c.rope_theta, ops=ops, reuse_input=True), cq  # (q: a temporary)
 
     def swa_kv(self, x, pos):
         """x [T, d] -> this layer's SWA latent [T, D]: RMSNorm(W_kv x), RoPE, FP8 fake-quant."""
@@ -170,7 +170,7 @@ class CEDLayer(nn.Module):
     def out_proj(self, o, pos):
         """o [T, H, D] attended latent -> inverse RoPE, grouped projection, final projection -> [T, d]."""
         c, ops = self.c, self._kernels(o)
-        o = fn.apply_rope(o, pos, c.rope_dim, c.rope_theta, inverse=True, ops=ops)
+        o = fn.apply_rope(o, pos, c.rope_dim, c.rope_theta, inverse=True, ops=ops, reuse_input=True)
         og = o.reshape(o.shape[0], c.out_groups, -1)
         grouped = torch.einsum("tgi,goi->tgo", og, self.wo_a) if ops is None else ops.grouped_linear(og, self.wo_a)
         return self._linear(grouped.flatten(1), self.wo_b)
