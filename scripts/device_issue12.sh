@@ -32,7 +32,8 @@
 #   bash scripts/device_issue12.sh diag18            # a 4K prefill's host profile in both modes, decode at batch 1
 #   bash scripts/device_issue12.sh check18 COMMIT    # decoder-pass graphs: their GPU tests and the CED graph files,
 #                                            # a 4K prefill's wall / busy per mode, the 4K / 16K prefill ratios
-#   bash scripts/device_issue12.sh check18b COMMIT   # the prefill ratios with each prefill's GC time, then again
+#   bash scripts/device_issue12.sh check18b COMMIT   # RoPE / pass-graph GPU tests; the prefill ratios with each
+#                                            # prefill's GC time, then again
 #                                            # with --gc-freeze (5 repeats each)
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
@@ -364,6 +365,8 @@ check18)
   grep -v Warning "$OUT/profile_cold_prefill_4k.log" | grep "^== " | cut -c 1-200
   prefill_ratios "${1:-?}" ;;
 check18b)
+  timeout -s INT 120 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_triton_ced_fused.py \
+    tests/test_pass_graphs.py --junitxml="$OUT/check18b_tests.xml" 2>&1 | tail -3
   prefill_ratios "${1:-?}" "" --ced-repeats 5
   prefill_ratios "${1:-?}" _gc_freeze --ced-repeats 5 --gc-freeze ;;
 *)
