@@ -236,11 +236,16 @@ def test_ced_layer_pieces_take_the_kernels_on_gpu():
         assert (ops.kernel_calls["ced_rms_norm"], ops.kernel_calls["ced_rope"]) == (3, 3)
         model.ops = None
         slow = pieces()
-    for a, b in zip(fast, slow):
+    for a, b in zip(fast, slow):  # (out_proj left the q it was given as it was: fast[0] is the query's)
         assert a.dtype == b.dtype and a.shape == b.shape
         assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
     assert_within_ulps(fast[1], slow[1], 1)  # cq: one rms of the same input
     assert_within_ulps(fast[4], slow[4], 1)
+    with torch.no_grad():  # the engine's call: its temporary rotated in place, the same bits
+        model.ops = ops
+        o = fast[0].clone()
+        assert torch.equal(layer.out_proj(o, pos, reuse_input=True), fast[3])
+        assert not torch.equal(o, fast[0])
 
 
 # ------------------------------------------------------------------------------------------------ sm_90 build

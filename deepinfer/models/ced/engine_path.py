@@ -481,7 +481,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None,
                                      fresh_lo=P.lo_t, fresh_start=P.lstart_t, ring_slot=P.ring_slot,
                                      window=c.n_win, ring_fmt=c.swa_kv_format, entry_fmt=c.global_kv_format,
                                      sinks=layer.sink, scale=c.head_dim ** -0.5)
-        h, xf = fn.add_rms(h, layer.out_proj(o, P.pos), layer.ffn_norm, c.rms_norm_eps, ops=kernels)
+        h, xf = fn.add_rms(h, layer.out_proj(o, P.pos, reuse_input=True), layer.ffn_norm, c.rms_norm_eps, ops=kernels)
         routed, shared, ids = layer.moe_parts(xf)
         # (a padded verify batch's padding is routed too, but is no load)
         model.record_expert_load(layer.i, ids, *(() if P.real is None else (P.real,)))

@@ -167,10 +167,11 @@ class CEDLayer(nn.Module):
             built = build(scores, visible, c.pool_block, c.pool_blocks)
         return topk, built, J
 
-    def out_proj(self, o, pos):
-        """o [T, H, D] attended latent -> inverse RoPE, grouped projection, final projection -> [T, d]."""
+    def out_proj(self, o, pos, reuse_input: bool = False):
+        """o [T, H, D] attended latent -> inverse RoPE, grouped projection, final projection -> [T, d].
+        ``reuse_input``: o is the caller's temporary, so the inverse RoPE may rotate it in place."""
         c, ops = self.c, self._kernels(o)
-        o = fn.apply_rope(o, pos, c.rope_dim, c.rope_theta, inverse=True, ops=ops, reuse_input=True)
+        o = fn.apply_rope(o, pos, c.rope_dim, c.rope_theta, inverse=True, ops=ops, reuse_input=reuse_input)
         og = o.reshape(o.shape[0], c.out_groups, -1)
         grouped = torch.einsum("tgi,goi->tgo", og, self.wo_a) if ops is None else ops.grouped_linear(og, self.wo_a)
         return self._linear(grouped.flatten(1), self.wo_b)
