@@ -35,6 +35,8 @@
 #   bash scripts/device_issue12.sh check18b COMMIT   # RoPE / pass-graph GPU tests; the prefill ratios with each
 #                                            # prefill's GC time, then again
 #                                            # with --gc-freeze (5 repeats each)
+#   bash scripts/device_issue12.sh final18           # (carry .whl312) GPU files but kv_sizing, kv_sizing alone,
+#                                            # the decode profile at 1 / 16 / 64
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -369,6 +371,11 @@ check18b)
     tests/test_pass_graphs.py --junitxml="$OUT/check18b_tests.xml" 2>&1 | tail -3
   prefill_ratios "${1:-?}" "" --ced-repeats 5
   prefill_ratios "${1:-?}" _gc_freeze --ced-repeats 5 --gc-freeze ;;
+final18)
+  gpu_files_but_kv_sizing
+  timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3
+  timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --out "$OUT/profile_ced.jsonl" 2>&1 | grep "== batch" | cut -c 1-150 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac
