@@ -83,6 +83,46 @@ def test_static_pass_equals_eager(case, tmp_path_factory):
             assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-5 * scale
 
 
+class _Full(DecoderPassGraphs):
+    """Graphs that may capture no more (MAX_GRAPHS reached), on the CPU: every covered pass takes the fallback."""
+
+    def covers(self, model, meta, dec, hd, scoring):
+        self.capture = False
+        ok = super().covers(model, meta, dec, hd, scoring)
+        self.capture = True
+        return ok
+
+
+def test_full_graphs_fall_back_to_the_plain_layers(tmp_path, monkeypatch):
+    """Past MAX_GRAPHS a covered pass runs the plain layers after its eager compressions (no static copies)."""
+    import deepinfer.models.ced.pass_graphs as pg
+
+    monkeypatch.setattr(pg, "MAX_GRAPHS", 0)
+    ov = dict(num_layers=4, num_encoder_layers=2, layer_modes=("swa", "full", "full", "reindex"), hidden_size=32,
+              num_heads=2, head_dim=32, rope_dim=8, n_win=5, swa_allowance=1, encoder_ratio=2, index_topk=3,
+              pool_block=2, pool_blocks=2, index_head_dim=32, index_heads=2, q_lora_rank=32, out_group_dim=32,
+              moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, decoder_ratio=1,
+              global_kv_format="fp32", index_k_format="fp32", swa_kv_format="fp32", max_position_embeddings=256)
+    build_ced_checkpoint(tmp_path, seed=4, **ov)
+    prompts = [list(range(3, 3 + n)) for n in (9, 23, 40)]  # n_win 5: every prompt's pass is covered
+    case = dict(block_size=4, budget=4096, prompt_logprobs=False)
+    slow, slow_counts, _ = run(str(tmp_path), case, prompts, False)
+    llm = LLM(str(tmp_path), block_size=4, num_kv_blocks=64, max_num_batched_tokens=4096, max_num_seqs=1,
+              device="cpu")
+    graphs = llm.engine.kv_cache.pass_graphs = _Full()
+    seen, calls = graphs.run, []
+    graphs.run = lambda *a: calls.append(1) or seen(*a)
+    llm.engine.model.reset_counters()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1),
+                        use_tqdm=False)
+    assert len(calls) == len(prompts) and not graphs.graphs
+    assert {k: list(v) for k, v in llm.engine.model.counters.items()} == slow_counts
+    for o, (s, _) in zip(outs, slow):
+        assert o.outputs[0].token_ids == s.token_ids
+        assert [lp[t].logprob for t, lp in zip(s.token_ids, o.outputs[0].logprobs)] == \
+            [lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs)]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # On a GPU: the captured graphs replay, with the eager pass's bits.
 

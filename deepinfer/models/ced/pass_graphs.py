@@ -138,6 +138,8 @@ class DecoderPassGraphs:
             self.replays += 1
             self._count(model, dec, delta, live, widths)
             return out
+        if self.capture and (key in self.failed or len(self.graphs) >= MAX_GRAPHS):
+            return engine_path.decoder_layers(model, hd, dec, h_enc, cache, ctx, stats)[0]  # (ctx has the kv)
         st = self._statics(hd, dec, live, widths)
         self._fill(st, hd, dec, live)
         sp = self._static_pass(dec, st)
@@ -146,7 +148,7 @@ class DecoderPassGraphs:
         delta = _delta(model, before)
         _restore(model, before)
         self._count(model, dec, delta, live, widths)
-        if self.capture and key not in self.failed and len(self.graphs) < MAX_GRAPHS:
+        if self.capture:
             self._capture(model, key, st, dec, h_enc, cache, stats, widths)
         return out
 
