@@ -19,8 +19,10 @@ captures them; later steps of that key replay. The counters the eager layers kee
 the ops' ``kernel_calls``) are what one eager pass adds, measured around the capture and added at every
 replay, with the scored-entry counts of the padded layers taken at the step's real width.
 
-The graphs hold their activations in one memory pool for the engine's life: at the bench config ~10 MB a key
-(128 tokens, the indexer's [128, width] scores); at most MAX_GRAPHS keys are captured. tests/test_pass_graphs.py
+The graphs hold their activations in one memory pool for the engine's life (not measured; by the shapes a few MB
+a key at the bench config: 128 queries' activations and the indexer's [128, width] float32 scores), which the KV
+sizing at start-up does not see; at most MAX_GRAPHS keys are captured, past that (or after a capture that raised)
+a covered pass runs the plain layers. tests/test_pass_graphs.py
 holds the static eager run to the plain one on the CPU and the replays to the eager pass on the GPU.
 """
 
