@@ -128,6 +128,13 @@ def plot(rows: list, png: str) -> bool:
     ax_ced.set_title("CED prefill: bounded vs exact replay")
     ax_ced.grid(True, which="both", alpha=0.3)
     ax_ced.legend(fontsize=7)
+    for ax in (ax_dec, ax_user, ax_pre, ax_ced):  # a run of some phases only: say so, not an empty grid
+        if not ax.lines:
+            title = ax.get_title()
+            ax.clear()
+            ax.axis("off")
+            ax.set_title(title)
+            ax.text(0.5, 0.5, "no rows in this run", ha="center", va="center", transform=ax.transAxes)
     r0 = rows[0] if rows else {}
     fig.suptitle(f"{r0.get('device_name') or r0.get('cpu') or ''}  torch {r0.get('torch_version', '?')}  "
                  f"commit {str(r0.get('git_commit') or '?')[:12]}  run {r0.get('run_id', '?')}", fontsize=9)
