@@ -3,7 +3,8 @@
 On the CPU (hypothesis-drawn configs, prompt lengths, block sizes and chunk budgets): the static pass run
 eagerly (``capture=False``: full layers compressed first, entry rows padded to a power-of-two width, the pass's
 lists copied into static tensors) generates what the plain eager pass generates, and leaves the same host
-counters (tokens per layer, scored entries at the real width, indexer calls, lowest positions). On a GPU: the
+counters (tokens per layer, scored entries at the real width, indexer calls, lowest positions); past MAX_GRAPHS
+a covered pass runs the plain layers after its eager compressions, with the same results. On a GPU: the
 captured graphs replay (several prompt lengths per width bucket, so replays run at widths they were not
 captured with) and generate what the eager pass generates, bit for bit."""
 
