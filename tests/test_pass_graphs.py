@@ -20,6 +20,7 @@ from deepinfer.core.kv_cache import blocks_needed
 from deepinfer.models.ced.pass_graphs import DecoderPassGraphs, pad_slots, width_bucket
 from deepinfer.testing.ced import block_sizes_for, build_ced_checkpoint, ced_configs
 from deepinfer.testing.compare import assert_same_or_near_tie
+from test_ced_decode_path import GPU_CFG as DECODE_GPU_CFG
 
 
 def test_width_bucket_and_padding():
@@ -128,11 +129,7 @@ def test_full_graphs_fall_back_to_the_plain_layers(tmp_path, monkeypatch):
 # On a GPU: the captured graphs replay, with the eager pass's bits.
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-GPU_CFG = dict(num_layers=6, num_encoder_layers=3, layer_modes=("swa", "full", "reuse", "full", "reindex", "reuse"),
-               hidden_size=64, num_heads=2, head_dim=64, rope_dim=16, n_win=16, swa_allowance=2, encoder_ratio=2,
-               index_topk=4, pool_block=2, pool_blocks=3, index_head_dim=32, index_heads=2, q_lora_rank=32,
-               out_group_dim=32, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, decoder_ratio=1,
-               max_position_embeddings=2048)
+GPU_CFG = dict(DECODE_GPU_CFG, n_win=16, max_position_embeddings=2048)  # test_ced_decode_path's, longer prompts
 
 
 @cuda

@@ -113,9 +113,9 @@ class Engine:
             width = verify_width(pipeline, config, model, model_path)
             if width:  # speculative verify steps get graphs of their own (padded to k + 1 tokens a row)
                 self.decode_graphs.enable_verify(width, max_model_len)
-            prefill_graphs = getattr(model, "enable_pass_graphs", None)  # CED: bounded replay's decoder pass
-            if prefill_graphs is not None:
-                prefill_graphs(self.kv_cache)
+            enable_pass_graphs = getattr(model, "enable_pass_graphs", None)  # CED: bounded replay's decoder pass
+            if enable_pass_graphs is not None:
+                enable_pass_graphs(self.kv_cache)
         context = dict(config=config, model=model, ops=ops, tokenizer=tokenizer, vocab_size=model.vocab_size,
                        device=self.device, generator=self.generator, engine_config=config,
                        decode_graphs=self.decode_graphs, block_tables=self.block_tables,

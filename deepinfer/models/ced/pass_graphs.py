@@ -103,7 +103,7 @@ class DecoderPassGraphs:
 
     def __init__(self, capture: bool = True):
         self.capture = capture
-        self.graphs: dict = {}  # key -> (graph, static inputs, static output, counter delta, widths)
+        self.graphs: dict = {}  # key -> (graph, static inputs, static output, counter delta)
         self.failed: set = set()  # keys whose capture raised: eager from then on
         self.pool = None
         self.replays = self.captures = 0
@@ -134,7 +134,7 @@ class DecoderPassGraphs:
                tuple(sorted(widths.items())), None if load is None else load.data_ptr())
         entry = self.graphs.get(key)
         if entry is not None:
-            graph, st, out, delta, _ = entry
+            graph, st, out, delta = entry
             self._fill(st, hd, dec, live)
             graph.replay()
             self.replays += 1
@@ -151,7 +151,7 @@ class DecoderPassGraphs:
         _restore(model, before)
         self._count(model, dec, delta, live, widths)
         if self.capture:
-            self._capture(model, key, st, dec, h_enc, cache, stats, widths)
+            self._capture(model, key, st, dec, h_enc, cache, stats)
         return out
 
     @staticmethod
@@ -184,10 +184,10 @@ class DecoderPassGraphs:
             sp.__dict__[k] = st[k]
         return sp
 
-    def _capture(self, model, key, st, dec, h_enc, cache, stats, widths) -> None:
+    def _capture(self, model, key, st, dec, h_enc, cache, stats) -> None:
         from ...backends.cuda_graph import capture_graph
 
-        sp = self._static_pass(dec, st)
+        sp = self._static_pass(dec, st)  # (a fresh one: the eager run's kept tensors were made outside the graph)
         before = _snapshot(model)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -202,7 +202,7 @@ class DecoderPassGraphs:
         finally:
             delta = _delta(model, before)
             _restore(model, before)
-        self.graphs[key] = (graph, st, out, delta, widths)
+        self.graphs[key] = (graph, st, out, delta)
         self.captures += 1
 
     @staticmethod
