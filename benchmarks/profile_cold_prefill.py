@@ -2,7 +2,8 @@
 builds it) prefills one random prompt of ``--tokens`` in each replay mode; the wall time against the matmul
 floor (gpu_bench.ced_prefill_flops), then under torch.profiler the GPU's busy time and the kernels by device time,
 grouped by name, the host's top ops by self CPU time, and the device's idle spans with where the host was then
-(``--host``: a cProfile of one more prefill too).
+(``--host``: a cProfile of one more prefill too; ``--ops``: the torch ops by the device time of the kernels they
+launched themselves, with their input shapes, so a library kernel in the table can be traced to its op).
 
     python benchmarks/profile_cold_prefill.py --tokens 16384 --out $OUT/profile_cold_prefill   # device
 
@@ -67,6 +68,19 @@ def kernel_rows(prof) -> list:
     return sorted(([k, n, t] for k, (n, t) in by.items()), key=lambda r: -r[2])
 
 
+def op_rows(prof, n: int) -> list:
+    """The torch ops (aten::...) by the device time of the kernels each launched itself, grouped by input shapes:
+    [name, shapes, calls, us], the ``n`` largest (Triton kernels launch outside any aten op and are not here)."""
+    def us(e):  # (without CUDA, a check of the script on the CPU: their own CPU time)
+        if not torch.cuda.is_available():
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    ev = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::") and us(e) > 0]
+    ev.sort(key=lambda e: -us(e))
+    return [[e.key, str(e.input_shapes), e.count, round(us(e), 1)] for e in ev[:n]]
+
+
 def gaps(prof, least_us: float = 500.0) -> list:
     """The device's idle spans of at least ``least_us`` between the first and the last kernel, each with where the
     host was when it began (the innermost CPU op running then, with its stack of ops): [start us from the first
@@ -113,6 +127,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--host", action="store_true", help="also cProfile one prefill (host functions by own time)")
+    ap.add_argument("--ops", action="store_true", help="record input shapes: torch ops by their kernels' device time")
     ap.add_argument("--out", default="profile_cold_prefill")
     args = ap.parse_args()
     report, rows = io.StringIO(), []
@@ -144,7 +159,7 @@ def main() -> int:
             model = llm.engine.model
             flops = gpu_bench.ced_prefill_flops(model, model.counters)
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-            with torch.profiler.profile(activities=acts) as prof:
+            with torch.profiler.profile(activities=acts, record_shapes=args.ops) as prof:
                 prof_wall = prefill(llm, prompt)
             kern = kernel_rows(prof)
             busy = sum(r[2] for r in kern) / 1e6
@@ -164,12 +179,17 @@ def main() -> int:
             say(f"device idle spans >= 0.5 ms: {len(idle)}, {sum(g[1] for g in idle) / 1e3:.1f} ms in all")
             for g in idle[:25]:
                 say(f"  at {g[0] / 1e3:8.2f} ms for {g[1] / 1e3:7.2f} ms  host in: {g[2]}")
+            ops = op_rows(prof, args.top) if args.ops else []
+            if ops:
+                say(f"{'torch op':40s} {'input shapes':80s} {'calls':>6s} {'device ms':>9s}")
+                for name, shapes, n, t in ops:
+                    say(f"{name:40s} {shapes[:80]:80s} {n:6d} {t / 1e3:9.2f}")
             if args.host:
                 say(host_top(llm, prompt))
             rows.append({"bench": "profile_cold_prefill", "mode": mode, "tokens": args.tokens, "wall_s": wall,
                          "walls_s": walls, "busy_s": busy, "launches": launches, "flops": flops,
                          "matmul_flop_per_s": rate, "fraction_of_matmul_rate": flops["flops"] / rate / wall,
-                         "idle_spans": idle,
+                         "idle_spans": idle, "ops": ops,
                          "kernels": [[k, n, round(t, 1)] for k, n, t in kern[:60]]})
             del llm, model
             if torch.cuda.is_available():

@@ -140,6 +140,7 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--out", default="profile.jsonl")
+    ap.add_argument("--top", type=int, default=18, help="kernels listed a row (by GPU time a step)")
     ap.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs: profile the eager step's host time")
     ap.add_argument("--batch-invariant", action="store_true",
@@ -161,7 +162,7 @@ def main() -> int:
         _, prof = steady_steps(llm, B, args.input_len, 8, vocab, profile="gpu")
         host_ms, hprof = steady_steps(llm, B, args.input_len, 16, vocab, profile="host")
         row = {"shape": args.shape, "batch_invariant": args.batch_invariant, "batch": B, "step_ms": round(step, 3), "replay_ms": rep and round(rep, 3),
-               "overlap": llm.engine.overlap, **device_split(prof, 8), "kernels": top_kernels(prof, 8),
+               "overlap": llm.engine.overlap, **device_split(prof, 8), "kernels": top_kernels(prof, 8, args.top),
                "syncs": hprof.syncs,
                "host": top_functions(hprof, 16)}
         rows.append(row)

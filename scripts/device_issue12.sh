@@ -37,6 +37,8 @@
 #                                            # with --gc-freeze (5 repeats each)
 #   bash scripts/device_issue12.sh final18           # (carry .whl312) GPU files but kv_sizing, kv_sizing alone,
 #                                            # the decode profile at 1 / 16 / 64
+#   bash scripts/device_issue12.sh diag19            # pass-graph GPU tests; a 16K bounded prefill's torch ops with
+#                                            # shapes; decode kernels (PDL off) at 1 / 16 / 64, 45 a row
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -376,6 +378,15 @@ final18)
   timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3
   timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
     --out "$OUT/profile_ced.jsonl" 2>&1 | grep "== batch" | cut -c 1-150 ;;
+diag19)
+  # 19th session (~4 min): the landing's pass-graph tests, then which torch ops launch the 16K prefill's library
+  # kernels (elementwise, copies, reductions), and every kernel of a decode step with PDL off (no waits counted).
+  timeout -s INT 120 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_pass_graphs.py 2>&1 | tail -3
+  timeout 150 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 2 --ops --top 40 \
+    --out "$OUT/profile_cold_prefill_16k" > "$OUT/profile_cold_prefill_16k.log" 2>&1
+  grep -v Warning "$OUT/profile_cold_prefill_16k.log" | grep -A42 "^torch op" | cut -c 1-160
+  DEEPINFER_PDL=0 timeout 120 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --top 45 --out "$OUT/profile_ced_pdl0.jsonl" 2>&1 | grep "== batch" | cut -c 1-150 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac
