@@ -11,7 +11,10 @@ layers do not. A row per (shape, rows, implementation); then, per row count, the
 whose total is lowest at one row (triton_gemv's TILE, PROGRAMS_PER_SM, NUM_WARPS) and GEMV_MAX_ROWS for
 backends/nvidia/ops.py: the largest row count up to which the shipped knobs' total beats cuBLAS's at every count
 (likewise CED_ROUTE_LOGITS_GEMV_MAX_ROWS from the router's row), and GEMV_DOT_MAX_ROWS: past that, the largest
-row count up to which the tensor-core variant ("dot" rows, up to 16 rows) beats cuBLAS at every count.
+row count up to which the tensor-core variant ("dot" rows, up to 16 rows) beats cuBLAS at every count; then
+SPLITK_MAX_ROWS: past those, the largest row count up to which triton_splitk's kernel ("splitk" rows, its knobs
+swept by ``--splitk-knobs``; up to 64 rows) beats cuBLAS at every count, and the knobs with the lowest total
+summed over the row counts it would serve.
 """
 
 from __future__ import annotations
@@ -43,7 +46,11 @@ def rel(a, b) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--splitk-knobs", nargs="*", default=["4,128,64,16,3", "2,128,64,16,3", "8,128,64,16,3",
+                                                          "4,64,64,16,4", "4,128,128,16,3", "4,128,64,8,3",
+                                                          "4,256,64,16,2", "4,128,32,16,3"],
+                    help="triton_splitk launches: per_sm,block_k,block_n,max_splits,num_stages")
     ap.add_argument("--tiles", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--per-sm", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
@@ -55,11 +62,12 @@ def main(argv=None) -> int:
     shapes = SHAPES + [ROUTER]
     if a.smoke:
         shapes = [(n, G, max(1, N // 32), max(1, K // 32), c) for n, G, N, K, c in shapes]
-        a.rows, a.tiles, a.per_sm, a.warps, a.reps, a.rotate_mb = [1, 2, 16], [256], [4], [4], 2, 0.01
+        a.rows, a.tiles, a.per_sm, a.warps, a.reps, a.rotate_mb = [1, 2, 16, 64], [256], [4], [4], 2, 0.01
+        a.splitk_knobs = a.splitk_knobs[:2]
     elif not torch.cuda.is_available():
         print("needs CUDA (or --smoke with TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
-    from deepinfer.backends.nvidia import triton_gemv as tg
+    from deepinfer.backends.nvidia import triton_gemv as tg, triton_splitk as tsk
 
     dev, g = torch.device("cpu" if a.smoke else "cuda"), torch.Generator().manual_seed(0)
     knobs = list(itertools.product(a.tiles, a.per_sm, a.warps))
@@ -94,6 +102,11 @@ def main(argv=None) -> int:
                     impls[f"dot t{tile} p{per_sm}"] = (  # the tensor-core variant (GEMV_DOT_MAX_ROWS)
                         lambda x, w, _k=dict(tile=tile, per_sm=per_sm, out_dtype=out_dtype, dot=True):
                         tg.grouped_gemv(x, w, **_k))
+                for knob in a.splitk_knobs if not router and M <= tsk.MAX_ROWS else ():
+                    ps, bk, bn, ms, st = (int(v) for v in knob.split(","))
+                    impls[f"splitk p{ps} k{bk} n{bn} s{ms} st{st}"] = (
+                        lambda x, w, _k=dict(per_sm=ps, block_k=bk, block_n=bn, max_splits=ms, num_stages=st):
+                        tsk.grouped_splitk(x, w, **_k))
                 for impl, fn in impls.items():
                     out = fn(xs[0], ws[0]).reshape(ref.shape)
                     err = rel(out, ref)
@@ -136,11 +149,37 @@ def main(argv=None) -> int:
                     if dot_winning:
                         dot_rows = M
             if not router:
+                splitk_summary(a.rows, totals, max(max_rows, dot_rows), f)
                 one = {i: v for (m, i, r), v in totals.items() if m == a.rows[0] and not r and i.startswith("gemv")}
                 print(f"knobs at {a.rows[0]} row(s): {min(one, key=one.get)}")
                 print(f"GEMV_DOT_MAX_ROWS (backends/nvidia/ops.py) by these rows: {dot_rows}")
             print(f"{limit} (backends/nvidia/ops.py) by these rows: {max_rows}")
     return 0
+
+
+def splitk_summary(rows: list, totals: dict, after: int, f) -> None:
+    """Per row count the split-K kernel's best knobs against cuBLAS; SPLITK_MAX_ROWS: the largest count past
+    ``after`` (the GEMV kernels' reach) up to which its best beats cuBLAS at every count, and the knobs with the
+    lowest total over those counts (what ops.py would ship)."""
+    print(f"\n{'rows':>4}  {'cublas us/step':>14}  {'best splitk us/step':>19}  knobs")
+    limit, sums, winning = 0, {}, True
+    for M in rows:
+        mine = {i: v for (m, i, r), v in totals.items() if m == M and not r}
+        sk = {i: v for i, v in mine.items() if i.startswith("splitk")}
+        if not sk:
+            continue
+        best = min(sk, key=sk.get)
+        print(f"{M:>4}  {mine['cublas']:14.1f}  {sk[best]:19.1f}  {best}")
+        f.write(json.dumps(dict(bench="gemv_step_splitk", rows=M, cublas_us=round(mine["cublas"], 1),
+                                splitk_us=round(sk[best], 1), knobs=best)) + "\n")
+        if M > after and winning:
+            winning = sk[best] < mine["cublas"]
+            if winning:
+                limit = M
+                for i, v in sk.items():
+                    sums[i] = sums.get(i, 0.0) + v
+    print(f"SPLITK_MAX_ROWS (backends/nvidia/ops.py) by these rows: {limit}"
+          + (f"; knobs with the lowest total over them: {min(sums, key=sums.get)}" if sums else ""))
 
 
 if __name__ == "__main__":

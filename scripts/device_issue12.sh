@@ -39,6 +39,7 @@
 #                                            # the decode profile at 1 / 16 / 64
 #   bash scripts/device_issue12.sh diag19            # pass-graph GPU tests; a 16K bounded prefill's torch ops with
 #                                            # shapes; decode kernels (PDL off) at 1 / 16 / 64, 45 a row
+#   bash scripts/device_issue12.sh check19           # skinny-product tests (split-K kernel), gemv_bench at 4-64 rows
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -387,6 +388,12 @@ diag19)
   grep -v Warning "$OUT/profile_cold_prefill_16k.log" | grep -A42 "^torch op" | cut -c 1-160
   DEEPINFER_PDL=0 timeout 120 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
     --top 45 --out "$OUT/profile_ced_pdl0.jsonl" 2>&1 | grep "== batch" | cut -c 1-150 ;;
+check19)
+  # 19th session (~4 min): triton_splitk against float64 and in graphs, then its knobs against cuBLAS at the
+  # CED bench projections (the GEMV kernels at their shipped knobs only).
+  timeout -s INT 150 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_triton_gemv.py 2>&1 | tail -4
+  timeout 330 python3 benchmarks/gemv_bench.py --rows 4 8 16 32 64 --tiles 8192 --per-sm 4 --warps 8 \
+    --out "$OUT/gemv_splitk.jsonl" 2>&1 | grep -v "done$" | grep -v Warning | tail -32 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

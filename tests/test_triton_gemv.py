@@ -14,7 +14,7 @@ from deepinfer.testing.kernels import DEV, capture_graph, examples, gen, gpu, no
 
 skip_module_without_kernels()
 
-from deepinfer.backends.nvidia import triton_gemv as tg  # noqa: E402
+from deepinfer.backends.nvidia import triton_gemv as tg, triton_splitk as tsk  # noqa: E402
 
 UNIT = {torch.float32: 0.0, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}  # half an ulp, relative
 TINY = {torch.float32: 2.0 ** -149, torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134}  # half a subnormal step
@@ -248,6 +248,105 @@ def test_ced_router_logits_take_the_kernel_up_to_their_limit(invariant, monkeypa
         mine, ref = score.gather(1, ids).sort(1).values, score.gather(1, rids).sort(1).values
         torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(w.sort(1).values, rw.sort(1).values, rtol=1e-5, atol=1e-6)
+
+
+@examples(25)
+@given(M=st.integers(1, tsk.MAX_ROWS), G=st.integers(1, 3), N=st.integers(1, 150), K=st.integers(1, 700),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]), scale=st.sampled_from([1e-3, 1.0, 50.0]),
+       knobs=st.sampled_from([{}, dict(block_k=32, block_n=32), dict(block_k=16, block_n=16, max_splits=64),
+                              dict(per_sm=1, max_splits=2)]),
+       seed=st.integers(0, 2**16))
+def test_split_k_matches_float64(M, G, N, K, dtype, scale, knobs, seed):
+    """triton_splitk (rows padded to an MMA's, K split over programs, the last program of a column tile summing the
+    partials): the same bound as the GEMV kernel, for every split count the knobs give; the ticket counters are
+    left zeroed, and a second call gives the same bits (the partials are summed in split order, whichever program
+    finished last)."""
+    g = gen(seed)
+    x = (torch.randn(M, G, K, generator=g) * scale).to(DEV, dtype)
+    w = torch.randn(G, N, K, generator=g).to(DEV, dtype)
+    out = tsk.grouped_splitk(x, w, **knobs)
+    check(out, x, w)
+    assert not tsk._counter_buffer(torch.device(DEV)).any()
+    assert torch.equal(tsk.grouped_splitk(x, w, **knobs), out)
+
+
+def test_split_k_plan_fills_the_gpu_within_its_limits():
+    """Splits bring the grid to per_sm programs an SM where K has the tiles, never more than max_splits or K's
+    tiles, each split a whole number of K tiles and none empty; rows padded to 16, 32 or 64."""
+    from deepinfer.backends.nvidia.triton_attention import sm_count
+
+    dev = torch.device(DEV)
+    want = tsk.PROGRAMS_PER_SM * sm_count(dev)
+    for M, G, N, K in ((16, 1, 2048, 8192), (64, 8, 1024, 1024), (5, 1, 8192, 1024), (33, 1, 512, 2048),
+                       (1, 1, 3, 5000), (7, 2, 40, 7)):
+        p = tsk.plan(M, G, N, K, dev)
+        tiles, k_tiles = G * -(-N // tsk.BLOCK_N), -(-K // tsk.BLOCK_K)
+        assert p["BLOCK_M"] == max(16, 1 << (M - 1).bit_length()) and p["n_tiles"] * G == tiles
+        assert 1 <= p["SPLITS"] <= min(tsk.MAX_SPLITS, k_tiles)
+        assert (p["SPLITS"] - 1) * p["K_STEPS"] < k_tiles <= p["SPLITS"] * p["K_STEPS"]  # no split empty
+        assert tiles * p["SPLITS"] >= min(want, tiles * min(tsk.MAX_SPLITS, k_tiles)) or p["K_STEPS"] > 1
+
+
+def test_split_k_writes_a_strided_out_and_refuses_bad_inputs():
+    g = gen(11)
+    x = torch.randn(6, 2, 50, generator=g).to(DEV, torch.bfloat16)
+    w = torch.randn(2, 30, 50, generator=g).to(DEV, torch.bfloat16)
+    wide = torch.zeros(6, 2, 40, device=DEV, dtype=torch.bfloat16)
+    out = tsk.grouped_splitk(x, w, out=wide[..., 5:35], block_k=16)
+    assert out.data_ptr() == wide[..., 5:35].data_ptr() and not wide[..., :5].any() and not wide[..., 35:].any()
+    check(out, x, w)
+    for bad_x, bad_w, why in ((x, w[:, :, :49], "K differs"), (x.float(), w.float(), "float32"),
+                              (x, w.half(), "mixed dtypes"),
+                              (torch.randn(tsk.MAX_ROWS + 1, 2, 50, device=DEV).bfloat16(), w, "too many rows")):
+        with pytest.raises(ValueError, match=rf"unsupported inputs.*M <= {tsk.MAX_ROWS}"):
+            tsk.grouped_splitk(bad_x, bad_w)
+    with pytest.raises(ValueError, match=r"out must be \[6, 2, 30\]"):
+        tsk.grouped_splitk(x, w, out=torch.empty(6, 2, 31, device=DEV, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        tsk.linear(x, w)
+    assert not tsk.grouped_splitk(x[..., :0], w[..., :0]).any()
+
+
+def test_the_backend_takes_split_k_past_the_gemv_rows(monkeypatch):
+    """Rows in (max(GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS), SPLITK_MAX_ROWS] take triton_splitk (linear and
+    grouped_linear), more rows and batch-invariant mode cuBLAS; either way F.linear's function."""
+    from deepinfer.backends.nvidia import ops as nv
+
+    monkeypatch.setattr(nv, "GEMV_MAX_ROWS", 1)
+    monkeypatch.setattr(nv, "GEMV_DOT_MAX_ROWS", 2)
+    monkeypatch.setattr(nv, "SPLITK_MAX_ROWS", 5)
+    g = gen(12)
+    w = torch.randn(24, 40, generator=g).to(DEV, torch.bfloat16)
+    wg = torch.randn(3, 8, 40, generator=g).to(DEV, torch.bfloat16)
+    for invariant in (False, True):
+        backend = nv.NvidiaOps(DEV)
+        backend.batch_invariant = invariant
+        for rows in (2, 3, 5, 6):
+            x = torch.randn(rows, 40, generator=g).to(DEV, torch.bfloat16)
+            xg = torch.randn(rows, 3, 40, generator=g).to(DEV, torch.bfloat16)
+            before = backend.kernel_calls["splitk"]
+            check(backend.linear(x, w)[:, None], x[:, None], w[None])
+            check(backend.grouped_linear(xg, wg), xg, wg)
+            took = backend.kernel_calls["splitk"] - before
+            assert took == (2 if 3 <= rows <= 5 and not invariant else 0), (rows, invariant, took)
+
+
+@gpu
+@pytest.mark.parametrize("M,G,N,K", [(16, 1, 2048, 8192), (64, 8, 1024, 1024), (5, 1, 8192, 1024),
+                                     (33, 1, 512, 2048)])
+def test_gpu_split_k_in_a_graph(M, G, N, K):
+    """The CED bench config's decode projections at 5-64 rows, bf16: no host sync, captured once and replayed with
+    new rows (the ticket counters reset by each replay), each replay against the float64 product."""
+    g = gen(8)
+    w = (torch.randn(G, N, K, generator=g) * K ** -0.5).to(DEV, torch.bfloat16)
+    x = torch.zeros(M, G, K, device=DEV, dtype=torch.bfloat16)
+    graph, out = no_host_sync(lambda: capture_graph(lambda: tsk.grouped_splitk(x, w)))
+    for _ in range(3):
+        x.copy_(torch.randn(M, G, K, generator=g).to(DEV, torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, x, w)
+    assert not tsk._counter_buffer(torch.device(DEV)).any()
 
 
 _COMPILE_SCRIPT = r'''

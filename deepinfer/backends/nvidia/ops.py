@@ -18,7 +18,7 @@ import torch
 from ..base import AttnMetadata
 from ..reference import lowbit
 from ..reference.ops import ReferenceOps
-from . import kernel_choice, triton_act, triton_attention, triton_gemv, triton_kvquant, triton_norm
+from . import kernel_choice, triton_act, triton_attention, triton_gemv, triton_kvquant, triton_norm, triton_splitk
 
 INTERPRET = triton_norm.INTERPRET  # the kernels were decorated for the interpreter (decided at import)
 
@@ -75,6 +75,10 @@ GEMV_MAX_ROWS = 2
 # one MMA's 16). The same bench, cuBLAS / variant us a step: 906 / 854 at 4 rows, 815 / 879 at 8, 822 / 839 at 16
 # (it wins at the narrow projections, 5.1 against 5.9-12.0 us at 1024 x 2048, and loses at 8192 x 1024). So 4.
 GEMV_DOT_MAX_ROWS = 4
+# Past the GEMV kernels' rows and up to this many, projections run triton_splitk (K split over programs, rows padded
+# to an MMA's) instead of cuBLAS. benchmarks/gemv_bench.py's "splitk" rows on the H200 (19th session): see
+# docs/benchmarks.md; 0 keeps cuBLAS.
+SPLITK_MAX_ROWS = 0
 INVARIANT_CED_SPLIT_TILES = 4  # batch-invariant mode: key tiles per split of the CED attention kernel
 
 
@@ -108,13 +112,16 @@ class NvidiaOps(ReferenceOps):
     # Projections.
     def linear(self, x, w):
         """The GEMV kernel (triton_gemv) up to GEMV_MAX_ROWS rows, its tensor-core variant up to GEMV_DOT_MAX_ROWS,
-        cuBLAS's GEMM past them and in batch-invariant mode (whose matmul override keeps a row's reduction
-        independent of the other rows)."""
+        the split-K kernel (triton_splitk) up to SPLITK_MAX_ROWS, cuBLAS's GEMM past them and in batch-invariant
+        mode (whose matmul override keeps a row's reduction independent of the other rows)."""
         if x.dim() == 2 and w.dim() == 2:
             dot = self._gemv_route(x, w)
             if dot is not None and triton_gemv.supports(x[:, None, :], w[None], dot):
                 self.kernel_calls["gemv"] += 1
                 return triton_gemv.linear(x, w, dot=dot)
+            if self._splitk_route(x, w) and triton_splitk.supports(x[:, None, :], w[None]):
+                self.kernel_calls["splitk"] += 1
+                return triton_splitk.linear(x, w)
         return super().linear(x, w)
 
     def grouped_linear(self, x, w):
@@ -122,6 +129,9 @@ class NvidiaOps(ReferenceOps):
         if dot is not None and triton_gemv.supports(x, w, dot):
             self.kernel_calls["gemv"] += 1
             return triton_gemv.grouped_gemv(x, w, dot=dot)
+        if self._splitk_route(x, w) and triton_splitk.supports(x, w):
+            self.kernel_calls["splitk"] += 1
+            return triton_splitk.grouped_splitk(x, w)
         if self._own_product(x, w) and x.dim() == 3 and w.dim() == 3 and x.shape[1] == w.shape[0] \
                 and x.shape[2] == w.shape[2] and x.stride(2) == 1:
             # cuBLAS's batched GEMM reads x [T, G, K] and writes [T, G, N] in place through strides: einsum's
@@ -145,6 +155,10 @@ class NvidiaOps(ReferenceOps):
         if not (0 < rows <= max(GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS) and self._own_product(x, w)):
             return None
         return rows > GEMV_MAX_ROWS
+
+    def _splitk_route(self, x, w) -> bool:
+        """Whether x's rows are past the GEMV kernels' and within SPLITK_MAX_ROWS, where _own_product allows."""
+        return max(GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS) < x.shape[0] <= SPLITK_MAX_ROWS and self._own_product(x, w)
 
     # Norms and activations.
     def rms_norm(self, x, weight, eps):
