@@ -102,7 +102,7 @@ def main(argv=None) -> int:
                     impls[f"dot t{tile} p{per_sm}"] = (  # the tensor-core variant (GEMV_DOT_MAX_ROWS)
                         lambda x, w, _k=dict(tile=tile, per_sm=per_sm, out_dtype=out_dtype, dot=True):
                         tg.grouped_gemv(x, w, **_k))
-                for knob in a.splitk_knobs if not router and M <= tsk.MAX_ROWS else ():
+                for knob in a.splitk_knobs if M <= tsk.MAX_ROWS else ():
                     ps, bk, bn, ms, st = (int(v) for v in knob.split(","))
                     impls[f"splitk p{ps} k{bk} n{bn} s{ms} st{st}"] = (
                         lambda x, w, _k=dict(per_sm=ps, block_k=bk, block_n=bn, max_splits=ms, num_stages=st):
@@ -148,8 +148,8 @@ def main(argv=None) -> int:
                     dot_winning = dot_winning and dots[bdot] < cub
                     if dot_winning:
                         dot_rows = M
+            splitk_summary(a.rows, totals, max(max_rows, dot_rows) if not router else max_rows, f, router)
             if not router:
-                splitk_summary(a.rows, totals, max(max_rows, dot_rows), f)
                 one = {i: v for (m, i, r), v in totals.items() if m == a.rows[0] and not r and i.startswith("gemv")}
                 print(f"knobs at {a.rows[0]} row(s): {min(one, key=one.get)}")
                 print(f"GEMV_DOT_MAX_ROWS (backends/nvidia/ops.py) by these rows: {dot_rows}")
@@ -157,20 +157,20 @@ def main(argv=None) -> int:
     return 0
 
 
-def splitk_summary(rows: list, totals: dict, after: int, f) -> None:
+def splitk_summary(rows: list, totals: dict, after: int, f, router: bool = False) -> None:
     """Per row count the split-K kernel's best knobs against cuBLAS; SPLITK_MAX_ROWS: the largest count past
     ``after`` (the GEMV kernels' reach) up to which its best beats cuBLAS at every count, and the knobs with the
     lowest total over those counts (what ops.py would ship)."""
     print(f"\n{'rows':>4}  {'cublas us/step':>14}  {'best splitk us/step':>19}  knobs")
     limit, sums, winning = 0, {}, True
     for M in rows:
-        mine = {i: v for (m, i, r), v in totals.items() if m == M and not r}
+        mine = {i: v for (m, i, r), v in totals.items() if m == M and r == router}
         sk = {i: v for i, v in mine.items() if i.startswith("splitk")}
         if not sk:
             continue
         best = min(sk, key=sk.get)
         print(f"{M:>4}  {mine['cublas']:14.1f}  {sk[best]:19.1f}  {best}")
-        f.write(json.dumps(dict(bench="gemv_step_splitk", rows=M, cublas_us=round(mine["cublas"], 1),
+        f.write(json.dumps(dict(bench="gemv_step_splitk", router=router, rows=M, cublas_us=round(mine["cublas"], 1),
                                 splitk_us=round(sk[best], 1), knobs=best)) + "\n")
         if M > after and winning:
             winning = sk[best] < mine["cublas"]
@@ -178,7 +178,8 @@ def splitk_summary(rows: list, totals: dict, after: int, f) -> None:
                 limit = M
                 for i, v in sk.items():
                     sums[i] = sums.get(i, 0.0) + v
-    print(f"SPLITK_MAX_ROWS (backends/nvidia/ops.py) by these rows: {limit}"
+    name = "CED_ROUTE_LOGITS_SPLITK_MAX_ROWS" if router else "SPLITK_MAX_ROWS"
+    print(f"{name} (backends/nvidia/ops.py) by these rows: {limit}"
           + (f"; knobs with the lowest total over them: {min(sums, key=sums.get)}" if sums else ""))
 
 

@@ -222,26 +222,30 @@ def test_gpu_ced_bench_projections_in_a_graph(G, N, K):
 
 @pytest.mark.parametrize("invariant", [False, True])
 def test_ced_router_logits_take_the_kernel_up_to_their_limit(invariant, monkeypatch):
-    """NvidiaOps.ced_moe_route computes the logits (bf16 rows against the float32 gate) with the kernel up to
-    CED_ROUTE_LOGITS_GEMV_MAX_ROWS rows (its tensor-core variant past MAX_ROWS), never in batch-invariant mode.
+    """NvidiaOps.ced_moe_route computes the logits (bf16 rows against the float32 gate) with the GEMV kernel up to
+    CED_ROUTE_LOGITS_GEMV_MAX_ROWS rows (its tensor-core variant past MAX_ROWS), then with triton_splitk up to
+    CED_ROUTE_LOGITS_SPLITK_MAX_ROWS, never in batch-invariant mode.
     The routing matches the reference's: compared by the float64 biased scores of what each side chose (a near tie
     may pick either expert) and by the chosen weights, never by copying one side's choice into the other."""
     from deepinfer.backends.nvidia import ops as nv
     from deepinfer.backends.reference.ops import ReferenceOps
 
-    monkeypatch.setattr(nv, "CED_ROUTE_LOGITS_GEMV_MAX_ROWS", tg.MAX_ROWS + 1)  # the last row count on the variant
+    limit = tg.MAX_ROWS + 1
+    monkeypatch.setattr(nv, "CED_ROUTE_LOGITS_GEMV_MAX_ROWS", limit)  # the last row count on the variant
+    monkeypatch.setattr(nv, "CED_ROUTE_LOGITS_SPLITK_MAX_ROWS", limit + 3)
     backend = nv.NvidiaOps(DEV)
     backend.batch_invariant = invariant
     g = gen(9)
     E, d, k = 12, 96, 3
     gate = torch.randn(E, d, generator=g).to(DEV) * d ** -0.5
     bias = (torch.randn(E, generator=g) * 0.1).to(DEV)
-    limit = tg.MAX_ROWS + 1
-    for rows in (1, 2, limit, limit + 1):
+    for rows in (1, 2, limit, limit + 1, limit + 3, limit + 4):
         x = torch.randn(rows, d, generator=g).to(DEV, torch.bfloat16)
-        before = backend.kernel_calls["gemv"]
+        before = backend.kernel_calls["gemv"], backend.kernel_calls["splitk"]
         w, ids = backend.ced_moe_route(x, gate, k, bias=bias, scaling=1.5)
-        assert backend.kernel_calls["gemv"] - before == (0 if invariant or rows > limit else 1), (rows, invariant)
+        took = backend.kernel_calls["gemv"] - before[0], backend.kernel_calls["splitk"] - before[1]
+        want = (0, 0) if invariant or rows > limit + 3 else (1, 0) if rows <= limit else (0, 1)
+        assert took == want, (rows, invariant, took)
         rw, rids = ReferenceOps(DEV).ced_moe_route(x, gate, k, bias=bias, scaling=1.5)
         logits = x.double() @ gate.double().T
         score = torch.sqrt(torch.nn.functional.softplus(logits)) + bias.double()
@@ -268,6 +272,25 @@ def test_split_k_matches_float64(M, G, N, K, dtype, scale, knobs, seed):
     check(out, x, w)
     assert not tsk._counter_buffer(torch.device(DEV)).any()
     assert torch.equal(tsk.grouped_splitk(x, w, **knobs), out)
+
+
+@examples(10)
+@given(M=st.integers(1, tsk.MAX_ROWS), N=st.integers(1, 80), K=st.integers(1, 400),
+       scale=st.sampled_from([1e-3, 1.0, 50.0]), seed=st.integers(0, 2**16))
+def test_split_k_of_a_float32_weight_computes_in_float32(M, N, K, scale, seed):
+    """bf16 rows against a float32 weight (CED's router logits) into float32: the kernel splits the weight into
+    three bf16 terms, so its sum runs over 3K exact products. The bound is check's over those 3K terms, built here
+    with torch's casts (their sum is w exactly, asserted); the reference stays x.double() @ w.double()."""
+    g = gen(seed)
+    x = (torch.randn(M, 1, K, generator=g) * scale).to(DEV, torch.bfloat16)
+    w = torch.randn(1, N, K, generator=g).to(DEV) * torch.rand(1, N, K, generator=g).to(DEV) ** 3
+    out = tsk.grouped_splitk(x, w)
+    assert out.dtype == torch.float32
+    hi = w.bfloat16()
+    mid = (w - hi.float()).bfloat16()
+    lo = (w - hi.float() - mid.float()).bfloat16()
+    assert torch.equal(hi.double() + mid.double() + lo.double(), w.double())
+    check(out, torch.cat([x, x, x], -1).float(), torch.cat([hi, mid, lo], -1).float())
 
 
 def test_split_k_plan_fills_the_gpu_within_its_limits():
@@ -297,6 +320,7 @@ def test_split_k_writes_a_strided_out_and_refuses_bad_inputs():
     check(out, x, w)
     for bad_x, bad_w, why in ((x, w[:, :, :49], "K differs"), (x.float(), w.float(), "float32"),
                               (x, w.half(), "mixed dtypes"),
+                              (x.half(), w.float(), "fp16 rows against a float32 weight"),
                               (torch.randn(tsk.MAX_ROWS + 1, 2, 50, device=DEV).bfloat16(), w, "too many rows")):
         with pytest.raises(ValueError, match=rf"unsupported inputs.*M <= {tsk.MAX_ROWS}"):
             tsk.grouped_splitk(bad_x, bad_w)

@@ -48,6 +48,10 @@ CED_ROUTE_GEMV_MAX_ROWS = 0
 # 93.4 / 26.4 us a step at 1 row, 151.0 / 34.0 at 2, 151.1 / 46.9 at 4, 159.4 / 75.1 at 8; the tensor-core variant
 # 677 at 16 (its 16-row MMA tiles leave a 32-wide output a handful of programs). So 8: the CUDA-core kernel only.
 CED_ROUTE_LOGITS_GEMV_MAX_ROWS = 8
+# Past that and up to this many rows the logits take triton_splitk (the float32 gate as three exact bf16 terms on
+# the tensor cores: one launch where x's cast and a SIMT float32 GEMM ran). gemv_bench's router "splitk" rows on the
+# H200 (19th session, docs/benchmarks.md); 0 keeps cuBLAS.
+CED_ROUTE_LOGITS_SPLITK_MAX_ROWS = 0
 # The routed experts of a few tokens: up to this many (token, expert) pairs triton_moe_pairs.pair_experts (a GEMV
 # per pair, two launches) instead of fused_experts (sort by expert, two GEMMs, k-sum: five). Never in batch-invariant
 # mode (fused_experts' one M-block size there). benchmarks/moe_pairs_bench.py on the H200 (bench shape: 32 experts,
@@ -398,7 +402,8 @@ class NvidiaOps(ReferenceOps):
 
     def ced_moe_route(self, x, gate, top_k, *, bias, scaling):
         """cuBLAS's gate GEMV, then the router kernel (up to CED_ROUTE_GEMV_MAX_ROWS tokens: the GEMV in the kernel; up
-        to CED_ROUTE_LOGITS_GEMV_MAX_ROWS: triton_gemv's kernel for the logits).
+        to CED_ROUTE_LOGITS_GEMV_MAX_ROWS: triton_gemv's kernel for the logits; then up to
+        CED_ROUTE_LOGITS_SPLITK_MAX_ROWS: triton_splitk's).
         Batch-invariant mode: always the gate matmul (routed to the invariant kernel) then the router kernel, so a
         row's logits do not depend on how many rows the step has."""
         from . import triton_ced_route as tcr
@@ -414,6 +419,12 @@ class NvidiaOps(ReferenceOps):
                 and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
             self.kernel_calls["gemv"] += 1
             logits = triton_gemv.linear(x, gate, out_dtype=torch.float32, dot=dot)
+            return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
+        if not self.batch_invariant and x.shape[0] <= CED_ROUTE_LOGITS_SPLITK_MAX_ROWS and kernel_device_ok(x, gate) \
+                and gate.dtype == torch.float32 and triton_splitk.supports(x[:, None, :], gate[None]) \
+                and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
+            self.kernel_calls["splitk"] += 1
+            logits = triton_splitk.linear(x, gate)
             return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
         return super().ced_moe_route(x, gate, top_k, bias=bias, scaling=scaling)
 

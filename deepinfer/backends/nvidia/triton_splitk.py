@@ -16,7 +16,10 @@ before any load). Launch parameters come from shapes only.
 
 Precision: float32 accumulation of exact bf16 / fp16 products, one rounding (round to nearest even) at the end,
 as cuBLAS computes; the summation order differs, so results agree to the last bits (the tests' bound: K float32
-roundings of sum |x w| plus half an ulp).
+roundings of sum |x w| plus half an ulp). A float32 weight against bf16 rows (CED's router logits, x.float() @
+gate.T, into float32) is split in registers into three bf16 terms whose sum is the weight exactly (8 + 8 + 8
+significant bits), so three tensor-core products of exact bf16 x bf16 terms give the float32 product's value
+with float32 accumulation: no cast of x, no SIMT float32 GEMM.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ COUNTERS = 1 << 16  # column tiles one call may have (a [G, N] of 64-wide tiles:
 def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, N_TILES,
                    stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
                    SPLITS: tl.constexpr, K_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PDL: tl.constexpr = 0):
+                   BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr = False, PDL: tl.constexpr = 0):
     pdl_start(PDL)
     pid_n = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
@@ -68,7 +71,16 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, N_TILES,
         k_mask = k < K
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += _dot(x, tl.trans(w), "tf32")
+        if SPLIT_W:  # float32 w = hi + mid + lo exactly, each bf16; x is bf16 (exact products)
+            hi = w.to(tl.bfloat16)
+            r = w - hi.to(tl.float32)
+            mid = r.to(tl.bfloat16)
+            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+            acc += _dot(x, tl.trans(hi), "tf32")
+            acc += _dot(x, tl.trans(mid), "tf32")
+            acc += _dot(x, tl.trans(lo), "tf32")
+        else:
+            acc += _dot(x, tl.trans(w), "tf32")
     o = out_ptr + g * stride_og + rows[:, None].to(tl.int64) * stride_om + n[None, :]
     o_mask = r_mask[:, None] & n_mask[None, :]
     if SPLITS == 1:
@@ -104,8 +116,11 @@ def _counter_buffer(device: torch.device) -> torch.Tensor:
 
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether grouped_splitk runs x [M, G, K] against w [G, N, K]: 1..MAX_ROWS rows, one dtype of
-    SUPPORTED_DTYPES, contiguous along K, no more column tiles than the counters hold."""
-    if x.dim() != 3 or w.dim() != 3 or x.dtype not in SUPPORTED_DTYPES or w.dtype != x.dtype:
+    SUPPORTED_DTYPES (or bf16 rows against a float32 weight), contiguous along K, no more column tiles than the
+    counters hold."""
+    if x.dim() != 3 or w.dim() != 3 or x.dtype not in SUPPORTED_DTYPES:
+        return False
+    if w.dtype != x.dtype and not (x.dtype == torch.bfloat16 and w.dtype == torch.float32):
         return False
     if x.device != w.device or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[2]:
         return False
@@ -128,18 +143,22 @@ def plan(M: int, G: int, N: int, K: int, device: torch.device, per_sm: int = PRO
 def grouped_splitk(x: torch.Tensor, w: torch.Tensor, *, per_sm: int = PROGRAMS_PER_SM, block_k: int = BLOCK_K,
                    block_n: int = BLOCK_N, max_splits: int = MAX_SPLITS, num_warps: int = 4,
                    num_stages: int = NUM_STAGES, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, G, K] @ w[g].T per group -> [M, G, N] in x's dtype (``out``: a [M, G, N] tensor to write, contiguous
-    along N, any row / group strides). The keyword knobs are the launch's (benchmarks/gemv_bench.py times them)."""
+    """x [M, G, K] @ w[g].T per group -> [M, G, N] in x's dtype, or float32 for a float32 w (``out``: a [M, G, N]
+    tensor of that dtype to write, contiguous along N, any row / group strides). The keyword knobs are the
+    launch's (benchmarks/gemv_bench.py times them)."""
     if not supports(x, w):
         raise ValueError(f"grouped_splitk: unsupported inputs: x {x.dtype} {tuple(x.shape)} stride {x.stride()}, "
                          f"w {w.dtype} {tuple(w.shape)} stride {w.stride()} (x [M <= {MAX_ROWS}, G, K] and "
-                         f"w [G, N, K], one dtype of {SUPPORTED_DTYPES}, contiguous along K)")
+                         f"w [G, N, K], one dtype of {SUPPORTED_DTYPES} or bf16 x with float32 w, contiguous "
+                         "along K)")
     M, G, K = x.shape
     N = w.shape[1]
+    split_w = w.dtype != x.dtype
+    dtype = torch.float32 if split_w else x.dtype
     if out is None:
-        out = torch.empty(M, G, N, dtype=x.dtype, device=x.device)
-    elif out.shape != (M, G, N) or out.dtype != x.dtype or out.stride(2) != 1:
-        raise ValueError(f"grouped_splitk: out must be [{M}, {G}, {N}] {x.dtype}, contiguous along N; got "
+        out = torch.empty(M, G, N, dtype=dtype, device=x.device)
+    elif out.shape != (M, G, N) or out.dtype != dtype or out.stride(2) != 1:
+        raise ValueError(f"grouped_splitk: out must be [{M}, {G}, {N}] {dtype}, contiguous along N; got "
                          f"{out.dtype} {tuple(out.shape)} stride {out.stride()}")
     if N == 0 or G == 0:
         return out
@@ -151,7 +170,7 @@ def grouped_splitk(x: torch.Tensor, w: torch.Tensor, *, per_sm: int = PROGRAMS_P
     _splitk_kernel[(p["n_tiles"], G, S)](
         x, w, out, part, _counter_buffer(x.device), M, N, K, p["n_tiles"],
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        SPLITS=S, K_STEPS=p["K_STEPS"], BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=p["BLOCK_K"],
+        SPLITS=S, K_STEPS=p["K_STEPS"], BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=p["BLOCK_K"], SPLIT_W=split_w,
         num_warps=num_warps, num_stages=num_stages, **launch_kw(x.device))
     return out
 
