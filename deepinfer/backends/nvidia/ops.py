@@ -49,9 +49,11 @@ CED_ROUTE_GEMV_MAX_ROWS = 0
 # 677 at 16 (its 16-row MMA tiles leave a 32-wide output a handful of programs). So 8: the CUDA-core kernel only.
 CED_ROUTE_LOGITS_GEMV_MAX_ROWS = 8
 # Past that and up to this many rows the logits take triton_splitk (the float32 gate as three exact bf16 terms on
-# the tensor cores: one launch where x's cast and a SIMT float32 GEMM ran). gemv_bench's router "splitk" rows on the
-# H200 (19th session, docs/benchmarks.md); 0 keeps cuBLAS.
-CED_ROUTE_LOGITS_SPLITK_MAX_ROWS = 0
+# the tensor cores: one launch where x's cast and a SIMT float32 GEMM ran), with these knobs. gemv_bench's router
+# "splitk" rows on the H200 (19th session, docs/benchmarks.md), us a step (16 layers) cuBLAS / splitk: 153 / 53 at 4
+# rows, 161 / 54 at 16, 166 / 84 at 32, 171 / 136 at 64; 0 keeps cuBLAS.
+CED_ROUTE_LOGITS_SPLITK_MAX_ROWS = 64
+CED_ROUTE_LOGITS_SPLITK_KNOBS = dict(block_n=32)  # 32 experts: one column tile, more K splits fill the GPU
 # The routed experts of a few tokens: up to this many (token, expert) pairs triton_moe_pairs.pair_experts (a GEMV
 # per pair, two launches) instead of fused_experts (sort by expert, two GEMMs, k-sum: five). Never in batch-invariant
 # mode (fused_experts' one M-block size there). benchmarks/moe_pairs_bench.py on the H200 (bench shape: 32 experts,
@@ -80,8 +82,10 @@ GEMV_MAX_ROWS = 2
 # (it wins at the narrow projections, 5.1 against 5.9-12.0 us at 1024 x 2048, and loses at 8192 x 1024). So 4.
 GEMV_DOT_MAX_ROWS = 4
 # Past the GEMV kernels' rows and up to this many, projections run triton_splitk (K split over programs, rows padded
-# to an MMA's) instead of cuBLAS. benchmarks/gemv_bench.py's "splitk" rows on the H200 (19th session): see
-# docs/benchmarks.md; 0 keeps cuBLAS.
+# to an MMA's) instead of cuBLAS. benchmarks/gemv_bench.py's "splitk" rows on the H200 (19th session), us a step at
+# the bench projections, cuBLAS / best split-K knobs: 891 / 873 at 4 rows (inside GEMV_DOT_MAX_ROWS anyway),
+# 803 / 906 at 8, 809 / 990 at 16, 829 / 1138 at 32, 845 / 1420 at 64: cuBLAS's nvjet tiles stream the weights
+# faster (its best split-K reaches ~2.3 TB/s). So 0: the kernel stays for the router's float32 gate below.
 SPLITK_MAX_ROWS = 0
 INVARIANT_CED_SPLIT_TILES = 4  # batch-invariant mode: key tiles per split of the CED attention kernel
 
@@ -424,7 +428,7 @@ class NvidiaOps(ReferenceOps):
                 and gate.dtype == torch.float32 and triton_splitk.supports(x[:, None, :], gate[None]) \
                 and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
             self.kernel_calls["splitk"] += 1
-            logits = triton_splitk.linear(x, gate)
+            logits = triton_splitk.linear(x, gate, **CED_ROUTE_LOGITS_SPLITK_KNOBS)
             return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
         return super().ced_moe_route(x, gate, top_k, bias=bias, scaling=scaling)
 
