@@ -40,6 +40,7 @@
 #   bash scripts/device_issue12.sh diag19            # pass-graph GPU tests; a 16K bounded prefill's torch ops with
 #                                            # shapes; decode kernels (PDL off) at 1 / 16 / 64, 45 a row
 #   bash scripts/device_issue12.sh check19           # skinny-product tests (split-K kernel), gemv_bench at 4-64 rows
+#   bash scripts/device_issue12.sh moe19             # fused_experts' GEMM knobs at 16-128 tokens (moe_launch_sweep)
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -394,6 +395,9 @@ check19)
   timeout -s INT 150 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_triton_gemv.py 2>&1 | tail -4
   timeout 330 python3 benchmarks/gemv_bench.py --rows 4 8 16 32 64 --tiles 8192 --per-sm 4 --warps 8 \
     --out "$OUT/gemv_splitk.jsonl" 2>&1 | grep -v "done$" | grep -v Warning | tail -32 ;;
+moe19)
+  # 19th session (~3 min): fused_experts' GEMM knobs at decode token counts (the CED bench MoE shape).
+  timeout 400 python3 benchmarks/moe_launch_sweep.py --out "$OUT/moe_launch.jsonl" 2>&1 | grep -v Warning | tail -60 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

@@ -375,14 +375,16 @@ def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   *, clamp: Optional[float] = None, w13_scale: Optional[torch.Tensor] = None,
-                  w2_scale: Optional[torch.Tensor] = None, block_m: Optional[int] = None) -> torch.Tensor:
+                  w2_scale: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
+                  launch: Optional[dict] = None) -> torch.Tensor:
     """SwiGLU experts mixed by routing weights, as reference.moe.experts_routed, with no host sync.
 
     x [T, d] (bf16/fp16/fp32); w13 [E, 2F, d] and w2 [E, d, F] in x's dtype, or float8_e4m3fn with
     w13_scale [E, cdiv(2F, 128), cdiv(d, 128)] and w2_scale [E, cdiv(d, 128), cdiv(F, 128)] float32;
     weights [T, k] (float32); ids [T, k] int64/int32. clamp: DeepSeek-V4's SwiGLU clamp. block_m
-    overrides the M-block rows (tests). Ids are not range-checked (that would sync): a pair with an id
-    outside [0, E) contributes zero. Returns [T, d] in x's dtype.
+    overrides the M-block rows (tests); ``launch`` overrides launch_config's other keys (BN1, BK1, warps1,
+    stages1, BN2, BK2, warps2, stages2: benchmarks/moe_launch_sweep.py times them). Ids are not range-checked
+    (that would sync): a pair with an id outside [0, E) contributes zero. Returns [T, d] in x's dtype.
     """
     _check_experts(x, w13, w2, weights, ids, clamp)
     check_scales(w13, w2, w13_scale, w2_scale)
@@ -404,9 +406,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         return torch.zeros(T, d, dtype=x.dtype, device=x.device)
     dev = x.device
     cfg = launch_config(N, E, F, d, dev, block_m, x.element_size(), w13.element_size())
+    if launch:
+        bad = sorted(set(launch) - (set(cfg) - {"BLOCK_M"}))
+        if bad:
+            raise ValueError(f"launch: unknown keys {bad} (known: {sorted(set(cfg) - {'BLOCK_M'})})")
+        cfg.update(launch)
     BM = cfg["BLOCK_M"]
     if fp8:
-        assert SCALE_BLOCK % cfg["BK1"] == 0 and SCALE_BLOCK % cfg["BK2"] == 0
+        if SCALE_BLOCK % cfg["BK1"] or SCALE_BLOCK % cfg["BK2"]:
+            raise ValueError(f"FP8 weights need BK1 and BK2 dividing {SCALE_BLOCK}, got {cfg['BK1']} and {cfg['BK2']}")
     sorted_ids, starts, counts = align_pairs(ids, E, BM)
     rows = sorted_ids.shape[0]
     rw = weights.reshape(-1).to(torch.float32).contiguous()  # [N]

@@ -1,0 +1,126 @@
+"""triton_moe.fused_experts' launch knobs at decode batch sizes: each GEMM's tile, K step, warps and stages against
+launch_config's choice, at the CED bench config's MoE shape (32 experts, top-4, F=512, d=2048, bf16).
+
+    python benchmarks/moe_launch_sweep.py --out $OUT/moe_launch.jsonl      # H200, ~2 min
+
+A decode step's routed experts stream nearly every expert's weights once, so each row also reports the weight
+bytes the touched experts hold over the time (TB/s). GEMM 1's knobs are swept with GEMM 2 at launch_config's and
+the other way round, so a row's time moves with its own GEMM only. Every variant's output is checked against
+launch_config's (relative error) and that against the float32 reference, before timing from one CUDA graph of
+calls rotating over routings (kernels_gpu.time_calls). The table's last lines: per token count the best variant
+of each GEMM and its speed-up, which is what launch_config should pick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from deepinfer.bench import format_table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels_gpu import time_calls  # noqa: E402
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def variants(smoke: bool) -> list:
+    """(gemm, overrides): launch_config's own, then each GEMM's grid of knobs (stages: launch_config's rule)."""
+    if smoke:
+        return [("default", {}), ("gemm1", dict(BN1=16, BK1=32)), ("gemm2", dict(BN2=32, BK2=16))]
+    out = [("default", {})]
+    for bn, bk, w in itertools.product((16, 32, 64), (64, 128, 256), (2, 4)):
+        out.append(("gemm1", dict(BN1=bn, BK1=bk, warps1=w)))
+    for st in (2, 3, 5):
+        out.append(("gemm1", dict(stages1=st)))
+    for bn, bk, w in itertools.product((32, 64, 128), (64, 128, 256), (2, 4)):
+        out.append(("gemm2", dict(BN2=bn, BK2=bk, warps2=w)))
+    for st in (2, 3, 5):
+        out.append(("gemm2", dict(stages2=st)))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 128])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default="moe_launch.jsonl")
+    ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: small shapes, checks the script")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.hidden, a.intermediate, a.experts, a.top_k, a.tokens, a.reps = 64, 32, 8, 2, [3], 1
+    elif not torch.cuda.is_available():
+        print("needs CUDA (or --smoke)", file=sys.stderr)
+        return 2
+    from deepinfer.backends.nvidia import triton_moe
+    from deepinfer.backends.reference import moe as ref_moe
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(0)
+    E, d, F, k = a.experts, a.hidden, a.intermediate, a.top_k
+    w13 = (torch.randn(E, 2 * F, d, generator=g) * d ** -0.5).to(dev, torch.bfloat16)
+    w2 = (torch.randn(E, d, F, generator=g) * F ** -0.5).to(dev, torch.bfloat16)
+    rows = []
+    with open(a.out, "w") as f:
+        for T in a.tokens:
+            sets = []
+            for _ in range(4 if a.smoke else 8):
+                wts, ids = ref_moe.route(torch.randn(T, E, generator=g), k)
+                sets.append((torch.randn(T, d, generator=g).to(dev, torch.bfloat16), wts.to(dev), ids.to(dev)))
+            touched = sum(len(set(s[2].flatten().tolist())) for s in sets) / len(sets)
+            x, wts, ids = sets[0]
+            ref = ref_moe.experts_dense(x.float(), w13.float(), w2.float(), wts, ids, clamp=10.0)
+            base = triton_moe.fused_experts(x, w13, w2, wts, ids, clamp=10.0)
+            cfg = triton_moe.launch_config(T * k, E, F, d, dev)
+            for gemm, knobs in variants(a.smoke):
+                if gemm == "gemm1" and all(cfg.get(key) == v for key, v in knobs.items()):
+                    continue  # launch_config's own: the default row
+                if gemm == "gemm2" and all(cfg.get(key) == v for key, v in knobs.items()):
+                    continue
+                try:
+                    out = triton_moe.fused_experts(x, w13, w2, wts, ids, clamp=10.0, launch=knobs)
+                except Exception as e:  # a tile that does not compile (shared memory): say so, go on
+                    print(f"  T={T} {gemm} {knobs}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
+                    continue
+                calls = [lambda s=s: triton_moe.fused_experts(s[0], w13, w2, s[1], s[2], clamp=10.0, launch=knobs)
+                         for s in sets]
+                ms, mode = time_calls(calls, a.reps)
+                nbytes = touched * 3 * F * d * 2
+                row = dict(bench="moe_launch", tokens=T, gemm=gemm,
+                           knobs=" ".join(f"{key}={v}" for key, v in knobs.items()) or "launch_config",
+                           us=round(ms * 1e3, 2), tb_s=round(nbytes / (ms * 1e-3) / 1e12, 3),
+                           rel_err_vs_default=rel(out, base), default_rel_err=rel(base, ref),
+                           experts_touched=round(touched, 1), launch_config=json.dumps(cfg), timing=mode,
+                           device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+    print(format_table(rows, (("tokens", "tokens", "{}"), ("gemm", "gemm", "{}"), ("knobs", "knobs", "{}"),
+                              ("us", "us", "{}"), ("TB/s", "tb_s", "{}"), ("err vs default", "rel_err_vs_default",
+                                                                          "{:.1e}"))))
+    for T in a.tokens:
+        mine = [r for r in rows if r["tokens"] == T]
+        base = next((r for r in mine if r["gemm"] == "default"), None)
+        if base is None:
+            continue
+        for gemm in ("gemm1", "gemm2"):
+            theirs = [r for r in mine if r["gemm"] == gemm]
+            if theirs:
+                best = min(theirs, key=lambda r: r["us"])
+                print(f"T={T} {gemm}: launch_config {base['us']} us; best {best['knobs']} {best['us']} us "
+                      f"({base['us'] / best['us']:.3f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
