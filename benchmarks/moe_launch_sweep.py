@@ -56,6 +56,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="moe_launch.jsonl")
+    ap.add_argument("--also", nargs="*", default=[], type=json.loads,
+                    help='more variants of both GEMMs as JSON knobs, e.g. \'{"BN1": 32, "stages2": 4}\' (a previous '
+                         'launch_config, timed in the same run)')
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: small shapes, checks the script")
     a = ap.parse_args(argv)
     if a.smoke:
@@ -83,7 +86,7 @@ def main(argv=None) -> int:
             ref = ref_moe.experts_dense(x.float(), w13.float(), w2.float(), wts, ids, clamp=10.0)
             base = triton_moe.fused_experts(x, w13, w2, wts, ids, clamp=10.0)
             cfg = triton_moe.launch_config(T * k, E, F, d, dev)
-            for gemm, knobs in variants(a.smoke):
+            for gemm, knobs in variants(a.smoke) + [("given", k) for k in a.also]:
                 if gemm == "gemm1" and all(cfg.get(key) == v for key, v in knobs.items()):
                     continue  # launch_config's own: the default row
                 if gemm == "gemm2" and all(cfg.get(key) == v for key, v in knobs.items()):
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
         base = next((r for r in mine if r["gemm"] == "default"), None)
         if base is None:
             continue
-        for gemm in ("gemm1", "gemm2"):
+        for gemm in ("gemm1", "gemm2", "given"):
             theirs = [r for r in mine if r["gemm"] == gemm]
             if theirs:
                 best = min(theirs, key=lambda r: r["us"])

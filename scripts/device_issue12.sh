@@ -398,6 +398,15 @@ check19)
 moe19)
   # 19th session (~3 min): fused_experts' GEMM knobs at decode token counts (the CED bench MoE shape).
   timeout 400 python3 benchmarks/moe_launch_sweep.py --out "$OUT/moe_launch.jsonl" 2>&1 | grep -v Warning | tail -60 ;;
+moe19b)
+  # 19th session (~4 min): the MoE and decode-path GPU tests, the sweep again (launch_config's new row), then the
+  # decode profile (the step's figures against the last run's).
+  timeout -s INT 150 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_triton_moe.py \
+    tests/test_triton_moe_pairs.py tests/test_ced_decode_path.py 2>&1 | tail -3
+  timeout 200 python3 benchmarks/moe_launch_sweep.py --tokens 16 64 --also '{"BN1": 32, "stages2": 4}' \
+    --out "$OUT/moe_launch.jsonl" 2>&1 | grep "^T=\|launch_config\|given"
+  timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --out "$OUT/profile_ced.jsonl" 2>&1 | grep "== batch" | cut -c 1-150 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

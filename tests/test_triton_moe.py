@@ -101,6 +101,19 @@ def test_low_precision_matches_routed(T, E, k, d, F, clamp, dtype, seed):
     assert rel_err(out, oracle) < 2 * routed_err + 2e-3
 
 
+@examples(6)
+@given(T=st.integers(1, 24), E=st.integers(1, 6), k=st.integers(1, 3),
+       knobs=st.sampled_from([dict(BN1=32, BK1=32), dict(BN2=32, BK2=32, stages2=2), dict(warps1=2, warps2=2),
+                              dict(BN1=16, BK1=64, BN2=64, BK2=16)]), seed=st.integers(0, 2**16))
+def test_launch_overrides_keep_the_result(T, E, k, knobs, seed):
+    """benchmarks/moe_launch_sweep.py's knobs change tiles, never the function: bf16 against the routed
+    reference, as the default launch."""
+    k = min(k, E)
+    x, w13, w2, weights, ids = make_case(gen(seed), T, E, k, 40, 24, torch.bfloat16)
+    out = triton_moe.fused_experts(x, w13, w2, weights, ids, clamp=0.7, launch=knobs)
+    assert rel_err(out, ref_moe.experts_routed(x, w13, w2, weights, ids, clamp=0.7)) < 1e-2
+
+
 def test_idle_experts_and_all_tokens_to_one_expert():
     g = gen(1)
     x, w13, w2, weights, ids = make_case(g, 0, 3, 2, 24, 20)  # no tokens
@@ -179,6 +192,9 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
         (dict(w13=w13.to(FP8), w2=w2.to(FP8), w13_scale=torch.ones(2, 1, 1, device=DEV),
               w2_scale=torch.ones(2, 1, 1, device=DEV, dtype=torch.float64)), "w2_scale must be float32"),
         (dict(block_m=24), "block_m must be"),
+        (dict(launch=dict(BN3=16)), r"launch: unknown keys \['BN3'\]"),
+        (dict(w13=w13.to(FP8), w2=w2.to(FP8), w13_scale=torch.ones(2, 1, 1, device=DEV),
+              w2_scale=torch.ones(2, 1, 1, device=DEV), launch=dict(BK1=256)), "FP8 weights need BK1 and BK2"),
     ]
     base = dict(x=x, w13=w13, w2=w2, weights=weights, ids=ids)
     for change, msg in cases:

@@ -302,14 +302,19 @@ def launch_config(num_pairs: int, num_experts: int, F: int, d: int, device: torc
         warps = 8 if BM >= 128 else 4
         cfg = dict(BLOCK_M=BM, BN1=32, BK1=32, BN2=32, BK2=32, warps1=warps, warps2=warps)
     elif BM <= 32:
+        # benchmarks/moe_launch_sweep.py on the H200 (CED bench MoE, 16-128 tokens; 19th session): 64-wide GEMM-1
+        # tiles beat 32-wide ones by 3-4 us a call once the active experts' tiles fill one wave (they had been
+        # narrowed below two waves).
         active = min(num_pairs, num_experts)
-        BN1 = 64 if active * cdiv(F, 64) >= 2 * sm_count(device) else 32
+        BN1 = 64 if active * cdiv(F, 64) >= sm_count(device) else 32
         cfg = dict(BLOCK_M=BM, BN1=BN1, BK1=128, BN2=64, BK2=128, warps1=4, warps2=4)
     else:
         warps = 8 if BM >= 128 else 4
         cfg = dict(BLOCK_M=BM, BN1=64, BK1=64, BN2=128, BK2=64, warps1=warps, warps2=warps)
     cfg["stages1"] = _stages(BM * cfg["BK1"] * x_bytes + 2 * cfg["BK1"] * cfg["BN1"] * w_bytes)
     cfg["stages2"] = _stages(BM * cfg["BK2"] * x_bytes + cfg["BK2"] * cfg["BN2"] * w_bytes)
+    if BM <= 32 and x_bytes < 4 and cdiv(F, cfg["BK2"]) <= 4:
+        cfg["stages2"] = 2  # a short K loop (the same sweep: F = 512, 2 us a call faster than 4 stages)
     return cfg
 
 
