@@ -31,12 +31,14 @@ LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunch
 
 def build(d: Path, args, mode: str):
     tokens = args.tokens
-    cfg = gpu_bench.ced_config(args.size, tokens + 16)
+    cfg = gpu_bench.ced_config(args.size, max(args.max_len or 0, tokens + 16))
     gpu_bench.write_model_dir(d, cfg)
     ns = argparse.Namespace(dtype=args.dtype, device=args.device, backend=None, build_in_dtype="always")
-    llm = gpu_bench.build_llm(d, ns, cfg, hf_overrides={"replay_mode": mode}, max_model_len=tokens + 16,
-                              max_num_seqs=4, max_num_batched_tokens=tokens, enable_prefix_caching=False,
-                              num_kv_blocks=(tokens + 16) // 16 + 64)[0]
+    max_len = max(args.max_len or 0, tokens + 16)
+    seqs = args.max_seqs
+    llm = gpu_bench.build_llm(d, ns, cfg, hf_overrides={"replay_mode": mode}, max_model_len=max_len,
+                              max_num_seqs=seqs, max_num_batched_tokens=max(args.batched or 0, tokens),
+                              enable_prefix_caching=False, num_kv_blocks=max_len // 16 + 64 + 20 * (seqs - 4))[0]
     return llm, cfg
 
 
@@ -128,6 +130,9 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--host", action="store_true", help="also cProfile one prefill (host functions by own time)")
     ap.add_argument("--ops", action="store_true", help="record input shapes: torch ops by their kernels' device time")
+    ap.add_argument("--max-len", type=int, default=None, help="the engine's max_model_len (default: tokens + 16)")
+    ap.add_argument("--max-seqs", type=int, default=4, help="the engine's max_num_seqs (gpu_bench's ced phase: 64)")
+    ap.add_argument("--batched", type=int, default=None, help="max_num_batched_tokens (default: tokens)")
     ap.add_argument("--out", default="profile_cold_prefill")
     args = ap.parse_args()
     report, rows = io.StringIO(), []

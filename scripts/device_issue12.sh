@@ -41,6 +41,8 @@
 #                                            # shapes; decode kernels (PDL off) at 1 / 16 / 64, 45 a row
 #   bash scripts/device_issue12.sh check19           # skinny-product tests (split-K kernel), gemv_bench at 4-64 rows
 #   bash scripts/device_issue12.sh moe19             # fused_experts' GEMM knobs at 16-128 tokens (moe_launch_sweep)
+#   bash scripts/device_issue12.sh diag20 COMMIT     # the 4K prefill ratio under three engine shapes (gpu_bench)
+#   bash scripts/device_issue12.sh diag20b           # a bounded 4K prefill's profile in gpu_bench's engine shape and its own
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -407,6 +409,24 @@ moe19b)
     --out "$OUT/moe_launch.jsonl" 2>&1 | grep "^T=\|launch_config\|given"
   timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
     --out "$OUT/profile_ced.jsonl" 2>&1 | grep "== batch" | cut -c 1-150 ;;
+diag20)
+  # 20th session (~5 min): the 4K bounded / exact prefill under three engine shapes, gpu_bench's timed prefill in
+  # each (5 alternating repeats): 4K alone (max_model_len ~4K, 4 sequences), 4K beside 16K (max_model_len ~16K),
+  # 4K with decode batches 1 / 16 / 64 (64 sequences): which setting costs the 4K prefill its time.
+  for spec in "4096|" "4096 16384|" "4096|1 16 64"; do
+    L=${spec%|*}; B=${spec#*|}; tag=$(echo "L${L}_B${B}" | tr ' ' '-')
+    timeout 190 python3 benchmarks/gpu_bench.py --out "$OUT/diag20_$tag.jsonl" --commit "${1:-?}" \
+      --phases roofline,ced --ced-prefill-tokens $L --ced-batches $B --ced-repeats 5 --budget-s 170 2>&1 \
+      | grep "exact / bounded\|prefill (" | sed "s/^/$tag /" | cut -c 1-170
+  done ;;
+diag20b)
+  # 20th session (~3 min): a bounded 4K prefill in gpu_bench's ced-phase engine shape (max_model_len 16K, 64
+  # sequences, 16K batched tokens) and in profile_cold_prefill's own (4K, 4): wall, busy, idle spans, host top.
+  for shape in "--max-len 16392 --max-seqs 64 --batched 16384|big" "|small"; do
+    timeout 130 python3 benchmarks/profile_cold_prefill.py --tokens 4096 --modes bounded --repeats 5 --host \
+      ${shape%|*} --out "$OUT/profile_cold_prefill_4k_${shape#*|}" > "$OUT/pcp_${shape#*|}.log" 2>&1
+    grep -v Warning "$OUT/pcp_${shape#*|}.log" | grep -A12 "^== \|idle spans" | cut -c 1-180 | head -40
+  done ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac
