@@ -328,6 +328,12 @@ def test_split_k_writes_a_strided_out_and_refuses_bad_inputs():
         tsk.grouped_splitk(x, w, out=torch.empty(6, 2, 31, device=DEV, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"\[M, K\]"):
         tsk.linear(x, w)
+    for knobs, msg in ((dict(block_k=48), r"block_k must be a power of two in \[16, 512\], got 48"),
+                       (dict(block_n=0), "block_n must be a power of two"), (dict(num_warps=6), "num_warps"),
+                       (dict(num_stages=0), r"num_stages must be an int in \[1, 8\], got 0"),
+                       (dict(per_sm=0), "per_sm must be an int"), (dict(max_splits=2.0), "max_splits must be an int")):
+        with pytest.raises(ValueError, match=msg):
+            tsk.grouped_splitk(x, w, **knobs)
     assert not tsk.grouped_splitk(x[..., :0], w[..., :0]).any()
 
 

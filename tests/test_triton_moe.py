@@ -193,6 +193,12 @@ def test_bad_inputs_raise_value_errors_naming_the_argument():
               w2_scale=torch.ones(2, 1, 1, device=DEV, dtype=torch.float64)), "w2_scale must be float32"),
         (dict(block_m=24), "block_m must be"),
         (dict(launch=dict(BN3=16)), r"launch: unknown keys \['BN3'\]"),
+        (dict(launch=dict(BN1=48)), r"launch: BN1 must be a power of two in \[16, 256\], got 48"),
+        (dict(launch=dict(BK2=0)), r"launch: BK2 must be a power of two"),
+        (dict(launch=dict(warps1=3)), r"launch: warps1 must be a power of two in \[1, 16\]"),
+        (dict(launch=dict(stages2=0)), r"launch: stages2 must be an int in \[1, 8\], got 0"),
+        (dict(launch=dict(BN2=64.0)), r"launch: BN2 must be a power of two"),
+        (dict(launch=dict(stages1=True)), r"launch: stages1 must be an int"),
         (dict(w13=w13.to(FP8), w2=w2.to(FP8), w13_scale=torch.ones(2, 1, 1, device=DEV),
               w2_scale=torch.ones(2, 1, 1, device=DEV), launch=dict(BK1=256)), "FP8 weights need BK1 and BK2"),
     ]

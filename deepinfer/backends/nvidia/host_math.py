@@ -11,3 +11,11 @@ def cdiv(x: int, d: int) -> int:
 def next_pow2(n: int) -> int:
     """The least power of two >= n, for an int n >= 0 (0 for 0, as triton.next_power_of_2)."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def check_knob(owner: str, name: str, v, lo: int, hi: int, pow2: bool = True) -> None:
+    """A launch knob given by a caller (a sweep, a test): an int in [lo, hi], a power of two where ``pow2``
+    (tiles, warps), else ValueError naming it, before Triton's compiler or a division by zero sees it."""
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi or (pow2 and v & (v - 1)):
+        raise ValueError(f"{owner}: {name} must be {'a power of two' if pow2 else 'an int'} in [{lo}, {hi}], "
+                         f"got {v!r}")

@@ -33,7 +33,7 @@ import triton.language as tl
 from .triton_attention import _dot, sm_count
 from .triton_norm import cast_rne
 from .triton_pdl import launch_kw, pdl_start
-from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
+from deepinfer.backends.nvidia.host_math import cdiv, check_knob, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -146,6 +146,10 @@ def grouped_splitk(x: torch.Tensor, w: torch.Tensor, *, per_sm: int = PROGRAMS_P
     """x [M, G, K] @ w[g].T per group -> [M, G, N] in x's dtype, or float32 for a float32 w (``out``: a [M, G, N]
     tensor of that dtype to write, contiguous along N, any row / group strides). The keyword knobs are the
     launch's (benchmarks/gemv_bench.py times them)."""
+    for name, v, lo, hi, pow2 in (("block_k", block_k, 16, 512, True), ("block_n", block_n, 16, 512, True),
+                                  ("num_warps", num_warps, 1, 16, True), ("num_stages", num_stages, 1, 8, False),
+                                  ("per_sm", per_sm, 1, 64, False), ("max_splits", max_splits, 1, 1024, False)):
+        check_knob("grouped_splitk", name, v, lo, hi, pow2)
     if not supports(x, w):
         raise ValueError(f"grouped_splitk: unsupported inputs: x {x.dtype} {tuple(x.shape)} stride {x.stride()}, "
                          f"w {w.dtype} {tuple(w.shape)} stride {w.stride()} (x [M <= {MAX_ROWS}, G, K] and "
