@@ -334,6 +334,18 @@ def test_indexer_scores_in_query_blocks(row_js, nh, fmt, block_q, dtype, seed, d
     check_indexer_against_reference(ids, scores, args, k)
 
 
+def test_indexer_refuses_bad_launch_overrides():
+    """Unknown keys, a head or latent tile other than the shape's own, tiles off the powers of two: refused, named."""
+    args, _ = indexer_case(gen(3), [12], [2], 2, 32, "mxfp4", torch.float32, False, False)
+    q, w, (codes, scales), *rest = args
+    for launch, msg in ((dict(BLOCK_Q=3), "BLOCK_Q must be a power of two"), (dict(TILE=4), r"unknown keys \['TILE'\]"),
+                        (dict(BLOCK_D=16), r"BLOCK_D must be a power of two in \[32, 32\]"),
+                        (dict(BLOCK_H=32), r"BLOCK_H must be a power of two in \[16, 16\]"),
+                        (dict(BLOCK_J=8), r"BLOCK_J must be a power of two in \[16, 256\], got 8")):
+        with pytest.raises(ValueError, match=msg):
+            triton_ced_indexer.indexer_topk(q, w, codes, scales, *rest, 3, launch=launch)
+
+
 @examples(10)
 @given(Tq=st.integers(1, 4), J=st.integers(1, 100), k=st.integers(1, 40), levels=st.integers(1, 6),
        with_allowed=st.booleans(), block=st.sampled_from([None, 16, 128]), seed=st.integers(0, 2**16))

@@ -52,3 +52,22 @@ def test_launch_overrides_keep_the_function(T, block_n, splits, seed):
                                **kw)
     ref = ReferenceOps(DEV).ced_sparse_attention(*args, **kw)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_bad_launch_overrides_are_refused_naming_the_knob():
+    """A launch override may change the tiles, never what is computed: unknown keys, a latent tile other than the
+    latent's own width (a narrower one would drop channels), tiles and warps off the powers of two and split
+    counts below one are refused before the kernel runs (the indexer's: tests/test_triton_ced.py)."""
+    import pytest
+
+    args, kw = ced_attention_case([(45, 1, 0)], window=16, ring_size=20, heads=4, dim=64, topk=8,
+                                  fmt="fp4_e2m1_e4m3", dtype=torch.float32, sinks=True, device=DEV, n_entries=64,
+                                  full_selection=True, poison=False)
+    for launch, splits, msg in ((dict(BLOCK_M=16), None, r"unknown keys \['BLOCK_M'\]"),
+                                (dict(BLOCK_D=32), None, r"BLOCK_D must be a power of two in \[64, 64\], got 32"),
+                                (dict(BLOCK_N=24), None, "BLOCK_N must be a power of two"),
+                                (dict(BLOCK_H=8), None, r"BLOCK_H must be a power of two in \[16, 64\]"),
+                                (dict(num_warps=3), None, "num_warps"), (dict(num_stages=0), None, "num_stages"),
+                                (None, 0, r"num_splits must be an int in \[1, 256\], got 0")):
+        with pytest.raises(ValueError, match=msg):
+            tca.sparse_attention(*args, launch=launch, num_splits=splits, **kw)

@@ -19,3 +19,17 @@ def check_knob(owner: str, name: str, v, lo: int, hi: int, pow2: bool = True) ->
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi or (pow2 and v & (v - 1)):
         raise ValueError(f"{owner}: {name} must be {'a power of two' if pow2 else 'an int'} in [{lo}, {hi}], "
                          f"got {v!r}")
+
+
+def merge_launch(owner: str, cfg: dict, launch, bounds: dict) -> dict:
+    """A kernel's launch (cfg, from shapes) with a caller's overrides: keys outside ``bounds`` refused, each given
+    value checked against bounds[key] = (lo, hi, pow2) (check_knob), so an override can change the tiles but
+    never what is computed (a latent tile narrower than the latent would drop channels)."""
+    if not launch:
+        return cfg
+    bad = sorted(set(launch) - set(bounds))
+    if bad:
+        raise ValueError(f"{owner}: launch has unknown keys {bad} (known: {sorted(bounds)})")
+    for key, v in launch.items():
+        check_knob(f"{owner}: launch", key, v, *bounds[key])
+    return {**cfg, **launch}

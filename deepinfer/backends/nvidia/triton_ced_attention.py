@@ -42,7 +42,7 @@ from .triton_attention import LOG2E, _dot, _merge_kernel, finish_softmax, sm_cou
 from .triton_fp4 import GROUPS, e4m3_value, e8m0_value, fast_decode, fp4_operand, mma_operand
 from .triton_norm import cast_rne
 from .triton_pdl import launch_kw, pdl_signal, pdl_start
-from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
+from deepinfer.backends.nvidia.host_math import cdiv, check_knob, merge_launch, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 RING_FMT = "fp8_e4m3_pow2"
@@ -280,7 +280,12 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         entry_slots = entry_slots.contiguous()
     if launch is None and num_splits is None:  # wide latents: the launch the H200 sweeps chose
         launch, num_splits = wide_launch(T, H, D, q.dtype, window, K if has_entries else 0) or (None, None)
-    cfg = dict(launch_config(H, D, q.dtype), **(launch or {}))
+    cfg = launch_config(H, D, q.dtype)
+    cfg = merge_launch("sparse_attention", cfg, launch, {
+        "BLOCK_H": (16, 64, True), "BLOCK_N": (16, 128, True), "BLOCK_D": (cfg["BLOCK_D"], cfg["BLOCK_D"], True),
+        "num_warps": (1, 16, True), "num_stages": (1, 8, False)})
+    if num_splits is not None:
+        check_knob("sparse_attention", "num_splits", num_splits, 1, 256, False)
     BLOCK_H, BLOCK_N, BLOCK_D = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["BLOCK_D"]
     num_ht = cdiv(H, BLOCK_H)
     win_tiles, sel_tiles = cdiv(window, BLOCK_N), cdiv(K, BLOCK_N) if has_entries else 0

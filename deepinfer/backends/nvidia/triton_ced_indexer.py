@@ -39,7 +39,7 @@ from .triton_attention import _dot
 from .triton_fp4 import GROUPS, fast_decode, fp4_operand, fp4_tile
 from .triton_norm import cast_rne, to_f32
 from .triton_pdl import launch_kw, pdl_signal, pdl_start
-from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
+from deepinfer.backends.nvidia.host_math import cdiv, merge_launch, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -289,7 +289,10 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, sc
     if Tq and J:
         if entry_slots.stride(1) != 1:
             entry_slots = entry_slots.contiguous()
-        cfg = dict(launch_config(nh, dh, Tq, q.dtype), **(launch or {}))
+        cfg = launch_config(nh, dh, Tq, q.dtype)
+        cfg = merge_launch("indexer_topk", cfg, launch, {
+            "BLOCK_Q": (1, 64, True), "BLOCK_H": (cfg["BLOCK_H"], cfg["BLOCK_H"], True),
+            "BLOCK_D": (cfg["BLOCK_D"], cfg["BLOCK_D"], True), "BLOCK_J": (16, 256, True), "num_warps": (1, 16, True)})
         BQ, BJ, BD = cfg["BLOCK_Q"], cfg["BLOCK_J"], cfg["BLOCK_D"]
         _score_kernel[(cdiv(Tq, BQ), cdiv(J, BJ))](
             q, weights, codes, scales, entry_slots, q_rows.contiguous(), num_visible.contiguous(), scores,
