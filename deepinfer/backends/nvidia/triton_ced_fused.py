@@ -32,6 +32,7 @@ import triton.language as tl
 from .triton_norm import cast_rne, to_f32
 from .triton_pdl import launch_kw, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
+from deepinfer.device_consts import device_const
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
@@ -300,21 +301,11 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bo
     return out
 
 
-_INV_FREQ: dict = {}
-
-
 def inv_freq(rope_dim: int, theta: float, device) -> torch.Tensor:
     """CED's rotary frequencies [R/2] float32, by the model's own formula (functional.rope_inv_freq) computed on
-    ``device``, so the bits are those the torch path computes there. Kept per (R, theta, device) once computed
-    outside a CUDA-graph capture (a tensor made inside one holds nothing until a replay); inside a capture
-    with nothing kept yet, computed into the graph (CUDA graphs warm up eagerly first, so this is rare)."""
+    ``device``, so the bits are those the torch path computes there: the table the torch path keeps
+    (device_const, one key for both, so the two never differ)."""
     from ...models.ced.functional import rope_inv_freq
 
-    device = torch.device(device)
-    key = (int(rope_dim), float(theta), device)
-    got: Optional[torch.Tensor] = _INV_FREQ.get(key)
-    if got is None:
-        got = rope_inv_freq(rope_dim, theta, device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _INV_FREQ[key] = got
-    return got
+    return device_const(("ced_rope_inv_freq", int(rope_dim), float(theta)), device,
+                        lambda d: rope_inv_freq(rope_dim, theta, d))

@@ -42,6 +42,7 @@ from types import MappingProxyType
 
 import torch
 
+from ...device_consts import device_const
 from ..base import to_device
 
 FORMATS = ("fp4_e2m1_e4m3", "mxfp4", "fp8_e4m3_pow2", "bf16", "fp32")
@@ -73,11 +74,11 @@ def e2m1_values() -> torch.Tensor:
 
 
 def _e2m1_grid(device) -> torch.Tensor:
-    """_E2M1_POS on ``device``, built there (torch.tensor(list, device=cuda) would block the host)."""
-    return to_device(_E2M1_POS, torch.float32, device)
+    """_E2M1_POS on ``device``, built there (torch.tensor(list, device=cuda) would block the host); kept."""
+    return device_const("e2m1_grid", device, lambda d: to_device(_E2M1_POS, torch.float32, d))
 
 
-def _e4m3_positive(device) -> torch.Tensor:
+def _e4m3_table(device) -> torch.Tensor:
     """Magnitudes of float8_e4m3fn codes 0..126 (bias 7, no inf; 127 is NaN): [127] float32, ascending."""
     code = torch.arange(_E4M3_MAX_CODE + 1, device=device)
     e, m = code >> 3, (code & 7).float()
@@ -86,10 +87,17 @@ def _e4m3_positive(device) -> torch.Tensor:
     return torch.where(e == 0, sub, norm)
 
 
+def _e4m3_positive(device) -> torch.Tensor:
+    """_e4m3_table on ``device``, built once there (device_const); read only."""
+    return device_const("e4m3_positive", device, _e4m3_table)
+
+
 def _e4m3_decode(bits: torch.Tensor) -> torch.Tensor:
     """uint8 float8_e4m3fn bits [...] -> float32 [...] (0x7F / 0xFF -> NaN)."""
     b = bits.long()
-    mag = torch.cat([_e4m3_positive(bits.device), torch.full((1,), float("nan"), device=bits.device)])[b & 0x7F]
+    table = device_const("e4m3_codes", bits.device, lambda d: torch.cat([
+        _e4m3_positive(d), torch.full((1,), float("nan"), device=d)]))  # [128]: code 127 is NaN
+    mag = table[b & 0x7F]
     return torch.where((b & 0x80) != 0, -mag, mag)
 
 
@@ -231,7 +239,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor | None, fmt: str,
     if fmt == "fp8_e4m3_pow2":
         vals, scale = _e4m3_decode(codes), _e8m0_decode(scales)
     else:
-        vals = e2m1_values().to(codes.device)[_unpack_nibbles(codes)]
+        vals = device_const("e2m1_values", codes.device, lambda d: e2m1_values().to(d))[_unpack_nibbles(codes)]
         scale = _e4m3_decode(scales) if fmt == "fp4_e2m1_e4m3" else _e8m0_decode(scales)
     out = vals.reshape(*lead, C // g, g) * scale[..., None]  # [..., G, g]; exact (few-bit products)
     return out.reshape(*lead, C).to(dtype)

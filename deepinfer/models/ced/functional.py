@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...backends.reference import lowbit
+from ...device_consts import device_const
 
 
 def _fused(ops, name: str, *ts: torch.Tensor):
@@ -27,7 +28,8 @@ def rope_inv_freq(rope_dim: int, theta: float, device) -> torch.Tensor:
 
 def rope_cos_sin(pos: torch.Tensor, rope_dim: int, theta: float):
     """pos: [T] -> cos, sin [T, R/2] float32."""
-    inv = rope_inv_freq(rope_dim, theta, pos.device)
+    inv = device_const(("ced_rope_inv_freq", int(rope_dim), float(theta)), pos.device,
+                       lambda d: rope_inv_freq(rope_dim, theta, d))
     ang = pos.float()[:, None] * inv[None, :]
     return ang.cos(), ang.sin()
 
