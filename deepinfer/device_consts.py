@@ -17,6 +17,8 @@ def device_const(key: Hashable, device, build: Callable[[torch.device], torch.Te
     """The table ``build(device)`` for ``key`` on ``device``: built the first time (outside graph capture), then
     kept. Never write into the result."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda": the current device, whichever that is now
+        device = torch.device("cuda", torch.cuda.current_device())
     got = _TABLES.get((key, device))
     if got is None:
         got = build(device)
