@@ -31,10 +31,10 @@ LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunch
 
 def build(d: Path, args, mode: str):
     tokens = args.tokens
-    cfg = gpu_bench.ced_config(args.size, max(args.max_len or 0, tokens + 16))
+    max_len = max(args.max_len or 0, tokens + 16)
+    cfg = gpu_bench.ced_config(args.size, max_len)
     gpu_bench.write_model_dir(d, cfg)
     ns = argparse.Namespace(dtype=args.dtype, device=args.device, backend=None, build_in_dtype="always")
-    max_len = max(args.max_len or 0, tokens + 16)
     seqs = args.max_seqs
     llm = gpu_bench.build_llm(d, ns, cfg, hf_overrides={"replay_mode": mode}, max_model_len=max_len,
                               max_num_seqs=seqs, max_num_batched_tokens=max(args.batched or 0, tokens),

@@ -4,6 +4,7 @@ function as the reference op). Without CUDA through Triton's interpreter on smal
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, strategies as st
 
@@ -58,8 +59,6 @@ def test_bad_launch_overrides_are_refused_naming_the_knob():
     """A launch override may change the tiles, never what is computed: unknown keys, a latent tile other than the
     latent's own width (a narrower one would drop channels), tiles and warps off the powers of two and split
     counts below one are refused before the kernel runs (the indexer's: tests/test_triton_ced.py)."""
-    import pytest
-
     args, kw = ced_attention_case([(45, 1, 0)], window=16, ring_size=20, heads=4, dim=64, topk=8,
                                   fmt="fp4_e2m1_e4m3", dtype=torch.float32, sinks=True, device=DEV, n_entries=64,
                                   full_selection=True, poison=False)

@@ -29,7 +29,7 @@ def merge_launch(owner: str, cfg: dict, launch, bounds: dict) -> dict:
         return cfg
     bad = sorted(set(launch) - set(bounds))
     if bad:
-        raise ValueError(f"{owner}: launch has unknown keys {bad} (known: {sorted(bounds)})")
+        raise ValueError(f"{owner} launch: unknown keys {bad} (known: {sorted(bounds)})")
     for key, v in launch.items():
-        check_knob(f"{owner}: launch", key, v, *bounds[key])
+        check_knob(f"{owner} launch", key, v, *bounds[key])
     return {**cfg, **launch}

@@ -32,7 +32,6 @@ import triton.language as tl
 from .triton_norm import cast_rne, to_f32
 from .triton_pdl import launch_kw, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
-from deepinfer.device_consts import device_const
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
@@ -303,9 +302,8 @@ def rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bo
 
 def inv_freq(rope_dim: int, theta: float, device) -> torch.Tensor:
     """CED's rotary frequencies [R/2] float32, by the model's own formula (functional.rope_inv_freq) computed on
-    ``device``, so the bits are those the torch path computes there: the table the torch path keeps
-    (device_const, one key for both, so the two never differ)."""
-    from ...models.ced.functional import rope_inv_freq
+    ``device``, so the bits are those the torch path computes there: the very table the torch path keeps
+    (functional.kept_inv_freq), so the two never differ."""
+    from ...models.ced.functional import kept_inv_freq
 
-    return device_const(("ced_rope_inv_freq", int(rope_dim), float(theta)), device,
-                        lambda d: rope_inv_freq(rope_dim, theta, d))
+    return kept_inv_freq(rope_dim, theta, device)

@@ -47,7 +47,7 @@ import triton.language as tl
 from ..reference.moe import FP8, SCALE_BLOCK, _check_experts, check_scales
 from .triton_attention import sm_count
 from .triton_norm import cast_rne, to_f32
-from deepinfer.backends.nvidia.host_math import cdiv, check_knob, next_pow2
+from deepinfer.backends.nvidia.host_math import cdiv, merge_launch, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
@@ -378,13 +378,9 @@ def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
     return w13.dtype == x.dtype and w2.dtype == x.dtype and w13_scale is None and w2_scale is None
 
 
-_LAUNCH_RANGES = {"BN": (16, 256), "BK": (16, 256), "warps": (1, 16), "stages": (1, 8)}
-
-
-def _check_launch(launch: dict) -> None:
-    """fused_experts' launch overrides: tiles and warps powers of two, stages a small count, all in range."""
-    for key, v in launch.items():
-        check_knob("launch", key, v, *_LAUNCH_RANGES[key.rstrip("12")], pow2=not key.startswith("stages"))
+# fused_experts' launch overrides (merge_launch): tiles and warps powers of two, stages a small count.
+_LAUNCH_BOUNDS = {**{f"{k}{g}": (16, 256, True) for k in ("BN", "BK") for g in (1, 2)},
+                  **{f"warps{g}": (1, 16, True) for g in (1, 2)}, **{f"stages{g}": (1, 8, False) for g in (1, 2)}}
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -420,12 +416,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         return torch.zeros(T, d, dtype=x.dtype, device=x.device)
     dev = x.device
     cfg = launch_config(N, E, F, d, dev, block_m, x.element_size(), w13.element_size())
-    if launch:
-        bad = sorted(set(launch) - (set(cfg) - {"BLOCK_M"}))
-        if bad:
-            raise ValueError(f"launch: unknown keys {bad} (known: {sorted(set(cfg) - {'BLOCK_M'})})")
-        _check_launch(launch)
-        cfg.update(launch)
+    cfg = merge_launch("fused_experts", cfg, launch, _LAUNCH_BOUNDS)
     BM = cfg["BLOCK_M"]
     if fp8:
         if SCALE_BLOCK % cfg["BK1"] or SCALE_BLOCK % cfg["BK2"]:

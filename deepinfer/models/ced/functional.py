@@ -26,10 +26,15 @@ def rope_inv_freq(rope_dim: int, theta: float, device) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, device=device, dtype=torch.float32) / rope_dim))
 
 
+def kept_inv_freq(rope_dim: int, theta: float, device) -> torch.Tensor:
+    """rope_inv_freq on ``device``, built once there and kept (device_const); the nvidia RoPE kernel reads it too."""
+    return device_const(("ced_rope_inv_freq", int(rope_dim), float(theta)), device,
+                        lambda d: rope_inv_freq(rope_dim, theta, d))
+
+
 def rope_cos_sin(pos: torch.Tensor, rope_dim: int, theta: float):
     """pos: [T] -> cos, sin [T, R/2] float32."""
-    inv = device_const(("ced_rope_inv_freq", int(rope_dim), float(theta)), pos.device,
-                       lambda d: rope_inv_freq(rope_dim, theta, d))
+    inv = kept_inv_freq(rope_dim, theta, pos.device)
     ang = pos.float()[:, None] * inv[None, :]
     return ang.cos(), ang.sin()
 
