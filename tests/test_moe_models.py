@@ -254,6 +254,35 @@ def test_block_dense_matches_routed(c):
     assert routed.expert_load.totals().sum().item() == c["T"] * c["top_k"]
 
 
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.integers(1, 6), st.integers(0, 5), st.lists(st.integers(1, 9), min_size=1, max_size=6),
+       st.integers(2, 12), st.booleans(), st.integers(0, 2**31 - 1))
+def test_batched_expert_load_counts_as_per_call_records(n_layers, first, token_counts, E, nested, seed):
+    """ExpertLoad.batched counts what the same records count one at a time (per-expert counts built here with
+    bincount): consecutive rows of one token count (the one-scatter path), other orders and ragged counts (the
+    fallback), and a nested hold."""
+    layers = list(range(10, 10 + first + n_layers + 2))
+    g = torch.Generator().manual_seed(seed)
+    order = list(range(first, first + n_layers))
+    if len(token_counts) > 1:  # ragged token counts, and a shuffled layer order: the fallback
+        order = [order[i] for i in torch.randperm(n_layers, generator=g).tolist()]
+    calls = [(layers[r], torch.randint(0, E, (token_counts[i % len(token_counts)], 3), generator=g))
+             for i, r in enumerate(order)]
+    held = ExpertLoad(layers, E, window=1)
+    with held.batched():
+        with held.batched() if nested else torch.no_grad():
+            for layer, ids in calls:
+                held.record(layer, ids)
+        assert held.current is None or held.current.sum() == 0  # nothing counted before the hold ends
+    expected = torch.zeros(len(layers), E, dtype=torch.long)
+    for layer, ids in calls:
+        expected[layers.index(layer)] += torch.bincount(ids.reshape(-1), minlength=E)
+    assert torch.equal(held.current, expected)
+    held.record(layers[0], calls[0][1])  # after the hold: counted at once again
+    expected[0] += torch.bincount(calls[0][1].reshape(-1), minlength=E)
+    assert torch.equal(held.current, expected)
+
+
 def test_block_output_depends_on_routing():
     """Not a vacuous match: a different top_k (another routing) changes the output."""
     c = dict(T=6, E=8, top_k=2, n_group=None, topk_group=None, group_score="max", scoring="softmax",

@@ -27,6 +27,8 @@ rings' and tails' speculative allowance (a write never lands on a slot a real qu
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import engine_path
@@ -117,7 +119,14 @@ class DecodePass(engine_path.Shared):
 
 def forward_decode(model, input_ids, meta, cache):
     """input_ids [B] (one token per row), meta with state_rows, replay_rows and block_table -> hidden [B, d];
-    or a padded verify batch (meta.q_nums, max_q = Q): input_ids [B Q] -> hidden [B Q, d]."""
+    or a padded verify batch (meta.q_nums, max_q = Q): input_ids [B Q] -> hidden [B Q, d]. The layers' expert-load
+    records are counted together at the end (ExpertLoad.batched: two kernels a step, not one a layer)."""
+    load = getattr(model, "expert_load", None)
+    with load.batched() if load is not None else contextlib.nullcontext():
+        return _forward_decode(model, input_ids, meta, cache)
+
+
+def _forward_decode(model, input_ids, meta, cache):
     c = model.config
     stats = model.counters
     starts = list(meta.starts)
