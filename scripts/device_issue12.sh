@@ -35,6 +35,8 @@
 #   bash scripts/device_issue12.sh check18b COMMIT   # RoPE / pass-graph GPU tests; the prefill ratios with each
 #                                            # prefill's GC time, then again
 #                                            # with --gc-freeze (5 repeats each)
+#   bash scripts/device_issue12.sh s21               # (carry .whl312 .baseline) GPU files but kv_sizing; the decode
+#                                            # profile of this tree and of .baseline/base.tgz's (git archive)
 #   bash scripts/device_issue12.sh final18           # (carry .whl312) GPU files but kv_sizing, kv_sizing alone,
 #                                            # the decode profile at 1 / 16 / 64
 #   bash scripts/device_issue12.sh diag19            # pass-graph GPU tests; a 16K bounded prefill's torch ops with
@@ -377,6 +379,19 @@ check18b)
     tests/test_pass_graphs.py --junitxml="$OUT/check18b_tests.xml" 2>&1 | tail -3
   prefill_ratios "${1:-?}" "" --ced-repeats 5
   prefill_ratios "${1:-?}" _gc_freeze --ced-repeats 5 --gc-freeze ;;
+s21)
+  # 21st session (~8 min): every GPU test file but kv_sizing; then the decode profile at 1 / 16 / 64 of this tree
+  # and of a baseline tree (carry .baseline/, holding base.tgz = git archive of the baseline commit), one after
+  # the other on this GPU, so the step times compare as a ratio.
+  gpu_files_but_kv_sizing
+  timeout 200 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --out "$OUT/profile_ced_new.jsonl" 2>&1 | grep "== batch" | cut -c 1-150
+  if [ -f .baseline/base.tgz ]; then
+    rm -rf /tmp/base && mkdir -p /tmp/base && tar xzf .baseline/base.tgz -C /tmp/base
+    (cd /tmp/base && PYTHONPATH=/tmp/base:/tmp/site timeout 200 python3 benchmarks/profile_decode.py \
+      --shape ced-bench --batches 1 16 64 --steps 16 --out "$OUT/profile_ced_base.jsonl" 2>&1 \
+      | grep "== batch" | cut -c 1-150)
+  fi ;;
 final18)
   gpu_files_but_kv_sizing
   timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3

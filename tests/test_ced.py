@@ -98,7 +98,7 @@ class Shadow:
         saved = dict(layer_engine=engine_path.layer_engine, compress=engine_path._compress_chunk,
                      decode_compress=DecodePass.compress,
                      layer_full=CEDForCausalLM._layer_full, choose=CEDLayer.choose_entries, swa_kv=CEDLayer.swa_kv,
-                     swa_kv_to_ring=CEDLayer.swa_kv_to_ring, entries_to_cache=CEDLayer.entries_to_cache,
+                     swa_kv_rows=CEDLayer.swa_kv_rows, entries_to_cache=CEDLayer.entries_to_cache,
                      entries=CEDLayer.entries, fake=lowbit.fake_quantize, select=fn.select_topk,
                      select_cands=fn.select_candidates, pool=fn.pool_mask, pool_cands=fn.pool_candidates,
                      route=moe_ops.route)
@@ -141,17 +141,17 @@ class Shadow:
             finally:
                 me.layer = whole
 
-        def swa_kv(self, x, pos):
+        def swa_kv(self, x, pos, y=None):
             me.quant = [self.i, ["swa"], pos.tolist(), me.layer[2]]
             try:
-                return saved["swa_kv"](self, x, pos)
+                return saved["swa_kv"](self, x, pos, y=y)
             finally:
                 me.quant = None
 
-        def swa_kv_to_ring(self, x, pos, *args):  # (the decode path's swa_kv, with its ring write)
+        def swa_kv_rows(self, y, pos, *args):  # (the decode path's swa_kv, with its ring write)
             me.quant = [self.i, ["swa"], pos.tolist(), me.layer[2]]
             try:
-                return saved["swa_kv_to_ring"](self, x, pos, *args)
+                return saved["swa_kv_rows"](self, y, pos, *args)
             finally:
                 me.quant = None
 
@@ -308,7 +308,7 @@ class Shadow:
         engine_path.layer_engine, engine_path._compress_chunk = layer_engine, compress_chunk
         DecodePass.compress = decode_compress
         CEDForCausalLM._layer_full, CEDLayer.swa_kv, CEDLayer.entries = layer_full, swa_kv, entries
-        CEDLayer.swa_kv_to_ring, CEDLayer.entries_to_cache = swa_kv_to_ring, entries_to_cache
+        CEDLayer.swa_kv_rows, CEDLayer.entries_to_cache = swa_kv_rows, entries_to_cache
         CEDLayer.choose_entries = choose_entries
         lowbit.fake_quantize, fn.select_topk, fn.pool_mask, moe_ops.route = fake_quantize, select_topk, pool_mask, route
         fn.select_candidates, fn.pool_candidates = select_candidates, pool_candidates
@@ -318,7 +318,7 @@ class Shadow:
             engine_path.layer_engine, engine_path._compress_chunk = saved["layer_engine"], saved["compress"]
             DecodePass.compress = saved["decode_compress"]
             CEDForCausalLM._layer_full, CEDLayer.swa_kv = saved["layer_full"], saved["swa_kv"]
-            CEDLayer.swa_kv_to_ring, CEDLayer.entries_to_cache = saved["swa_kv_to_ring"], saved["entries_to_cache"]
+            CEDLayer.swa_kv_rows, CEDLayer.entries_to_cache = saved["swa_kv_rows"], saved["entries_to_cache"]
             CEDLayer.entries, lowbit.fake_quantize = saved["entries"], saved["fake"]
             CEDLayer.choose_entries = saved["choose"]
             fn.select_topk, fn.pool_mask, moe_ops.route = saved["select"], saved["pool"], saved["route"]

@@ -197,6 +197,33 @@ def test_sparse_attention_low_precision(rows, W, H, K, fmt, dtype, with_sinks, s
     assert rel_err(out, REF.ced_sparse_attention(*args, **kw)) < 1e-2
 
 
+@examples(10)
+@given(rows=ced_attention_rows(2), W=st.integers(1, 12), H=st.integers(1, 4), D=st.sampled_from([32, 64]),
+       K=st.integers(0, 12), R=st.sampled_from([2, 8, 16, 32]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       splits=st.sampled_from([1, 3]), seed=st.integers(0, 2**16))
+def test_sparse_attention_unrope_in_the_store(rows, W, H, D, K, R, dtype, splits, seed):
+    """``unrope`` (the output's inverse RoPE in the DIRECT store and in the split merge) gives bit for bit the
+    torch formula's inverse RoPE (functional.rope_rotate, the same angles) of the plain output; the ops'
+    ``unrope`` matches the reference op's."""
+    from deepinfer.models.ced import functional as fn
+
+    args, kw = attention_case(gen(seed), rows, W, 1, H, D, K, "fp4_e2m1_e4m3", dtype, True)
+    angles = fn.rope_cos_sin(kw["pos"], R, 10000.0)
+    plain = triton_ced_attention.sparse_attention(*args, num_splits=splits, **kw)
+    fused = triton_ced_attention.sparse_attention(*args, num_splits=splits, unrope=angles, **kw)
+    assert_same_bits(fused, fn.rope_rotate(plain, *angles, inverse=True))
+    assert torch.equal(fused[..., :D - R], plain[..., :D - R])  # the other channels as stored
+    ops = NvidiaOps(DEV)
+    got = ops.ced_sparse_attention(*args, unrope=angles, **kw)
+    want = REF.ced_sparse_attention(*args, unrope=angles, **kw)
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
+    bad = [(angles[0].double(), angles[1].double()), (angles[0], torch.cat([angles[1]] * 2, 1)), angles[0],
+           tuple(fn.rope_cos_sin(kw["pos"], D + 2, 10000.0))]
+    for unrope in bad:
+        with pytest.raises(ValueError, match="unrope must be"):
+            triton_ced_attention.sparse_attention(*args, unrope=unrope, **kw)
+
+
 @pytest.mark.parametrize("fmt", FP4)
 def test_sparse_attention_bench_latent_width(fmt):
     """The bench latent's launch config (16 heads x D = 512: BLOCK_H 16, BLOCK_D 512, BLOCK_N 16, as compiled on
@@ -466,6 +493,25 @@ def test_gpu_sparse_attention_bench_shapes(fmt):
 
 
 @gpu
+def test_gpu_sparse_attention_unrope_bench_shapes():
+    """The compiled epilogues (split merge at decode, DIRECT at a prefill chunk's wide launch) give the torch
+    formula's inverse RoPE bit for bit: their products are never contracted into FMAs."""
+    from deepinfer.models.ced import functional as fn
+
+    c = bench_config()
+    g = gen(2)
+    decode = [(int(p), 1, 0) for p in torch.randint(c.n_win, 60000, (16,), generator=g)]
+    for rows in (decode, [(700, 300, 572)]):
+        args, kw = attention_case(g, rows, c.n_win, c.swa_allowance, c.num_heads, c.head_dim, c.index_topk,
+                                  "fp4_e2m1_e4m3", torch.bfloat16, c.use_sink)
+        angles = fn.rope_cos_sin(kw["pos"], c.rope_dim, c.rope_theta)
+        for splits in (None, 1, 5):
+            plain = triton_ced_attention.sparse_attention(*args, num_splits=splits, **kw)
+            fused = triton_ced_attention.sparse_attention(*args, num_splits=splits, unrope=angles, **kw)
+            assert_same_bits(fused, fn.rope_rotate(plain, *angles, inverse=True))
+
+
+@gpu
 def test_gpu_sparse_attention_in_cuda_graph():
     """No host sync, splits from shapes only: capture once, replay with new queries, positions and entries."""
     c = bench_config()
@@ -602,11 +648,11 @@ for dt in ("bf16", "fp32"):
         for direct in (True, False):
             sig = dict(q_ptr=p, kv_ptr=p, rc_ptr="*u8", rs_ptr="*u8", ec_ptr="*u8", es_ptr="*u8", sel_ptr="*i64",
                        sinks_ptr="*fp32", pos_ptr="*i64", cut_ptr="*i64", flo_ptr="*i64", fst_ptr="*i64",
-                       rslot_ptr="*i64", out_ptr=p, mid_m_ptr="*fp32", mid_l_ptr="*fp32", mid_o_ptr="*fp32",
-                       qk_scale="fp32", **ints("stride_qt", "stride_qh", "stride_kv", "stride_rs", "stride_rr",
-                                               "stride_rss", "stride_rsr", "stride_ec", "stride_es", "stride_sel",
-                                               "stride_ot", "stride_oh", "H", "D", "K", "RING", "NUM_SPLITS",
-                                               "WINDOW"))
+                       rslot_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr=p, mid_m_ptr="*fp32",
+                       mid_l_ptr="*fp32", mid_o_ptr="*fp32", qk_scale="fp32",
+                       **ints("stride_qt", "stride_qh", "stride_kv", "stride_rs", "stride_rr", "stride_rss",
+                              "stride_rsr", "stride_ec", "stride_es", "stride_sel", "stride_ot", "stride_oh",
+                              "stride_cs", "H", "D", "K", "RING", "NUM_SPLITS", "WINDOW", "HALF"))
             wide = tca.wide_launch(2048, H, D, torch.bfloat16, 128, 512) if dt == "bf16" and direct else None
             for kind, lc in (("", cfg), ("_prefill", dict(cfg, **wide[0]) if wide else None)):
                 if lc is None:
@@ -615,7 +661,8 @@ for dt in ("bf16", "fp32"):
                 compile_(tca._ced_attn_kernel, f"attn_{dt}_D{D}_{'direct' if direct else 'split'}{kind}", sig,
                          dict(BLOCK_H=lc["BLOCK_H"], BLOCK_N=lc["BLOCK_N"], BLOCK_D=lc["BLOCK_D"],
                               WIN_TILES=2, SEL_TILES=8, GROUP=16, E8M0=False, HAS_ENTRIES=True, HAS_SINKS=True,
-                              DIRECT=direct, DOT_PRECISION="ieee" if dt == "fp32" else "tf32", FAST_FP4=fast),
+                              DIRECT=direct, DOT_PRECISION="ieee" if dt == "fp32" else "tf32", FAST_FP4=fast,
+                              UNROPE=True, BLOCK_R=min(32, D // 4)),  # (the engine's: out_proj's RoPE in)
                          div16=("stride_qt", "stride_qh", "stride_kv", "stride_rs", "stride_rr", "stride_rss",
                                 "stride_ec", "stride_sel", "stride_ot", "stride_oh", "H", "D", "K"),
                          num_warps=lc["num_warps"], **({"num_stages": lc["num_stages"]} if "num_stages" in lc else {}))

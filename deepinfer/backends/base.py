@@ -218,7 +218,7 @@ class Ops:
                              entry_slots: torch.Tensor, *, pos: torch.Tensor, cut: torch.Tensor,
                              fresh_lo: torch.Tensor, fresh_start: torch.Tensor, ring_slot: torch.Tensor,
                              window: int, ring_fmt: str, entry_fmt: str, sinks: Optional[torch.Tensor],
-                             scale: float) -> torch.Tensor:
+                             scale: float, unrope: Optional[tuple] = None) -> torch.Tensor:
         """CED attention: one softmax per query over its sliding-window keys, its selected global entries and
         the sink (a per-head logit in the denominator only). MQA over one latent: K = V.
 
@@ -228,5 +228,8 @@ class Ops:
         scales) in ``ring_fmt``. entries = (codes [N, ...], scales) the paged global KV in ``entry_fmt`` (None:
         no global branch); entry_slots [Tq, K] int64 its rows per query, -1 = none. pos, cut, fresh_lo,
         fresh_start, ring_slot: [Tq] int64. sinks [H] or None. Returns [Tq, H, D] in q's dtype.
+        unrope = (cos, sin) [Tq, R/2] float32, each query's rotary angles (functional.rope_cos_sin of pos): the
+        output leaves rotated back by them (functional.rope_rotate inverse=True: CEDLayer.out_proj's first step),
+        the same bits, where a backend may fold it into the kernel that stores the output.
         """
         raise NotImplementedError

@@ -382,6 +382,8 @@ def build_model(path: Path, hf_config: dict, ops, dtype: torch.dtype, device, re
         dummy_init_(model)
     else:
         model.load_weights(iter_weights(path, hf_config, keep_fp8=fp8_targets(model)))
+    if hasattr(model, "after_load"):  # e.g. joined projections (CEDForCausalLM.after_load)
+        model.after_load()
     model.eval()
     log.info("loaded %s from %s (%s, %s, provided by %s)", arch, path, dtype, device, entry.plugin)
     return model

@@ -138,6 +138,8 @@ def load_shard(model, spec: WorkerSpec, device, keep, plan) -> None:
         loader.dummy_init_(model)
     else:
         model.load_weights(iter_shard(loader.Path(spec.model_path), keep, plan))
+    if hasattr(model, "after_load"):
+        model.after_load()
     model.requires_grad_(False)
     model.eval()
 

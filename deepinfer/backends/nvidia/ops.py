@@ -306,7 +306,9 @@ class NvidiaOps(ReferenceOps):
     # CED (DeepSeek-V4.1-Flash): window + top-K sparse attention over the FP8 rings and the paged FP4 KV in one
     # pass, and the indexer's scores and top-K over the FP4 index keys (modules imported on first use).
     def ced_sparse_attention(self, q, kv, ring, entries, entry_slots, *, pos, cut, fresh_lo, fresh_start, ring_slot,
-                             window, ring_fmt, entry_fmt, sinks, scale):
+                             window, ring_fmt, entry_fmt, sinks, scale, unrope=None):
+        """The Triton kernel folds ``unrope`` into the launch that stores the output (the DIRECT epilogue or the
+        split merge); after the TileLang kernel the torch formula runs."""
         from . import triton_ced_attention as tca
 
         where = dict(pos=pos, cut=cut, fresh_lo=fresh_lo, fresh_start=fresh_start, ring_slot=ring_slot)
@@ -320,15 +322,20 @@ class NvidiaOps(ReferenceOps):
                     and lca.supports(q, kv, ring, entries, entry_slots, ring_fmt, entry_fmt, sinks):
                 self.kernel_calls["ced_sparse_attention"] += 1
                 self.kernel_calls["ced_sparse_attention:tilelang"] += 1
-                return lca.sparse_attention(q, kv, ring, entries, entry_slots, window=window, ring_fmt=ring_fmt,
-                                            entry_fmt=entry_fmt, sinks=sinks, scale=scale, **where)
+                from ...models.ced import functional as fn
+
+                out = lca.sparse_attention(q, kv, ring, entries, entry_slots, window=window, ring_fmt=ring_fmt,
+                                           entry_fmt=entry_fmt, sinks=sinks, scale=scale, **where)
+                return out if unrope is None else fn.rope_rotate(out, *unrope, inverse=True)
         if kernel_device_ok(q, kv, *ring, *(entries or ()), entry_slots, sinks, *where.values()) \
-                and tca.supports(q, kv, ring, entries, entry_slots, ring_fmt, entry_fmt, sinks):
+                and tca.supports(q, kv, ring, entries, entry_slots, ring_fmt, entry_fmt, sinks) \
+                and (unrope is None or tca.supports_unrope(q, unrope)):
             self.kernel_calls["ced_sparse_attention"] += 1
             return tca.sparse_attention(q, kv, ring, entries, entry_slots, window=window, ring_fmt=ring_fmt,
-                                        entry_fmt=entry_fmt, sinks=sinks, scale=scale, num_splits=splits, **where)
+                                        entry_fmt=entry_fmt, sinks=sinks, scale=scale, num_splits=splits,
+                                        unrope=unrope, **where)
         return super().ced_sparse_attention(q, kv, ring, entries, entry_slots, window=window, ring_fmt=ring_fmt,
-                                            entry_fmt=entry_fmt, sinks=sinks, scale=scale, **where)
+                                            entry_fmt=entry_fmt, sinks=sinks, scale=scale, unrope=unrope, **where)
 
     def ced_rms_norm(self, x, weight, eps):
         from . import triton_ced_fused as tcf

@@ -177,10 +177,21 @@ def _merge_kernel(
     pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    dv_off = tl.arange(0, BLOCK_DV)
+    o = merge_splits(mid_m_ptr, mid_l_ptr, mid_o_ptr, sinks_ptr, (b * H + h) * NUM_SPLITS, h, NUM_SPLITS,
+                     BLOCK_S, BLOCK_DV, HAS_SINKS)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + dv_off, cast_rne(o, out_ptr.dtype.element_ty),
+             mask=dv_off < DV)
+
+
+@triton.jit
+def merge_splits(mid_m_ptr, mid_l_ptr, mid_o_ptr, sinks_ptr, base, h, NUM_SPLITS,
+                 BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """One (row, head)'s output [BLOCK_DV] float32 from its splits' partials (m, l at base + split, acc rows of
+    BLOCK_DV) and head h's sink, not rounded."""
     s_off = tl.arange(0, BLOCK_S)
     s_mask = s_off < NUM_SPLITS
     dv_off = tl.arange(0, BLOCK_DV)
-    base = (b * H + h) * NUM_SPLITS
     m = tl.load(mid_m_ptr + base + s_off, mask=s_mask, other=float("-inf"))
     l = tl.load(mid_l_ptr + base + s_off, mask=s_mask, other=0.0)
     o = tl.load(mid_o_ptr + (base + s_off)[:, None] * BLOCK_DV + dv_off[None, :], mask=s_mask[:, None],
@@ -197,8 +208,7 @@ def _merge_kernel(
         denom += tl.exp2(sink - m_ref)
     num = tl.sum(o * w[:, None], axis=0)  # [BLOCK_DV]
     denom = tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + b * stride_ot + h * stride_oh + dv_off, cast_rne(num / denom, out_ptr.dtype.element_ty),
-             mask=dv_off < DV)
+    return num / denom
 
 
 _SM_COUNT: dict = {}

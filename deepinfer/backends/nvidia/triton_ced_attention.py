@@ -38,9 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_attention import LOG2E, _dot, _merge_kernel, finish_softmax, sm_count
+from .triton_attention import LOG2E, _dot, finish_softmax, merge_splits, sm_count
+from .triton_ced_fused import rope_pairs
 from .triton_fp4 import GROUPS, e4m3_value, e8m0_value, fast_decode, fp4_operand, mma_operand
-from .triton_norm import cast_rne
+from .triton_norm import cast_rne, to_f32
 from .triton_pdl import launch_kw, pdl_signal, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, check_knob, merge_launch, next_pow2
 
@@ -94,17 +95,17 @@ def _window_tile(kv_ptr, rc_row, rs_row, p_first, p, pos, fresh_lo, fresh_start,
 @triton.jit
 def _ced_attn_kernel(
     q_ptr, kv_ptr, rc_ptr, rs_ptr, ec_ptr, es_ptr, sel_ptr, sinks_ptr,
-    pos_ptr, cut_ptr, flo_ptr, fst_ptr, rslot_ptr,
+    pos_ptr, cut_ptr, flo_ptr, fst_ptr, rslot_ptr, cos_ptr, sin_ptr,
     out_ptr, mid_m_ptr, mid_l_ptr, mid_o_ptr,
     stride_qt, stride_qh, stride_kv,
     stride_rs, stride_rr, stride_rss, stride_rsr,
     stride_ec, stride_es, stride_sel,
-    stride_ot, stride_oh,
-    qk_scale, H, D, K, RING, NUM_SPLITS, WINDOW,
+    stride_ot, stride_oh, stride_cs,
+    qk_scale, H, D, K, RING, NUM_SPLITS, WINDOW, HALF,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
     HAS_ENTRIES: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FAST_FP4: tl.constexpr, PDL: tl.constexpr = 0,
+    FAST_FP4: tl.constexpr, UNROPE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     pdl_start(PDL, True)
     t = tl.program_id(0).to(tl.int64)
@@ -117,13 +118,13 @@ def _ced_attn_kernel(
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     DT = q.dtype
+    pos = tl.load(pos_ptr + t)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
     # Window: this split's tiles of positions lo .. pos, lo = max(pos - W + 1, cut, 0).
-    pos = tl.load(pos_ptr + t)
     lo = tl.maximum(tl.maximum(pos - (WINDOW - 1), tl.load(cut_ptr + t)), 0)
     fresh_lo = tl.load(flo_ptr + t)
     fresh_start = tl.load(fst_ptr + t)
@@ -151,11 +152,49 @@ def _ced_attn_kernel(
         o = finish_softmax(acc, m_i, l_i, sinks_ptr + heads, h_mask, HAS_SINKS)
         tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  cast_rne(o, out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+        if UNROPE:
+            unrope_stored(out_ptr + t * stride_ot + heads * stride_oh, h_mask, cos_ptr + t * stride_cs,
+                          sin_ptr + t * stride_cs, D, HALF, BLOCK_R)
     else:  # partials [T, H, NUM_SPLITS] (m, l) and [T, H, NUM_SPLITS, BLOCK_D] (acc), as _merge_kernel reads them
         ml = (t * H + heads) * NUM_SPLITS + split
         tl.store(mid_m_ptr + ml, m_i, mask=h_mask)
         tl.store(mid_l_ptr + ml, l_i, mask=h_mask)
         tl.store(mid_o_ptr + ml[:, None] * BLOCK_D + d[None, :], acc, mask=h_mask[:, None])
+
+
+@triton.jit
+def _ced_merge_kernel(mid_m_ptr, mid_l_ptr, mid_o_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, stride_ot, stride_oh,
+                      stride_cs, H, D, NUM_SPLITS, HALF, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                      HAS_SINKS: tl.constexpr, UNROPE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = 0):
+    """The splits' partials of one (query, head) combined with the sink (triton_attention.merge_splits), and
+    with UNROPE the output's inverse RoPE (as the DIRECT epilogue)."""
+    pdl_start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    o = merge_splits(mid_m_ptr, mid_l_ptr, mid_o_ptr, sinks_ptr, (t * H + h) * NUM_SPLITS, h, NUM_SPLITS,
+                     BLOCK_S, BLOCK_D, HAS_SINKS)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, cast_rne(o, out_ptr.dtype.element_ty), mask=d < D)
+    if UNROPE:
+        one = tl.arange(0, 1)
+        unrope_stored(out_ptr + t * stride_ot + h * stride_oh + one, one == 0, cos_ptr + t * stride_cs,
+                      sin_ptr + t * stride_cs, D, HALF, BLOCK_R)
+
+
+@triton.jit
+def unrope_stored(row_ptr, row_mask, cos_ptr, sin_ptr, D, HALF, BLOCK_R: tl.constexpr):
+    """The inverse RoPE of output rows this block has just stored (row_ptr [ROWS] their starts, D channels):
+    their last 2 HALF channels and those channels' pair partners read back after a barrier (the block's own
+    stores are then visible), rotated (rope_pairs), and written after a second barrier (no thread overwrites a
+    channel another still reads as a partner). A tile of its own keeps the wide output tile's registers free."""
+    tl.debug_barrier()
+    c = (D - 2 * HALF) + tl.arange(0, 2 * BLOCK_R)
+    m = row_mask[:, None] & (c < D)[None, :]
+    x = to_f32(tl.load(row_ptr[:, None] + c[None, :], mask=m, other=0.0))
+    xp = to_f32(tl.load(row_ptr[:, None] + (c ^ 1)[None, :], mask=m, other=0.0))
+    r = rope_pairs(x, xp, c, cos_ptr, sin_ptr, D, HALF, True)
+    tl.debug_barrier()
+    tl.store(row_ptr[:, None] + c[None, :], cast_rne(r, row_ptr.dtype.element_ty), mask=m)
 
 
 def supports(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Optional[tuple], entry_slots: torch.Tensor,
@@ -186,6 +225,18 @@ def supports(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Optional[t
     if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != H):
         return False
     return True
+
+
+def supports_unrope(q: torch.Tensor, unrope) -> bool:
+    """Whether sparse_attention takes ``unrope`` = (cos, sin) for q [T, H, D]: float32 [T, R/2] on q's device,
+    alike in shape and strides, unit stride along the angles, 0 < R <= D."""
+    if not isinstance(unrope, (tuple, list)) or len(unrope) != 2 \
+            or not all(isinstance(t, torch.Tensor) for t in unrope):
+        return False
+    cos, sin = unrope
+    return cos.dim() == 2 and cos.shape[0] == q.shape[0] and cos.dtype == sin.dtype == torch.float32 \
+        and cos.device == sin.device == q.device and sin.shape == cos.shape and sin.stride() == cos.stride() \
+        and 0 < 2 * cos.shape[1] <= q.shape[-1] and cos.stride(1) == 1
 
 
 def launch_config(H: int, D: int, dtype: torch.dtype) -> dict:
@@ -249,14 +300,20 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
                      entry_slots: torch.Tensor, *, pos: torch.Tensor, cut: torch.Tensor, fresh_lo: torch.Tensor,
                      fresh_start: torch.Tensor, ring_slot: torch.Tensor, window: int, entry_fmt: str,
                      sinks: Optional[torch.Tensor], scale: float, ring_fmt: str = RING_FMT,
-                     num_splits: Optional[int] = None, launch: Optional[dict] = None) -> torch.Tensor:
+                     num_splits: Optional[int] = None, launch: Optional[dict] = None,
+                     unrope: Optional[tuple] = None) -> torch.Tensor:
     """One softmax per query over its window keys, its selected FP4 entries and the sink (see the module doc).
 
     q [T, H, D]; kv [T, D] this pass's fresh latents (q's dtype); ring = (codes [S, RING, D], scales
     [S, RING, D // 32]) uint8; entries = (codes [N, D // 2], scales [N, D // G]) uint8 or None (no global
     branch); entry_slots [T, K] int64 cache rows, -1 = none; pos, cut, fresh_lo, fresh_start, ring_slot [T]
     int64 per query; window W; sinks [H] or None. Returns [T, H, D] in q's dtype. ``launch`` overrides
-    launch_config's keys (and ``num_stages``): benchmarks/ced_attn_sweep.py times the choices.
+    launch_config's keys (and ``num_stages``): benchmarks/ced_attn_sweep.py times the choices. ``unrope``: (cos,
+    sin) [T, R/2] float32, each query's rotary angles (functional.rope_cos_sin of pos): the output leaves with
+    the inverse RoPE applied to its last R channels (CEDLayer.out_proj's first step), the bits
+    functional.apply_rope gives, in the launch that stores it (the DIRECT epilogue or the split merge reads
+    those channels back and rotates them in a tile of their own). The query's RoPE stays the caller's: applied
+    as q is loaded it cost the compiled kernel spills at some latents (the sm_90 compile test).
     """
     if not supports(q, kv, ring, entries, entry_slots, ring_fmt, entry_fmt, sinks):
         raise ValueError(f"sparse_attention: unsupported inputs: q {q.dtype} {tuple(q.shape)}, kv {kv.dtype} "
@@ -269,6 +326,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
                     ("ring_slot", ring_slot)):
         if v.shape != (T,) or v.dtype != torch.int64:
             raise ValueError(f"{name} must be an int64 tensor [T={T}], got {v.dtype} {tuple(v.shape)}")
+    if unrope is not None and not supports_unrope(q, unrope):
+        got = [(t.dtype, tuple(t.shape), str(t.device)) if isinstance(t, torch.Tensor) else type(t).__name__
+               for t in (unrope if isinstance(unrope, (tuple, list)) else [unrope])]
+        raise ValueError(f"sparse_attention: unrope must be (cos, sin) float32 [T={T}, R/2] on {q.device}, alike, "
+                         f"with 0 < R <= D={D}; got {got}")
     out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     if T == 0:
         return out
@@ -301,25 +363,28 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         mid_m = mid_l = mid_o = out  # unused
     has_sinks = sinks is not None
     sinks_arg = sinks.contiguous() if has_sinks else q
+    pos = pos.contiguous()
+    cos, sin, stride_cs, half = (*unrope, unrope[0].stride(0), unrope[0].shape[1]) if unrope is not None \
+        else (q, q, 0, 0)
     _ced_attn_kernel[(T, num_ht, S)](
         q, kv, rc, rs, ec, es, entry_slots, sinks_arg,
-        pos.contiguous(), cut.contiguous(), fresh_lo.contiguous(), fresh_start.contiguous(), ring_slot.contiguous(),
-        out, mid_m, mid_l, mid_o,
+        pos, cut.contiguous(), fresh_lo.contiguous(), fresh_start.contiguous(), ring_slot.contiguous(),
+        cos, sin, out, mid_m, mid_l, mid_o,
         q.stride(0), q.stride(1), kv.stride(0),
         rc.stride(0), rc.stride(1), rs.stride(0), rs.stride(1),
         ec.stride(0), es.stride(0), entry_slots.stride(0),
-        out.stride(0), out.stride(1),
-        float(scale) * LOG2E, H, D, K, rc.shape[1], S, window,
+        out.stride(0), out.stride(1), stride_cs,
+        float(scale) * LOG2E, H, D, K, rc.shape[1], S, window, half,
         BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         WIN_TILES=cdiv(win_tiles, S), SEL_TILES=cdiv(sel_tiles, S),
         GROUP=GROUPS.get(entry_fmt, 16), E8M0=entry_fmt == "mxfp4", HAS_ENTRIES=has_entries,
         HAS_SINKS=has_sinks, DIRECT=S == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FAST_FP4=has_entries and fast_entries(q.dtype, cfg),
+        FAST_FP4=has_entries and fast_entries(q.dtype, cfg), UNROPE=unrope is not None, BLOCK_R=next_pow2(max(1, half)),
         num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
         **launch_kw(q.device),
     )
     if S > 1:
-        _merge_kernel[(T, H)](mid_m, mid_l, mid_o, sinks_arg, out, out.stride(0), out.stride(1), H, D, S,
-                              BLOCK_S=next_pow2(S), BLOCK_DV=BLOCK_D, HAS_SINKS=has_sinks,
-                              num_warps=4, **launch_kw(q.device))
+        _ced_merge_kernel[(T, H)](mid_m, mid_l, mid_o, sinks_arg, out, cos, sin, out.stride(0), out.stride(1),
+                                  stride_cs, H, D, S, half, BLOCK_S=next_pow2(S), BLOCK_D=BLOCK_D, HAS_SINKS=has_sinks,
+                                  UNROPE=unrope is not None, BLOCK_R=next_pow2(max(1, half)), num_warps=4, **launch_kw(q.device))
     return out

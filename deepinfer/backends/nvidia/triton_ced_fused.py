@@ -76,6 +76,37 @@ def _rotate(a, b, cos, sin):
 
 
 @triton.jit
+def _mul_rn(a, b):
+    """a * b in float32, rounded on its own: a product with an explicit rounding mode is never contracted with
+    the add after it into an FMA, so kernels compiled with FMA fusion on still round as torch does."""
+    if _INTERP:
+        return a * b
+    else:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def rope_pairs(x, xp, c, cos_ptr, sin_ptr, D, HALF, INVERSE: tl.constexpr):
+    """Channels c [BLOCK] of rows x [ROWS, BLOCK] float32 (one token's; values already rounded to their dtype),
+    xp the same rows' pair partners (channel c ^ 1): the pairs (2i, 2i + 1) of the last 2 HALF of D channels
+    rotated by the token's angles, whose cos and sin [HALF] float32 are at cos_ptr, sin_ptr (a row of
+    functional.rope_cos_sin), or by their inverse with INVERSE: functional.apply_rope's products and sums, each
+    rounded as torch rounds it, also in kernels compiled with FMA fusion on; other channels unchanged. Float32,
+    not rounded. With the partner loaded as a tile of its own, nothing is reshaped in registers, and there is no
+    trigonometry (libdevice's sinf / cosf keep a local-memory array for huge angles)."""
+    i = c // 2 - (D // 2 - HALF)  # channel c's rotary pair
+    on = (i >= 0) & (i < HALF) & (c < D)
+    cos = tl.load(cos_ptr + i, mask=on, other=1.0)[None, :]
+    sin = tl.load(sin_ptr + i, mask=on, other=0.0)[None, :]
+    if INVERSE:
+        sin = -sin
+    u = _mul_rn(x, cos)
+    v = _mul_rn(xp, sin)
+    return tl.where(on[None, :], tl.where((c % 2 == 0)[None, :], u - v, u + v), x)  # (a cos - b sin, b cos + a sin)
+
+
+@triton.jit
 def _rope_row(x, pos, inv_ptr, N, HALF, DT: tl.constexpr, BLOCK: tl.constexpr):
     """One row x [BLOCK] float32 (N channels) with its pairs (2i, 2i + 1) of the last 2 HALF channels rotated by
     pos * inv[i - first] (pos float32; inv [HALF] float32 at inv_ptr), each rotated value rounded to DT (as the

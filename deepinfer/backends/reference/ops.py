@@ -181,7 +181,16 @@ class ReferenceOps(Ops):
         return fn.pool_candidates(scores, visible, block, nblocks)
 
     def ced_sparse_attention(self, q, kv, ring, entries, entry_slots, *, pos, cut, fresh_lo, fresh_start, ring_slot,
-                             window, ring_fmt, entry_fmt, sinks, scale):
+                             window, ring_fmt, entry_fmt, sinks, scale, unrope=None):
+        from ...models.ced import functional as fn
+
+        out = self._ced_sparse_attention(q, kv, ring, entries, entry_slots, pos=pos, cut=cut, fresh_lo=fresh_lo,
+                                         fresh_start=fresh_start, ring_slot=ring_slot, window=window,
+                                         ring_fmt=ring_fmt, entry_fmt=entry_fmt, sinks=sinks, scale=scale)
+        return out if unrope is None else fn.rope_rotate(out, *unrope, inverse=True)
+
+    def _ced_sparse_attention(self, q, kv, ring, entries, entry_slots, *, pos, cut, fresh_lo, fresh_start, ring_slot,
+                              window, ring_fmt, entry_fmt, sinks, scale):
         from ...models.ced import functional as fn
         from . import lowbit
 

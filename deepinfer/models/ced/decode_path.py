@@ -107,11 +107,13 @@ class DecodePass(engine_path.Shared):
             return bt[:, ids // per] * per + ids % per
         return self._once(("slots", m), build)
 
-    def swa_kv(self, layer, x, cache, ops):
+    def swa_kv(self, layer, x, cache, ops, y=None):
         """The queries' SWA keys, written to the rings at once (one op with the norm, RoPE and quantisation):
         attention reads a query's own key from the fresh kv, never from the ring slot it takes (the ring
-        holds more than the window)."""
-        return layer.swa_kv_to_ring(x, self.pos, cache.rings(False)[layer.i], self.ring_slot, ops)
+        holds more than the window). y: the projection W_kv x when the caller has it."""
+        if y is None:
+            return layer.swa_kv_to_ring(x, self.pos, cache.rings(False)[layer.i], self.ring_slot, ops)
+        return layer.swa_kv_rows(y, self.pos, cache.rings(False)[layer.i], self.ring_slot, ops)
 
     def write_ring(self, layer, kv, cache, ops) -> None:
         """Done by ``swa_kv``."""

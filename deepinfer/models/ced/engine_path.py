@@ -116,6 +116,12 @@ class Shared:
         """[n] entries of ratio m each query sees: entry j is visible from position (j + 1) m - 1 on."""
         return self._once(("visible", m), lambda: (self.pos + 1) // m)
 
+    def rope_angles(self, c):
+        """(cos, sin) [n, R/2] float32 of the queries' rotary angles (functional.rope_cos_sin), once per pass:
+        every layer's attention rotates its output back by them."""
+        return self._once(("rope", c.rope_dim, c.rope_theta), lambda: fn.rope_cos_sin(self.pos, c.rope_dim,
+                                                                                      c.rope_theta))
+
     def no_entries(self) -> torch.Tensor:
         """[n, 0]: a swa layer's selected entries."""
         return self._once("no_entries", lambda: torch.zeros(self.pos.shape[0], 0, dtype=torch.long,
@@ -197,14 +203,16 @@ class Pass(_Uploaded, Shared):
         return "ring_dst" in self._dev and layer._kernels(x) is not None and not getattr(ops, "batch_invariant",
                                                                                          False)
 
-    def swa_kv(self, layer, x, cache, ops):
+    def swa_kv(self, layer, x, cache, ops, y=None):
         """The queries' SWA keys [n, D] (written to the rings by ``write_ring``, after attention: a chunk longer
         than the rings' allowance would overwrite keys its first queries still read). Fused (``_fused_swa``):
         one kernel from the projection y, its ring write sent to the scratch slot; ``write_ring`` runs it
-        again on y with the real slots, so the ring holds the codes of the very keys attention read."""
+        again on y with the real slots, so the ring holds the codes of the very keys attention read. y: the
+        projection W_kv x when the caller has it."""
         if not self._fused_swa(layer, x, ops):
-            return layer.swa_kv(x, self.pos)
-        y = layer.swa_proj(x)  # [n, D]
+            return layer.swa_kv(x, self.pos, y=y)
+        if y is None:
+            y = layer.swa_proj(x)  # [n, D]
         self._kept[("swa_y", layer.i)] = y
         return layer.swa_kv_rows(y, self.pos, cache.rings(self.score)[layer.i], self.scratch_slots(), ops)
 
@@ -451,8 +459,9 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None,
     if P.min_pos is not None:
         stats["min_pos"][layer.i] = min(stats["min_pos"][layer.i], P.min_pos)
     ops = model_ops(model)
-    q, cq = layer.query(x, P.pos)
-    kv = P.swa_kv(layer, x, cache, ops)
+    qa, y, iw_raw = layer.project_input(x) or (None, None, None)  # one product where the weights are joined
+    q, cq = layer.query(x, P.pos, qa=qa)
+    kv = P.swa_kv(layer, x, cache, ops, y=y)
     entries, sel = None, P.no_entries()  # swa layers: no global branch
     if layer.mode != "swa":
         m = layer.m
@@ -462,7 +471,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None,
         slots = ctx[("kv", src_l)]  # [R, Jmax] cache rows of each row's entries
         if layer.mode in ("full", "reindex"):
             stats["indexer_calls"][layer.i] += 1
-            iq, iw = layer.index_query(x, cq)
+            iq, iw = layer.index_query(x, cq, iw=iw_raw)
             topk = _choose_entries(model, ops, layer, iq, iw, cache.ik[src_l], slots, P, P.visible(m), ctx, stats)
         else:
             topk = ctx[("topk", c.source_topk(layer.i))]
@@ -480,8 +489,9 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None,
         o = ops.ced_sparse_attention(q, kv, cache.rings(P.score)[layer.i], entries, sel, pos=P.pos, cut=P.cut_t,
                                      fresh_lo=P.lo_t, fresh_start=P.lstart_t, ring_slot=P.ring_slot,
                                      window=c.n_win, ring_fmt=c.swa_kv_format, entry_fmt=c.global_kv_format,
-                                     sinks=layer.sink, scale=c.head_dim ** -0.5)
-        h, xf = fn.add_rms(h, layer.out_proj(o, P.pos, reuse_input=True), layer.ffn_norm, c.rms_norm_eps, ops=kernels)
+                                     sinks=layer.sink, scale=c.head_dim ** -0.5,
+                                     unrope=P.rope_angles(c))  # (out_proj's inverse RoPE, in the op)
+        h, xf = fn.add_rms(h, layer.out_proj(o, P.pos, unrotated=True), layer.ffn_norm, c.rms_norm_eps, ops=kernels)
         routed, shared, ids = layer.moe_parts(xf)
         # (a padded verify batch's padding is routed too, but is no load)
         model.record_expert_load(layer.i, ids, *(() if P.real is None else (P.real,)))

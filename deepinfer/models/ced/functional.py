@@ -48,7 +48,12 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float, 
     kernel = _fused(ops, "ced_rope", x)
     if kernel is not None:
         return kernel(x, pos, rope_dim, theta, inverse, **({"reuse_input": True} if reuse_input else {}))
-    cos, sin = rope_cos_sin(pos, rope_dim, theta)
+    return rope_rotate(x, *rope_cos_sin(pos, rope_dim, theta), inverse=inverse)
+
+
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False):
+    """apply_rope from the angles' cos, sin [T, R/2] float32 (rope_cos_sin): the torch formula."""
+    rope_dim = 2 * cos.shape[-1]
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)
     cos, sin = cos.reshape(shape), sin.reshape(shape)
     if inverse:

@@ -70,17 +70,56 @@ class CEDLayer(nn.Module):
         self.shared_w2 = _p(d, Fs) if Fs else None
 
     # Pieces shared with the engine path.
-    def query(self, x, pos):
-        """x [T, d] (normed) -> q [T, H, D] with RoPE, and the query latent cq [T, q_lora]."""
+    def _input_weights(self) -> list:
+        """The products of a layer's normed input: W_q_a, W_kv and, in full / reindex layers, W_iw."""
+        return [self.wq_a, self.wkv] + ([self.wiw] if self.wiw is not None else [])
+
+    def fuse_input_projections(self) -> None:
+        """Re-seat the input products' weights (``_input_weights``) as row blocks of one tensor, so the engine
+        runs them as one GEMV / GEMM (a decode step: one launch a layer instead of two or three, and a wider
+        product). Names, shapes and values stay; an in-place load (``load_weights``) writes through. Anything that
+        re-seats one of them (``.to``, a new ``.data``) ends the fusion: ``project_input`` checks the storage."""
+        ws = self._input_weights()
+        if len({(w.dtype, w.device) for w in ws}) != 1 or ws[0].device.type == "meta":
+            return
+        with torch.no_grad():
+            fused = torch.cat([w.data for w in ws])
+        a = 0
+        for w in ws:
+            w.data = fused[a:a + w.shape[0]]
+            a += w.shape[0]
+        self._input_fused = fused
+
+    def project_input(self, x):
+        """x [T, d] (normed) -> (W_q_a x, W_kv x, W_iw x or None) from one product where
+        ``fuse_input_projections`` joined the weights (column views of its [T, rows] output), else None (the
+        callers then run their own products). Not under autograd (the joined tensor is no parameter)."""
+        fused, ws = getattr(self, "_input_fused", None), self._input_weights()
+        if fused is None or x.device != fused.device or x.dtype != fused.dtype \
+                or (torch.is_grad_enabled() and any(w.requires_grad for w in ws)):
+            return None
+        a = 0
+        for w in ws:  # still the joined tensor's rows?
+            if w.data_ptr() != fused[a].data_ptr() or w.stride() != fused.stride():
+                return None
+            a += w.shape[0]
+        y = self._linear(x, fused)
+        r, D = self.wq_a.shape[0], self.wkv.shape[0]
+        return y[:, :r], y[:, r:r + D], (y[:, r + D:] if self.wiw is not None else None)
+
+    def query(self, x, pos, qa=None):
+        """x [T, d] (normed) -> q [T, H, D] with RoPE, and the query latent cq [T, q_lora]. qa: W_q_a x when the
+        caller has it (``project_input``)."""
         c, ops = self.c, self._kernels(x)
-        cq = fn.rms(self._linear(x, self.wq_a), self.q_norm, c.rms_norm_eps, ops=ops)
+        cq = fn.rms(self._linear(x, self.wq_a) if qa is None else qa, self.q_norm, c.rms_norm_eps, ops=ops)
         q = self._linear(cq, self.wq_b).view(x.shape[0], c.num_heads, c.head_dim)
         return fn.apply_rope(q, pos, c.rope_dim, c.rope_theta, ops=ops, reuse_input=True), cq  # (q: a temporary)
 
-    def swa_kv(self, x, pos):
-        """x [T, d] -> this layer's SWA latent [T, D]: RMSNorm(W_kv x), RoPE, FP8 fake-quant."""
+    def swa_kv(self, x, pos, y=None):
+        """x [T, d] -> this layer's SWA latent [T, D]: RMSNorm(W_kv x), RoPE, FP8 fake-quant. y: W_kv x when the
+        caller has it (``project_input``)."""
         c, ops = self.c, self._kernels(x)
-        kv = fn.apply_rope(fn.rms(F.linear(x, self.wkv), self.kv_norm, c.rms_norm_eps, ops=ops), pos, c.rope_dim,
+        kv = fn.apply_rope(fn.rms(F.linear(x, self.wkv) if y is None else y, self.kv_norm, c.rms_norm_eps, ops=ops), pos, c.rope_dim,
                            c.rope_theta, ops=ops)
         return fn.fake(kv, c.swa_kv_format, c.fake_quant, ops=ops)
 
@@ -138,10 +177,11 @@ class CEDLayer(nn.Module):
         ops = self._kernels(x)
         return F.linear(x, w) if ops is None else ops.linear(x, w)
 
-    def index_query(self, x, cq):
+    def index_query(self, x, cq, iw=None):
+        """iw: W_iw x when the caller has it (``project_input``)."""
         c = self.c
         q = self._linear(cq, self.wiq).view(x.shape[0], c.index_heads, c.index_head_dim)
-        w = self._linear(x, self.wiw) * c.index_heads ** -0.5
+        w = (self._linear(x, self.wiw) if iw is None else iw) * c.index_heads ** -0.5
         return q, w
 
     def choose_entries(self, iq, iw, ik, qpos, pool=None, pool_impl: str = "gather"):
@@ -167,11 +207,13 @@ class CEDLayer(nn.Module):
             built = build(scores, visible, c.pool_block, c.pool_blocks)
         return topk, built, J
 
-    def out_proj(self, o, pos, reuse_input: bool = False):
+    def out_proj(self, o, pos, reuse_input: bool = False, unrotated: bool = False):
         """o [T, H, D] attended latent -> inverse RoPE, grouped projection, final projection -> [T, d].
-        ``reuse_input``: o is the caller's temporary, so the inverse RoPE may rotate it in place."""
+        ``reuse_input``: o is the caller's temporary, so the inverse RoPE may rotate it in place. ``unrotated``:
+        the inverse RoPE is done (the attention op applied it: ``Ops.ced_sparse_attention(unrope=...)``)."""
         c, ops = self.c, self._kernels(o)
-        o = fn.apply_rope(o, pos, c.rope_dim, c.rope_theta, inverse=True, ops=ops, reuse_input=reuse_input)
+        if not unrotated:
+            o = fn.apply_rope(o, pos, c.rope_dim, c.rope_theta, inverse=True, ops=ops, reuse_input=reuse_input)
         og = o.reshape(o.shape[0], c.out_groups, -1)
         grouped = torch.einsum("tgi,goi->tgo", og, self.wo_a) if ops is None else ops.grouped_linear(og, self.wo_a)
         return self._linear(grouped.flatten(1), self.wo_b)
@@ -581,9 +623,17 @@ class CEDForCausalLM(CEDEngineMixin, nn.Module):
             more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             raise WeightError(f"checkpoint lacks tensor(s) {', '.join(missing[:3])}{more} needed by CEDForCausalLM")
 
+    def after_load(self) -> None:
+        """Once the weights are in (models/loader.py build_model): each layer's input products joined
+        (CEDLayer.fuse_input_projections)."""
+        for layer in self.layers:
+            layer.fuse_input_projections()
+
     def hf_state_dict(self) -> dict:
-        """The checkpoint's tensors; under EPLB the experts' slots back to one copy per logical expert."""
-        out = {n: p.data.contiguous() for n, p in self.named_parameters()}
+        """The checkpoint's tensors (a joined weight's rows as their own tensors: safetensors refuses shared
+        storage); under EPLB the experts' slots back to one copy per logical expert."""
+        out = {n: p.data.clone() if p.data._base is not None else p.data.contiguous()
+               for n, p in self.named_parameters()}
         for i, layer in enumerate(self.layers):
             if layer.placement is not None:
                 for name in EXPERT_PARAMS:
