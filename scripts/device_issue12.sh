@@ -37,6 +37,8 @@
 #                                            # with --gc-freeze (5 repeats each)
 #   bash scripts/device_issue12.sh s21               # (carry .whl312 .baseline) GPU files but kv_sizing; the decode
 #                                            # profile of this tree and of .baseline/base.tgz's (git archive)
+#   bash scripts/device_issue12.sh s21b COMMIT       # (carry .baseline) base / this tree's decode profiles alternating;
+#                                            # gpu_bench roofline + CED decode 1/16/64 and the 4K prefill ratio
 #   bash scripts/device_issue12.sh final18           # (carry .whl312) GPU files but kv_sizing, kv_sizing alone,
 #                                            # the decode profile at 1 / 16 / 64
 #   bash scripts/device_issue12.sh diag19            # pass-graph GPU tests; a 16K bounded prefill's torch ops with
@@ -392,6 +394,21 @@ s21)
       --shape ced-bench --batches 1 16 64 --steps 16 --out "$OUT/profile_ced_base.jsonl" 2>&1 \
       | grep "== batch" | cut -c 1-150)
   fi ;;
+s21b)
+  # 21st session (~8 min): the decode profile of the baseline tree (.baseline/base.tgz: git archive of deepinfer
+  # without assets, benchmarks, recipes, the n-gram plugin) and of this tree, alternating twice on this GPU; then
+  # gpu_bench's roofline and CED decode at 1 / 16 / 64 with the 4K prefill ratio, this tree.
+  rm -rf /tmp/base && mkdir -p /tmp/base && tar xzf .baseline/base.tgz -C /tmp/base
+  for r in 1 2; do
+    (cd /tmp/base && PYTHONPATH=/tmp/base:/tmp/base/plugins/deepinfer-ngram:/tmp/ngram_ep:/tmp/site timeout 150 \
+      python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+      --out "$OUT/profile_ced_base.jsonl" 2>&1 | grep "== batch" | sed "s/^/base $r /" | cut -c 1-110)
+    timeout 150 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+      --out "$OUT/profile_ced_new.jsonl" 2>&1 | grep "== batch" | sed "s/^/new  $r /" | cut -c 1-110
+  done
+  timeout 250 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced.jsonl" --commit "${1:-?}" \
+    --phases roofline,ced --ced-prefill-tokens 4096 --ced-batches 1 16 64 --ced-repeats 2 --budget-s 230 2>&1 \
+    | tee "$OUT/gpu_bench_ced.log" | grep -v Warning | tail -14 ;;
 final18)
   gpu_files_but_kv_sizing
   timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3
