@@ -118,13 +118,13 @@ def _ced_attn_kernel(
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     DT = q.dtype
-    pos = tl.load(pos_ptr + t)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
     # Window: this split's tiles of positions lo .. pos, lo = max(pos - W + 1, cut, 0).
+    pos = tl.load(pos_ptr + t)
     lo = tl.maximum(tl.maximum(pos - (WINDOW - 1), tl.load(cut_ptr + t)), 0)
     fresh_lo = tl.load(flo_ptr + t)
     fresh_start = tl.load(fst_ptr + t)
@@ -363,12 +363,12 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         mid_m = mid_l = mid_o = out  # unused
     has_sinks = sinks is not None
     sinks_arg = sinks.contiguous() if has_sinks else q
-    pos = pos.contiguous()
     cos, sin, stride_cs, half = (*unrope, unrope[0].stride(0), unrope[0].shape[1]) if unrope is not None \
-        else (q, q, 0, 0)
+        else (q, q, 0, 0)  # (q: unused)
+    block_r = next_pow2(max(1, half))
     _ced_attn_kernel[(T, num_ht, S)](
         q, kv, rc, rs, ec, es, entry_slots, sinks_arg,
-        pos, cut.contiguous(), fresh_lo.contiguous(), fresh_start.contiguous(), ring_slot.contiguous(),
+        pos.contiguous(), cut.contiguous(), fresh_lo.contiguous(), fresh_start.contiguous(), ring_slot.contiguous(),
         cos, sin, out, mid_m, mid_l, mid_o,
         q.stride(0), q.stride(1), kv.stride(0),
         rc.stride(0), rc.stride(1), rs.stride(0), rs.stride(1),
@@ -379,12 +379,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         WIN_TILES=cdiv(win_tiles, S), SEL_TILES=cdiv(sel_tiles, S),
         GROUP=GROUPS.get(entry_fmt, 16), E8M0=entry_fmt == "mxfp4", HAS_ENTRIES=has_entries,
         HAS_SINKS=has_sinks, DIRECT=S == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FAST_FP4=has_entries and fast_entries(q.dtype, cfg), UNROPE=unrope is not None, BLOCK_R=next_pow2(max(1, half)),
+        FAST_FP4=has_entries and fast_entries(q.dtype, cfg), UNROPE=unrope is not None, BLOCK_R=block_r,
         num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
         **launch_kw(q.device),
     )
     if S > 1:
         _ced_merge_kernel[(T, H)](mid_m, mid_l, mid_o, sinks_arg, out, cos, sin, out.stride(0), out.stride(1),
-                                  stride_cs, H, D, S, half, BLOCK_S=next_pow2(S), BLOCK_D=BLOCK_D, HAS_SINKS=has_sinks,
-                                  UNROPE=unrope is not None, BLOCK_R=next_pow2(max(1, half)), num_warps=4, **launch_kw(q.device))
+                                  stride_cs, H, D, S, half, BLOCK_S=next_pow2(S), BLOCK_D=BLOCK_D,
+                                  HAS_SINKS=has_sinks, UNROPE=unrope is not None, BLOCK_R=block_r, num_warps=4,
+                                  **launch_kw(q.device))
     return out

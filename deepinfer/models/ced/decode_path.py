@@ -135,6 +135,7 @@ def _forward_decode(model, input_ids, meta, cache):
     enc_cut = meta.swa_cut_rows if meta.swa_cut_rows is not None else torch.zeros_like(meta.positions)
     enc = DecodePass(meta, enc_cut, starts, cache)
     dec = DecodePass(meta, meta.replay_rows, starts, cache)
+    dec.share_rope_angles(enc, c)  # (both passes' queries are at meta.positions)
     h = model.embed(input_ids)
     ctx: dict = {}
     pending = None  # each layer's MoE output, added by the next layer's norm op (layer_engine's defer)

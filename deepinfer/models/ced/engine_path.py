@@ -122,6 +122,10 @@ class Shared:
         return self._once(("rope", c.rope_dim, c.rope_theta), lambda: fn.rope_cos_sin(self.pos, c.rope_dim,
                                                                                       c.rope_theta))
 
+    def share_rope_angles(self, other: "Shared", c) -> None:
+        """Take ``other``'s rope_angles: a pass over the same positions (a decode step's encoder and decoder)."""
+        self._kept[("rope", c.rope_dim, c.rope_theta)] = other.rope_angles(c)
+
     def no_entries(self) -> torch.Tensor:
         """[n, 0]: a swa layer's selected entries."""
         return self._once("no_entries", lambda: torch.zeros(self.pos.shape[0], 0, dtype=torch.long,

@@ -119,8 +119,8 @@ class CEDLayer(nn.Module):
         """x [T, d] -> this layer's SWA latent [T, D]: RMSNorm(W_kv x), RoPE, FP8 fake-quant. y: W_kv x when the
         caller has it (``project_input``)."""
         c, ops = self.c, self._kernels(x)
-        kv = fn.apply_rope(fn.rms(F.linear(x, self.wkv) if y is None else y, self.kv_norm, c.rms_norm_eps, ops=ops), pos, c.rope_dim,
-                           c.rope_theta, ops=ops)
+        y = F.linear(x, self.wkv) if y is None else y
+        kv = fn.apply_rope(fn.rms(y, self.kv_norm, c.rms_norm_eps, ops=ops), pos, c.rope_dim, c.rope_theta, ops=ops)
         return fn.fake(kv, c.swa_kv_format, c.fake_quant, ops=ops)
 
     def swa_kv_to_ring(self, x, pos, ring, ring_slot, ops):
