@@ -117,7 +117,8 @@ def _phase_targets():
 
     ops = (ReferenceOps, nv.NvidiaOps)
     L = ced_model.CEDLayer
-    return [("qkv", (L,), "query"), ("qkv", (L,), "swa_kv"), ("qkv", (L,), "swa_kv_to_ring"),
+    return [("qkv", (L,), "query"), ("qkv", (L,), "swa_kv"), ("qkv", (L,), "project_input"),
+            ("qkv", (L,), "swa_proj"), ("qkv", (L,), "swa_kv_rows"),
             ("norm", (fn,), "rms"), ("norm", (fn,), "add_rms"), ("entry_rows", ops, "ced_entry_rows"),
             ("compression", (decode_path.DecodePass,), "compress"),
             ("compression", (decode_path.DecodePass,), "_plan"), ("entry_rows", (decode_path.DecodePass,),

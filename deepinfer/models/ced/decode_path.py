@@ -111,8 +111,7 @@ class DecodePass(engine_path.Shared):
         """The queries' SWA keys, written to the rings at once (one op with the norm, RoPE and quantisation):
         attention reads a query's own key from the fresh kv, never from the ring slot it takes (the ring
         holds more than the window). y: the projection W_kv x when the caller has it."""
-        if y is None:
-            return layer.swa_kv_to_ring(x, self.pos, cache.rings(False)[layer.i], self.ring_slot, ops)
+        y = layer.swa_proj(x) if y is None else y
         return layer.swa_kv_rows(y, self.pos, cache.rings(False)[layer.i], self.ring_slot, ops)
 
     def write_ring(self, layer, kv, cache, ops) -> None:

@@ -100,6 +100,11 @@ class _Uploaded:
         self._up, self._dev = up, {k: first + i for i, k in enumerate(named)}
 
 
+def _rope_key(c) -> tuple:
+    """Where a pass keeps its rope_angles."""
+    return ("rope", c.rope_dim, c.rope_theta)
+
+
 class Shared:
     """What every layer of a pass (``pos`` [n] its queries' positions) reads alike, built on the first layer's
     call and kept for the step (``_kept``): a layer adds no host loop over rows and no host-to-device copy."""
@@ -119,12 +124,11 @@ class Shared:
     def rope_angles(self, c):
         """(cos, sin) [n, R/2] float32 of the queries' rotary angles (functional.rope_cos_sin), once per pass:
         every layer's attention rotates its output back by them."""
-        return self._once(("rope", c.rope_dim, c.rope_theta), lambda: fn.rope_cos_sin(self.pos, c.rope_dim,
-                                                                                      c.rope_theta))
+        return self._once(_rope_key(c), lambda: fn.rope_cos_sin(self.pos, c.rope_dim, c.rope_theta))
 
     def share_rope_angles(self, other: "Shared", c) -> None:
         """Take ``other``'s rope_angles: a pass over the same positions (a decode step's encoder and decoder)."""
-        self._kept[("rope", c.rope_dim, c.rope_theta)] = other.rope_angles(c)
+        self._kept[_rope_key(c)] = other.rope_angles(c)
 
     def no_entries(self) -> torch.Tensor:
         """[n, 0]: a swa layer's selected entries."""

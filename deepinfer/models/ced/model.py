@@ -123,19 +123,16 @@ class CEDLayer(nn.Module):
         kv = fn.apply_rope(fn.rms(y, self.kv_norm, c.rms_norm_eps, ops=ops), pos, c.rope_dim, c.rope_theta, ops=ops)
         return fn.fake(kv, c.swa_kv_format, c.fake_quant, ops=ops)
 
-    def swa_kv_to_ring(self, x, pos, ring, ring_slot, ops):
-        """swa_kv, also written to the ring ``ring`` (quantized) at [ring_slot, pos % ring size]: one op
-        (``Ops.ced_swa_kv``, one kernel on the nvidia backend) for a decode step's queries."""
-        return self.swa_kv_rows(self.swa_proj(x), pos, ring, ring_slot, ops)
-
     def swa_proj(self, x):
         """x [T, d] (normed) -> the SWA projection W_kv x [T, D] (what ``swa_kv_rows`` takes)."""
         return self._linear(x, self.wkv)
 
     def swa_kv_rows(self, y, pos, ring, ring_slot, ops):
-        """swa_kv_to_ring from the projection y = swa_proj(x): a prefill runs it twice on the same y (a row-wise
-        op: the same bits each time), before attention with the ring writes sent to a scratch slot and after it
-        with the real ones (engine_path.Pass.swa_kv)."""
+        """swa_kv from the projection y = swa_proj(x), also written to the ring ``ring`` (quantized) at
+        [ring_slot, pos % ring size]: one op (``Ops.ced_swa_kv``, one kernel on the nvidia backend). A decode step
+        runs it once; a prefill runs it twice on the same y (a row-wise op: the same bits each time), before
+        attention with the ring writes sent to a scratch slot and after it with the real ones
+        (engine_path.Pass.swa_kv)."""
         c = self.c
         return ops.ced_swa_kv(y, self.kv_norm, c.rms_norm_eps, pos, c.rope_dim, c.rope_theta, c.swa_kv_format,
                               c.fake_quant, ring, ring_slot)
