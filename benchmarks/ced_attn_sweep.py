@@ -6,7 +6,9 @@ ced_case inputs: each query's own ring, 512 FP4 entries drawn from a large cache
 
 Each setting is checked against the reference op first (relative L2 error under 1e-2, or it cannot win), then
 timed as tilelang_vs_triton times (one CUDA graph of calls over rotating input sets). Settings: BLOCK_N x
-num_warps x num_stages x splits (the default split count scaled by 1/2, 1, 2, or 1 split: no merge kernel). A
+num_warps x num_stages x splits (the default split count scaled by 1/2, 1, 2, or 1 split: no merge kernel) x
+prefetch (the entry loop software-pipelined or not; "default pN" is the shipped launch with the other choice than
+triton_ced_attention.prefetch_entries makes). A
 row per (batch, setting); the table prints each batch's default and best, and the last line the setting with
 the lowest total over the batches (what launch_config and choose_splits should give). ``--prefill-chunk N`` adds
 one prefill chunk of N queries ending at the context (its best printed apart: a 2048-query chunk at 16K took
@@ -38,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--split-scale", type=float, nargs="+", default=[0.0, 0.5, 1.0, 2.0], help="0: one split")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 1],
+                    help="the entry loop software-pipelined (1) or not (0); 'default' runs tca.prefetch_entries' choice")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="ced_attn_sweep.jsonl")
     a = ap.parse_args(argv)
@@ -63,9 +67,13 @@ def main(argv=None) -> int:
             shipped = tca.wide_launch(T, H, D, q.dtype, first[1]["window"], K)  # what "default" runs at wide latents
             s_default = shipped[1] if shipped else s0
             settings = [("default", None, None)]
-            for bn, nw, ns, sc in itertools.product(a.block_n, a.warps, a.stages, a.split_scale):
+            if shipped:  # the shipped launch with the other prefetch choice
+                other = int(not tca.prefetch_entries({**cfg0, **shipped[0]}))
+                settings.append((f"default p{other}", dict(shipped[0], prefetch=other), shipped[1]))
+            for bn, nw, ns, sc, pf in itertools.product(a.block_n, a.warps, a.stages, a.split_scale, a.prefetch):
                 splits = 1 if sc == 0 else max(1, min(32, round(s0 * sc)))
-                settings.append((f"bn{bn} w{nw} s{ns} x{sc:g}", dict(BLOCK_N=bn, num_warps=nw, num_stages=ns), splits))
+                settings.append((f"bn{bn} w{nw} s{ns} x{sc:g} p{pf}",
+                                 dict(BLOCK_N=bn, num_warps=nw, num_stages=ns, prefetch=pf), splits))
             for name, launch, splits in settings:
                 def fn(args, kw, _l=launch, _s=splits):
                     return tca.sparse_attention(*args, launch=_l, num_splits=_s, **kw)

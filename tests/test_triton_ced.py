@@ -224,6 +224,23 @@ def test_sparse_attention_unrope_in_the_store(rows, W, H, D, K, R, dtype, splits
             triton_ced_attention.sparse_attention(*args, unrope=unrope, **kw)
 
 
+@examples(8)
+@given(rows=ced_attention_rows(2), W=st.integers(1, 12), H=st.integers(1, 3), K=st.integers(0, 40),
+       fmt=st.sampled_from(FP4), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       splits=st.sampled_from([None, 1, 2, 5]), seed=st.integers(0, 2**16))
+def test_sparse_attention_prefetch_same_bits(rows, W, H, K, fmt, dtype, splits, seed):
+    """The software-pipelined entry loop (launch key "prefetch") folds the same tiles in the same order as the
+    plain one: the same bits, whatever the split count (its prefetches stop at its split's last tile), and the
+    reference op's values."""
+    args, kw = attention_case(gen(seed), rows, W, 1, H, 32, K, fmt, dtype, True)
+    launch = dict(triton_ced_attention.launch_config(H, 32, dtype))
+    launch.pop("BLOCK_D")
+    plain = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=dict(launch, prefetch=0), **kw)
+    piped = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=dict(launch, prefetch=1), **kw)
+    assert_same_bits(piped, plain)
+    assert rel_err(piped, REF.ced_sparse_attention(*args, **kw)) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("fmt", FP4)
 def test_sparse_attention_bench_latent_width(fmt):
     """The bench latent's launch config (16 heads x D = 512: BLOCK_H 16, BLOCK_D 512, BLOCK_N 16, as compiled on
@@ -662,7 +679,8 @@ for dt in ("bf16", "fp32"):
                          dict(BLOCK_H=lc["BLOCK_H"], BLOCK_N=lc["BLOCK_N"], BLOCK_D=lc["BLOCK_D"],
                               WIN_TILES=2, SEL_TILES=8, GROUP=16, E8M0=False, HAS_ENTRIES=True, HAS_SINKS=True,
                               DIRECT=direct, DOT_PRECISION="ieee" if dt == "fp32" else "tf32", FAST_FP4=fast,
-                              UNROPE=True, BLOCK_R=min(32, D // 4)),  # (the engine's: out_proj's RoPE in)
+                              UNROPE=True, BLOCK_R=min(32, D // 4),  # (the engine's: out_proj's RoPE in)
+                              PREFETCH=tca.prefetch_entries(lc)),
                          div16=("stride_qt", "stride_qh", "stride_kv", "stride_rs", "stride_rr", "stride_rss",
                                 "stride_ec", "stride_sel", "stride_ot", "stride_oh", "H", "D", "K"),
                          num_warps=lc["num_warps"], **({"num_stages": lc["num_stages"]} if "num_stages" in lc else {}))

@@ -16,7 +16,10 @@ spilled registers with it; the FP8 ring only for tiles that reach below the fres
 softmax in float32 (running max, denominator, unnormalised output). The heads form the M side of both
 products (padded to 16 rows), so each key is read once per head tile, and since K = V the tile loaded for the
 scores also serves the values. A tile with no visible key leaves the state untouched (no branch: the max is
-guarded against -inf). When the grid would be too small to fill the GPU (decode), the keys are split
+guarded against -inf). Where a thread's share of a code tile is small (prefetch_entries), the entry loop is
+software-pipelined: the next tile's codes and the one after's slots are loaded before this tile is decoded, the
+first tile's before the window (the same tiles in the same order, so the same bits; 3-5% at decode on the H100).
+When the grid would be too small to fill the GPU (decode), the keys are split
 (flash-decoding) and triton_attention's merge kernel combines the partials and the sink. Split counts and loop bounds depend on shapes only, never on values,
 so the launch is safe inside a CUDA graph capture.
 
@@ -40,7 +43,7 @@ import triton.language as tl
 
 from .triton_attention import LOG2E, _dot, finish_softmax, merge_splits, sm_count
 from .triton_ced_fused import rope_pairs
-from .triton_fp4 import GROUPS, e4m3_value, e8m0_value, fast_decode, fp4_operand, mma_operand
+from .triton_fp4 import GROUPS, e4m3_value, e8m0_value, fast_decode, fp4_decode, fp4_load, fp4_operand, mma_operand
 from .triton_norm import cast_rne, to_f32
 from .triton_pdl import launch_kw, pdl_signal, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, check_knob, merge_launch, next_pow2
@@ -50,6 +53,11 @@ RING_FMT = "fp8_e4m3_pow2"
 RING_GROUP = 32
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 1024
+# Entry tiles software-pipelined (the kernel's PREFETCH): the next tile's slots and codes are loaded before this
+# one is decoded, where prefetch_entries allows it. The launch key "prefetch" (0 / 1) overrides it per call
+# (benchmarks/ced_attn_sweep.py).
+PREFETCH = True
+PREFETCH_MAX_BYTES = 32  # code bytes a thread holds for the next tile (the sm_90 compile test: 64 spilled)
 
 
 @triton.jit
@@ -105,7 +113,8 @@ def _ced_attn_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
     HAS_ENTRIES: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FAST_FP4: tl.constexpr, UNROPE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = 0,
+    FAST_FP4: tl.constexpr, UNROPE: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     pdl_start(PDL, True)
     t = tl.program_id(0).to(tl.int64)
@@ -132,6 +141,14 @@ def _ced_attn_kernel(
     rc_row = rc_ptr + ring_row * stride_rs
     rs_row = rs_ptr + ring_row * stride_rss
     n_off = tl.arange(0, BLOCK_N)
+    sel_row = sel_ptr + t * stride_sel
+    e0 = split * SEL_TILES * BLOCK_N + n_off
+    if HAS_ENTRIES and PREFETCH:  # the first entry tile's loads, in flight during the window
+        lim = tl.minimum(K, (split + 1) * SEL_TILES * BLOCK_N)  # the end of this split's entries
+        slot = tl.load(sel_row + e0, mask=e0 < lim, other=-1)
+        nxt = tl.load(sel_row + e0 + BLOCK_N, mask=e0 + BLOCK_N < lim, other=-1)
+        byte, sb = fp4_load(ec_ptr, es_ptr, slot, slot >= 0, stride_ec, stride_es, D // GROUP,
+                            BLOCK_D // GROUP, GROUP, FAST_FP4)
     for i in range(WIN_TILES):
         p_first = lo + (split * WIN_TILES + i) * BLOCK_N
         kv, valid = _window_tile(kv_ptr, rc_row, rs_row, p_first, p_first + n_off, pos, fresh_lo, fresh_start,
@@ -139,13 +156,23 @@ def _ced_attn_kernel(
         m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if HAS_ENTRIES:  # selected entries: this split's tiles of entry_slots[t]
-        for i in range(SEL_TILES):
-            e = (split * SEL_TILES + i) * BLOCK_N + n_off
-            slot = tl.load(sel_ptr + t * stride_sel + e, mask=e < K, other=-1)
-            valid = slot >= 0
-            kv = fp4_operand(ec_ptr, es_ptr, slot, valid, stride_ec, stride_es, D // GROUP, BLOCK_D // GROUP, GROUP,
-                             E8M0, DT, FAST_FP4)
-            m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        if PREFETCH:  # tile i + 1's codes and tile i + 2's slots are in flight while tile i is decoded and used
+            for i in range(SEL_TILES):
+                e2 = e0 + (i + 2) * BLOCK_N
+                after = tl.load(sel_row + e2, mask=e2 < lim, other=-1)
+                byte_n, sb_n = fp4_load(ec_ptr, es_ptr, nxt, nxt >= 0, stride_ec, stride_es, D // GROUP,
+                                        BLOCK_D // GROUP, GROUP, FAST_FP4)
+                kv = fp4_decode(byte, sb, GROUP, E8M0, DT, FAST_FP4)
+                m_i, l_i, acc = _online_step(q, kv, slot >= 0, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+                slot, nxt, byte, sb = nxt, after, byte_n, sb_n
+        else:
+            for i in range(SEL_TILES):
+                e = e0 + i * BLOCK_N
+                slot = tl.load(sel_row + e, mask=e < K, other=-1)
+                valid = slot >= 0
+                kv = fp4_operand(ec_ptr, es_ptr, slot, valid, stride_ec, stride_es, D // GROUP, BLOCK_D // GROUP,
+                                 GROUP, E8M0, DT, FAST_FP4)
+                m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     pdl_signal(PDL)
     if DIRECT:  # one split: add the sink and finish here
@@ -289,6 +316,15 @@ def fast_entries(dtype: torch.dtype, cfg: dict) -> bool:
     return cfg["BLOCK_D"] >= 256 and fast_decode(dtype, cfg["BLOCK_N"] * cfg["BLOCK_D"] // 2, cfg["num_warps"])
 
 
+def prefetch_entries(cfg: dict) -> bool:
+    """Whether a launch of cfg (BLOCK_N, BLOCK_D, num_warps; "prefetch" if given decides) pipelines its entry
+    tiles: PREFETCH on and the next tile's code bytes at most PREFETCH_MAX_BYTES a thread (the bench latent's
+    decode launches; the 4-warp BLOCK_N 32 one of prefills and 64-query decodes spilled registers with it)."""
+    if "prefetch" in cfg:
+        return bool(cfg["prefetch"])
+    return PREFETCH and cfg["BLOCK_N"] * cfg["BLOCK_D"] // 2 <= PREFETCH_MAX_BYTES * 32 * cfg["num_warps"]
+
+
 def choose_splits(rows: int, head_tiles: int, tiles: int, device: torch.device) -> int:
     """Key splits so the grid fills the GPU (about 4 programs per SM), each split at least one tile.
     Depends on shapes only."""
@@ -347,7 +383,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
     else:  # a caller's overrides (tests, benchmarks/ced_attn_sweep.py): checked, the latent tile kept
         cfg = merge_launch("sparse_attention", cfg, launch, {
             "BLOCK_H": (16, 64, True), "BLOCK_N": (16, 128, True), "BLOCK_D": (cfg["BLOCK_D"], cfg["BLOCK_D"], True),
-            "num_warps": (1, 16, True), "num_stages": (1, 8, False)})
+            "num_warps": (1, 16, True), "num_stages": (1, 8, False), "prefetch": (0, 1, False)})
         if num_splits is not None:
             check_knob("sparse_attention", "num_splits", num_splits, 1, 256, False)
     BLOCK_H, BLOCK_N, BLOCK_D = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["BLOCK_D"]
@@ -380,6 +416,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         GROUP=GROUPS.get(entry_fmt, 16), E8M0=entry_fmt == "mxfp4", HAS_ENTRIES=has_entries,
         HAS_SINKS=has_sinks, DIRECT=S == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FAST_FP4=has_entries and fast_entries(q.dtype, cfg), UNROPE=unrope is not None, BLOCK_R=block_r,
+        PREFETCH=has_entries and prefetch_entries(cfg),
         num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
         **launch_kw(q.device),
     )

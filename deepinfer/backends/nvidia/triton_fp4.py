@@ -75,18 +75,41 @@ def fp4_tile(codes_ptr, scales_ptr, rows, row_mask, stride_c, stride_s, NG, BLOC
     """Dequantise the FP4 rows ``rows`` [BLOCK_N] (int64 row ids; masked rows give 0) of a code array with NG
     scale groups per row -> float32 [BLOCK_N, BLOCK_G * GROUP], exact. Loaded as [rows, groups, bytes] so each
     scale byte is read once and broadcast over its group; channel 2i comes from byte i's low nibble."""
+    byte, sb = fp4_load(codes_ptr, scales_ptr, rows, row_mask, stride_c, stride_s, NG, BLOCK_G, GROUP, False)
+    return fp4_tile_decode(byte, sb, GROUP, E8M0)
+
+
+@triton.jit
+def fp4_load(codes_ptr, scales_ptr, rows, row_mask, stride_c, stride_s, NG, BLOCK_G: tl.constexpr,
+             GROUP: tl.constexpr, FAST: tl.constexpr):
+    """The raw code bytes and scale bytes of FP4 rows ``rows`` [BLOCK_N] (masked rows and groups past NG load 0),
+    laid out for fp4_decode of the same FAST: codes uint8 [BLOCK_N, BLOCK_G * GROUP // 2] (FAST) or [BLOCK_N,
+    BLOCK_G, GROUP // 2], scales int32 [BLOCK_N, BLOCK_G]. Apart from the decoding so a kernel can issue the
+    next tile's loads before it decodes this one (their latency then overlaps the work)."""
     g = tl.arange(0, BLOCK_G)
-    j = tl.arange(0, GROUP // 2)
     gmask = row_mask[:, None] & (g[None, :] < NG)  # [BLOCK_N, BLOCK_G]
-    byte = tl.load(codes_ptr + rows[:, None, None] * stride_c + (g[None, :, None] * (GROUP // 2) + j[None, None, :]),
-                   mask=gmask[:, :, None], other=0).to(tl.int32)  # [BLOCK_N, BLOCK_G, GROUP // 2]
+    if FAST:  # 2-D tiles: Triton 3.6 fails to lay out a wgmma operand reshaped from [rows, groups, bytes]
+        c = tl.arange(0, BLOCK_G * GROUP // 2)
+        byte = tl.load(codes_ptr + rows[:, None] * stride_c + c[None, :],
+                       mask=row_mask[:, None] & (c < NG * (GROUP // 2))[None, :], other=0)
+    else:
+        j = tl.arange(0, GROUP // 2)
+        byte = tl.load(codes_ptr + rows[:, None, None] * stride_c
+                       + (g[None, :, None] * (GROUP // 2) + j[None, None, :]), mask=gmask[:, :, None], other=0)
     sb = tl.load(scales_ptr + rows[:, None] * stride_s + g[None, :], mask=gmask, other=0).to(tl.int32)
+    return byte, sb
+
+
+@triton.jit
+def fp4_tile_decode(byte, sb, GROUP: tl.constexpr, E8M0: tl.constexpr):
+    """fp4_load's bytes (not FAST) -> float32 [BLOCK_N, BLOCK_G * GROUP], exact (fp4_tile's values)."""
+    byte = byte.to(tl.int32)
     if E8M0:
         scale = e8m0_value(sb)[:, :, None]
     else:
         scale = e4m3_value(sb)[:, :, None]
     vals = tl.interleave(e2m1_value(byte & 0xF) * scale, e2m1_value(byte >> 4) * scale)
-    return tl.reshape(vals, [rows.shape[0], BLOCK_G * GROUP])
+    return tl.reshape(vals, [byte.shape[0], byte.shape[1] * GROUP])
 
 
 # Two E2M1 nibbles of a byte n -> bf16 bits ((n & 7) << 6) | ((n & 8) << 12): the nibble's exponent and mantissa
@@ -128,14 +151,16 @@ def fp4_operand(codes_ptr, scales_ptr, rows, row_mask, stride_c, stride_s, NG, B
                 GROUP: tl.constexpr, E8M0: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
     """fp4_tile's rows as a tl.dot operand in DT. FAST (compiled, DT bf16; the host decides, see fast_decode)
     decodes in fp4_bf16_pair; otherwise fp4_tile then mma_operand."""
-    if FAST:  # 2-D tiles: Triton 3.6 fails to lay out a wgmma operand reshaped from [rows, groups, bytes]
-        BN: tl.constexpr = rows.shape[0]
-        g = tl.arange(0, BLOCK_G)
-        c = tl.arange(0, BLOCK_G * GROUP // 2)
-        byte = tl.load(codes_ptr + rows[:, None] * stride_c + c[None, :],
-                       mask=row_mask[:, None] & (c < NG * (GROUP // 2))[None, :], other=0)
-        sb = tl.load(scales_ptr + rows[:, None] * stride_s + g[None, :], mask=row_mask[:, None] & (g < NG)[None, :],
-                     other=0).to(tl.int32)
+    byte, sb = fp4_load(codes_ptr, scales_ptr, rows, row_mask, stride_c, stride_s, NG, BLOCK_G, GROUP, FAST)
+    return fp4_decode(byte, sb, GROUP, E8M0, DT, FAST)
+
+
+@triton.jit
+def fp4_decode(byte, sb, GROUP: tl.constexpr, E8M0: tl.constexpr, DT: tl.constexpr, FAST: tl.constexpr):
+    """fp4_load's bytes of the same FAST -> fp4_operand's dot operand in DT."""
+    if FAST:
+        BN: tl.constexpr = byte.shape[0]
+        BLOCK_G: tl.constexpr = sb.shape[1]
         if E8M0:
             scale = e8m0_value(sb)
         else:
@@ -147,8 +172,7 @@ def fp4_operand(codes_ptr, scales_ptr, rows, row_mask, stride_c, stride_s, NG, B
         return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [tl.interleave(lo, hi)], dtype=tl.bfloat16,
                                          is_pure=False, pack=2)
     else:
-        return mma_operand(fp4_tile(codes_ptr, scales_ptr, rows, row_mask, stride_c, stride_s, NG, BLOCK_G, GROUP,
-                                    E8M0), DT)
+        return mma_operand(fp4_tile_decode(byte, sb, GROUP, E8M0), DT)
 
 
 FAST_DECODE = True  # benchmarks/ced_prefill_kernels.py turns it off to time the decoder it replaces
