@@ -459,6 +459,24 @@ diag20b)
       ${shape%|*} --out "$OUT/profile_cold_prefill_4k_${shape#*|}" > "$OUT/pcp_${shape#*|}.log" 2>&1
     grep -v Warning "$OUT/pcp_${shape#*|}.log" | grep -A12 "^== \|idle spans" | cut -c 1-180 | head -40
   done ;;
+s22a)
+  # 22nd session (~7 min): the CED kernel tests (the pipelined entry loop among them), then the attention's
+  # launch knobs with the entry loop pipelined or not at decode 1 / 16 / 64 and a 2048-query prefill chunk.
+  timeout -s INT 200 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_triton_ced.py 2>&1 | tail -3
+  timeout 360 python3 benchmarks/ced_attn_sweep.py --batches 1 16 64 --prefill-chunk 2048 --block-n 16 32 \
+    --warps 4 8 --stages 1 --split-scale 0 0.5 1 2 --prefetch 0 1 --reps 20 --out "$OUT/ced_attn_sweep.jsonl" 2>&1 \
+    | grep -v Warning | tail -8 ;;
+s22b)
+  # 22nd session (~5 min): the GEMV tests (their weights prefetched into L2 before the PDL wait), then the CED decode
+  # profile at 1 / 16 / 64 with the prefetch off and on (DEEPINFER_L2_PREFETCH), alternating twice on this GPU.
+  timeout -s INT 150 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_triton_gemv.py 2>&1 | tail -3
+  for r in 1 2; do
+    for pf in 0 1; do
+      DEEPINFER_L2_PREFETCH=$pf timeout 150 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 \
+        --steps 16 --top 30 --out "$OUT/profile_ced_l2pf$pf.jsonl" 2>&1 | grep "== batch" | sed "s/^/l2pf=$pf $r /" \
+        | cut -c 1-120
+    done
+  done ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

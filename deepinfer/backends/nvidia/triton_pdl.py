@@ -82,3 +82,44 @@ def pdl_signal(PDL: tl.constexpr):
     SM slots only as this one's finish, not while it streams its weights."""
     if PDL == 3:
         gdc_launch_dependents()
+
+
+# cp.async.bulk.prefetch.L2 (sm_90): the bytes [addr, addr + size) into L2, asynchronously, holding no registers;
+# a lane whose size is 0 issues nothing. The dummy result keeps Triton's inline asm well formed.
+_L2_PREFETCH_ASM = tl.constexpr("""
+{
+.reg .pred p;
+setp.gt.s32 p, $2, 0;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.u32 $0, 0;
+}
+""")
+
+
+@triton.jit
+def prefetch_l2(base, nbytes, LANES: tl.constexpr):
+    """Ask L2 for the bytes [base, base + nbytes) (base 16-byte aligned, nbytes a multiple of 16, below 2^31),
+    as LANES lanes' chunks of a multiple of 16 bytes. Compiled sm_90 code only (the caller's constexpr keeps it
+    out of the interpreter). For weights, which no kernel of a step writes: a kernel may issue it before
+    pdl_start's wait, so its weights stream into L2 while the previous kernel still runs."""
+    chunk = (nbytes + (LANES * 16 - 1)) // (LANES * 16) * 16
+    start = tl.arange(0, LANES) * chunk
+    size = tl.minimum(tl.maximum(nbytes - start, 0), chunk)
+    addr = (base.to(tl.pointer_type(tl.uint8)) + start).to(tl.int64)
+    tl.inline_asm_elementwise(_L2_PREFETCH_ASM, "=r,l,r", [addr, size.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+def l2_prefetchable(w: torch.Tensor, row_bytes_multiple: bool = True) -> bool:
+    """Whether a kernel may prefetch_l2 slabs of whole rows of w [..., N, K] on w's device: compiled code on a
+    Hopper-or-later GPU (PDL on, so there is a previous kernel to overlap), rows contiguous and 16-byte aligned
+    (data pointer, row and group strides in bytes multiples of 16), and L2_PREFETCH on."""
+    if not L2_PREFETCH or mode_for(w.device) == 0 or w.dim() < 2 or w.stride(-1) != 1:
+        return False
+    e = w.element_size()
+    return w.data_ptr() % 16 == 0 and w.stride(-2) == w.shape[-1] and (w.shape[-1] * e) % 16 == 0 \
+        and all((st * e) % 16 == 0 for st in w.stride()[:-2])
+
+
+L2_PREFETCH = os.environ.get("DEEPINFER_L2_PREFETCH", "1").strip() != "0"
+
