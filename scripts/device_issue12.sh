@@ -467,8 +467,9 @@ s22a)
     --warps 4 8 --stages 1 --split-scale 0 0.5 1 2 --prefetch 0 1 --reps 20 --out "$OUT/ced_attn_sweep.jsonl" 2>&1 \
     | grep -v Warning | tail -8 ;;
 s22b)
-  # 22nd session (~5 min): the GEMV tests (their weights prefetched into L2 before the PDL wait), then the CED decode
-  # profile at 1 / 16 / 64 with the prefetch off and on (DEEPINFER_L2_PREFETCH), alternating twice on this GPU.
+  # 22nd session (~5 min, at 219a8d9 only: the prefetch was taken out after it): the GEMV tests (their weights
+  # prefetched into L2 before the PDL wait), then the CED decode profile at 1 / 16 / 64 with the prefetch off and
+  # on (DEEPINFER_L2_PREFETCH), alternating twice on this GPU.
   timeout -s INT 150 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_triton_gemv.py 2>&1 | tail -3
   for r in 1 2; do
     for pf in 0 1; do

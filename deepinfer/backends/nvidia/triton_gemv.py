@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .triton_attention import _dot, sm_count
 from .triton_norm import cast_rne
-from .triton_pdl import l2_prefetchable, launch_kw, pdl_signal, pdl_start, prefetch_l2
+from .triton_pdl import launch_kw, pdl_signal, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -48,10 +48,7 @@ NUM_WARPS = 8
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                  stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_I: tl.constexpr,
-                 L2_PREFETCH: tl.constexpr = False, NUM_WARPS: tl.constexpr = 1, PDL: tl.constexpr = 0):
-    if L2_PREFETCH:  # this program's weight rows into L2 before the wait (weights: no kernel writes them)
-        _prefetch_rows(w_ptr, stride_wg, stride_wn, N, K, w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N,
-                       NUM_WARPS)
+                 PDL: tl.constexpr = 0):
     pdl_start(PDL, True)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
@@ -78,13 +75,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
 def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                 stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_I: tl.constexpr, WIDEN: tl.constexpr,
-                PRECISION: tl.constexpr, L2_PREFETCH: tl.constexpr = False, NUM_WARPS: tl.constexpr = 1,
-                PDL: tl.constexpr = 0):
+                PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
     """The same product for up to DOT_ROWS rows on the tensor cores: x's rows padded to 16 (the MMA's M), one dot
     per K step; WIDEN: mixed dtypes, both operands widened to float32 (exact) for an "ieee" dot."""
-    if L2_PREFETCH:
-        _prefetch_rows(w_ptr, stride_wg, stride_wn, N, K, w_ptr.dtype.element_ty.primitive_bitwidth // 8, BLOCK_N,
-                       NUM_WARPS)
     pdl_start(PDL, True)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
@@ -106,17 +99,6 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
     o = out_ptr + g * stride_og + rows[:, None].to(tl.int64) * stride_om + n[None, :]
     pdl_signal(PDL)
     tl.store(o, cast_rne(acc, out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, stride_wg, stride_wn, N, K, ELT: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_WARPS: tl.constexpr):
-    """prefetch_l2 of this program's rows (program_id(0)'s BLOCK_N rows of group program_id(1); contiguous rows,
-    as l2_prefetchable requires), one chunk a thread."""
-    n0 = tl.program_id(0) * BLOCK_N
-    rows = tl.minimum(N - n0, BLOCK_N)
-    base = w_ptr + tl.program_id(1).to(tl.int64) * stride_wg + n0.to(tl.int64) * stride_wn
-    prefetch_l2(base, rows * K * ELT, 32 * NUM_WARPS)
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, dot: bool = False) -> bool:
@@ -166,19 +148,14 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
         _dot_kernel[(cdiv(N, BN), G)](
             x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
             BLOCK_N=BN, BLOCK_K=BK, K_I=K if INTERPRET else 0, WIDEN=widen, PRECISION="ieee" if widen else "tf32",
-            num_warps=4, **_prefetch_kw(w, 4), **launch_kw(x.device))
+            num_warps=4, **launch_kw(x.device))
         return out
     BM, BN, BK = block_sizes(M, G, N, K, x.device, tile, per_sm)
     _gemv_kernel[(cdiv(N, BN), G)](
         x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, K_I=K if INTERPRET else 0, num_warps=num_warps,
-        **_prefetch_kw(w, num_warps), **launch_kw(x.device))
+        **launch_kw(x.device))
     return out
-
-
-def _prefetch_kw(w: torch.Tensor, num_warps: int) -> dict:
-    """The kernels' L2 prefetch constexprs for w: on where triton_pdl.l2_prefetchable allows (else the defaults)."""
-    return {"L2_PREFETCH": True, "NUM_WARPS": num_warps} if l2_prefetchable(w) else {}
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, **knobs) -> torch.Tensor:
