@@ -478,6 +478,10 @@ s22b)
         | cut -c 1-120
     done
   done ;;
+s22c)
+  # 22nd session (~7 min, carry .whl312): every GPU test file but kv_sizing, then kv_sizing alone.
+  gpu_files_but_kv_sizing
+  timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

@@ -196,6 +196,22 @@ class Ops:
         where ids is -1: the cache rows of each query's chosen entries (its sequence's row of the table)."""
         raise NotImplementedError
 
+    def ced_compress_plan(self, pos: torch.Tensor, block_table: torch.Tensor, m: int, size: int, per: int, *,
+                          rows: Optional[torch.Tensor] = None, real: Optional[torch.Tensor] = None,
+                          scratch_block: int = 0) -> tuple:
+        """A decode step's compression plan for ratio m (models/ced/decode_path.py): pos [n] int64 token positions,
+        block_table [R, NB] int64, tail size ``size``, ``per`` entries a block -> (tail slot pos % size [n],
+        group members' tail slots (j m + i) % size [n, m] (both None where m == 1), group j = pos // m [n], cache
+        row of entry j [n]: block_table[t, j // per] * per + j % per; with rows / real (a padded verify batch:
+        each token's table row, whether it is real) the row's block only for a real token completing its group
+        (pos % m == m - 1), its index clamped to the table, else ``scratch_block``). All int64."""
+        raise NotImplementedError
+
+    def ced_block_slots(self, block_table: torch.Tensor, per: int) -> torch.Tensor:
+        """block_table [R, NB] int64 -> [R, NB per] int64: block_table[r, i // per] * per + i % per, the cache row
+        of every entry id i a row's blocks hold (``per`` entries a block)."""
+        raise NotImplementedError
+
     def ced_compress_write(self, v: torch.Tensor, z: Optional[torch.Tensor], m: int, weight: Optional[torch.Tensor],
                            eps: float, entry_ids: torch.Tensor, rope_dim: int, theta: float, fmt: str, fake: bool,
                            store: tuple, rows: torch.Tensor) -> None:

@@ -452,6 +452,24 @@ class NvidiaOps(ReferenceOps):
     def ced_entry_rows(self, table, q_rows, ids):
         return self._rows(table, q_rows, ids)
 
+    def ced_compress_plan(self, pos, block_table, m, size, per, *, rows=None, real=None, scratch_block=0):
+        from . import triton_ced_plan as tpl
+
+        if kernel_device_ok(pos, block_table) and tpl.supports(pos, block_table, rows, real):
+            self.kernel_calls["ced_compress_plan"] += 1
+            return tpl.compress_plan(pos, block_table, m, size, per, rows, real, scratch_block)
+        return super().ced_compress_plan(pos, block_table, m, size, per, rows=rows, real=real,
+                                         scratch_block=scratch_block)
+
+    def ced_block_slots(self, block_table, per):
+        from . import triton_ced_plan as tpl
+
+        pos = block_table.new_empty(0)
+        if kernel_device_ok(block_table) and tpl.supports(pos, block_table):
+            self.kernel_calls["ced_block_slots"] += 1
+            return tpl.block_slots(block_table, per)
+        return super().ced_block_slots(block_table, per)
+
     def ced_compress_write(self, v, z, m, weight, eps, entry_ids, rope_dim, theta, fmt, fake, store, rows):
         from . import triton_ced_compress as tcc, triton_ced_fused as tcf
 

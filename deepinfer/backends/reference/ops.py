@@ -161,6 +161,25 @@ class ReferenceOps(Ops):
             return torch.full_like(ids, -1)
         return torch.where(ids >= 0, table[q_rows[:, None], ids.clamp(min=0)], -1)
 
+    def ced_compress_plan(self, pos, block_table, m, size, per, *, rows=None, real=None, scratch_block=0):
+        j = pos // m  # the group each token belongs to
+        at = members = None
+        if m > 1:
+            at = pos % size
+            members = ((j * m)[:, None] + torch.arange(m, device=j.device)) % size  # [n, m] group positions
+        bt = block_table
+        if rows is None:
+            out = bt.gather(1, (j // per)[:, None])[:, 0] * per + j % per
+        else:  # only a real token completing its group writes its row's entry; the rest the scratch block
+            blk = bt[rows, (j // per).clamp(max=bt.shape[1] - 1)]
+            own = real & (pos % m == m - 1)
+            out = torch.where(own, blk, scratch_block) * per + j % per
+        return at, members, j, out
+
+    def ced_block_slots(self, block_table, per):
+        ids = torch.arange(block_table.shape[1] * per, device=block_table.device)
+        return block_table[:, ids // per] * per + ids % per
+
     def ced_compress_write(self, v, z, m, weight, eps, entry_ids, rope_dim, theta, fmt, fake, store, rows):
         from ...models.ced import functional as fn  # (ops=self: a subclass's fused kernels, on CUDA)
 

@@ -42,8 +42,9 @@ class DecodePass(engine_path.Shared):
 
     score = False
 
-    def __init__(self, meta, cut: torch.Tensor, starts: list, cache=None):
+    def __init__(self, meta, cut: torch.Tensor, starts: list, cache=None, ops=None):
         self.meta = meta
+        self.ops = ops  # the model's backend ops (model_ops): the step's index plans
         self.n = meta.positions.shape[0]
         self.pos = meta.positions
         self.min_pos = min(starts) if starts else None  # host-known on the eager path only
@@ -69,22 +70,12 @@ class DecodePass(engine_path.Shared):
 
     def _plan(self, m: int, size: int, cache):
         """(tail slot of each token, tail slots of its group's members [n, m], its group's entry id and cache
-        row): where every full layer of ratio m reads and writes."""
-        def build():
-            j = self.pos // m  # the group this token belongs to
-            members = None
-            if m > 1:
-                members = ((j * m)[:, None] + torch.arange(m, device=j.device)) % size  # [n, m] group positions
-            per = cache.block_size // m
-            bt = self.meta.block_table
-            if self.real is None:
-                rows = bt.gather(1, (j // per)[:, None])[:, 0] * per + j % per
-            else:  # only a real token completing its group writes the row's entry; the rest the scratch block
-                blk = bt[self.rows_t, (j // per).clamp(max=bt.shape[1] - 1)]
-                own = self.real & (self.pos % m == m - 1)
-                rows = torch.where(own, blk, cache.scratch_block) * per + j % per
-            return self.pos % size if m > 1 else None, members, j, rows
-        return self._once(("compress", m, size), build)
+        row): where every full layer of ratio m reads and writes (Ops.ced_compress_plan; in a padded verify batch
+        only a real token completing its group writes the row's entry, the rest the scratch block)."""
+        padded = self.real is not None
+        return self._once(("compress", m, size), lambda: self.ops.ced_compress_plan(
+            self.pos, self.meta.block_table, m, size, cache.block_size // m, rows=self.rows_t if padded else None,
+            real=self.real, scratch_block=cache.scratch_block if padded else 0))
 
     def compress(self, model, layer, xs, cache) -> None:
         m, d = layer.m, xs.shape[-1]
@@ -99,13 +90,10 @@ class DecodePass(engine_path.Shared):
         layer.entries_to_cache(group, j, rows, cache, model_ops(model))
 
     def entry_slots(self, m: int, cache) -> torch.Tensor:
-        """[R, J] cache row of every entry id the block tables can hold (queries see only their visible ones)."""
-        def build():
-            per = cache.block_size // m
-            bt = self.meta.block_table
-            ids = torch.arange(bt.shape[1] * per, device=bt.device)
-            return bt[:, ids // per] * per + ids % per
-        return self._once(("slots", m), build)
+        """[R, J] cache row of every entry id the block tables can hold (queries see only their visible ones;
+        Ops.ced_block_slots)."""
+        return self._once(("slots", m), lambda: self.ops.ced_block_slots(self.meta.block_table,
+                                                                         cache.block_size // m))
 
     def swa_kv(self, layer, x, cache, ops, y=None):
         """The queries' SWA keys, written to the rings at once (one op with the norm, RoPE and quantisation):
@@ -132,8 +120,9 @@ def _forward_decode(model, input_ids, meta, cache):
     stats = model.counters
     starts = list(meta.starts)
     enc_cut = meta.swa_cut_rows if meta.swa_cut_rows is not None else torch.zeros_like(meta.positions)
-    enc = DecodePass(meta, enc_cut, starts, cache)
-    dec = DecodePass(meta, meta.replay_rows, starts, cache)
+    ops = model_ops(model)
+    enc = DecodePass(meta, enc_cut, starts, cache, ops)
+    dec = DecodePass(meta, meta.replay_rows, starts, cache, ops)
     dec.share_rope_angles(enc, c)  # (both passes' queries are at meta.positions)
     h = model.embed(input_ids)
     ctx: dict = {}
