@@ -19,9 +19,9 @@ scores also serves the values. A tile with no visible key leaves the state untou
 guarded against -inf). Where a thread's share of a code tile is small (prefetch_entries), the entry loop is
 software-pipelined: the next tile's codes and the one after's slots are loaded before this tile is decoded, the
 first tile's before the window (the same tiles in the same order, so the same bits; 3-5% at decode on the H100).
-When the grid would be too small to fill the GPU (decode), the keys are split
-(flash-decoding) and triton_attention's merge kernel combines the partials and the sink. Split counts and loop bounds depend on shapes only, never on values,
-so the launch is safe inside a CUDA graph capture.
+When the grid would be too small to fill the GPU (decode), the keys are split (flash-decoding) and
+triton_attention's merge kernel combines the partials and the sink. Split counts and loop bounds depend on
+shapes only, never on values, so the launch is safe inside a CUDA graph capture.
 
 Compiled code: the dequantised tiles pass an opaque identity (``triton_fp4.mma_operand``) before the products,
 since Triton 3.6 otherwise widens the MMA operands' kWidth for their 8-bit origin and miscomputes dots with
