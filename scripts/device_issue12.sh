@@ -482,6 +482,21 @@ s22c)
   # 22nd session (~7 min, carry .whl312): every GPU test file but kv_sizing, then kv_sizing alone.
   gpu_files_but_kv_sizing
   timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3 ;;
+s22e)
+  # 22nd session (~7.5 min, carry .whl312 and .baseline): every GPU test file but kv_sizing, kv_sizing alone, the
+  # decode profile of the baseline tree (.baseline/base.tgz) then this one, gpu_bench's roofline, CED decode at
+  # 1 / 16 / 64 and the 4K prefill ratio.
+  gpu_files_but_kv_sizing
+  timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3
+  rm -rf /tmp/base && mkdir -p /tmp/base && tar xzf .baseline/base.tgz -C /tmp/base
+  (cd /tmp/base && PYTHONPATH=/tmp/base:/tmp/base/plugins/deepinfer-ngram:/tmp/ngram_ep:/tmp/site timeout 100 \
+    python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+    --out "$OUT/profile_ced_base.jsonl" 2>&1 | grep "== batch" | sed "s/^/base /" | cut -c 1-110)
+  timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 --top 30 \
+    --out "$OUT/profile_ced_new.jsonl" 2>&1 | grep "== batch" | sed "s/^/new  /" | cut -c 1-110
+  timeout 120 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced.jsonl" --commit "${1:-?}" \
+    --phases roofline,ced --ced-prefill-tokens 4096 --ced-batches 1 16 64 --ced-repeats 2 --budget-s 110 2>&1 \
+    | tee "$OUT/gpu_bench_ced.log" | grep -v Warning | grep "^row phase=ced" | cut -c 1-200 ;;
 *)
   echo "usage: bash scripts/device_issue12.sh tests K | suite | suite-short | moe-graphs | smoke | ced-bench COMMIT | ced-prefill COMMIT | moe-pairs | next COMMIT | sweep | sweep2 | check | next13 | prefill-attn | final COMMIT | final2 | mla" >&2; exit 2 ;;
 esac

@@ -134,6 +134,69 @@ def test_the_backend_takes_the_tensor_core_variant_past_gemv_max_rows(monkeypatc
     assert seen == [False, True, True]  # 5 rows: cuBLAS
 
 
+@st.composite
+def rope_cases(draw):
+    dot = draw(st.booleans())
+    M = draw(st.integers(1, tg.DOT_ROWS if dot else tg.MAX_ROWS))
+    heads, D = draw(st.integers(1, 3)), draw(st.sampled_from([2, 4, 8, 16, 34, 64]))
+    R = 2 * draw(st.integers(1, D // 2))
+    return dot, M, heads, D, R, draw(st.integers(1, 90)), draw(st.sampled_from([torch.float32, torch.bfloat16]))
+
+
+@examples(20)
+@given(case=rope_cases(), big=st.booleans(), seed=st.integers(0, 2**16))
+def test_rope_epilogue_is_the_gemv_then_the_rope_kernel(case, big, seed):
+    """linear(..., rope=(pos, inv_freq, heads)) stores what the GEMV then triton_ced_fused's rope kernel store,
+    bit for bit, for both kernels (CUDA cores and tensor cores), any head width and rotary part; and it is the
+    rotation of the float64 product by float64 angles, within the roundings' bound."""
+    from deepinfer.backends.nvidia import triton_ced_fused as tcf
+    from deepinfer.testing.kernels import assert_same_bits
+
+    dot, M, heads, D, R, K, dtype = case
+    g = gen(seed)
+    x = torch.randn(M, K, generator=g).to(DEV, dtype)
+    w = (torch.randn(heads * D, K, generator=g) * K ** -0.5).to(DEV, dtype)
+    pos = torch.randint(0, 60000 if big else 50, (M,), generator=g).to(DEV)
+    inv = tcf.inv_freq(R, 10000.0, DEV)
+    fused = tg.linear(x, w, dot=dot, rope=(pos, inv, heads)).view(M, heads, D)
+    plain = tg.linear(x, w, dot=dot)
+    assert_same_bits(fused, tcf.rope(plain.view(M, heads, D), pos, inv))
+    # the independent check: float64 product and angles (cos / sin of float32 angles differ from float64 ones by
+    # the angle's own rounding, ~pos * 2^-24 radians, times the value)
+    y = (x.double().cpu() @ w.double().cpu().T).view(M, heads, D)
+    ang = pos.double().cpu()[:, None] * inv.double().cpu()[None, :]
+    a, b = y[..., D - R::2], y[..., D - R + 1::2]
+    cos, sin = torch.cos(ang)[:, None, :], torch.sin(ang)[:, None, :]
+    want = y.clone()
+    want[..., D - R::2], want[..., D - R + 1::2] = a * cos - b * sin, b * cos + a * sin
+    mag = (x.double().cpu().abs() @ w.double().cpu().abs().T).view(M, heads, D).amax(-1, keepdim=True)
+    slack = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+    bound = mag * (slack + (K + 4) * 2.0 ** -24 + pos.double().cpu().amax() * 2.0 ** -23) + 1e-30
+    assert bool(((fused.double().cpu() - want).abs() <= bound).all())
+
+
+def test_rope_epilogue_dispatch_and_errors(monkeypatch):
+    """NvidiaOps.ced_linear_rope takes the epilogue where linear takes a GEMV kernel (one launch), else the linear
+    and the rope op; both give the reference ops' values. Bad rope arguments are refused by name."""
+    from deepinfer.backends.nvidia import ops as nv, triton_ced_fused as tcf
+    from deepinfer.backends.reference.ops import ReferenceOps
+
+    backend, ref = nv.NvidiaOps(DEV), ReferenceOps(DEV)
+    g = gen(7)
+    w = torch.randn(2 * 16, 40, generator=g).to(DEV)
+    for rows in (1, nv.GEMV_DOT_MAX_ROWS, nv.GEMV_DOT_MAX_ROWS + 1):
+        x = torch.randn(rows, 40, generator=g).to(DEV)
+        pos = torch.arange(rows, device=DEV) * 37
+        before = backend.kernel_calls["gemv_rope"]
+        got = backend.ced_linear_rope(x, w, pos, 8, 10000.0, 2)
+        assert backend.kernel_calls["gemv_rope"] == before + (rows <= nv.GEMV_DOT_MAX_ROWS)
+        torch.testing.assert_close(got, ref.ced_linear_rope(x, w, pos, 8, 10000.0, 2), rtol=1e-5, atol=1e-5)
+    x, pos, inv = torch.randn(1, 40, device=DEV), torch.zeros(1, dtype=torch.long, device=DEV), tcf.inv_freq(8, 1e4, DEV)
+    for bad in ((pos, inv, 3), (pos.int(), inv, 2), (pos, tcf.inv_freq(34, 1e4, DEV), 2)):
+        with pytest.raises(ValueError, match="rope must be"):
+            tg.linear(x, w, rope=bad)
+
+
 @pytest.mark.parametrize("invariant", [False, True])
 def test_the_backend_takes_the_kernel_up_to_gemv_max_rows(invariant, monkeypatch):
     """NvidiaOps.linear / grouped_linear run the kernel up to GEMV_MAX_ROWS rows, cuBLAS past them, in batch-invariant
@@ -399,6 +462,13 @@ for bm in (1, 8):  # the shipped launch: tile 8192, BLOCK_N from 64 down, 8 warp
 k = compile_sm90(tg._dot_kernel, sig, dict(BLOCK_N=16, BLOCK_K=512, K_I=0, WIDEN=False, PRECISION="tf32"), div16,
                  num_warps=4)
 report["dot_bf16"] = sass_row(k, pat)
+rsig = dict(sig, pos_ptr="*i64", inv_ptr="*fp32", HEAD_D="i32", HALF="i32")  # CED's query RoPE on the store
+k = compile_sm90(tg._gemv_kernel, rsig, dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, K_I=0, ROPE=True), div16,
+                 num_warps=8)
+report["gemv_m1_rope"] = sass_row(k, pat)
+k = compile_sm90(tg._dot_kernel, rsig, dict(BLOCK_N=16, BLOCK_K=512, K_I=0, WIDEN=False, PRECISION="tf32",
+                                             ROPE=True), div16, num_warps=4)
+report["dot_bf16_rope"] = sass_row(k, pat)
 print(json.dumps(report))
 '''
 
@@ -409,12 +479,13 @@ def test_kernels_compile_for_hopper():
     from deepinfer.testing.kernels import run_compile_script
 
     report = run_compile_script(_COMPILE_SCRIPT)
-    assert set(report) == {"gemv_m1", "gemv_m8", "dot_bf16"}
+    assert set(report) == {"gemv_m1", "gemv_m8", "dot_bf16", "gemv_m1_rope", "dot_bf16_rope"}
     for name, row in report.items():
         sass = row.get("sass")
         if sass is None:
             continue  # no cuobjdump in this triton install
-        assert sass.get("STL", 0) == 0 and sass.get("LDL", 0) == 0, f"{name}: local-memory spills: {sass}"
+        if not name.endswith("_rope"):  # (libdevice's cosf / sinf keep a local array for huge angles)
+            assert sass.get("STL", 0) == 0 and sass.get("LDL", 0) == 0, f"{name}: local-memory spills: {sass}"
         assert sass.get("LDG.E.128", 0) + sass.get("LDGSTS.E.BYPASS.128", 0) > 0, (name, sass)  # 16-byte loads
     dot = report["dot_bf16"].get("sass")
     if dot is not None:

@@ -196,6 +196,12 @@ class Ops:
         where ids is -1: the cache rows of each query's chosen entries (its sequence's row of the table)."""
         raise NotImplementedError
 
+    def ced_linear_rope(self, x: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float,
+                        heads: int) -> torch.Tensor:
+        """CED's query projection with its RoPE: x [T, K] @ w.T viewed [T, heads, D], each head's last rope_dim
+        channels rotated by pos [T] (ced_rope on the linear's output, which may be one kernel)."""
+        raise NotImplementedError
+
     def ced_compress_plan(self, pos: torch.Tensor, block_table: torch.Tensor, m: int, size: int, per: int, *,
                           rows: Optional[torch.Tensor] = None, real: Optional[torch.Tensor] = None,
                           scratch_block: int = 0) -> tuple:

@@ -452,6 +452,20 @@ class NvidiaOps(ReferenceOps):
     def ced_entry_rows(self, table, q_rows, ids):
         return self._rows(table, q_rows, ids)
 
+    def ced_linear_rope(self, x, w, pos, rope_dim, theta, heads):
+        """Where linear takes the GEMV kernel, the RoPE rides on its store (triton_gemv's rope epilogue: one
+        launch, the bits of the GEMV then the rope kernel); otherwise the two ops."""
+        from . import triton_ced_fused as tcf
+
+        if x.dim() == 2 and w.dim() == 2 and kernel_device_ok(x, w, pos) \
+                and triton_gemv.supports_rope(x, w, pos, rope_dim, heads):
+            dot = self._gemv_route(x, w)
+            if dot is not None and triton_gemv.supports(x[:, None, :], w[None], dot):
+                self.kernel_calls["gemv_rope"] += 1
+                return triton_gemv.linear(x, w, dot=dot, rope=(pos, tcf.inv_freq(rope_dim, theta, x.device),
+                                                               heads)).view(x.shape[0], heads, -1)
+        return super().ced_linear_rope(x, w, pos, rope_dim, theta, heads)
+
     def ced_compress_plan(self, pos, block_table, m, size, per, *, rows=None, real=None, scratch_block=0):
         from . import triton_ced_plan as tpl
 

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from .triton_attention import _dot, sm_count
-from .triton_norm import cast_rne
+from .triton_ced_fused import _cos_sin, _mul_rn
+from .triton_norm import cast_rne, to_f32
 from .triton_pdl import launch_kw, pdl_signal, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
@@ -45,10 +46,30 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _rope_cols(acc, rows, pos_ptr, inv_ptr, M, HEAD_D, HALF, DT: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The output tile acc [BLOCK_M, BLOCK_N] (float32 sums of this program's columns, BLOCK_N even) rounded to DT,
+    then each head's rotary pairs (2i, 2i + 1) among the last 2 HALF of its HEAD_D columns rotated by the row's
+    position: triton_ced_fused's rope kernel on the rounded output, the same cos / sin (pos * inv_freq) and
+    products rounded on their own. Float32, to be rounded to DT once more (exact where nothing rotated)."""
+    y = to_f32(cast_rne(acc, DT))
+    a, b = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
+    ce = (tl.program_id(0) * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2)) % HEAD_D  # even columns, within the head
+    i = ce // 2 - (HEAD_D // 2 - HALF)
+    on = i >= 0
+    inv = tl.load(inv_ptr + i, mask=on, other=0.0)
+    p = tl.load(pos_ptr + rows, mask=rows < M, other=0).to(tl.float32)
+    cos, sin = _cos_sin(p[:, None] * inv[None, :])
+    o1 = tl.where(on[None, :], _mul_rn(a, cos) - _mul_rn(b, sin), a)
+    o2 = tl.where(on[None, :], _mul_rn(b, cos) + _mul_rn(a, sin), b)
+    return tl.reshape(tl.join(o1, o2), (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                  stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_I: tl.constexpr,
-                 PDL: tl.constexpr = 0):
+                 pos_ptr=None, inv_ptr=None, HEAD_D=1, HALF=0, ROPE: tl.constexpr = False, PDL: tl.constexpr = 0):
     pdl_start(PDL, True)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
@@ -68,6 +89,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
             acc = tl.where(rows[:, None] == r, acc + s[None, :], acc)
     o = out_ptr + g * stride_og + rows[:, None].to(tl.int64) * stride_om + n[None, :]
     pdl_signal(PDL)
+    if ROPE:
+        acc = _rope_cols(acc, rows, pos_ptr, inv_ptr, M, HEAD_D, HALF, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N)
     tl.store(o, cast_rne(acc, out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_mask[None, :])
 
 
@@ -75,7 +98,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
 def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                 stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_I: tl.constexpr, WIDEN: tl.constexpr,
-                PRECISION: tl.constexpr, PDL: tl.constexpr = 0):
+                PRECISION: tl.constexpr, pos_ptr=None, inv_ptr=None, HEAD_D=1, HALF=0, ROPE: tl.constexpr = False,
+                PDL: tl.constexpr = 0):
     """The same product for up to DOT_ROWS rows on the tensor cores: x's rows padded to 16 (the MMA's M), one dot
     per K step; WIDEN: mixed dtypes, both operands widened to float32 (exact) for an "ieee" dot."""
     pdl_start(PDL, True)
@@ -98,6 +122,8 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
         acc += _dot(x, tl.trans(w), PRECISION)
     o = out_ptr + g * stride_og + rows[:, None].to(tl.int64) * stride_om + n[None, :]
     pdl_signal(PDL)
+    if ROPE:
+        acc = _rope_cols(acc, rows, pos_ptr, inv_ptr, M, HEAD_D, HALF, out_ptr.dtype.element_ty, 16, BLOCK_N)
     tl.store(o, cast_rne(acc, out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_mask[None, :])
 
 
@@ -123,13 +149,33 @@ def block_sizes(M: int, G: int, N: int, K: int, device: torch.device, tile: int 
     return next_pow2(M), bn, bk
 
 
+def supports_rope(x: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, rope_dim: int, heads: int) -> bool:
+    """Whether linear(x, w, rope=...) takes this RoPE epilogue: one group, N = heads x D with D even, an even
+    rope_dim in (0, D], pos int64 [M] on x's device."""
+    N = w.shape[-2] if w.dim() >= 2 else 0
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or N % heads:
+        return False
+    D = N // heads
+    return isinstance(rope_dim, int) and not isinstance(rope_dim, bool) and 0 < rope_dim <= D and D % 2 == 0 \
+        and rope_dim % 2 == 0 and pos.dtype == torch.int64 and pos.dim() == 1 and pos.shape[0] == x.shape[0] \
+        and pos.device == x.device
+
+
 def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.dtype] = None, tile: int = TILE,
-                 per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS, dot: bool = False) -> torch.Tensor:
+                 per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS, dot: bool = False,
+                 rope: Optional[tuple] = None) -> torch.Tensor:
     """x [M, G, K] @ w[g].T per group -> [M, G, N] in ``out_dtype`` (default x's; see the module doc: both operands
     are widened to float32 exactly, so mixed dtypes compute x.float() @ w.float().T). ``tile``, ``per_sm`` and
     ``num_warps`` are the launch's knobs (benchmarks/gemv_bench.py times them); ``dot``: the tensor-core kernel
-    (up to DOT_ROWS rows, padded to 16; BLOCK_N at least 16), float32 operands through an "ieee" dot."""
+    (up to DOT_ROWS rows, padded to 16; BLOCK_N at least 16), float32 operands through an "ieee" dot. ``rope`` =
+    (pos [M] int64, inv_freq [R/2] float32, heads): one group whose N columns are heads of D = N / heads; each
+    head's last R columns leave rotated by the row's position (CED's query RoPE, as triton_ced_fused.rope computes
+    it on the rounded output; supports_rope says which)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
+    if rope is not None and (x.dim() != 3 or x.shape[1] != 1 or len(rope) != 3
+                             or not supports_rope(x, w, rope[0], 2 * rope[1].shape[0], rope[2])):
+        raise ValueError(f"grouped_gemv: rope must be (pos int64 [M], inv_freq [R/2], heads) for one group of "
+                         f"heads x D columns with even D and R <= D; got x {tuple(x.shape)}, w {tuple(w.shape)}")
     if not supports(x, w, dot) or out_dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"grouped_gemv: unsupported inputs: x {x.dtype} {tuple(x.shape)} stride {x.stride()}, "
                          f"w {w.dtype} {tuple(w.shape)} stride {w.stride()}, out {out_dtype} "
@@ -142,24 +188,29 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
         return out
     if K == 0:
         return out.zero_()
+    rk = {}
+    if rope is not None:
+        pos, inv, heads = rope
+        rk = dict(pos_ptr=pos.contiguous(), inv_ptr=inv.contiguous(), HEAD_D=N // heads, HALF=inv.shape[0],
+                  ROPE=True)
     if dot:
         _, BN, BK = block_sizes(M, G, N, K, x.device, tile, per_sm, min_n=16)
         widen = x.dtype != w.dtype or x.dtype == torch.float32
         _dot_kernel[(cdiv(N, BN), G)](
             x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
             BLOCK_N=BN, BLOCK_K=BK, K_I=K if INTERPRET else 0, WIDEN=widen, PRECISION="ieee" if widen else "tf32",
-            num_warps=4, **launch_kw(x.device))
+            **rk, num_warps=4, **launch_kw(x.device))
         return out
-    BM, BN, BK = block_sizes(M, G, N, K, x.device, tile, per_sm)
+    BM, BN, BK = block_sizes(M, G, N, K, x.device, tile, per_sm, min_n=2 if rope is not None else 1)
     _gemv_kernel[(cdiv(N, BN), G)](
         x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, K_I=K if INTERPRET else 0, num_warps=num_warps,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, K_I=K if INTERPRET else 0, **rk, num_warps=num_warps,
         **launch_kw(x.device))
     return out
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, **knobs) -> torch.Tensor:
-    """F.linear(x, w) without bias for x [M, K] (M <= MAX_ROWS), w [N, K] -> [M, N]."""
+    """F.linear(x, w) without bias for x [M, K] (M <= MAX_ROWS), w [N, K] -> [M, N] (``rope``: see grouped_gemv)."""
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"linear: x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     return grouped_gemv(x[:, None, :], w[None], **knobs)[:, 0, :]

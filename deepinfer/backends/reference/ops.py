@@ -161,6 +161,9 @@ class ReferenceOps(Ops):
             return torch.full_like(ids, -1)
         return torch.where(ids >= 0, table[q_rows[:, None], ids.clamp(min=0)], -1)
 
+    def ced_linear_rope(self, x, w, pos, rope_dim, theta, heads):
+        return self.ced_rope(self.linear(x, w).view(x.shape[0], heads, -1), pos, rope_dim, theta, reuse_input=True)
+
     def ced_compress_plan(self, pos, block_table, m, size, per, *, rows=None, real=None, scratch_block=0):
         j = pos // m  # the group each token belongs to
         at = members = None
