@@ -184,12 +184,13 @@ def test_rope_epilogue_dispatch_and_errors(monkeypatch):
     backend, ref = nv.NvidiaOps(DEV), ReferenceOps(DEV)
     g = gen(7)
     w = torch.randn(2 * 16, 40, generator=g).to(DEV)
-    for rows in (1, nv.GEMV_DOT_MAX_ROWS, nv.GEMV_DOT_MAX_ROWS + 1):
+    for rows in (0, 1, nv.GEMV_DOT_MAX_ROWS, nv.GEMV_DOT_MAX_ROWS + 1):  # (0: a pass without queries)
         x = torch.randn(rows, 40, generator=g).to(DEV)
         pos = torch.arange(rows, device=DEV) * 37
         before = backend.kernel_calls["gemv_rope"]
         got = backend.ced_linear_rope(x, w, pos, 8, 10000.0, 2)
-        assert backend.kernel_calls["gemv_rope"] == before + (rows <= nv.GEMV_DOT_MAX_ROWS)
+        assert backend.kernel_calls["gemv_rope"] == before + (0 < rows <= nv.GEMV_DOT_MAX_ROWS)
+        assert got.shape == (rows, 2, 16)
         torch.testing.assert_close(got, ref.ced_linear_rope(x, w, pos, 8, 10000.0, 2), rtol=1e-5, atol=1e-5)
     x, pos, inv = torch.randn(1, 40, device=DEV), torch.zeros(1, dtype=torch.long, device=DEV), tcf.inv_freq(8, 1e4, DEV)
     for bad in ((pos, inv, 3), (pos.int(), inv, 2), (pos, tcf.inv_freq(34, 1e4, DEV), 2)):

@@ -463,7 +463,7 @@ class NvidiaOps(ReferenceOps):
             if dot is not None and triton_gemv.supports(x[:, None, :], w[None], dot):
                 self.kernel_calls["gemv_rope"] += 1
                 return triton_gemv.linear(x, w, dot=dot, rope=(pos, tcf.inv_freq(rope_dim, theta, x.device),
-                                                               heads)).view(x.shape[0], heads, -1)
+                                                               heads)).view(x.shape[0], heads, w.shape[0] // heads)
         return super().ced_linear_rope(x, w, pos, rope_dim, theta, heads)
 
     def ced_compress_plan(self, pos, block_table, m, size, per, *, rows=None, real=None, scratch_block=0):

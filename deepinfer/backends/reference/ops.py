@@ -162,7 +162,8 @@ class ReferenceOps(Ops):
         return torch.where(ids >= 0, table[q_rows[:, None], ids.clamp(min=0)], -1)
 
     def ced_linear_rope(self, x, w, pos, rope_dim, theta, heads):
-        return self.ced_rope(self.linear(x, w).view(x.shape[0], heads, -1), pos, rope_dim, theta, reuse_input=True)
+        y = self.linear(x, w).view(x.shape[0], heads, w.shape[0] // heads)  # (explicit widths: 0 rows too)
+        return self.ced_rope(y, pos, rope_dim, theta, reuse_input=True)
 
     def ced_compress_plan(self, pos, block_table, m, size, per, *, rows=None, real=None, scratch_block=0):
         j = pos // m  # the group each token belongs to
