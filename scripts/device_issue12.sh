@@ -47,6 +47,11 @@
 #   bash scripts/device_issue12.sh moe19             # fused_experts' GEMM knobs at 16-128 tokens (moe_launch_sweep)
 #   bash scripts/device_issue12.sh diag20 COMMIT     # the 4K prefill ratio under three engine shapes (gpu_bench)
 #   bash scripts/device_issue12.sh diag20b           # a bounded 4K prefill's profile in gpu_bench's engine shape and its own
+#   bash scripts/device_issue12.sh s22a              # CED kernel tests; attention knobs with the entry loop pipelined
+#   bash scripts/device_issue12.sh s22b              # (219a8d9 only) GEMV tests; decode profile, L2 prefetch off / on
+#   bash scripts/device_issue12.sh s22c              # (carry .whl312) GPU files but kv_sizing, then kv_sizing alone
+#   bash scripts/device_issue12.sh s22e COMMIT       # (carry .whl312 .baseline) s22c, base / this tree's profiles,
+#                                            # gpu_bench: over 480 s at c427fbb (gpu_bench cut off): split it
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -483,9 +488,10 @@ s22c)
   gpu_files_but_kv_sizing
   timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3 ;;
 s22e)
-  # 22nd session (~7.5 min, carry .whl312 and .baseline): every GPU test file but kv_sizing, kv_sizing alone, the
-  # decode profile of the baseline tree (.baseline/base.tgz) then this one, gpu_bench's roofline, CED decode at
-  # 1 / 16 / 64 and the 4K prefill ratio.
+  # 22nd session (carry .whl312 and .baseline): every GPU test file but kv_sizing, kv_sizing alone, the decode
+  # profile of the baseline tree (.baseline/base.tgz) then this one, gpu_bench's roofline, CED decode at 1 / 16 /
+  # 64 and the 4K prefill ratio. Over 8 min at c427fbb (the GPU files took 247 s): gpu_bench was cut off by the
+  # call's limit, so run s22c and s21b COMMIT as two calls instead.
   gpu_files_but_kv_sizing
   timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3
   rm -rf /tmp/base && mkdir -p /tmp/base && tar xzf .baseline/base.tgz -C /tmp/base
