@@ -478,8 +478,7 @@ class NvidiaOps(ReferenceOps):
     def ced_block_slots(self, block_table, per):
         from . import triton_ced_plan as tpl
 
-        pos = block_table.new_empty(0)
-        if kernel_device_ok(block_table) and tpl.supports(pos, block_table):
+        if kernel_device_ok(block_table) and tpl.supports_table(block_table):
             self.kernel_calls["ced_block_slots"] += 1
             return tpl.block_slots(block_table, per)
         return super().ced_block_slots(block_table, per)

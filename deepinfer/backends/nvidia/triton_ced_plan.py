@@ -65,13 +65,19 @@ def _slots_kernel(bt_ptr, out_ptr, stride_bt, stride_o, J, per, BLOCK: tl.conste
     tl.store(out_ptr + r * stride_o + ids, blk * per + ids % per, mask=ok)
 
 
+def supports_table(block_table: torch.Tensor) -> bool:
+    """Whether the kernels read this block table: int64 [R, NB], unit stride along NB (block_slots' inputs)."""
+    return block_table.dtype == torch.int64 and block_table.dim() == 2 \
+        and (block_table.shape[1] == 0 or block_table.stride(1) == 1)
+
+
 def supports(pos: torch.Tensor, block_table: torch.Tensor, rows: Optional[torch.Tensor] = None,
              real: Optional[torch.Tensor] = None) -> bool:
-    """Whether compress_plan / block_slots run these: int64 pos [n] and block table [R, NB] (unit stride along
-    NB) on one device; rows int64 [n] and real bool [n] together or neither."""
-    if pos.dtype != torch.int64 or pos.dim() != 1 or block_table.dtype != torch.int64 or block_table.dim() != 2:
+    """Whether compress_plan runs these: int64 pos [n] and a block table supports_table takes on one device;
+    rows int64 [n] and real bool [n] together or neither."""
+    if pos.dtype != torch.int64 or pos.dim() != 1 or not supports_table(block_table):
         return False
-    if block_table.shape[1] and block_table.stride(1) != 1 or pos.device != block_table.device:
+    if pos.device != block_table.device:
         return False
     if (rows is None) != (real is None):
         return False
@@ -111,8 +117,7 @@ def compress_plan(pos: torch.Tensor, block_table: torch.Tensor, m: int, size: in
 
 def block_slots(block_table: torch.Tensor, per: int) -> torch.Tensor:
     """[R, NB per] int64: block_table[r, i // per] * per + i % per, the cache row of every entry id i."""
-    pos = torch.empty(0, dtype=torch.int64, device=block_table.device)
-    if not supports(pos, block_table) or per < 1:
+    if not supports_table(block_table) or per < 1:
         raise ValueError(f"block_slots: unsupported inputs: block_table {block_table.dtype} "
                          f"{tuple(block_table.shape)}, per {per}")
     R, NB = block_table.shape

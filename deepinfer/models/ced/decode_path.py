@@ -42,9 +42,9 @@ class DecodePass(engine_path.Shared):
 
     score = False
 
-    def __init__(self, meta, cut: torch.Tensor, starts: list, cache=None, ops=None):
+    def __init__(self, meta, cut: torch.Tensor, starts: list, cache, ops):
         self.meta = meta
-        self.ops = ops  # the model's backend ops (model_ops): the step's index plans
+        self.ops = ops  # the model's backend ops (model_ops): the index plans and the compressor's cache writes
         self.n = meta.positions.shape[0]
         self.pos = meta.positions
         self.min_pos = min(starts) if starts else None  # host-known on the eager path only
@@ -87,7 +87,7 @@ class DecodePass(engine_path.Shared):
             group = tail[slots[:, None], members].reshape(self.n * m, d)
         else:
             group = xs
-        layer.entries_to_cache(group, j, rows, cache, model_ops(model))
+        layer.entries_to_cache(group, j, rows, cache, self.ops)
 
     def entry_slots(self, m: int, cache) -> torch.Tensor:
         """[R, J] cache row of every entry id the block tables can hold (queries see only their visible ones;
