@@ -112,6 +112,9 @@ class CEDLayer(nn.Module):
         caller has it (``project_input``)."""
         c, ops = self.c, self._kernels(x)
         cq = fn.rms(self._linear(x, self.wq_a) if qa is None else qa, self.q_norm, c.rms_norm_eps, ops=ops)
+        kernel = fn._fused(ops, "ced_linear_rope", cq, self.wq_b)  # (at a few rows one GEMV with the RoPE in)
+        if kernel is not None:
+            return kernel(cq, self.wq_b, pos, c.rope_dim, c.rope_theta, c.num_heads), cq
         q = self._linear(cq, self.wq_b).view(x.shape[0], c.num_heads, c.head_dim)
         return fn.apply_rope(q, pos, c.rope_dim, c.rope_theta, ops=ops, reuse_input=True), cq  # (q: a temporary)
 
