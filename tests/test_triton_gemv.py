@@ -445,7 +445,7 @@ def test_gpu_split_k_in_a_graph(M, G, N, K):
 
 _COMPILE_SCRIPT = r'''
 import json
-from deepinfer.backends.nvidia import triton_gemv as tg
+from deepinfer.backends.nvidia import triton_gemv as tg, triton_splitk as tsk
 from deepinfer.testing.kernels import compile_sm90, sass_row
 
 assert not tg.INTERPRET
@@ -470,6 +470,17 @@ report["gemv_m1_rope"] = sass_row(k, pat)
 k = compile_sm90(tg._dot_kernel, rsig, dict(BLOCK_N=16, BLOCK_K=512, K_I=0, WIDEN=False, PRECISION="tf32",
                                              ROPE=True), div16, num_warps=4)
 report["dot_bf16_rope"] = sass_row(k, pat)
+# CED's router logits (bf16 rows, float32 gate and logits) with the router on the last program (Tail): the GEMV at
+# one row, split-K at 64
+tsig = dict(tail_count="*i32", tail_w="*fp32", tail_ids="*i64", tail_bias="*fp32", tail_scale="fp32")
+tail = dict(ROUTE=True, TOPK=4, BLOCK_E=32, BLOCK_TK=4, HAS_BIAS=True, RENORM=True)
+k = compile_sm90(tg._gemv_kernel, dict(sig, w_ptr="*fp32", out_ptr="*fp32", **tsig),
+                 dict(BLOCK_M=1, BLOCK_N=1, BLOCK_K=2048, K_I=0, **tail), div16, num_warps=8)
+report["gemv_m1_route"] = sass_row(k, pat)
+ssig = dict(sig, w_ptr="*fp32", out_ptr="*fp32", part_ptr="*fp32", count_ptr="*i32", N_TILES="i32", **tsig)
+k = compile_sm90(tsk._splitk_kernel, ssig, dict(SPLITS=16, K_STEPS=1, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128,
+                                                SPLIT_W=True, **tail), div16, num_warps=4)
+report["splitk_m64_route"] = sass_row(k, pat)
 print(json.dumps(report))
 '''
 
@@ -480,7 +491,8 @@ def test_kernels_compile_for_hopper():
     from deepinfer.testing.kernels import run_compile_script
 
     report = run_compile_script(_COMPILE_SCRIPT)
-    assert set(report) == {"gemv_m1", "gemv_m8", "dot_bf16", "gemv_m1_rope", "dot_bf16_rope"}
+    assert set(report) == {"gemv_m1", "gemv_m8", "dot_bf16", "gemv_m1_rope", "dot_bf16_rope", "gemv_m1_route",
+                           "splitk_m64_route"}
     for name, row in report.items():
         sass = row.get("sass")
         if sass is None:

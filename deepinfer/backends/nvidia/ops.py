@@ -54,6 +54,9 @@ CED_ROUTE_LOGITS_GEMV_MAX_ROWS = 8
 # rows, 161 / 54 at 16, 166 / 84 at 32, 171 / 136 at 64; 0 keeps cuBLAS.
 CED_ROUTE_LOGITS_SPLITK_MAX_ROWS = 64
 CED_ROUTE_LOGITS_SPLITK_KNOBS = dict(block_n=32)  # 32 experts: one column tile, more K splits fill the GPU
+# The router on the logits product's launch (triton_ced_route.Tail: its last program routes; one launch a layer where
+# the product and the router kernel took two). On for the GEMV and split-K logits above.
+CED_ROUTE_TAIL = True
 # The routed experts of a few tokens: up to this many (token, expert) pairs triton_moe_pairs.pair_experts (a GEMV
 # per pair, two launches) instead of fused_experts (sort by expert, two GEMMs, k-sum: five). Never in batch-invariant
 # mode (fused_experts' one M-block size there). benchmarks/moe_pairs_bench.py on the H200 (bench shape: 32 experts,
@@ -429,12 +432,24 @@ class NvidiaOps(ReferenceOps):
                 and gate.dtype == torch.float32 and triton_gemv.supports(x[:, None, :], gate[None], dot) \
                 and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
             self.kernel_calls["gemv"] += 1
+            if CED_ROUTE_TAIL and kernel_device_ok(x, bias) \
+                    and triton_gemv.supports_route(x[:, None, :], gate[None], top_k, bias, dot):
+                self.kernel_calls["route_tail"] += 1
+                tail = tcr.Tail(x.shape[0], gate.shape[0], top_k, device=x.device, bias=bias, scaling=scaling)
+                triton_gemv.linear(x, gate, out_dtype=torch.float32, dot=dot, route=tail)
+                return tail.w, tail.ids
             logits = triton_gemv.linear(x, gate, out_dtype=torch.float32, dot=dot)
             return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
         if not self.batch_invariant and x.shape[0] <= CED_ROUTE_LOGITS_SPLITK_MAX_ROWS and kernel_device_ok(x, gate) \
                 and gate.dtype == torch.float32 and triton_splitk.supports(x[:, None, :], gate[None]) \
                 and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
             self.kernel_calls["splitk"] += 1
+            if CED_ROUTE_TAIL and kernel_device_ok(x, bias) \
+                    and triton_splitk.supports_route(x[:, None, :], gate[None], top_k, bias):
+                self.kernel_calls["route_tail"] += 1
+                tail = tcr.Tail(x.shape[0], gate.shape[0], top_k, device=x.device, bias=bias, scaling=scaling)
+                triton_splitk.linear(x, gate, route=tail, **CED_ROUTE_LOGITS_SPLITK_KNOBS)
+                return tail.w, tail.ids
             logits = triton_splitk.linear(x, gate, **CED_ROUTE_LOGITS_SPLITK_KNOBS)
             return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
         return super().ced_moe_route(x, gate, top_k, bias=bias, scaling=scaling)

@@ -50,6 +50,20 @@ def _route_kernel(logits_ptr, gate_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, stri
         x = acc
     else:
         x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=0.0).to(tl.float32)
+    w, ids = route_rows(x[None, :], bias_ptr, E, scaling, K, BLOCK_E, BLOCK_K, HAS_BIAS, RENORM)
+    kk = tl.arange(0, BLOCK_K)[None, :]
+    tl.store(w_ptr + t * stride_w + kk, w, mask=kk < K)
+    tl.store(ids_ptr + t * stride_i + kk, ids.to(tl.int64), mask=kk < K)
+
+
+@triton.jit
+def route_rows(x, bias_ptr, E, scaling, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+               HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    """Logits x [R, BLOCK_E] float32 (columns from E on ignored) -> (weights [R, BLOCK_K] float32, ids [R,
+    BLOCK_K] int32), the module doc's formulas row by row. The renormalising sum adds the weights in pick order,
+    so a row's result does not depend on R or on the launch's layout."""
+    e = tl.arange(0, BLOCK_E)[None, :]
+    ok = e < E
     u = tl.exp(tl.minimum(x, 20.0))
     v = 1.0 + u
     # log1p(u) to a few ulp (Kahan's trick): log(v) * u / (v - 1) cancels the rounding of 1 + u
@@ -60,23 +74,46 @@ def _route_kernel(logits_ptr, gate_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, stri
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
     choice = tl.where(ok, choice, float("-inf"))
-    kk = tl.arange(0, BLOCK_K)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-    w = tl.zeros([BLOCK_K], dtype=tl.float32)
-    taken = tl.zeros([BLOCK_E], dtype=tl.int1)
+    kk = tl.arange(0, BLOCK_K)[None, :]
+    ids = tl.zeros([x.shape[0], BLOCK_K], dtype=tl.int32)
+    w = tl.zeros([x.shape[0], BLOCK_K], dtype=tl.float32)
+    total = tl.zeros([x.shape[0]], dtype=tl.float32)
+    taken = tl.zeros([x.shape[0], BLOCK_E], dtype=tl.int1)
     for i in tl.static_range(K):
         c = tl.where(taken, float("-inf"), choice)
-        best = tl.max(c, axis=0)
+        best = tl.max(c, axis=1)
         # the lowest id among the maxima (a NaN-free row has one; -inf rows pick the lowest id not yet taken)
-        pick = tl.min(tl.where((c == best) & ~taken & ok, e, BLOCK_E), axis=0)
-        taken = taken | (e == pick)
-        ids = tl.where(kk == i, pick, ids)
-        w = tl.where(kk == i, tl.sum(tl.where(e == pick, score, 0.0), axis=0), w)
+        pick = tl.min(tl.where((c == best[:, None]) & ~taken & ok, e, BLOCK_E), axis=1)
+        taken = taken | (e == pick[:, None])
+        ids = tl.where(kk == i, pick[:, None], ids)
+        wi = tl.sum(tl.where(e == pick[:, None], score, 0.0), axis=1)  # (one term: exact)
+        w = tl.where(kk == i, wi[:, None], w)
+        total += wi
     if RENORM:
-        w = w / (tl.sum(w, axis=0) + 1e-20)
-    w = w * scaling
-    tl.store(w_ptr + t * stride_w + kk, w, mask=kk < K)
-    tl.store(ids_ptr + t * stride_i + kk, ids.to(tl.int64), mask=kk < K)
+        w = w / (total[:, None] + 1e-20)
+    return w * scaling, ids
+
+
+@triton.jit
+def route_tail(count_ptr, programs, logits_ptr, stride_l, M, E, w_ptr, ids_ptr, bias_ptr, scaling,
+               K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+               HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    """The router on a logits product's last program (``Tail``): each of the product's ``programs`` calls this
+    after storing its logits and takes a ticket; the one that takes the last reads every row's logits back [M, E]
+    (float32, past L1) and stores the weights and ids [M, K] (contiguous), then resets the counter for the next
+    call (a CUDA graph's replay included)."""
+    tl.debug_barrier()  # every thread's logits are stored before the ticket (release) below
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if ticket == programs - 1:
+        rows = tl.arange(0, BLOCK_M)[:, None]
+        e = tl.arange(0, BLOCK_E)[None, :]
+        x = tl.load(logits_ptr + rows * stride_l + e, mask=(rows < M) & (e < E), other=0.0, cache_modifier=".cg")
+        w, ids = route_rows(x, bias_ptr, E, scaling, K, BLOCK_E, BLOCK_K, HAS_BIAS, RENORM)
+        kk = tl.arange(0, BLOCK_K)[None, :]
+        at = rows * K + kk
+        tl.store(w_ptr + at, w, mask=(rows < M) & (kk < K))
+        tl.store(ids_ptr + at, ids.to(tl.int64), mask=(rows < M) & (kk < K))
+        tl.atomic_xchg(count_ptr, 0)
 
 
 def supports(logits: torch.Tensor, top_k: int, scoring: str, n_group, bias: Optional[torch.Tensor]) -> bool:
@@ -121,6 +158,43 @@ def _launch(rows, gate, top_k, renormalize, scaling, bias):
                             num_warps=1 if INTERPRET or (E <= 256 and gate is None) else 4,
                             **launch_kw(rows.device))
     return w, ids
+
+
+MAX_TAIL_LOGITS = 8192  # rows x experts (powers of two) the last program of a product holds for Tail
+
+
+def supports_tail(M: int, E: int, top_k: int, bias: Optional[torch.Tensor], block_m: int) -> bool:
+    """Whether a product of M rows (padded to block_m) and E logits may carry the router (``Tail``)."""
+    return 0 < M <= block_m and block_m * next_pow2(E) <= MAX_TAIL_LOGITS and _choice_ok(E, top_k, bias)
+
+
+_tail_counters: dict = {}
+
+
+class Tail:
+    """The router on a logits product's launch (triton_gemv and triton_splitk take it as ``route=``): the product
+    stores the float32 logits [M, E] as usual, then its last program (a ticket counter picks it: route_tail) routes
+    every row as route() does and fills ``w`` [M, top_k] float32 and ``ids`` [M, top_k] int64. One launch where the
+    product and the router kernel took two. The counter (an int32 per device and stream, left zeroed by every
+    call) makes a captured call replayable; two calls on one stream never overlap (with PDL a kernel waits for
+    the previous grid before any load)."""
+
+    def __init__(self, M: int, E: int, top_k: int, *, device: torch.device, bias: Optional[torch.Tensor] = None,
+                 scaling: float = 1.0, renormalize: bool = True):
+        if not _choice_ok(E, top_k, bias):
+            raise ValueError(f"Tail: unsupported router: {E} experts, top_k {top_k!r}, bias "
+                             f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
+        self.w = torch.empty(M, top_k, dtype=torch.float32, device=device)
+        self.ids = torch.empty(M, top_k, dtype=torch.int64, device=device)
+        key = (device.type, device.index, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
+        count = _tail_counters.get(key)
+        if count is None:
+            count = _tail_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        self.E, self.top_k = E, top_k
+        self.kernel_kw = dict(tail_count=count, tail_w=self.w, tail_ids=self.ids,
+                              tail_bias=bias if bias is not None else self.w, tail_scale=float(scaling), ROUTE=True,
+                              TOPK=top_k, BLOCK_E=next_pow2(E), BLOCK_TK=next_pow2(top_k),
+                              HAS_BIAS=bias is not None, RENORM=bool(renormalize))
 
 
 MAX_HIDDEN_ROWS = 256  # past this many tokens the gate GEMM goes to cuBLAS (each program reads the whole gate)

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .triton_attention import _dot, sm_count
 from .triton_ced_fused import _cos_sin, _mul_rn
+from .triton_ced_route import Tail, route_tail, supports_tail
 from .triton_norm import cast_rne, to_f32
 from .triton_pdl import launch_kw, pdl_signal, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
@@ -69,7 +70,11 @@ def _rope_cols(acc, rows, pos_ptr, inv_ptr, M, HEAD_D, HALF, DT: tl.constexpr, B
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                  stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_I: tl.constexpr,
-                 pos_ptr=None, inv_ptr=None, HEAD_D=1, HALF=0, ROPE: tl.constexpr = False, PDL: tl.constexpr = 0):
+                 pos_ptr=None, inv_ptr=None, HEAD_D=1, HALF=0, ROPE: tl.constexpr = False,
+                 tail_count=None, tail_w=None, tail_ids=None, tail_bias=None, tail_scale=1.0,
+                 ROUTE: tl.constexpr = False, TOPK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
+                 BLOCK_TK: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = False,
+                 PDL: tl.constexpr = 0):
     pdl_start(PDL, True)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
@@ -92,6 +97,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
     if ROPE:
         acc = _rope_cols(acc, rows, pos_ptr, inv_ptr, M, HEAD_D, HALF, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N)
     tl.store(o, cast_rne(acc, out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_mask[None, :])
+    if ROUTE:
+        route_tail(tail_count, tl.num_programs(0) * tl.num_programs(1), out_ptr, stride_om, M, N, tail_w, tail_ids,
+                   tail_bias, tail_scale, TOPK, BLOCK_M, BLOCK_E, BLOCK_TK, HAS_BIAS, RENORM)
 
 
 @triton.jit
@@ -99,6 +107,9 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                 stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_I: tl.constexpr, WIDEN: tl.constexpr,
                 PRECISION: tl.constexpr, pos_ptr=None, inv_ptr=None, HEAD_D=1, HALF=0, ROPE: tl.constexpr = False,
+                tail_count=None, tail_w=None, tail_ids=None, tail_bias=None, tail_scale=1.0,
+                ROUTE: tl.constexpr = False, TOPK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
+                BLOCK_TK: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = False,
                 PDL: tl.constexpr = 0):
     """The same product for up to DOT_ROWS rows on the tensor cores: x's rows padded to 16 (the MMA's M), one dot
     per K step; WIDEN: mixed dtypes, both operands widened to float32 (exact) for an "ieee" dot."""
@@ -125,6 +136,9 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
     if ROPE:
         acc = _rope_cols(acc, rows, pos_ptr, inv_ptr, M, HEAD_D, HALF, out_ptr.dtype.element_ty, 16, BLOCK_N)
     tl.store(o, cast_rne(acc, out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_mask[None, :])
+    if ROUTE:
+        route_tail(tail_count, tl.num_programs(0) * tl.num_programs(1), out_ptr, stride_om, M, N, tail_w, tail_ids,
+                   tail_bias, tail_scale, TOPK, 16, BLOCK_E, BLOCK_TK, HAS_BIAS, RENORM)
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, dot: bool = False) -> bool:
@@ -161,16 +175,26 @@ def supports_rope(x: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, rope_dim:
         and pos.device == x.device
 
 
+def supports_route(x: torch.Tensor, w: torch.Tensor, top_k: int, bias: Optional[torch.Tensor] = None,
+                   dot: bool = False) -> bool:
+    """Whether grouped_gemv(x, w, out_dtype=torch.float32, route=Tail(...)) carries a router of top_k (and bias):
+    one group, K > 0, rows x experts within triton_ced_route.MAX_TAIL_LOGITS (x, w as supports takes them)."""
+    return x.dim() == 3 and w.dim() == 3 and x.shape[1] == 1 and w.shape[0] == 1 and x.shape[2] > 0 \
+        and supports_tail(x.shape[0], w.shape[1], top_k, bias, 16 if dot else next_pow2(max(1, x.shape[0])))
+
+
 def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.dtype] = None, tile: int = TILE,
                  per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS, dot: bool = False,
-                 rope: Optional[tuple] = None) -> torch.Tensor:
+                 rope: Optional[tuple] = None, route: Optional[Tail] = None) -> torch.Tensor:
     """x [M, G, K] @ w[g].T per group -> [M, G, N] in ``out_dtype`` (default x's; see the module doc: both operands
     are widened to float32 exactly, so mixed dtypes compute x.float() @ w.float().T). ``tile``, ``per_sm`` and
     ``num_warps`` are the launch's knobs (benchmarks/gemv_bench.py times them); ``dot``: the tensor-core kernel
     (up to DOT_ROWS rows, padded to 16; BLOCK_N at least 16), float32 operands through an "ieee" dot. ``rope`` =
     (pos [M] int64, inv_freq [R/2] float32, heads): one group whose N columns are heads of D = N / heads; each
     head's last R columns leave rotated by the row's position (CED's query RoPE, as triton_ced_fused.rope computes
-    it on the rounded output; supports_rope says which)."""
+    it on the rounded output; supports_rope says which). ``route``: a triton_ced_route.Tail for one group of N
+    experts' float32 logits; the launch's last program routes every row into its ``w`` / ``ids``
+    (supports_route says which)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if rope is not None and (x.dim() != 3 or x.shape[1] != 1 or len(rope) != 3
                              or not supports_rope(x, w, rope[0], 2 * rope[1].shape[0], rope[2])):
@@ -181,6 +205,11 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
                          f"w {w.dtype} {tuple(w.shape)} stride {w.stride()}, out {out_dtype} "
                          f"(x [M <= {DOT_ROWS if dot else MAX_ROWS}, G, K] and w [G, N, K] in {SUPPORTED_DTYPES}, "
                          "contiguous along K)")
+    if route is not None and not (supports_route(x, w, route.top_k, None, dot) and out_dtype == torch.float32
+                                  and route.w.shape[0] == x.shape[0] and route.E == w.shape[1]):
+        raise ValueError(f"grouped_gemv: route must be a Tail of {tuple(x.shape)[0]} rows and {w.shape[-2]} experts "
+                         f"for one group of float32 logits with K > 0; got x {tuple(x.shape)}, w {tuple(w.shape)}, "
+                         f"out {out_dtype}")
     M, G, K = x.shape
     N = w.shape[1]
     out = torch.empty(M, G, N, dtype=out_dtype, device=x.device)
@@ -188,10 +217,10 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
         return out
     if K == 0:
         return out.zero_()
-    rk = {}
+    rk = dict(route.kernel_kw) if route is not None else {}
     if rope is not None:
         pos, inv, heads = rope
-        rk = dict(pos_ptr=pos.contiguous(), inv_ptr=inv.contiguous(), HEAD_D=N // heads, HALF=inv.shape[0],
+        rk.update(pos_ptr=pos.contiguous(), inv_ptr=inv.contiguous(), HEAD_D=N // heads, HALF=inv.shape[0],
                   ROPE=True)
     if dot:
         _, BN, BK = block_sizes(M, G, N, K, x.device, tile, per_sm, min_n=16)

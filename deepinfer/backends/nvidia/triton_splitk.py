@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .triton_attention import _dot, sm_count
+from .triton_ced_route import Tail, route_tail, supports_tail
 from .triton_norm import cast_rne
 from .triton_pdl import launch_kw, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, check_knob, next_pow2
@@ -52,7 +53,11 @@ COUNTERS = 1 << 16  # column tiles one call may have (a [G, N] of 64-wide tiles:
 def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, N_TILES,
                    stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
                    SPLITS: tl.constexpr, K_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr = False, PDL: tl.constexpr = 0):
+                   BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr = False,
+                   tail_count=None, tail_w=None, tail_ids=None, tail_bias=None, tail_scale=1.0,
+                   ROUTE: tl.constexpr = False, TOPK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
+                   BLOCK_TK: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = False,
+                   PDL: tl.constexpr = 0):
     pdl_start(PDL)
     pid_n = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
@@ -85,6 +90,9 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, N_TILES,
     o_mask = r_mask[:, None] & n_mask[None, :]
     if SPLITS == 1:
         tl.store(o, cast_rne(acc, out_ptr.dtype.element_ty), mask=o_mask)
+        if ROUTE:  # (every program finishes its tile: the last of them routes)
+            route_tail(tail_count, N_TILES * tl.num_programs(1), out_ptr, stride_om, M, N, tail_w, tail_ids,
+                       tail_bias, tail_scale, TOPK, BLOCK_M, BLOCK_E, BLOCK_TK, HAS_BIAS, RENORM)
     else:
         tile = g * N_TILES + pid_n
         cell = rows[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # [BLOCK_M, BLOCK_N] within a partial
@@ -99,6 +107,9 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, N_TILES,
                                  cache_modifier=".cg")
             tl.store(o, cast_rne(total, out_ptr.dtype.element_ty), mask=o_mask)
             tl.atomic_xchg(count_ptr + tile, 0)
+            if ROUTE:  # (the tiles' last programs: the last of them routes)
+                route_tail(tail_count, N_TILES * tl.num_programs(1), out_ptr, stride_om, M, N, tail_w, tail_ids,
+                           tail_bias, tail_scale, TOPK, BLOCK_M, BLOCK_E, BLOCK_TK, HAS_BIAS, RENORM)
 
 
 _counters: dict = {}
@@ -128,6 +139,13 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
         and w.shape[0] * cdiv(w.shape[1], BLOCK_N) <= COUNTERS
 
 
+def supports_route(x: torch.Tensor, w: torch.Tensor, top_k: int, bias: Optional[torch.Tensor] = None) -> bool:
+    """Whether grouped_splitk(x, w, route=Tail(...)) carries a router of top_k (and bias): one group, K > 0, rows (padded as
+    plan pads them) x experts within triton_ced_route.MAX_TAIL_LOGITS (x, w as supports takes them)."""
+    return x.dim() == 3 and w.dim() == 3 and x.shape[1] == 1 and w.shape[0] == 1 and x.shape[2] > 0 \
+        and supports_tail(x.shape[0], w.shape[1], top_k, bias, max(16, next_pow2(max(1, x.shape[0]))))
+
+
 def plan(M: int, G: int, N: int, K: int, device: torch.device, per_sm: int = PROGRAMS_PER_SM,
          block_k: int = BLOCK_K, block_n: int = BLOCK_N, max_splits: int = MAX_SPLITS) -> dict:
     """The launch for these shapes: BLOCK_M (rows padded to 16, 32 or 64), column tiles, splits (as many as bring
@@ -142,10 +160,12 @@ def plan(M: int, G: int, N: int, K: int, device: torch.device, per_sm: int = PRO
 
 def grouped_splitk(x: torch.Tensor, w: torch.Tensor, *, per_sm: int = PROGRAMS_PER_SM, block_k: int = BLOCK_K,
                    block_n: int = BLOCK_N, max_splits: int = MAX_SPLITS, num_warps: int = 4,
-                   num_stages: int = NUM_STAGES, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   num_stages: int = NUM_STAGES, out: Optional[torch.Tensor] = None,
+                   route: Optional[Tail] = None) -> torch.Tensor:
     """x [M, G, K] @ w[g].T per group -> [M, G, N] in x's dtype, or float32 for a float32 w (``out``: a [M, G, N]
     tensor of that dtype to write, contiguous along N, any row / group strides). The keyword knobs are the
-    launch's (benchmarks/gemv_bench.py times them)."""
+    launch's (benchmarks/gemv_bench.py times them). ``route``: a triton_ced_route.Tail for one group of N experts'
+    float32 logits (a float32 w); the launch's last finishing program routes every row into its ``w`` / ``ids``."""
     for name, v, lo, hi, pow2 in (("block_k", block_k, 16, 512, True), ("block_n", block_n, 16, 512, True),
                                   ("num_warps", num_warps, 1, 16, True), ("num_stages", num_stages, 1, 8, False),
                                   ("per_sm", per_sm, 1, 64, False), ("max_splits", max_splits, 1, 1024, False)):
@@ -164,18 +184,22 @@ def grouped_splitk(x: torch.Tensor, w: torch.Tensor, *, per_sm: int = PROGRAMS_P
     elif out.shape != (M, G, N) or out.dtype != dtype or out.stride(2) != 1:
         raise ValueError(f"grouped_splitk: out must be [{M}, {G}, {N}] {dtype}, contiguous along N; got "
                          f"{out.dtype} {tuple(out.shape)} stride {out.stride()}")
+    p = plan(M, G, N, K, x.device, per_sm, block_k, block_n, max_splits)
+    if route is not None and not (supports_route(x, w, route.top_k) and split_w and route.w.shape[0] == M
+                                  and N == route.E):
+        raise ValueError(f"grouped_splitk: route must be a Tail of {M} rows and {N} experts for one group of float32 "
+                         f"logits with K > 0; got x {tuple(x.shape)}, w {w.dtype} {tuple(w.shape)}")
     if N == 0 or G == 0:
         return out
     if K == 0:
         return out.zero_()
-    p = plan(M, G, N, K, x.device, per_sm, block_k, block_n, max_splits)
     S, BM, BN = p["SPLITS"], p["BLOCK_M"], p["BLOCK_N"]
     part = torch.empty(G * p["n_tiles"] * S * BM * BN if S > 1 else 1, dtype=torch.float32, device=x.device)
     _splitk_kernel[(p["n_tiles"], G, S)](
         x, w, out, part, _counter_buffer(x.device), M, N, K, p["n_tiles"],
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
         SPLITS=S, K_STEPS=p["K_STEPS"], BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=p["BLOCK_K"], SPLIT_W=split_w,
-        num_warps=num_warps, num_stages=num_stages, **launch_kw(x.device))
+        **(route.kernel_kw if route is not None else {}), num_warps=num_warps, num_stages=num_stages, **launch_kw(x.device))
     return out
 
 
