@@ -196,6 +196,12 @@ class Ops:
         where ids is -1: the cache rows of each query's chosen entries (its sequence's row of the table)."""
         raise NotImplementedError
 
+    def ced_linear_add_rms(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float):
+        """A product, the residual add and the next norm: h = residual + x @ w.T [T, N] and CED's RMSNorm of h
+        (ced_add_rms_norm(residual, linear(x, w), ...), which may be one kernel) -> (h, normed h)."""
+        raise NotImplementedError
+
     def ced_linear_rope(self, x: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, rope_dim: int, theta: float,
                         heads: int) -> torch.Tensor:
         """CED's query projection with its RoPE: x [T, K] @ w.T viewed [T, heads, D], each head's last rope_dim

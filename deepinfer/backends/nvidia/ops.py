@@ -467,6 +467,17 @@ class NvidiaOps(ReferenceOps):
     def ced_entry_rows(self, table, q_rows, ids):
         return self._rows(table, q_rows, ids)
 
+    def ced_linear_add_rms(self, x, w, residual, weight, eps):
+        """Where linear takes the GEMV kernel, the residual add and the norm ride on its last program
+        (triton_gemv.linear_add_rms: one launch, the bits of linear then ced_add_rms_norm); otherwise the two ops."""
+        if x.dim() == 2 and w.dim() == 2 and kernel_device_ok(x, w, residual, weight) \
+                and not (torch.is_grad_enabled() and residual.requires_grad):
+            dot = self._gemv_route(x, w)
+            if dot is not None and triton_gemv.supports_add_rms(x, w, residual, weight, dot):
+                self.kernel_calls["gemv_add_rms"] += 1
+                return triton_gemv.linear_add_rms(x, w, residual, weight, eps, dot=dot)
+        return super().ced_linear_add_rms(x, w, residual, weight, eps)
+
     def ced_linear_rope(self, x, w, pos, rope_dim, theta, heads):
         """Where linear takes the GEMV kernel, the RoPE rides on its store (triton_gemv's rope epilogue: one
         launch, the bits of the GEMV then the rope kernel); otherwise the two ops."""

@@ -63,7 +63,7 @@ def _rms_row(xf, w_ptr, cols, mask, N, eps):
     """CED's RMSNorm of one row xf [BLOCK] float32 (0 past N; cols, mask its channels) with the weight at w_ptr:
     xf * rsqrt(sum(xf^2) / N + eps) * w in float32, not rounded (the callers round once, to their dtype).
     Shared by every CED kernel that norms a row, so they all do these float32 operations in this order."""
-    rstd = _rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    rstd = _rsqrt(tl.sum(_mul_rn(xf, xf), axis=0) / N + eps)  # (no FMA in the sum, whatever the kernel's flags)
     w = to_f32(tl.load(w_ptr + cols, mask=mask, other=0.0))
     return xf * rstd * w
 
@@ -148,6 +148,31 @@ def _ced_add_rms_kernel(x_ptr, r_ptr, e_ptr, w_ptr, h_ptr, o_ptr, stride_x, stri
     h = cast_rne(to_f32(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)) + add, DT)
     tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
     tl.store(o_ptr + row * stride_o + cols, cast_rne(_rms_row(to_f32(h), w_ptr, cols, mask, N, eps), DT), mask=mask)
+
+
+@triton.jit
+def add_rms_tail(count_ptr, programs, x_ptr, stride_x, r_ptr, stride_r, w_ptr, h_ptr, stride_h, o_ptr, stride_o, M,
+                 N, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """add_rms_norm (no extra) of rows a product has just stored (x, [M, N]) on that product's last program: each
+    of its ``programs`` calls this after its stores and takes a ticket; the one that takes the last reads the rows
+    back (past L1) and stores h = x + residual and rms(h), row by row as _ced_add_rms_kernel does (the same float32
+    operations and rounding), then resets the counter for the next call (a CUDA graph's replay included). ROWS:
+    the most rows M may be (the interpreter's loop bound)."""
+    tl.debug_barrier()  # every thread's stores are done before the ticket (release) below
+    ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if ticket == programs - 1:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        DT = h_ptr.dtype.element_ty
+        for row in range(ROWS if _INTERP else M):  # (the interpreter takes constexpr bounds)
+            on = mask & (row < M)
+            add = to_f32(tl.load(r_ptr + row * stride_r + cols, mask=on, other=0.0))
+            x = to_f32(tl.load(x_ptr + row * stride_x + cols, mask=on, other=0.0, cache_modifier=".cg"))
+            h = cast_rne(x + add, DT)
+            tl.store(h_ptr + row * stride_h + cols, h, mask=on)
+            tl.store(o_ptr + row * stride_o + cols, cast_rne(_rms_row(to_f32(h), w_ptr, cols, mask, N, eps), DT),
+                     mask=on)
+        tl.atomic_xchg(count_ptr, 0)
 
 
 @triton.jit

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 from deepinfer.backends.nvidia.host_math import next_pow2
+from . import triton_tickets
 from .triton_pdl import launch_kw, pdl_start
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -168,16 +169,11 @@ def supports_tail(M: int, E: int, top_k: int, bias: Optional[torch.Tensor], bloc
     return 0 < M <= block_m and block_m * next_pow2(E) <= MAX_TAIL_LOGITS and _choice_ok(E, top_k, bias)
 
 
-_tail_counters: dict = {}
-
-
 class Tail:
     """The router on a logits product's launch (triton_gemv and triton_splitk take it as ``route=``): the product
     stores the float32 logits [M, E] as usual, then its last program (a ticket counter picks it: route_tail) routes
     every row as route() does and fills ``w`` [M, top_k] float32 and ``ids`` [M, top_k] int64. One launch where the
-    product and the router kernel took two. The counter (an int32 per device and stream, left zeroed by every
-    call) makes a captured call replayable; two calls on one stream never overlap (with PDL a kernel waits for
-    the previous grid before any load)."""
+    product and the router kernel took two. The counter: triton_tickets."""
 
     def __init__(self, M: int, E: int, top_k: int, *, device: torch.device, bias: Optional[torch.Tensor] = None,
                  scaling: float = 1.0, renormalize: bool = True):
@@ -186,10 +182,7 @@ class Tail:
                              f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
         self.w = torch.empty(M, top_k, dtype=torch.float32, device=device)
         self.ids = torch.empty(M, top_k, dtype=torch.int64, device=device)
-        key = (device.type, device.index, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
-        count = _tail_counters.get(key)
-        if count is None:
-            count = _tail_counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        count = triton_tickets.counter("route", device)
         self.E, self.top_k = E, top_k
         self.kernel_kw = dict(tail_count=count, tail_w=self.w, tail_ids=self.ids,
                               tail_bias=bias if bias is not None else self.w, tail_scale=float(scaling), ROUTE=True,

@@ -27,9 +27,10 @@ import triton
 import triton.language as tl
 
 from .triton_attention import _dot, sm_count
-from .triton_ced_fused import _cos_sin, _mul_rn
+from .triton_ced_fused import _cos_sin, _mul_rn, add_rms_tail
 from .triton_ced_route import Tail, route_tail, supports_tail
 from .triton_norm import cast_rne, to_f32
+from . import triton_tickets
 from .triton_pdl import launch_kw, pdl_signal, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, next_pow2
 
@@ -74,6 +75,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                  tail_count=None, tail_w=None, tail_ids=None, tail_bias=None, tail_scale=1.0,
                  ROUTE: tl.constexpr = False, TOPK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
                  BLOCK_TK: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = False,
+                 norm_count=None, norm_r=None, norm_w=None, norm_h=None, norm_o=None, stride_nr=0, stride_nh=0,
+                 stride_no=0, norm_eps=1e-6, NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1,
                  PDL: tl.constexpr = 0):
     pdl_start(PDL, True)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,6 +103,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
     if ROUTE:
         route_tail(tail_count, tl.num_programs(0) * tl.num_programs(1), out_ptr, stride_om, M, N, tail_w, tail_ids,
                    tail_bias, tail_scale, TOPK, BLOCK_M, BLOCK_E, BLOCK_TK, HAS_BIAS, RENORM)
+    if NORM:
+        add_rms_tail(norm_count, tl.num_programs(0) * tl.num_programs(1), out_ptr, stride_om, norm_r, stride_nr,
+                     norm_w, norm_h, stride_nh, norm_o, stride_no, M, N, norm_eps, NORM_BLOCK, BLOCK_M)
 
 
 @triton.jit
@@ -110,6 +116,8 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                 tail_count=None, tail_w=None, tail_ids=None, tail_bias=None, tail_scale=1.0,
                 ROUTE: tl.constexpr = False, TOPK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
                 BLOCK_TK: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = False,
+                norm_count=None, norm_r=None, norm_w=None, norm_h=None, norm_o=None, stride_nr=0, stride_nh=0,
+                stride_no=0, norm_eps=1e-6, NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1,
                 PDL: tl.constexpr = 0):
     """The same product for up to DOT_ROWS rows on the tensor cores: x's rows padded to 16 (the MMA's M), one dot
     per K step; WIDEN: mixed dtypes, both operands widened to float32 (exact) for an "ieee" dot."""
@@ -139,6 +147,9 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
     if ROUTE:
         route_tail(tail_count, tl.num_programs(0) * tl.num_programs(1), out_ptr, stride_om, M, N, tail_w, tail_ids,
                    tail_bias, tail_scale, TOPK, 16, BLOCK_E, BLOCK_TK, HAS_BIAS, RENORM)
+    if NORM:
+        add_rms_tail(norm_count, tl.num_programs(0) * tl.num_programs(1), out_ptr, stride_om, norm_r, stride_nr,
+                     norm_w, norm_h, stride_nh, norm_o, stride_no, M, N, norm_eps, NORM_BLOCK, 16)
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, dot: bool = False) -> bool:
@@ -185,7 +196,7 @@ def supports_route(x: torch.Tensor, w: torch.Tensor, top_k: int, bias: Optional[
 
 def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.dtype] = None, tile: int = TILE,
                  per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS, dot: bool = False,
-                 rope: Optional[tuple] = None, route: Optional[Tail] = None) -> torch.Tensor:
+                 rope: Optional[tuple] = None, route: Optional[Tail] = None, norm: Optional[dict] = None) -> torch.Tensor:
     """x [M, G, K] @ w[g].T per group -> [M, G, N] in ``out_dtype`` (default x's; see the module doc: both operands
     are widened to float32 exactly, so mixed dtypes compute x.float() @ w.float().T). ``tile``, ``per_sm`` and
     ``num_warps`` are the launch's knobs (benchmarks/gemv_bench.py times them); ``dot``: the tensor-core kernel
@@ -218,6 +229,7 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
     if K == 0:
         return out.zero_()
     rk = dict(route.kernel_kw) if route is not None else {}
+    rk.update(norm or {})
     if rope is not None:
         pos, inv, heads = rope
         rk.update(pos_ptr=pos.contiguous(), inv_ptr=inv.contiguous(), HEAD_D=N // heads, HALF=inv.shape[0],
@@ -243,3 +255,36 @@ def linear(x: torch.Tensor, w: torch.Tensor, **knobs) -> torch.Tensor:
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"linear: x must be [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     return grouped_gemv(x[:, None, :], w[None], **knobs)[:, 0, :]
+
+
+def supports_add_rms(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     dot: bool = False) -> bool:
+    """Whether linear_add_rms runs x [M, K] @ w [N, K].T (supports' rows, ``dot`` its variant's) with the residual
+    [M, N] and the norm's weight [N]: one dtype of x, w and residual, unit stride along N, a norm
+    triton_ced_fused takes."""
+    from . import triton_ced_fused as tcf
+
+    return x.dim() == 2 and w.dim() == 2 and residual.dim() == 2 and x.shape[1] == w.shape[1] > 0 \
+        and residual.shape == (x.shape[0], w.shape[0]) and x.dtype == w.dtype == residual.dtype \
+        and residual.device == x.device and (residual.stride(1) == 1 or w.shape[0] == 1) \
+        and supports(x[:, None, :], w[None], dot) and tcf.supports_rms(residual, weight)
+
+
+def linear_add_rms(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                   dot: bool = False, **knobs):
+    """(h, rms(h)) for h = residual + x @ w.T, each [M, N] in x's dtype: the product, then on its last program
+    triton_ced_fused.add_rms_norm's add and RMSNorm (the bits of linear then add_rms_norm(residual, product));
+    one launch where two ran. ``knobs``: grouped_gemv's."""
+    if not supports_add_rms(x, w, residual, weight, dot):
+        raise ValueError(f"linear_add_rms: unsupported x {x.dtype} {tuple(x.shape)}, w {w.dtype} {tuple(w.shape)}, "
+                         f"residual {residual.dtype} {tuple(residual.shape)} stride {residual.stride()}, weight "
+                         f"{weight.dtype} {tuple(weight.shape)} (see supports_add_rms)")
+    M, N = residual.shape
+    h, out = torch.empty_like(residual, memory_format=torch.contiguous_format), torch.empty(
+        M, N, dtype=x.dtype, device=x.device)
+    wn = weight if weight.is_contiguous() else weight.contiguous()
+    norm = dict(norm_count=triton_tickets.counter("add_rms", x.device), norm_r=residual, norm_w=wn, norm_h=h,
+                norm_o=out, stride_nr=residual.stride(0), stride_nh=h.stride(0), stride_no=out.stride(0),
+                norm_eps=float(eps), NORM=True, NORM_BLOCK=next_pow2(N))
+    linear(x, w, dot=dot, norm=norm, **knobs)
+    return h, out

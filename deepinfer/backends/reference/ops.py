@@ -161,6 +161,9 @@ class ReferenceOps(Ops):
             return torch.full_like(ids, -1)
         return torch.where(ids >= 0, table[q_rows[:, None], ids.clamp(min=0)], -1)
 
+    def ced_linear_add_rms(self, x, w, residual, weight, eps):
+        return self.ced_add_rms_norm(residual, self.linear(x, w), weight, eps)
+
     def ced_linear_rope(self, x, w, pos, rope_dim, theta, heads):
         y = self.linear(x, w).view(x.shape[0], heads, w.shape[0] // heads)  # (explicit widths: 0 rows too)
         return self.ced_rope(y, pos, rope_dim, theta, reuse_input=True)

@@ -499,7 +499,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None,
                                      window=c.n_win, ring_fmt=c.swa_kv_format, entry_fmt=c.global_kv_format,
                                      sinks=layer.sink, scale=c.head_dim ** -0.5,
                                      unrope=P.rope_angles(c))  # (out_proj's inverse RoPE, in the op)
-        h, xf = fn.add_rms(h, layer.out_proj(o, P.pos, unrotated=True), layer.ffn_norm, c.rms_norm_eps, ops=kernels)
+        h, xf = layer.out_proj_add_rms(o, P.pos, h, unrotated=True)
         routed, shared, ids = layer.moe_parts(xf)
         # (a padded verify batch's padding is routed too, but is no load)
         model.record_expert_load(layer.i, ids, *(() if P.real is None else (P.real,)))

@@ -211,12 +211,27 @@ class CEDLayer(nn.Module):
         """o [T, H, D] attended latent -> inverse RoPE, grouped projection, final projection -> [T, d].
         ``reuse_input``: o is the caller's temporary, so the inverse RoPE may rotate it in place. ``unrotated``:
         the inverse RoPE is done (the attention op applied it: ``Ops.ced_sparse_attention(unrope=...)``)."""
+        return self._linear(self._grouped_out(o, pos, reuse_input, unrotated), self.wo_b)
+
+    def _grouped_out(self, o, pos, reuse_input: bool, unrotated: bool):
+        """out_proj up to its last product: the inverse RoPE (unless ``unrotated``) and the grouped projection,
+        flattened -> [T, groups x group dim]."""
         c, ops = self.c, self._kernels(o)
         if not unrotated:
             o = fn.apply_rope(o, pos, c.rope_dim, c.rope_theta, inverse=True, ops=ops, reuse_input=reuse_input)
         og = o.reshape(o.shape[0], c.out_groups, -1)
         grouped = torch.einsum("tgi,goi->tgo", og, self.wo_a) if ops is None else ops.grouped_linear(og, self.wo_a)
-        return self._linear(grouped.flatten(1), self.wo_b)
+        return grouped.flatten(1)
+
+    def out_proj_add_rms(self, o, pos, h, unrotated: bool = False):
+        """The attention's output into the residual stream and the FFN norm: (h + out_proj(o), its RMSNorm), as
+        functional.add_rms(h, out_proj(o)); the last product and the norm one kernel where the ops have it (a GEMV
+        at a few rows: Ops.ced_linear_add_rms)."""
+        c, ops = self.c, self._kernels(o)
+        kernel = fn._fused(ops, "ced_linear_add_rms", o, self.wo_b, h)
+        if kernel is None:
+            return fn.add_rms(h, self.out_proj(o, pos, unrotated=unrotated), self.ffn_norm, c.rms_norm_eps, ops=ops)
+        return kernel(self._grouped_out(o, pos, False, unrotated), self.wo_b, h, self.ffn_norm, c.rms_norm_eps)
 
     def _router_f32(self):
         """The router's weight and bias in float32, where the router computes: a bf16 model would otherwise cast
