@@ -2,8 +2,9 @@
 Ops.ced_linear_add_rms, CEDLayer.out_proj_add_rms).
 
 What must hold:
-- the bits of the two launches it replaces: triton_gemv.linear, then triton_ced_fused.add_rms_norm(residual,
-  product) (the tail runs the norm kernel's float32 operations in its order);
+- the two launches it replaces (triton_gemv.linear, then triton_ced_fused.add_rms_norm(residual, product)): h to
+  the bit; the norm to the bit under the interpreter, within one ulp on the GPU (the tail runs the norm kernel's
+  float32 operations, but its launch's warps may sum the squares in another order);
 - against a float64 oracle sharing no code with either: h within the roundings of the product and the add, the
   norm within a few bf16 ulps of the float64 RMSNorm of the returned h;
 - the ticket counter is left zeroed (a second call, a graph replay on the GPU);
@@ -35,6 +36,16 @@ def draw(seed, M, N, K, dtype, scale=1.0):
     return x, w, r, nw
 
 
+def assert_norm_matches(out, ref):
+    """Same bits under the interpreter (one numpy sum order); within one ulp of ref's dtype on the GPU."""
+    if DEV.type == "cpu":
+        assert_same_bits(out, ref)
+    else:
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        err = (out.double() - ref.double()).abs()
+        assert bool((err <= 2 * ULP[ref.dtype] * ref.double().abs() + 1e-30).all()), float(err.max())
+
+
 def oracle_check(x, w, r, nw, eps, h, out):
     x64, w64, r64 = x.double().cpu(), w.double().cpu(), r.double().cpu()
     y = x64 @ w64.T
@@ -58,7 +69,7 @@ def test_linear_add_rms_is_the_product_then_add_rms_norm(M, N, K, dtype, scale, 
     y = tg.linear(x, w, dot=dot)
     rh, rout = tcf.add_rms_norm(r, y, nw, 1e-6)
     assert_same_bits(h, rh)
-    assert_same_bits(out, rout)
+    assert_norm_matches(out, rout)
     oracle_check(x, w, r, nw, 1e-6, h, out)
     assert int(triton_tickets.counter("add_rms", x.device).item()) == 0
     h2, out2 = tg.linear_add_rms(x, w, r, nw, 1e-6, dot=dot)
@@ -92,7 +103,7 @@ def test_ops_take_the_tail_at_gemv_rows_and_the_two_ops_past_them():
         assert took == (rows <= GEMV_DOT_MAX_ROWS), (rows, took)
         rh, rout = ops.ced_add_rms_norm(r, ops.linear(x, w), nw, 1e-6)
         assert_same_bits(h, rh)
-        assert_same_bits(out, rout)
+        assert_norm_matches(out, rout)
         oracle_check(x, w, r, nw, 1e-6, h, out)
     x, w, r, nw = draw(5, 3, 48, 32, torch.float32)
     h, out = ReferenceOps(DEV).ced_linear_add_rms(x, w, r, nw, 1e-6)  # (the torch formulas)
@@ -113,5 +124,5 @@ def test_tail_replays_in_a_graph_at_the_bench_shape(rows):
         torch.cuda.synchronize()
         rh, rout = tcf.add_rms_norm(r, tg.linear(x, w, dot=rows > tg.MAX_ROWS), nw, 1e-6)
         assert_same_bits(h, rh)
-        assert_same_bits(out, rout)
+        assert_norm_matches(out, rout)
         oracle_check(x, w, r, nw, 1e-6, h, out)
