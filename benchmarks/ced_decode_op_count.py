@@ -126,6 +126,7 @@ def _phase_targets():
             ("indexer", (L,), "index_query"), ("indexer", (engine_path,), "_choose_entries"),
             ("pool", (fn,), "pool_candidates"), ("pool", (fn,), "pool_mask"), ("pool", ops, "ced_pool_candidates"),
             ("attention", ops, "ced_sparse_attention"), ("out_proj", (L,), "out_proj"),
+            ("out_proj", (L,), "out_proj_add_rms"),
             ("moe", (L,), "moe"), ("moe", (L,), "moe_parts"), ("router", ops, "moe_route"),
             ("router", ops, "ced_moe_route"),
             ("experts", ops, "moe_experts"), ("expert_load", (expert_load.ExpertLoad,), "record"),
