@@ -3,8 +3,8 @@ Ops.ced_linear_add_rms, CEDLayer.out_proj_add_rms).
 
 What must hold:
 - the two launches it replaces (triton_gemv.linear, then triton_ced_fused.add_rms_norm(residual, product)): h to
-  the bit; the norm to the bit under the interpreter, within one ulp on the GPU (the tail runs the norm kernel's
-  float32 operations, but its launch's warps may sum the squares in another order);
+  the bit; the norm to the bit under the interpreter, within an ulp or a few (float32) on the GPU (the tail runs
+  the norm kernel's float32 operations, but its launch's warps may sum the squares in another order);
 - against a float64 oracle sharing no code with either: h within the roundings of the product and the add, the
   norm within a few bf16 ulps of the float64 RMSNorm of the returned h;
 - the ticket counter is left zeroed (a second call, a graph replay on the GPU);
@@ -37,13 +37,16 @@ def draw(seed, M, N, K, dtype, scale=1.0):
 
 
 def assert_norm_matches(out, ref):
-    """Same bits under the interpreter (one numpy sum order); within one ulp of ref's dtype on the GPU."""
+    """Same bits under the interpreter (one numpy sum order); on the GPU within one ulp of ref's dtype in bf16 /
+    fp16 and eight in float32 (where the output keeps the last bits of an rstd summed in another order: the H100
+    gave two)."""
     if DEV.type == "cpu":
         assert_same_bits(out, ref)
     else:
         assert out.dtype == ref.dtype and out.shape == ref.shape
         err = (out.double() - ref.double()).abs()
-        assert bool((err <= 2 * ULP[ref.dtype] * ref.double().abs() + 1e-30).all()), float(err.max())
+        ulps = 8 if ref.dtype == torch.float32 else 1
+        assert bool((err <= ulps * 2 * ULP[ref.dtype] * ref.double().abs() + 1e-30).all()), float(err.max())
 
 
 def oracle_check(x, w, r, nw, eps, h, out):
