@@ -52,6 +52,7 @@
 #   bash scripts/device_issue12.sh s22c              # (carry .whl312) GPU files but kv_sizing, then kv_sizing alone
 #   bash scripts/device_issue12.sh s22e COMMIT       # (carry .whl312 .baseline) s22c, base / this tree's profiles,
 #                                            # gpu_bench: over 480 s at c427fbb (gpu_bench cut off): split it
+#   bash scripts/device_issue12.sh s23a COMMIT       # (carry .baseline) the GEMV tails' GPU tests, then s21b COMMIT
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -487,6 +488,12 @@ s22c)
   # 22nd session (~7 min, carry .whl312): every GPU test file but kv_sizing, then kv_sizing alone.
   gpu_files_but_kv_sizing
   timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3 ;;
+s23a)
+  # 23rd session (~8 min, carry .baseline): the tails' GPU tests, then s21b (base / this tree's decode profiles
+  # alternating twice; gpu_bench's roofline, CED decode at 1 / 16 / 64 and the 4K prefill ratio).
+  timeout -s INT 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gemv_add_rms.py tests/test_route_tail.py \
+    2>&1 | tail -3
+  bash "$0" s21b "${1:-?}" ;;
 s22e)
   # 22nd session (carry .whl312 and .baseline): every GPU test file but kv_sizing, kv_sizing alone, the decode
   # profile of the baseline tree (.baseline/base.tgz) then this one, gpu_bench's roofline, CED decode at 1 / 16 /
