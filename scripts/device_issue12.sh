@@ -107,6 +107,23 @@ ced_kernels16() {  # 16th session: tests/test_triton_ced.py, then ced_prefill_ke
     | tee "$OUT/ced_prefill_kernels.log" | grep -v Warning | tail -"$1"
 }
 
+decode_ab() {  # s21b / s23a: the base tree's and this tree's decode profiles alternating, then gpu_bench ($1 commit)
+  # 21st session (~8 min): the decode profile of the baseline tree (.baseline/base.tgz: git archive of deepinfer
+  # without assets, benchmarks, recipes, the n-gram plugin) and of this tree, alternating twice on this GPU; then
+  # gpu_bench's roofline and CED decode at 1 / 16 / 64 with the 4K prefill ratio, this tree.
+  rm -rf /tmp/base && mkdir -p /tmp/base && tar xzf .baseline/base.tgz -C /tmp/base
+  for r in 1 2; do
+    (cd /tmp/base && PYTHONPATH=/tmp/base:/tmp/base/plugins/deepinfer-ngram:/tmp/ngram_ep:/tmp/site timeout 150 \
+      python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+      --out "$OUT/profile_ced_base.jsonl" 2>&1 | grep "== batch" | sed "s/^/base $r /" | cut -c 1-110)
+    timeout 150 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+      --out "$OUT/profile_ced_new.jsonl" 2>&1 | grep "== batch" | sed "s/^/new  $r /" | cut -c 1-110
+  done
+  timeout 250 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced.jsonl" --commit "$1" \
+    --phases roofline,ced --ced-prefill-tokens 4096 --ced-batches 1 16 64 --ced-repeats 2 --budget-s 230 2>&1 \
+    | tee "$OUT/gpu_bench_ced.log" | grep -v Warning | tail -14
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
@@ -401,20 +418,7 @@ s21)
       | grep "== batch" | cut -c 1-150)
   fi ;;
 s21b)
-  # 21st session (~8 min): the decode profile of the baseline tree (.baseline/base.tgz: git archive of deepinfer
-  # without assets, benchmarks, recipes, the n-gram plugin) and of this tree, alternating twice on this GPU; then
-  # gpu_bench's roofline and CED decode at 1 / 16 / 64 with the 4K prefill ratio, this tree.
-  rm -rf /tmp/base && mkdir -p /tmp/base && tar xzf .baseline/base.tgz -C /tmp/base
-  for r in 1 2; do
-    (cd /tmp/base && PYTHONPATH=/tmp/base:/tmp/base/plugins/deepinfer-ngram:/tmp/ngram_ep:/tmp/site timeout 150 \
-      python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
-      --out "$OUT/profile_ced_base.jsonl" 2>&1 | grep "== batch" | sed "s/^/base $r /" | cut -c 1-110)
-    timeout 150 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
-      --out "$OUT/profile_ced_new.jsonl" 2>&1 | grep "== batch" | sed "s/^/new  $r /" | cut -c 1-110
-  done
-  timeout 250 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced.jsonl" --commit "${1:-?}" \
-    --phases roofline,ced --ced-prefill-tokens 4096 --ced-batches 1 16 64 --ced-repeats 2 --budget-s 230 2>&1 \
-    | tee "$OUT/gpu_bench_ced.log" | grep -v Warning | tail -14 ;;
+  decode_ab "${1:-?}" ;;
 final18)
   gpu_files_but_kv_sizing
   timeout -s INT 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kv_sizing.py 2>&1 | tail -3
@@ -493,7 +497,7 @@ s23a)
   # alternating twice; gpu_bench's roofline, CED decode at 1 / 16 / 64 and the 4K prefill ratio).
   timeout -s INT 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gemv_add_rms.py tests/test_route_tail.py \
     2>&1 | tail -3
-  bash "$0" s21b "${1:-?}" ;;
+  decode_ab "${1:-?}" ;;
 s22e)
   # 22nd session (carry .whl312 and .baseline): every GPU test file but kv_sizing, kv_sizing alone, the decode
   # profile of the baseline tree (.baseline/base.tgz) then this one, gpu_bench's roofline, CED decode at 1 / 16 /
