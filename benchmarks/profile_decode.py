@@ -132,6 +132,20 @@ def top_functions(prof, n_steps: int, k: int = 22) -> list:
     return [{"function": a[:90], "ms_per_step": round(b, 4), "calls_per_step": c} for a, b, c in rows[:k]]
 
 
+def set_knobs(pairs: list) -> dict:
+    """NAME=VALUE pairs -> the nvidia backend's module constants set (ints; bools as 0 / 1); unknown names raise."""
+    from deepinfer.backends.nvidia import ops as nv
+
+    knobs = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if not hasattr(nv, name) or not isinstance(getattr(nv, name), (bool, int)):
+            raise SystemExit(f"--knob {pair!r}: deepinfer.backends.nvidia.ops has no int / bool constant {name!r}")
+        knobs[name] = type(getattr(nv, name))(int(value))
+        setattr(nv, name, knobs[name])
+    return knobs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(gpu_bench.SHAPES) + ["ced-bench"],
@@ -145,7 +159,10 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs: profile the eager step's host time")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="the deterministic recipe's kernels (EngineConfig.batch_invariant): what they cost")
+    ap.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
+                    help="set deepinfer.backends.nvidia.ops.NAME (an existing int / bool constant) first: A/B runs")
     args = ap.parse_args()
+    knobs = set_knobs(args.knob)
     cfg = gpu_bench.ced_config("bench", 4096) if args.shape == "ced-bench" else gpu_bench.SHAPES[args.shape]
     ns = argparse.Namespace(dtype="bfloat16", device="cuda", backend=None, build_in_dtype="auto")
     overlap = {"auto": None, "on": True, "off": False}[args.overlap]
@@ -161,7 +178,7 @@ def main() -> int:
         rep = replay_ms(llm, B)
         _, prof = steady_steps(llm, B, args.input_len, 8, vocab, profile="gpu")
         host_ms, hprof = steady_steps(llm, B, args.input_len, 16, vocab, profile="host")
-        row = {"shape": args.shape, "batch_invariant": args.batch_invariant, "batch": B, "step_ms": round(step, 3), "replay_ms": rep and round(rep, 3),
+        row = {"shape": args.shape, "knobs": knobs, "batch_invariant": args.batch_invariant, "batch": B, "step_ms": round(step, 3), "replay_ms": rep and round(rep, 3),
                "overlap": llm.engine.overlap, **device_split(prof, 8), "kernels": top_kernels(prof, 8, args.top),
                "syncs": hprof.syncs,
                "host": top_functions(hprof, 16)}

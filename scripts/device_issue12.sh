@@ -53,6 +53,7 @@
 #   bash scripts/device_issue12.sh s22e COMMIT       # (carry .whl312 .baseline) s22c, base / this tree's profiles,
 #                                            # gpu_bench: over 480 s at c427fbb (gpu_bench cut off): split it
 #   bash scripts/device_issue12.sh s23a COMMIT       # (carry .baseline) the GEMV tails' GPU tests, then s21b COMMIT
+#   bash scripts/device_issue12.sh s23b              # decode profiles with each GEMV epilogue off in turn
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -498,6 +499,15 @@ s23a)
   timeout -s INT 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gemv_add_rms.py tests/test_route_tail.py \
     2>&1 | tail -3
   decode_ab "${1:-?}" ;;
+s23b)
+  # 23rd session (~5 min): the decode profile with each GEMV epilogue off in turn (profile_decode --knob), all on
+  # first and again last.
+  for k in "" "CED_ROUTE_TAIL=0" "CED_QUERY_ROPE_GEMV=0" "CED_OUT_ADD_RMS_GEMV=0" \
+      "CED_ROUTE_TAIL=0 CED_QUERY_ROPE_GEMV=0 CED_OUT_ADD_RMS_GEMV=0" ""; do
+    args=""; for a in $k; do args="$args --knob $a"; done
+    timeout 110 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 $args \
+      --out "$OUT/profile_ced_knobs.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-all on}] /" | cut -c 1-120
+  done ;;
 s22e)
   # 22nd session (carry .whl312 and .baseline): every GPU test file but kv_sizing, kv_sizing alone, the decode
   # profile of the baseline tree (.baseline/base.tgz) then this one, gpu_bench's roofline, CED decode at 1 / 16 /

@@ -57,6 +57,10 @@ CED_ROUTE_LOGITS_SPLITK_KNOBS = dict(block_n=32)  # 32 experts: one column tile,
 # The router on the logits product's launch (triton_ced_route.Tail: its last program routes; one launch a layer where
 # the product and the router kernel took two). On for the GEMV and split-K logits above.
 CED_ROUTE_TAIL = True
+# CED's query RoPE on W_q_b's GEMV (Ops.ced_linear_rope) and the residual add + FFN norm on W_o_b's
+# (Ops.ced_linear_add_rms), where those products take a GEMV kernel; off: the two launches each.
+CED_QUERY_ROPE_GEMV = True
+CED_OUT_ADD_RMS_GEMV = True
 # The routed experts of a few tokens: up to this many (token, expert) pairs triton_moe_pairs.pair_experts (a GEMV
 # per pair, two launches) instead of fused_experts (sort by expert, two GEMMs, k-sum: five). Never in batch-invariant
 # mode (fused_experts' one M-block size there). benchmarks/moe_pairs_bench.py on the H200 (bench shape: 32 experts,
@@ -470,7 +474,7 @@ class NvidiaOps(ReferenceOps):
     def ced_linear_add_rms(self, x, w, residual, weight, eps):
         """Where linear takes the GEMV kernel, the residual add and the norm ride on its last program
         (triton_gemv.linear_add_rms: one launch, the bits of linear then ced_add_rms_norm); otherwise the two ops."""
-        if x.dim() == 2 and w.dim() == 2 and kernel_device_ok(x, w, residual, weight) \
+        if CED_OUT_ADD_RMS_GEMV and x.dim() == 2 and w.dim() == 2 and kernel_device_ok(x, w, residual, weight) \
                 and not (torch.is_grad_enabled() and residual.requires_grad):
             dot = self._gemv_route(x, w)
             if dot is not None and triton_gemv.supports_add_rms(x, w, residual, weight, dot):
@@ -483,7 +487,7 @@ class NvidiaOps(ReferenceOps):
         launch, the bits of the GEMV then the rope kernel); otherwise the two ops."""
         from . import triton_ced_fused as tcf
 
-        if x.dim() == 2 and w.dim() == 2 and kernel_device_ok(x, w, pos) \
+        if CED_QUERY_ROPE_GEMV and x.dim() == 2 and w.dim() == 2 and kernel_device_ok(x, w, pos) \
                 and triton_gemv.supports_rope(x, w, pos, rope_dim, heads):
             dot = self._gemv_route(x, w)
             if dot is not None and triton_gemv.supports(x[:, None, :], w[None], dot):
