@@ -500,10 +500,10 @@ s23a)
     2>&1 | tail -3
   decode_ab "${1:-?}" ;;
 s23b)
-  # 23rd session (~5 min): the decode profile with each GEMV epilogue off in turn (profile_decode --knob), all on
-  # first and again last.
+  # 23rd session (~4 min): the decode profile with all GEMV epilogues on, each off in turn, all off
+  # (profile_decode --knob).
   for k in "" "CED_ROUTE_TAIL=0" "CED_QUERY_ROPE_GEMV=0" "CED_OUT_ADD_RMS_GEMV=0" \
-      "CED_ROUTE_TAIL=0 CED_QUERY_ROPE_GEMV=0 CED_OUT_ADD_RMS_GEMV=0" ""; do
+      "CED_ROUTE_TAIL=0 CED_QUERY_ROPE_GEMV=0 CED_OUT_ADD_RMS_GEMV=0"; do
     args=""; for a in $k; do args="$args --knob $a"; done
     timeout 110 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 $args \
       --out "$OUT/profile_ced_knobs.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-all on}] /" | cut -c 1-120
