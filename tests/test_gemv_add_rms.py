@@ -93,10 +93,18 @@ def test_linear_add_rms_refuses_mismatches():
                           torch.zeros(tg.MAX_ROWS + 1, 16, dtype=torch.bfloat16, device=DEV), nw, 1e-6)
 
 
-def test_ops_take_the_tail_at_gemv_rows_and_the_two_ops_past_them():
+def test_ops_take_the_tail_at_gemv_rows_and_the_two_ops_past_them(monkeypatch):
+    """With CED_OUT_ADD_RMS_GEMV on (shipped off: ops.py says why), and off: the two ops at every row count."""
+    from deepinfer.backends.nvidia import ops as nv
     from deepinfer.backends.nvidia.ops import GEMV_DOT_MAX_ROWS, NvidiaOps
     from deepinfer.backends.reference.ops import ReferenceOps
 
+    off = NvidiaOps(DEV)
+    x, w, r, nw = draw(9, 1, 48, 32, torch.bfloat16)
+    h, out = off.ced_linear_add_rms(x, w, r, nw, 1e-6)
+    assert off.kernel_calls["gemv_add_rms"] == 0 and off.kernel_calls["ced_add_rms_norm"] == 1
+    assert_same_bits(out, off.ced_add_rms_norm(r, off.linear(x, w), nw, 1e-6)[1])
+    monkeypatch.setattr(nv, "CED_OUT_ADD_RMS_GEMV", True)
     ops = NvidiaOps(DEV)
     for rows in (1, GEMV_DOT_MAX_ROWS, GEMV_DOT_MAX_ROWS + 1):
         x, w, r, nw = draw(rows, rows, 48, 32, torch.bfloat16)

@@ -193,15 +193,14 @@ def test_ops_dispatch_count_and_fall_back():
     assert ops.kernel_calls["moe_route"] == 1
 
     x, gate = torch.randn(3, 40, generator=g).to(DEV), torch.randn(16, 40, generator=g).to(DEV)
-    ops.ced_moe_route(x, gate, 3, bias=bias, scaling=1.5)  # (default: the logits' GEMV, the router on its tail)
-    assert ops.kernel_calls["ced_moe_route"] == 0 and ops.kernel_calls["moe_route"] == 1
-    assert ops.kernel_calls["route_tail"] == 1
+    ops.ced_moe_route(x, gate, 3, bias=bias, scaling=1.5)  # (default: the logits' GEMV, then the route kernel)
+    assert ops.kernel_calls["ced_moe_route"] == 0 and ops.kernel_calls["moe_route"] == 2
     with mock.patch("deepinfer.backends.nvidia.ops.CED_ROUTE_GEMV_MAX_ROWS", tcr.MAX_HIDDEN_ROWS):
         ops.ced_moe_route(x, gate, 3, bias=bias, scaling=1.5)  # the GEMV inside the router kernel
         assert ops.kernel_calls["ced_moe_route"] == 1
         big = torch.randn(300, 40, generator=g).to(DEV)  # past MAX_HIDDEN_ROWS: the GEMM, then the route kernel
         ops.ced_moe_route(big, gate, 3, bias=bias, scaling=1.5)
-        assert ops.kernel_calls["ced_moe_route"] == 1 and ops.kernel_calls["moe_route"] == 2
+        assert ops.kernel_calls["ced_moe_route"] == 1 and ops.kernel_calls["moe_route"] == 3
 
     h, r = x.bfloat16(), torch.randn(3, 40, generator=g).bfloat16().to(DEV)
     ops.ced_add_rms_norm(h, r, gate[0], 1e-6, r)

@@ -54,13 +54,17 @@ CED_ROUTE_LOGITS_GEMV_MAX_ROWS = 8
 # rows, 161 / 54 at 16, 166 / 84 at 32, 171 / 136 at 64; 0 keeps cuBLAS.
 CED_ROUTE_LOGITS_SPLITK_MAX_ROWS = 64
 CED_ROUTE_LOGITS_SPLITK_KNOBS = dict(block_n=32)  # 32 experts: one column tile, more K splits fill the GPU
-# The router on the logits product's launch (triton_ced_route.Tail: its last program routes; one launch a layer where
-# the product and the router kernel took two). On for the GEMV and split-K logits above.
-CED_ROUTE_TAIL = True
-# CED's query RoPE on W_q_b's GEMV (Ops.ced_linear_rope) and the residual add + FFN norm on W_o_b's
-# (Ops.ced_linear_add_rms), where those products take a GEMV kernel; off: the two launches each.
-CED_QUERY_ROPE_GEMV = True
-CED_OUT_ADD_RMS_GEMV = True
+# Epilogues that save a launch a layer each, tested, shipped off: the router on its logits product's last program
+# (triton_ced_route.Tail, the GEMV and split-K logits above), CED's query RoPE on W_q_b's GEMV (Ops.ced_linear_rope),
+# the residual add + FFN norm on W_o_b's last program (Ops.ced_linear_add_rms). The three on against 0d6fa03's path
+# (H100, 23rd session, profile_decode graph replay, two alternating runs each): batch 1 1.356 / 1.352 against
+# 1.323 / 1.325 ms, 16 2.964 / 2.963 against 2.963 / 2.956, 64 3.680 / 3.676 against 3.628 / 3.633: 48 fewer
+# launches a batch-1 step, yet slower. Under PDL a launch's overhead is mostly hidden already; what a small kernel
+# costs is its serial latency (read, reduce, write), which a tail keeps on the critical path and adds a ticket to
+# every program of the product (1024 of them for W_o_b at one row). profile_decode --knob turns each on for an A/B.
+CED_ROUTE_TAIL = False
+CED_QUERY_ROPE_GEMV = False
+CED_OUT_ADD_RMS_GEMV = False
 # The routed experts of a few tokens: up to this many (token, expert) pairs triton_moe_pairs.pair_experts (a GEMV
 # per pair, two launches) instead of fused_experts (sort by expert, two GEMMs, k-sum: five). Never in batch-invariant
 # mode (fused_experts' one M-block size there). benchmarks/moe_pairs_bench.py on the H200 (bench shape: 32 experts,
