@@ -74,6 +74,8 @@ dims = dict(d=st.sampled_from([24, 48, 72]), F=st.sampled_from([20, 48, 52]))  #
 @given(T=st.integers(0, 40), E=st.integers(1, 10), k=st.integers(1, 4), **dims, clamp=st.sampled_from([None, 0.7]),
        block_m=st.sampled_from([None, 16, 32]), seed=st.integers(0, 2**16))
 def test_float32_matches_dense_oracle(impl, T, E, k, d, F, clamp, block_m, seed):
+    if impl == "pairs":  # a program per pair, so T only sizes the grid; up to 16 it still crosses the block
+        T %= 17  # halving point (16 programs under the interpreter) both ways, at a third of the time of 40
     k = min(k, E)
     x, w13, w2, weights, ids = make_case(gen(seed), T, E, k, d, F)
     poison_free_memory((T * k + 64) * (d + F) * 4)
