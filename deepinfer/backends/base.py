@@ -196,6 +196,11 @@ class Ops:
         where ids is -1: the cache rows of each query's chosen entries (its sequence's row of the table)."""
         raise NotImplementedError
 
+    def ced_rms_linear(self, x: torch.Tensor, weight: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
+        """CED's RMSNorm of x [T, K] (weight [K]) then its product with w [N, K] -> [T, N] (linear of ced_rms_norm,
+        which may be one kernel: the norm in the product's prologue, the normed rows not kept)."""
+        raise NotImplementedError
+
     def ced_linear_add_rms(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float):
         """A product, the residual add and the next norm: h = residual + x @ w.T [T, N] and CED's RMSNorm of h

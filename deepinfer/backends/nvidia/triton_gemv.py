@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .triton_attention import _dot, sm_count
-from .triton_ced_fused import _cos_sin, _mul_rn, add_rms_tail
+from .triton_ced_fused import _cos_sin, _mul_rn, _rsqrt, add_rms_tail
 from .triton_ced_route import Tail, route_tail, supports_tail
 from .triton_norm import cast_rne, to_f32
 from . import triton_tickets
@@ -77,7 +77,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                  BLOCK_TK: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = False,
                  norm_count=None, norm_r=None, norm_w=None, norm_h=None, norm_o=None, stride_nr=0, stride_nh=0,
                  stride_no=0, norm_eps=1e-6, NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1,
-                 PDL: tl.constexpr = 0):
+                 nin_w=None, nin_eps=1e-6, NORM_IN: tl.constexpr = False, PDL: tl.constexpr = 0):
     pdl_start(PDL, True)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
@@ -87,12 +87,25 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
     w_rows = w_ptr + g * stride_wg + n[:, None].to(tl.int64) * stride_wn
     x_g = x_ptr + g * stride_xg
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if NORM_IN:  # each row's RMS first: its squares summed over K in BLOCK_K chunks
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K_I if _INTERP else K, BLOCK_K):
+            k = k0 + kk
+            for r in tl.static_range(BLOCK_M):
+                xr = to_f32(tl.load(x_g + r * stride_xm + k, mask=(k < K) & (r < M), other=0.0))
+                ss = tl.where(rows == r, ss + tl.sum(_mul_rn(xr, xr), axis=0), ss)
+        rstd = _rsqrt(ss / K + nin_eps)
     for k0 in range(0, K_I if _INTERP else K, BLOCK_K):
         k = k0 + kk
         k_mask = k < K
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        if NORM_IN:
+            wn = to_f32(tl.load(nin_w + k, mask=k_mask, other=0.0))
         for r in tl.static_range(BLOCK_M):
             xr = tl.load(x_g + r * stride_xm + k, mask=k_mask & (r < M), other=0.0).to(tl.float32)
+            if NORM_IN:  # the norm's output as ced_rms_norm rounds it: x * rstd * w in float32, then x's dtype
+                rs = tl.sum(tl.where(rows == r, rstd, 0.0), axis=0)
+                xr = to_f32(cast_rne(_mul_rn(_mul_rn(xr, rs), wn), x_ptr.dtype.element_ty))
             s = tl.sum(w * xr[None, :], axis=1)  # [BLOCK_N]
             acc = tl.where(rows[:, None] == r, acc + s[None, :], acc)
     o = out_ptr + g * stride_og + rows[:, None].to(tl.int64) * stride_om + n[None, :]
@@ -118,7 +131,7 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                 BLOCK_TK: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = False,
                 norm_count=None, norm_r=None, norm_w=None, norm_h=None, norm_o=None, stride_nr=0, stride_nh=0,
                 stride_no=0, norm_eps=1e-6, NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1,
-                PDL: tl.constexpr = 0):
+                nin_w=None, nin_eps=1e-6, NORM_IN: tl.constexpr = False, PDL: tl.constexpr = 0):
     """The same product for up to DOT_ROWS rows on the tensor cores: x's rows padded to 16 (the MMA's M), one dot
     per K step; WIDEN: mixed dtypes, both operands widened to float32 (exact) for an "ieee" dot."""
     pdl_start(PDL, True)
@@ -130,11 +143,21 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
     w_rows = w_ptr + g * stride_wg + n[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + g * stride_xg + rows[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    if NORM_IN:  # each row's RMS first: its squares summed over K in BLOCK_K chunks
+        ss = tl.zeros([16], dtype=tl.float32)
+        for k0 in range(0, K_I if _INTERP else K, BLOCK_K):
+            k = k0 + kk
+            xt = to_f32(tl.load(x_rows + k[None, :], mask=(rows < M)[:, None] & (k < K)[None, :], other=0.0))
+            ss += tl.sum(_mul_rn(xt, xt), axis=1)
+        rstd = _rsqrt(ss / K + nin_eps)
     for k0 in range(0, K_I if _INTERP else K, BLOCK_K):
         k = k0 + kk
         k_mask = k < K
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=(rows < M)[:, None] & k_mask[None, :], other=0.0)
+        if NORM_IN:  # the norm's output as ced_rms_norm rounds it
+            wn = to_f32(tl.load(nin_w + k, mask=k_mask, other=0.0))
+            x = cast_rne(_mul_rn(_mul_rn(to_f32(x), rstd[:, None]), wn[None, :]), x_ptr.dtype.element_ty)
         if WIDEN:
             w = w.to(tl.float32)
             x = x.to(tl.float32)
@@ -196,7 +219,8 @@ def supports_route(x: torch.Tensor, w: torch.Tensor, top_k: int, bias: Optional[
 
 def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.dtype] = None, tile: int = TILE,
                  per_sm: int = PROGRAMS_PER_SM, num_warps: int = NUM_WARPS, dot: bool = False,
-                 rope: Optional[tuple] = None, route: Optional[Tail] = None, norm: Optional[dict] = None) -> torch.Tensor:
+                 rope: Optional[tuple] = None, route: Optional[Tail] = None, norm: Optional[dict] = None,
+                 norm_in: Optional[tuple] = None) -> torch.Tensor:
     """x [M, G, K] @ w[g].T per group -> [M, G, N] in ``out_dtype`` (default x's; see the module doc: both operands
     are widened to float32 exactly, so mixed dtypes compute x.float() @ w.float().T). ``tile``, ``per_sm`` and
     ``num_warps`` are the launch's knobs (benchmarks/gemv_bench.py times them); ``dot``: the tensor-core kernel
@@ -205,7 +229,8 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
     head's last R columns leave rotated by the row's position (CED's query RoPE, as triton_ced_fused.rope computes
     it on the rounded output; supports_rope says which). ``route``: a triton_ced_route.Tail for one group of N
     experts' float32 logits; the launch's last program routes every row into its ``w`` / ``ids``
-    (supports_route says which)."""
+    (supports_route says which). ``norm_in`` = (weight [K], eps): x's rows pass CED's RMSNorm first (the bits
+    ced_rms_norm rounds to, up to its sum's order), in the product's launch (one group, x's dtype out)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if rope is not None and (x.dim() != 3 or x.shape[1] != 1 or len(rope) != 3
                              or not supports_rope(x, w, rope[0], 2 * rope[1].shape[0], rope[2])):
@@ -229,7 +254,13 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
     if K == 0:
         return out.zero_()
     rk = dict(route.kernel_kw) if route is not None else {}
-    rk.update(norm or {})
+    rk.update(norm or {})  # (linear_add_rms's tail arguments)
+    if norm_in is not None:
+        nw, eps = norm_in
+        if G != 1 or x.dtype != out_dtype or nw.shape != (K,) or not nw.is_contiguous() or nw.device != x.device:
+            raise ValueError(f"grouped_gemv: norm_in must be (weight [K={K}] contiguous on x's device, eps) for one "
+                             f"group with out_dtype x's; got weight {tuple(nw.shape)}, {G} groups, out {out_dtype}")
+        rk.update(nin_w=nw, nin_eps=float(eps), NORM_IN=True)
     if rope is not None:
         pos, inv, heads = rope
         rk.update(pos_ptr=pos.contiguous(), inv_ptr=inv.contiguous(), HEAD_D=N // heads, HALF=inv.shape[0],

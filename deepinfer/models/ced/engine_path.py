@@ -468,7 +468,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None,
         stats["min_pos"][layer.i] = min(stats["min_pos"][layer.i], P.min_pos)
     ops = model_ops(model)
     qa, y, iw_raw = layer.project_input(x) or (None, None, None)  # one product where the weights are joined
-    q, cq = layer.query(x, P.pos, qa=qa)
+    q, cq = layer.query(x, P.pos, qa=qa, need_cq=layer.mode in ("full", "reindex"))  # (cq: the indexer's)
     kv = P.swa_kv(layer, x, cache, ops, y=y)
     entries, sel = None, P.no_entries()  # swa layers: no global branch
     if layer.mode != "swa":
