@@ -61,7 +61,7 @@ def oracle_check(x, w, r, nw, eps, h, out):
     assert bool(((out.double().cpu() - want).abs() <= 4 * u * want.abs() + 1e-6 * want.abs().amax(-1, True)).all())
 
 
-@examples(20)
+@examples(12)
 @given(M=st.integers(1, tg.DOT_ROWS), N=st.sampled_from([1, 16, 100, 256]), K=st.sampled_from([8, 64, 200]),
        dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), scale=st.sampled_from([1e-2, 1.0, 30.0]),
        seed=st.integers(0, 2**16))

@@ -67,7 +67,7 @@ def check_tail(product, x, gate, k, bias, scaling):
     assert_same_bits(again.w, tail.w) and torch.equal(again.ids, tail.ids)
 
 
-@examples(20)
+@examples(12)
 @given(M=st.integers(1, tg.DOT_ROWS), E=st.sampled_from([1, 3, 12, 32, 100]), d=st.sampled_from([16, 96, 300]),
        k_frac=st.floats(0.0, 1.0), has_bias=st.booleans(), scaling=st.sampled_from([1.0, 1.5]),
        spread=st.sampled_from([1.0, 10.0]), seed=st.integers(0, 2**16))
@@ -81,7 +81,7 @@ def test_gemv_tail_routes_as_the_router_kernel(M, E, d, k_frac, has_bias, scalin
                scaling)
 
 
-@examples(15)
+@examples(8)
 @given(M=st.integers(1, tsk.MAX_ROWS), E=st.sampled_from([2, 12, 32, 100]), d=st.sampled_from([40, 300]),
        knobs=st.sampled_from([dict(block_n=32), dict(block_n=16, block_k=16, max_splits=64),
                               dict(block_n=16, per_sm=1, max_splits=1)]),
