@@ -53,7 +53,8 @@
 #   bash scripts/device_issue12.sh s22e COMMIT       # (carry .whl312 .baseline) s22c, base / this tree's profiles,
 #                                            # gpu_bench: over 480 s at c427fbb (gpu_bench cut off): split it
 #   bash scripts/device_issue12.sh s23a COMMIT       # (carry .baseline) the GEMV tails' GPU tests, then s21b COMMIT
-#   bash scripts/device_issue12.sh s23b              # decode profiles with each GEMV epilogue off in turn
+#   bash scripts/device_issue12.sh s23b              # decode profiles as shipped, then each GEMV epilogue / the
+#                                            # norm prologue on in turn
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -500,13 +501,12 @@ s23a)
     2>&1 | tail -3
   decode_ab "${1:-?}" ;;
 s23b)
-  # 23rd session (~4 min): the decode profile with all GEMV epilogues on, each off in turn, all off
-  # (profile_decode --knob).
-  for k in "" "CED_ROUTE_TAIL=0" "CED_QUERY_ROPE_GEMV=0" "CED_OUT_ADD_RMS_GEMV=0" \
-      "CED_ROUTE_TAIL=0 CED_QUERY_ROPE_GEMV=0 CED_OUT_ADD_RMS_GEMV=0"; do
+  # 23rd session (~4 min; not yet run): the decode profile as shipped (the GEMV epilogues and the norm prologue
+  # off), then with each turned on in turn (profile_decode --knob).
+  for k in "" "CED_ROUTE_TAIL=1" "CED_QUERY_ROPE_GEMV=1" "CED_OUT_ADD_RMS_GEMV=1" "CED_QUERY_NORM_GEMV=1"; do
     args=""; for a in $k; do args="$args --knob $a"; done
     timeout 110 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 $args \
-      --out "$OUT/profile_ced_knobs.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-all on}] /" | cut -c 1-120
+      --out "$OUT/profile_ced_knobs.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped}] /" | cut -c 1-120
   done ;;
 s22e)
   # 22nd session (carry .whl312 and .baseline): every GPU test file but kv_sizing, kv_sizing alone, the decode
