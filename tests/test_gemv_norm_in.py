@@ -1,4 +1,4 @@
-"""CED's RMSNorm in a GEMV's prologue (triton_gemv's ``norm_in``, Ops.ced_rms_linear, CEDLayer.query without cq).
+"""CED's RMSNorm in a GEMV's prologue (triton_gemv's ``norm_in``, Ops.ced_query, CEDLayer.query without cq).
 
 What must hold:
 - the product of the normed rows as the two launches compute it (triton_ced_fused.rms_norm, then the GEMV): the
@@ -6,8 +6,9 @@ What must hold:
   chunks, the norm kernel in one block, so a normed value may differ by an ulp);
 - against a float64 oracle sharing no code with either: the float64 norm's product, within one rounding of each
   normed value and of the output plus float32 accumulation over K (scaled by the magnitudes, so any scale holds);
-- NvidiaOps takes it where linear takes a GEMV kernel and CED_QUERY_NORM_GEMV is on, else the two ops (same bits);
-  bad arguments are refused by name.
+- NvidiaOps.ced_query takes it where linear takes a GEMV kernel and CED_QUERY_NORM_GEMV is on (with the RoPE on
+  the store where CED_QUERY_ROPE_GEMV is on too), else ced_rms_norm then ced_linear_rope (same bits); bad arguments
+  are refused by name.
 Without CUDA through Triton's interpreter."""
 
 from __future__ import annotations
@@ -75,22 +76,28 @@ def test_norm_in_refuses_what_it_cannot_take():
         tg.grouped_gemv(torch.stack([x, x], 1), torch.stack([w, w]), norm_in=(nw, 1e-6))  # (two groups)
 
 
-def test_ops_take_the_prologue_only_where_asked(monkeypatch):
+@pytest.mark.parametrize("rope_on", [False, True])
+def test_ops_take_the_prologue_only_where_asked(rope_on, monkeypatch):
     from deepinfer.backends.nvidia import ops as nv
 
+    monkeypatch.setattr(nv, "CED_QUERY_ROPE_GEMV", rope_on)
     x, w, nw = draw(3, 2, 48, 64, torch.bfloat16, 2.0)
     qa = torch.cat([x, x[:, :5]], 1)[:, :64]  # (a column slice of a wider product, as the joined projection's)
+    pos = torch.tensor([7, 300], device=DEV)
+    args = (1e-6, w, pos, 8, 1e4, 3)  # (3 heads of 16, the last 8 channels rotated)
     off = nv.NvidiaOps(DEV)
-    a = off.ced_rms_linear(qa, nw, 1e-6, w)
-    assert off.kernel_calls["gemv_rms_in"] == 0 and off.kernel_calls["ced_rms_norm"] == 1
-    assert_same_bits(a, off.linear(off.ced_rms_norm(qa, nw, 1e-6), w))
+    a = off.ced_query(qa, nw, *args)
+    assert off.kernel_calls["gemv_rms_in"] == 0 and off.kernel_calls["ced_rms_norm"] == 1 and a.shape == (2, 3, 16)
+    assert_same_bits(a, off.ced_linear_rope(off.ced_rms_norm(qa, nw, 1e-6), w, pos, 8, 1e4, 3))
     monkeypatch.setattr(nv, "CED_QUERY_NORM_GEMV", True)
     on = nv.NvidiaOps(DEV)
-    b = on.ced_rms_linear(qa, nw, 1e-6, w)
+    b = on.ced_query(qa, nw, *args)
     assert on.kernel_calls["gemv_rms_in"] == 1 and on.kernel_calls["ced_rms_norm"] == 0
-    close_to(b, a)
-    big = draw(4, nv.GEMV_DOT_MAX_ROWS + 1, 48, 64, torch.bfloat16, 2.0)[0]  # past the GEMV rows: the two ops
-    assert_same_bits(on.ced_rms_linear(big, nw, 1e-6, w), on.linear(on.ced_rms_norm(big, nw, 1e-6), w))
+    assert on.kernel_calls["ced_rope"] == (0 if rope_on else 1), dict(on.kernel_calls)
+    close_to(b.flatten(1), a.flatten(1))
+    big, bpos = draw(4, nv.GEMV_DOT_MAX_ROWS + 1, 48, 64, torch.bfloat16, 2.0)[0], torch.arange(5, device=DEV)
+    assert_same_bits(on.ced_query(big, nw, 1e-6, w, bpos, 8, 1e4, 3),  # (past the GEMV rows: the two ops)
+                     on.ced_linear_rope(on.ced_rms_norm(big, nw, 1e-6), w, bpos, 8, 1e4, 3))
     assert on.kernel_calls["gemv_rms_in"] == 1
 
 

@@ -465,14 +465,16 @@ k = compile_sm90(tg._dot_kernel, sig, dict(BLOCK_N=16, BLOCK_K=512, K_I=0, WIDEN
                  num_warps=4)
 report["dot_bf16"] = sass_row(k, pat)
 # W_q_b's GEMV at one row and on the variant: CED's query RoPE on the store; the query latent's RMSNorm in its
-# prologue (norm_in)
-for name, extra, flag in (("rope", dict(pos_ptr="*i64", inv_ptr="*fp32", HEAD_D="i32", HALF="i32"), "ROPE"),
-                          ("normin", dict(nin_w="*bf16", nin_eps="fp32"), "NORM_IN")):
-    k = compile_sm90(tg._gemv_kernel, dict(sig, **extra),
-                     dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, K_I=0, **{flag: True}), div16, num_warps=8)
+# prologue (norm_in); both
+rope = dict(pos_ptr="*i64", inv_ptr="*fp32", HEAD_D="i32", HALF="i32")
+normin = dict(nin_w="*bf16", nin_eps="fp32")
+for name, extra, flags in (("rope", rope, dict(ROPE=True)), ("normin", normin, dict(NORM_IN=True)),
+                           ("normin_rope", {**rope, **normin}, dict(ROPE=True, NORM_IN=True))):
+    k = compile_sm90(tg._gemv_kernel, dict(sig, **extra), dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, K_I=0, **flags),
+                     div16, num_warps=8)
     report[f"gemv_m1_{name}"] = sass_row(k, pat)
     k = compile_sm90(tg._dot_kernel, dict(sig, **extra), dict(BLOCK_N=16, BLOCK_K=512, K_I=0, WIDEN=False,
-                                                              PRECISION="tf32", **{flag: True}), div16, num_warps=4)
+                                                              PRECISION="tf32", **flags), div16, num_warps=4)
     report[f"dot_bf16_{name}"] = sass_row(k, pat)
 # CED's router logits (bf16 rows, float32 gate and logits) with the router on the last program (Tail): the GEMV at
 # one row, split-K at 64
@@ -496,7 +498,8 @@ def test_kernels_compile_for_hopper():
 
     report = run_compile_script(_COMPILE_SCRIPT)
     assert set(report) == {"gemv_m1", "gemv_m8", "dot_bf16", "gemv_m1_rope", "dot_bf16_rope", "gemv_m1_route",
-                           "splitk_m64_route", "gemv_m1_normin", "dot_bf16_normin"}
+                           "splitk_m64_route", "gemv_m1_normin", "dot_bf16_normin", "gemv_m1_normin_rope",
+                           "dot_bf16_normin_rope"}
     for name, row in report.items():
         sass = row.get("sass")
         if sass is None:

@@ -196,9 +196,11 @@ class Ops:
         where ids is -1: the cache rows of each query's chosen entries (its sequence's row of the table)."""
         raise NotImplementedError
 
-    def ced_rms_linear(self, x: torch.Tensor, weight: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
-        """CED's RMSNorm of x [T, K] (weight [K]) then its product with w [N, K] -> [T, N] (linear of ced_rms_norm,
-        which may be one kernel: the norm in the product's prologue, the normed rows not kept)."""
+    def ced_query(self, qa: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor, pos: torch.Tensor,
+                  rope_dim: int, theta: float, heads: int) -> torch.Tensor:
+        """CED's query from W_q_a's output qa [T, K]: its RMSNorm (weight [K]), then ced_linear_rope with w
+        [heads x D, K] -> q [T, heads, D]; the normed latent is not kept (which lets the norm run in the product's
+        prologue)."""
         raise NotImplementedError
 
     def ced_linear_add_rms(self, x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -65,7 +65,7 @@ CED_ROUTE_LOGITS_SPLITK_KNOBS = dict(block_n=32)  # 32 experts: one column tile,
 CED_ROUTE_TAIL = False
 CED_QUERY_ROPE_GEMV = False
 CED_OUT_ADD_RMS_GEMV = False
-# The query latent's RMSNorm in W_q_b's GEMV prologue (Ops.ced_rms_linear: each program sums its rows' squares, then
+# The query latent's RMSNorm in W_q_b's GEMV prologue (Ops.ced_query: each program sums its rows' squares, then
 # normalises them as it reads them; where the layer keeps no cq, i.e. has no indexer): a serial step off the chain
 # rather than into a tail. Tested, not yet measured on a GPU (23rd session: no device time left), so off.
 CED_QUERY_NORM_GEMV = False
@@ -479,20 +479,24 @@ class NvidiaOps(ReferenceOps):
     def ced_entry_rows(self, table, q_rows, ids):
         return self._rows(table, q_rows, ids)
 
-    def ced_rms_linear(self, x, weight, eps, w):
-        """Where linear takes a GEMV kernel (and CED_QUERY_NORM_GEMV), the norm runs in its prologue
-        (triton_gemv's norm_in: one launch; the norm's sum in K chunks, so within an ulp of ced_rms_norm's); otherwise
-        ced_rms_norm then linear."""
+    def ced_query(self, qa, norm_w, eps, w, pos, rope_dim, theta, heads):
+        """Where linear takes a GEMV kernel (and CED_QUERY_NORM_GEMV), the norm runs in its prologue (triton_gemv's
+        norm_in; its sum in K chunks, so within an ulp of ced_rms_norm's) and the RoPE on its store where
+        CED_QUERY_ROPE_GEMV allows, else in ced_rope; otherwise ced_rms_norm then ced_linear_rope."""
         from . import triton_ced_fused as tcf
 
-        if CED_QUERY_NORM_GEMV and x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype \
-                and kernel_device_ok(x, weight, w) and tcf.supports_rms(x, weight) \
-                and not (torch.is_grad_enabled() and weight.requires_grad):
-            dot = self._gemv_route(x, w)
-            if dot is not None and triton_gemv.supports(x[:, None, :], w[None], dot):
+        if CED_QUERY_NORM_GEMV and qa.dim() == 2 and w.dim() == 2 and qa.dtype == w.dtype \
+                and kernel_device_ok(qa, norm_w, w, pos) and tcf.supports_rms(qa, norm_w) \
+                and not (torch.is_grad_enabled() and norm_w.requires_grad):
+            dot = self._gemv_route(qa, w)
+            if dot is not None and triton_gemv.supports(qa[:, None, :], w[None], dot):
                 self.kernel_calls["gemv_rms_in"] += 1
-                return triton_gemv.linear(x, w, dot=dot, norm_in=(weight.contiguous(), eps))
-        return super().ced_rms_linear(x, weight, eps, w)
+                rope = CED_QUERY_ROPE_GEMV and triton_gemv.supports_rope(qa, w, pos, rope_dim, heads)
+                y = triton_gemv.linear(qa, w, dot=dot, norm_in=(norm_w.contiguous(), eps), rope=(
+                    pos, tcf.inv_freq(rope_dim, theta, qa.device), heads) if rope else None)
+                q = y.view(qa.shape[0], heads, w.shape[0] // heads)
+                return q if rope else self.ced_rope(q, pos, rope_dim, theta, reuse_input=True)
+        return super().ced_query(qa, norm_w, eps, w, pos, rope_dim, theta, heads)
 
     def ced_linear_add_rms(self, x, w, residual, weight, eps):
         """Where linear takes the GEMV kernel, the residual add and the norm ride on its last program

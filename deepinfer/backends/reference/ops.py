@@ -161,8 +161,8 @@ class ReferenceOps(Ops):
             return torch.full_like(ids, -1)
         return torch.where(ids >= 0, table[q_rows[:, None], ids.clamp(min=0)], -1)
 
-    def ced_rms_linear(self, x, weight, eps, w):
-        return self.linear(self.ced_rms_norm(x, weight, eps), w)
+    def ced_query(self, qa, norm_w, eps, w, pos, rope_dim, theta, heads):
+        return self.ced_linear_rope(self.ced_rms_norm(qa, norm_w, eps), w, pos, rope_dim, theta, heads)
 
     def ced_linear_add_rms(self, x, w, residual, weight, eps):
         return self.ced_add_rms_norm(residual, self.linear(x, w), weight, eps)

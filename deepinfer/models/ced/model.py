@@ -110,13 +110,12 @@ class CEDLayer(nn.Module):
     def query(self, x, pos, qa=None, need_cq: bool = True):
         """x [T, d] (normed) -> q [T, H, D] with RoPE, and the query latent cq [T, q_lora]. qa: W_q_a x when the
         caller has it (``project_input``). ``need_cq`` False (a layer without indexer): cq may come back None,
-        its norm then done inside W_q_b's product where the ops can (Ops.ced_rms_linear)."""
+        the ops then computing q from qa in one op (Ops.ced_query: the norm may run in W_q_b's product)."""
         c, ops = self.c, self._kernels(x)
         qa = self._linear(x, self.wq_a) if qa is None else qa
-        kernel = None if need_cq else fn._fused(ops, "ced_rms_linear", qa, self.q_norm, self.wq_b)
+        kernel = None if need_cq else fn._fused(ops, "ced_query", qa, self.q_norm, self.wq_b)
         if kernel is not None:
-            q = kernel(qa, self.q_norm, c.rms_norm_eps, self.wq_b).view(x.shape[0], c.num_heads, c.head_dim)
-            return fn.apply_rope(q, pos, c.rope_dim, c.rope_theta, ops=ops, reuse_input=True), None
+            return kernel(qa, self.q_norm, c.rms_norm_eps, self.wq_b, pos, c.rope_dim, c.rope_theta, c.num_heads), None
         cq = fn.rms(qa, self.q_norm, c.rms_norm_eps, ops=ops)
         kernel = fn._fused(ops, "ced_linear_rope", cq, self.wq_b)  # (at a few rows one GEMV with the RoPE in)
         if kernel is not None:
