@@ -11,8 +11,13 @@ float32 and summed per tile (CUDA cores: at a few rows the products cost less th
 float32 total rounded once to x's dtype at the end.
 
 Shapes: x [M, G, K] and w [G, N, K] give [M, G, N] (a grouped projection: CED's output groups); a plain
-linear is G = 1 (``linear``). No split over K, no atomics: deterministic, one launch, and block sizes come
-from shapes only, so it is safe inside a CUDA graph capture.
+linear is G = 1 (``linear``). No split over K, no atomics on values: deterministic, one launch, and block sizes
+come from shapes only, so it is safe inside a CUDA graph capture.
+
+Options for CED's decode step (each tested against the launches it replaces; backends/nvidia/ops.py says which
+ship on): a prologue, ``norm_in`` (each row's RMSNorm before the product); epilogues on the store, ``rope`` (the
+query's RoPE); and two on the launch's last program, picked by a ticket counter (triton_tickets): ``route``
+(triton_ced_route.Tail: the router on the logits) and ``linear_add_rms`` (the residual add and the next norm).
 
 Precision: float32 accumulation of exact products of bf16 / fp16 / float32 values, one rounding (round to
 nearest even) at the end, as cuBLAS computes; the summation order differs, so results agree to the last bits.
