@@ -193,7 +193,8 @@ def test_rope_epilogue_dispatch_and_errors(monkeypatch):
         assert backend.kernel_calls["gemv_rope"] == before + (0 < rows <= nv.GEMV_DOT_MAX_ROWS)
         assert got.shape == (rows, 2, 16)
         torch.testing.assert_close(got, ref.ced_linear_rope(x, w, pos, 8, 10000.0, 2), rtol=1e-5, atol=1e-5)
-    x, pos, inv = torch.randn(1, 40, device=DEV), torch.zeros(1, dtype=torch.long, device=DEV), tcf.inv_freq(8, 1e4, DEV)
+    x, pos = torch.randn(1, 40, device=DEV), torch.zeros(1, dtype=torch.long, device=DEV)
+    inv = tcf.inv_freq(8, 1e4, DEV)
     for bad in ((pos, inv, 3), (pos.int(), inv, 2), (pos, tcf.inv_freq(34, 1e4, DEV), 2)):
         with pytest.raises(ValueError, match="rope must be"):
             tg.linear(x, w, rope=bad)
