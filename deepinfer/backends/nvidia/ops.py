@@ -446,10 +446,8 @@ class NvidiaOps(ReferenceOps):
             self.kernel_calls["gemv"] += 1
             if CED_ROUTE_TAIL and kernel_device_ok(x, bias) \
                     and triton_gemv.supports_route(x[:, None, :], gate[None], top_k, bias, dot):
-                self.kernel_calls["route_tail"] += 1
-                tail = tcr.Tail(x.shape[0], gate.shape[0], top_k, device=x.device, bias=bias, scaling=scaling)
-                triton_gemv.linear(x, gate, out_dtype=torch.float32, dot=dot, route=tail)
-                return tail.w, tail.ids
+                return self._route_on(lambda tail: triton_gemv.linear(x, gate, out_dtype=torch.float32, dot=dot,
+                                                                      route=tail), x, gate, top_k, bias, scaling)
             logits = triton_gemv.linear(x, gate, out_dtype=torch.float32, dot=dot)
             return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
         if not self.batch_invariant and x.shape[0] <= CED_ROUTE_LOGITS_SPLITK_MAX_ROWS and kernel_device_ok(x, gate) \
@@ -458,10 +456,9 @@ class NvidiaOps(ReferenceOps):
             self.kernel_calls["splitk"] += 1
             if CED_ROUTE_TAIL and kernel_device_ok(x, bias) \
                     and triton_splitk.supports_route(x[:, None, :], gate[None], top_k, bias):
-                self.kernel_calls["route_tail"] += 1
-                tail = tcr.Tail(x.shape[0], gate.shape[0], top_k, device=x.device, bias=bias, scaling=scaling)
-                triton_splitk.linear(x, gate, route=tail, **CED_ROUTE_LOGITS_SPLITK_KNOBS)
-                return tail.w, tail.ids
+                return self._route_on(lambda tail: triton_splitk.linear(x, gate, route=tail,
+                                                                        **CED_ROUTE_LOGITS_SPLITK_KNOBS),
+                                      x, gate, top_k, bias, scaling)
             logits = triton_splitk.linear(x, gate, **CED_ROUTE_LOGITS_SPLITK_KNOBS)
             return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
         return super().ced_moe_route(x, gate, top_k, bias=bias, scaling=scaling)
@@ -475,6 +472,15 @@ class NvidiaOps(ReferenceOps):
             return tcp.entry_rows(table, q_rows, ids, count)
         out = ReferenceOps.ced_entry_rows(self, table, q_rows, ids)
         return (out, (ids >= 0).sum(1)) if count else out
+
+    def _route_on(self, product, x, gate, top_k, bias, scaling):
+        """The router on the logits product's last program: product(tail) launches it; (weights, ids)."""
+        from . import triton_ced_route as tcr
+
+        self.kernel_calls["route_tail"] += 1
+        tail = tcr.Tail(x.shape[0], gate.shape[0], top_k, device=x.device, bias=bias, scaling=scaling)
+        product(tail)
+        return tail.w, tail.ids
 
     def ced_entry_rows(self, table, q_rows, ids):
         return self._rows(table, q_rows, ids)

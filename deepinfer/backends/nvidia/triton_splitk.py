@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .triton_attention import _dot, sm_count
+from . import triton_tickets
 from .triton_ced_route import Tail, route_tail, supports_tail
 from .triton_norm import cast_rne
 from .triton_pdl import launch_kw, pdl_start
@@ -112,17 +113,9 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, N_TILES,
                            tail_bias, tail_scale, TOPK, BLOCK_M, BLOCK_E, BLOCK_TK, HAS_BIAS, RENORM)
 
 
-_counters: dict = {}
-
-
 def _counter_buffer(device: torch.device) -> torch.Tensor:
-    """The zeroed ticket counters of this device's current stream (each call leaves them zeroed)."""
-    key = (device.type, device.index,
-           torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
-    buf = _counters.get(key)
-    if buf is None:
-        buf = _counters[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return buf
+    """The column tiles' zeroed ticket counters on this device's current stream (each call leaves them zeroed)."""
+    return triton_tickets.counter("splitk", device, COUNTERS)
 
 
 def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
