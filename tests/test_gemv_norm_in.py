@@ -66,6 +66,21 @@ def test_norm_in_is_the_norm_then_the_product(M, N, K, dtype, scale, seed):
     assert bool(((got.double().cpu() - want).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("M", [1, 3, tg.MAX_ROWS + 1])
+def test_norm_in_over_several_k_chunks(M):
+    """A small tile (the launch's ``tile`` knob) gives the prologue several K chunks to sum, as the bench shapes do
+    on the GPU: against the float64 oracle, and the two launches within a rounding of the normed rows (the sums'
+    order differs from the norm kernel's one block)."""
+    x, w, nw = draw(11 + M, M, 24, 1000, torch.bfloat16, 3.0)
+    dot = M > tg.MAX_ROWS
+    got = tg.grouped_gemv(x[:, None, :], w[None], dot=dot, tile=256, norm_in=(nw, 1e-6))[:, 0]
+    want, bound = oracle_bound(x, w, nw, 1e-6)
+    assert bool(((got.double().cpu() - want).abs() <= bound).all())
+    ref = tg.linear(tcf.rms_norm(x, nw, 1e-6), w, dot=dot)
+    err = (got.double() - ref.double()).abs().cpu()
+    assert bool((err <= 4 * ULP[got.dtype] * ref.double().abs().cpu().amax(-1, keepdim=True)).all())
+
+
 def test_norm_in_refuses_what_it_cannot_take():
     x, w, nw = draw(1, 2, 16, 32, torch.bfloat16, 1.0)
     with pytest.raises(ValueError, match=r"norm_in must be \(weight \[K=32\]"):
