@@ -17,7 +17,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from deepinfer.testing.kernels import DEV, assert_same_bits, examples, gen, skip_module_without_kernels
+from deepinfer.testing.kernels import DEV, assert_same_bits, capture_graph, examples, gen, gpu, \
+    skip_module_without_kernels
 
 skip_module_without_kernels()
 
@@ -89,6 +90,25 @@ def test_norm_in_refuses_what_it_cannot_take():
         tg.grouped_gemv(x[:, None, :], w[None], out_dtype=torch.float32, norm_in=(nw, 1e-6))
     with pytest.raises(ValueError, match="norm_in must be"):
         tg.grouped_gemv(torch.stack([x, x], 1), torch.stack([w, w]), norm_in=(nw, 1e-6))  # (two groups)
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 4, tg.MAX_ROWS + 1])
+def test_prologue_replays_in_a_graph_at_the_bench_shape(rows):
+    """W_q_b of the CED bench config (1024 -> 16 heads x 512, bf16): captured once, replayed on new rows; each
+    replay against the two launches and the float64 oracle."""
+    x, w, nw = draw(rows, rows, 8192, 1024, torch.bfloat16, 1.0)
+    dot = rows > tg.MAX_ROWS
+    graph, out = capture_graph(lambda: tg.grouped_gemv(x[:, None, :], w[None], dot=dot, norm_in=(nw, 1e-6)))
+    g = gen(rows + 5)
+    for scale in (1e-2, 1.0, 30.0):
+        x.copy_((torch.randn(rows, 1024, generator=g) * scale).to(DEV, torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out[:, 0]
+        close_to(got, tg.linear(tcf.rms_norm(x, nw, 1e-6), w, dot=dot))
+        want, bound = oracle_bound(x, w, nw, 1e-6)
+        assert bool(((got.double().cpu() - want).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("rope_on", [False, True])
