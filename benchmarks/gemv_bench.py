@@ -50,7 +50,8 @@ def main(argv=None) -> int:
     ap.add_argument("--splitk-knobs", nargs="*", default=["4,128,64,16,3", "2,128,64,16,3", "8,128,64,16,3",
                                                           "4,64,64,16,4", "4,128,128,16,3", "4,128,64,8,3",
                                                           "4,256,64,16,2", "4,128,32,16,3"],
-                    help="triton_splitk launches: per_sm,block_k,block_n,max_splits,num_stages")
+                    help="triton_splitk launches: per_sm,block_k,block_n,max_splits,num_stages[,swap] (swap 1: the "
+                         "weight tile as the MMA's M side; not for the router's float32 weight)")
     ap.add_argument("--tiles", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--per-sm", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
@@ -103,9 +104,12 @@ def main(argv=None) -> int:
                         lambda x, w, _k=dict(tile=tile, per_sm=per_sm, out_dtype=out_dtype, dot=True):
                         tg.grouped_gemv(x, w, **_k))
                 for knob in a.splitk_knobs if M <= tsk.MAX_ROWS else ():
-                    ps, bk, bn, ms, st = (int(v) for v in knob.split(","))
-                    impls[f"splitk p{ps} k{bk} n{bn} s{ms} st{st}"] = (
-                        lambda x, w, _k=dict(per_sm=ps, block_k=bk, block_n=bn, max_splits=ms, num_stages=st):
+                    ps, bk, bn, ms, st, sw = ([int(v) for v in knob.split(",")] + [0])[:6]
+                    if sw and router:
+                        continue
+                    impls[f"splitk p{ps} k{bk} n{bn} s{ms} st{st}" + (" swap" if sw else "")] = (
+                        lambda x, w, _k=dict(per_sm=ps, block_k=bk, block_n=bn, max_splits=ms, num_stages=st,
+                                             swap=bool(sw)):
                         tsk.grouped_splitk(x, w, **_k))
                 for impl, fn in impls.items():
                     out = fn(xs[0], ws[0]).reshape(ref.shape)

@@ -8,7 +8,9 @@ For the Llama-3.1-8B shape with random bf16 weights (as benchmarks/gpu_bench.py 
 ``kernels``: the top kernels by GPU time per step under torch.profiler (the graph's kernels are listed one by
 one), so the gap to the bandwidth roofline can be attributed; ``device_ms`` and the rest of ``device_split``: the
 GPU's busy time a step and the part launched outside the graph, so a step longer than its replay says whether the
-device works or waits. One JSONL row per batch size, and a table.
+device works or waits; ``timeline``: where the profiled steps' span on the device goes when kernels overlap (PDL
+launches a kernel while the one before still runs, so busy time double-counts): each kernel is charged only for
+how far it moves the end of the timeline, and the idle gaps apart. One JSONL row per batch size, and a table.
 """
 
 from __future__ import annotations
@@ -121,6 +123,29 @@ def device_split(prof, n_steps: int) -> dict:
             "graph_launches": round(graphs / n_steps, 1)}
 
 
+def timeline(prof, n_steps: int, k: int = 18) -> dict:
+    """The device span of the profiled steps, split by kernel: in start order, a kernel advances the timeline's end
+    by max(0, its end - max(its start, the latest end before it)); a start after that latest end is idle time. So
+    the advances plus the idle time add up to the span, and a kernel hidden under another's run costs nothing."""
+    evs = sorted((e.time_range.start, e.time_range.end, e.name[:90]) for e in prof.events()
+                 if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    if not evs:
+        return {}
+    adv: dict = {}
+    frontier, idle = evs[0][0], 0.0
+    for start, end, name in evs:
+        if start > frontier:
+            idle += start - frontier
+        a = end - max(start, frontier)
+        if a > 0:
+            adv[name] = adv.get(name, 0.0) + a
+            frontier = end
+    span = frontier - evs[0][0]
+    rows = sorted(adv.items(), key=lambda r: -r[1])[:k]
+    return {"span_ms": round(span / 1e3 / n_steps, 4), "idle_ms": round(idle / 1e3 / n_steps, 4),
+            "advance": [{"kernel": a, "ms_per_step": round(b / 1e3 / n_steps, 4)} for a, b in rows]}
+
+
 def top_functions(prof, n_steps: int, k: int = 22) -> list:
     """Host time per step by function (self time), from cProfile."""
     import pstats
@@ -180,6 +205,7 @@ def main() -> int:
         host_ms, hprof = steady_steps(llm, B, args.input_len, 16, vocab, profile="host")
         row = {"shape": args.shape, "knobs": knobs, "batch_invariant": args.batch_invariant, "batch": B, "step_ms": round(step, 3), "replay_ms": rep and round(rep, 3),
                "overlap": llm.engine.overlap, **device_split(prof, 8), "kernels": top_kernels(prof, 8, args.top),
+               "timeline": timeline(prof, 8, args.top),
                "syncs": hprof.syncs,
                "host": top_functions(hprof, 16)}
         rows.append(row)
@@ -192,6 +218,11 @@ def main() -> int:
         print(f"{'ms/step':>9} {'calls':>5}  kernel")
         for k in r["kernels"]:
             print(f"{k['ms_per_step']:9.4f} {k['calls_per_step']:5d}  {k['kernel']}")
+        t = r["timeline"]
+        if t:
+            print(f"timeline: span {t['span_ms']} ms a step, idle {t['idle_ms']} ms; what each kernel adds to it:")
+            for k in t["advance"]:
+                print(f"{k['ms_per_step']:9.4f}        {k['kernel']}")
         print(f"host (cProfile self time per step); synchronizing calls seen: {len(r['syncs'])}")
         for w in r["syncs"][:8]:
             print("   sync:", w)

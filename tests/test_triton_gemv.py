@@ -324,13 +324,13 @@ def test_ced_router_logits_take_the_kernel_up_to_their_limit(invariant, monkeypa
 @given(M=st.integers(1, tsk.MAX_ROWS), G=st.integers(1, 3), N=st.integers(1, 150), K=st.integers(1, 700),
        dtype=st.sampled_from([torch.bfloat16, torch.float16]), scale=st.sampled_from([1e-3, 1.0, 50.0]),
        knobs=st.sampled_from([{}, dict(block_k=32, block_n=32), dict(block_k=16, block_n=16, max_splits=64),
-                              dict(per_sm=1, max_splits=2)]),
+                              dict(per_sm=1, max_splits=2), dict(swap=True), dict(block_k=32, swap=True)]),
        seed=st.integers(0, 2**16))
 def test_split_k_matches_float64(M, G, N, K, dtype, scale, knobs, seed):
     """triton_splitk (rows padded to an MMA's, K split over programs, the last program of a column tile summing the
-    partials): the same bound as the GEMV kernel, for every split count the knobs give; the ticket counters are
-    left zeroed, and a second call gives the same bits (the partials are summed in split order, whichever program
-    finished last)."""
+    partials; with ``swap`` the weight tile as the MMA's M side): the same bound as the GEMV kernel, for every split
+    count the knobs give; the ticket counters are left zeroed, and a second call gives the same bits (the partials
+    are summed in split order, whichever program finished last)."""
     g = gen(seed)
     x = (torch.randn(M, G, K, generator=g) * scale).to(DEV, dtype)
     w = torch.randn(G, N, K, generator=g).to(DEV, dtype)
@@ -397,17 +397,23 @@ def test_split_k_writes_a_strided_out_and_refuses_bad_inputs():
     for knobs, msg in ((dict(block_k=48), r"block_k must be a power of two in \[16, 512\], got 48"),
                        (dict(block_n=0), "block_n must be a power of two"), (dict(num_warps=6), "num_warps"),
                        (dict(num_stages=0), r"num_stages must be an int in \[1, 8\], got 0"),
-                       (dict(per_sm=0), "per_sm must be an int"), (dict(max_splits=2.0), "max_splits must be an int")):
+                       (dict(per_sm=0), "per_sm must be an int"), (dict(max_splits=2.0), "max_splits must be an int"),
+                       (dict(swap=1), "swap must be a bool")):
         with pytest.raises(ValueError, match=msg):
             tsk.grouped_splitk(x, w, **knobs)
+    with pytest.raises(ValueError, match=r"swap must be a bool, and True only for same-dtype operands.*float32"):
+        tsk.grouped_splitk(x, w.float(), swap=True)  # (the router's float32 weight: its split-weight path only)
     assert not tsk.grouped_splitk(x[..., :0], w[..., :0]).any()
 
 
-def test_the_backend_takes_split_k_past_the_gemv_rows(monkeypatch):
+@pytest.mark.parametrize("swap", [False, True])
+def test_the_backend_takes_split_k_past_the_gemv_rows(swap, monkeypatch):
     """Rows in (max(GEMV_MAX_ROWS, GEMV_DOT_MAX_ROWS), SPLITK_MAX_ROWS] take triton_splitk (linear and
-    grouped_linear), more rows and batch-invariant mode cuBLAS; either way F.linear's function."""
+    grouped_linear; swapped where SPLITK_SWAP says), more rows and batch-invariant mode cuBLAS; either way
+    F.linear's function."""
     from deepinfer.backends.nvidia import ops as nv
 
+    monkeypatch.setattr(nv, "SPLITK_SWAP", swap)
     monkeypatch.setattr(nv, "GEMV_MAX_ROWS", 1)
     monkeypatch.setattr(nv, "GEMV_DOT_MAX_ROWS", 2)
     monkeypatch.setattr(nv, "SPLITK_MAX_ROWS", 5)
@@ -428,15 +434,17 @@ def test_the_backend_takes_split_k_past_the_gemv_rows(monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("M,G,N,K", [(16, 1, 2048, 8192), (64, 8, 1024, 1024), (5, 1, 8192, 1024),
                                      (33, 1, 512, 2048)])
-def test_gpu_split_k_in_a_graph(M, G, N, K):
-    """The CED bench config's decode projections at 5-64 rows, bf16: no host sync, captured once and replayed with
-    new rows (the ticket counters reset by each replay), each replay against the float64 product."""
+def test_gpu_split_k_in_a_graph(M, G, N, K, swap):
+    """The CED bench config's decode projections at 5-64 rows, bf16, either MMA orientation: no host sync, captured
+    once and replayed with new rows (the ticket counters reset by each replay), each replay against the float64
+    product."""
     g = gen(8)
     w = (torch.randn(G, N, K, generator=g) * K ** -0.5).to(DEV, torch.bfloat16)
     x = torch.zeros(M, G, K, device=DEV, dtype=torch.bfloat16)
-    graph, out = no_host_sync(lambda: capture_graph(lambda: tsk.grouped_splitk(x, w)))
+    graph, out = no_host_sync(lambda: capture_graph(lambda: tsk.grouped_splitk(x, w, swap=swap)))
     for _ in range(3):
         x.copy_(torch.randn(M, G, K, generator=g).to(DEV, torch.bfloat16))
         graph.replay()
@@ -488,6 +496,13 @@ ssig = dict(sig, w_ptr="*fp32", out_ptr="*fp32", part_ptr="*fp32", count_ptr="*i
 k = compile_sm90(tsk._splitk_kernel, ssig, dict(SPLITS=16, K_STEPS=1, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128,
                                                 SPLIT_W=True, **tail), div16, num_warps=4)
 report["splitk_m64_route"] = sass_row(k, pat)
+# The bench projections at 16 rows, the rows as the MMA's M (mma.sync) or the weight tile (swap: wgmma)
+mma_pat = r"\b(LDG\.E\.128|LDGSTS\.E\.BYPASS\.128|HMMA|HGMMA\.64x16x16|HGMMA|STL|LDL)\b"
+ssig = dict(sig, part_ptr="*fp32", count_ptr="*i32", N_TILES="i32")
+for swap in (False, True):
+    k = compile_sm90(tsk._splitk_kernel, ssig, dict(SPLITS=4, K_STEPS=4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+                                                    SWAP=swap), div16, num_warps=4, num_stages=3)
+    report["splitk_m16" + ("_swap" if swap else "")] = sass_row(k, mma_pat)
 print(json.dumps(report))
 '''
 
@@ -500,7 +515,7 @@ def test_kernels_compile_for_hopper():
     report = run_compile_script(_COMPILE_SCRIPT)
     assert set(report) == {"gemv_m1", "gemv_m8", "dot_bf16", "gemv_m1_rope", "dot_bf16_rope", "gemv_m1_route",
                            "splitk_m64_route", "gemv_m1_normin", "dot_bf16_normin", "gemv_m1_normin_rope",
-                           "dot_bf16_normin_rope"}
+                           "dot_bf16_normin_rope", "splitk_m16", "splitk_m16_swap"}
     for name, row in report.items():
         sass = row.get("sass")
         if sass is None:
@@ -511,3 +526,7 @@ def test_kernels_compile_for_hopper():
     dot = report["dot_bf16"].get("sass")
     if dot is not None:
         assert dot.get("HMMA", 0) + dot.get("HGMMA", 0) > 0, dot
+    plain, swap = report["splitk_m16"].get("sass"), report["splitk_m16_swap"].get("sass")
+    if swap is not None:  # swap: the weight tile as wgmma's 64-row M side, the 16 rows its N
+        assert plain.get("HMMA", 0) > 0 and not any(op.startswith("HGMMA") for op in plain), plain
+        assert swap.get("HGMMA.64x16x16", 0) > 0 and swap.get("HMMA", 0) == 0, swap

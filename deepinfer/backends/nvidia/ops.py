@@ -102,6 +102,9 @@ GEMV_DOT_MAX_ROWS = 4
 # 803 / 906 at 8, 809 / 990 at 16, 829 / 1138 at 32, 845 / 1420 at 64: cuBLAS's nvjet tiles stream the weights
 # faster (its best split-K reaches ~2.3 TB/s). So 0: the kernel stays for the router's float32 gate below.
 SPLITK_MAX_ROWS = 0
+# triton_splitk's ``swap`` for those projections (the weight tile as wgmma's M side instead of the rows as
+# mma.sync's; 24th session, not yet timed in a step: off).
+SPLITK_SWAP = False
 INVARIANT_CED_SPLIT_TILES = 4  # batch-invariant mode: key tiles per split of the CED attention kernel
 
 
@@ -144,7 +147,7 @@ class NvidiaOps(ReferenceOps):
                 return triton_gemv.linear(x, w, dot=dot)
             if self._splitk_route(x, w) and triton_splitk.supports(x[:, None, :], w[None]):
                 self.kernel_calls["splitk"] += 1
-                return triton_splitk.linear(x, w)
+                return triton_splitk.linear(x, w, swap=SPLITK_SWAP and x.dtype == w.dtype)
         return super().linear(x, w)
 
     def grouped_linear(self, x, w):
@@ -154,7 +157,7 @@ class NvidiaOps(ReferenceOps):
             return triton_gemv.grouped_gemv(x, w, dot=dot)
         if self._splitk_route(x, w) and triton_splitk.supports(x, w):
             self.kernel_calls["splitk"] += 1
-            return triton_splitk.grouped_splitk(x, w)
+            return triton_splitk.grouped_splitk(x, w, swap=SPLITK_SWAP and x.dtype == w.dtype)
         if self._own_product(x, w) and x.dim() == 3 and w.dim() == 3 and x.shape[1] == w.shape[0] \
                 and x.shape[2] == w.shape[2] and x.stride(2) == 1:
             # cuBLAS's batched GEMM reads x [T, G, K] and writes [T, G, N] in place through strides: einsum's

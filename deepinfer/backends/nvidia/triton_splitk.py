@@ -14,6 +14,12 @@ The counters live in a zeroed int32 buffer per (device, stream), left zeroed by 
 captured a call replays it; two calls on one stream never overlap (with PDL a kernel waits for the previous grid
 before any load). Launch parameters come from shapes only.
 
+``swap`` (a launch knob, same-dtype operands): the product runs as y.T = w @ x.T, the weight tile the MMA's M side
+(BLOCK_N of 64 or more: Hopper's wgmma, which reads it from shared memory as loaded) and the padded rows its N
+side, instead of the rows as M (16: the older mma.sync, the tile staged through registers); the tile is
+transposed back before the partials and the store. The partials hold the same float32 sums per (row, column), so
+the bound below holds either way (the MMA's internal order may differ: not bit-equal to swap off on a GPU).
+
 Precision: float32 accumulation of exact bf16 / fp16 products, one rounding (round to nearest even) at the end,
 as cuBLAS computes; the summation order differs, so results agree to the last bits (the tests' bound: K float32
 roundings of sum |x w| plus half an ulp). A float32 weight against bf16 rows (CED's router logits, x.float() @
@@ -54,7 +60,7 @@ COUNTERS = 1 << 16  # column tiles one call may have (a [G, N] of 64-wide tiles:
 def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, N_TILES,
                    stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
                    SPLITS: tl.constexpr, K_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr = False,
+                   BLOCK_K: tl.constexpr, SPLIT_W: tl.constexpr = False, SWAP: tl.constexpr = False,
                    tail_count=None, tail_w=None, tail_ids=None, tail_bias=None, tail_scale=1.0,
                    ROUTE: tl.constexpr = False, TOPK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1,
                    BLOCK_TK: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = False,
@@ -70,7 +76,10 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, N_TILES,
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + g * stride_wg + n[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + g * stride_xg + rows[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_lo = s * (K_STEPS * BLOCK_K)
     for i in range(K_STEPS):
         k = k_lo + i * BLOCK_K + kk
@@ -85,8 +94,12 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, N_TILES,
             acc += _dot(x, tl.trans(hi), "tf32")
             acc += _dot(x, tl.trans(mid), "tf32")
             acc += _dot(x, tl.trans(lo), "tf32")
+        elif SWAP:  # (the weight tile as the MMA's M side: see the module doc)
+            acc += _dot(w, tl.trans(x), "tf32")
         else:
             acc += _dot(x, tl.trans(w), "tf32")
+    if SWAP:
+        acc = tl.trans(acc)
     o = out_ptr + g * stride_og + rows[:, None].to(tl.int64) * stride_om + n[None, :]
     o_mask = r_mask[:, None] & n_mask[None, :]
     if SPLITS == 1:
@@ -154,10 +167,11 @@ def plan(M: int, G: int, N: int, K: int, device: torch.device, per_sm: int = PRO
 def grouped_splitk(x: torch.Tensor, w: torch.Tensor, *, per_sm: int = PROGRAMS_PER_SM, block_k: int = BLOCK_K,
                    block_n: int = BLOCK_N, max_splits: int = MAX_SPLITS, num_warps: int = 4,
                    num_stages: int = NUM_STAGES, out: Optional[torch.Tensor] = None,
-                   route: Optional[Tail] = None) -> torch.Tensor:
+                   route: Optional[Tail] = None, swap: bool = False) -> torch.Tensor:
     """x [M, G, K] @ w[g].T per group -> [M, G, N] in x's dtype, or float32 for a float32 w (``out``: a [M, G, N]
     tensor of that dtype to write, contiguous along N, any row / group strides). The keyword knobs are the
-    launch's (benchmarks/gemv_bench.py times them). ``route``: a triton_ced_route.Tail for one group of N experts'
+    launch's (benchmarks/gemv_bench.py times them; ``swap``: the weight tile as the MMA's M side, see the module
+    doc, for same-dtype operands only). ``route``: a triton_ced_route.Tail for one group of N experts'
     float32 logits (a float32 w); the launch's last finishing program routes every row into its ``w`` / ``ids``."""
     for name, v, lo, hi, pow2 in (("block_k", block_k, 16, 512, True), ("block_n", block_n, 16, 512, True),
                                   ("num_warps", num_warps, 1, 16, True), ("num_stages", num_stages, 1, 8, False),
@@ -171,6 +185,9 @@ def grouped_splitk(x: torch.Tensor, w: torch.Tensor, *, per_sm: int = PROGRAMS_P
     M, G, K = x.shape
     N = w.shape[1]
     split_w = w.dtype != x.dtype
+    if not isinstance(swap, bool) or (swap and (split_w or route is not None)):
+        raise ValueError(f"grouped_splitk: swap must be a bool, and True only for same-dtype operands without a "
+                         f"route; got swap={swap!r}, x {x.dtype}, w {w.dtype}, route {route is not None}")
     dtype = torch.float32 if split_w else x.dtype
     if out is None:
         out = torch.empty(M, G, N, dtype=dtype, device=x.device)
@@ -191,7 +208,7 @@ def grouped_splitk(x: torch.Tensor, w: torch.Tensor, *, per_sm: int = PROGRAMS_P
     _splitk_kernel[(p["n_tiles"], G, S)](
         x, w, out, part, _counter_buffer(x.device), M, N, K, p["n_tiles"],
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        SPLITS=S, K_STEPS=p["K_STEPS"], BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=p["BLOCK_K"], SPLIT_W=split_w,
+        SPLITS=S, K_STEPS=p["K_STEPS"], BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=p["BLOCK_K"], SPLIT_W=split_w, SWAP=swap,
         **(route.kernel_kw if route is not None else {}), num_warps=num_warps, num_stages=num_stages, **launch_kw(x.device))
     return out
 
