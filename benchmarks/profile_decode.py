@@ -158,16 +158,23 @@ def top_functions(prof, n_steps: int, k: int = 22) -> list:
 
 
 def set_knobs(pairs: list) -> dict:
-    """NAME=VALUE pairs -> the nvidia backend's module constants set (ints; bools as 0 / 1); unknown names raise."""
-    from deepinfer.backends.nvidia import ops as nv
+    """NAME=VALUE pairs -> the nvidia backend's module constants set (ints; bools as 0 / 1): NAME is a constant of
+    backends/nvidia/ops.py, or MODULE.NAME one of another backends/nvidia module (triton_gemv.EARLY_W); unknown
+    names raise."""
+    import importlib
 
     knobs = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
-        if not hasattr(nv, name) or not isinstance(getattr(nv, name), (bool, int)):
-            raise SystemExit(f"--knob {pair!r}: deepinfer.backends.nvidia.ops has no int / bool constant {name!r}")
-        knobs[name] = type(getattr(nv, name))(int(value))
-        setattr(nv, name, knobs[name])
+        mod_name, _, const = name.rpartition(".")
+        try:
+            mod = importlib.import_module(f"deepinfer.backends.nvidia.{mod_name or 'ops'}")
+        except ImportError:
+            raise SystemExit(f"--knob {pair!r}: no module deepinfer.backends.nvidia.{mod_name}") from None
+        if not hasattr(mod, const) or not isinstance(getattr(mod, const), (bool, int)):
+            raise SystemExit(f"--knob {pair!r}: {mod.__name__} has no int / bool constant {const!r}")
+        knobs[name] = type(getattr(mod, const))(int(value))
+        setattr(mod, const, knobs[name])
     return knobs
 
 
@@ -185,7 +192,8 @@ def main() -> int:
     ap.add_argument("--batch-invariant", action="store_true",
                     help="the deterministic recipe's kernels (EngineConfig.batch_invariant): what they cost")
     ap.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
-                    help="set deepinfer.backends.nvidia.ops.NAME (an existing int / bool constant) first: A/B runs")
+                    help="set deepinfer.backends.nvidia.ops.NAME, or MODULE.NAME of that package (an existing int / "
+                         "bool constant) first: A/B runs")
     args = ap.parse_args()
     knobs = set_knobs(args.knob)
     cfg = gpu_bench.ced_config("bench", 4096) if args.shape == "ced-bench" else gpu_bench.SHAPES[args.shape]

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
-from deepinfer.testing.kernels import DEV, capture_graph, examples, gen, gpu, no_host_sync, skip_module_without_kernels
+from deepinfer.testing.kernels import DEV, assert_same_bits, capture_graph, examples, gen, gpu, no_host_sync, \
+    skip_module_without_kernels
 
 skip_module_without_kernels()
 
@@ -41,6 +42,29 @@ def test_grouped_gemv_matches_float64(M, G, N, K, dtype, scale, seed):
     x = (torch.randn(M, G, K, generator=g) * scale).to(DEV, dtype)
     w = torch.randn(G, N, K, generator=g).to(DEV, dtype)
     check(tg.grouped_gemv(x, w), x, w)
+
+
+@examples(12)
+@given(M=st.integers(1, tg.MAX_ROWS), G=st.integers(1, 3), N=st.integers(1, 70), K=st.integers(1, 700),
+       tile=st.sampled_from([256, 8192]), normed=st.booleans(), seed=st.integers(0, 2**16))
+def test_early_weight_tile_keeps_the_bits(M, G, N, K, tile, normed, seed):
+    """EARLY_W (the first weight tile loaded before the PDL wait, the first K step peeled off the loop): the bits
+    of the plain loop, with one K step or several (tile 256), with and without the norm prologue (one group)."""
+    g = gen(seed)
+    G = 1 if normed else G
+    x = torch.randn(M, G, K, generator=g).to(DEV, torch.bfloat16)
+    w = (torch.randn(G, N, K, generator=g) * K ** -0.5).to(DEV, torch.bfloat16)
+    kw = dict(tile=tile, norm_in=(torch.rand(K, generator=g).to(DEV, torch.bfloat16) + 0.5, 1e-6) if normed else None)
+    off = tg.grouped_gemv(x, w, **kw)
+    was = tg.EARLY_W
+    try:
+        tg.EARLY_W = True
+        on = tg.grouped_gemv(x, w, **kw)
+    finally:
+        tg.EARLY_W = was
+    assert_same_bits(on, off)
+    if not normed:
+        check(on, x, w)
 
 
 @examples(12)
@@ -150,7 +174,6 @@ def test_rope_epilogue_is_the_gemv_then_the_rope_kernel(case, big, seed):
     bit for bit, for both kernels (CUDA cores and tensor cores), any head width and rotary part; and it is the
     rotation of the float64 product by float64 angles, within the roundings' bound."""
     from deepinfer.backends.nvidia import triton_ced_fused as tcf
-    from deepinfer.testing.kernels import assert_same_bits
 
     dot, M, heads, D, R, K, dtype = case
     g = gen(seed)
@@ -470,6 +493,10 @@ report = {}
 for bm in (1, 8):  # the shipped launch: tile 8192, BLOCK_N from 64 down, 8 warps
     k = compile_sm90(tg._gemv_kernel, sig, dict(BLOCK_M=bm, BLOCK_N=16, BLOCK_K=512, K_I=0), div16, num_warps=8)
     report[f"gemv_m{bm}"] = sass_row(k, pat)
+# its first weight tile before the PDL wait (EARLY_W), under PDL as a Hopper launch takes it
+k = compile_sm90(tg._gemv_kernel, sig, dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=512, K_I=0, EARLY_W=True, PDL=2), div16,
+                 num_warps=8)
+report["gemv_m1_early"] = sass_row(k, pat)
 k = compile_sm90(tg._dot_kernel, sig, dict(BLOCK_N=16, BLOCK_K=512, K_I=0, WIDEN=False, PRECISION="tf32"), div16,
                  num_warps=4)
 report["dot_bf16"] = sass_row(k, pat)
@@ -515,7 +542,7 @@ def test_kernels_compile_for_hopper():
     report = run_compile_script(_COMPILE_SCRIPT)
     assert set(report) == {"gemv_m1", "gemv_m8", "dot_bf16", "gemv_m1_rope", "dot_bf16_rope", "gemv_m1_route",
                            "splitk_m64_route", "gemv_m1_normin", "dot_bf16_normin", "gemv_m1_normin_rope",
-                           "dot_bf16_normin_rope", "splitk_m16", "splitk_m16_swap"}
+                           "dot_bf16_normin_rope", "splitk_m16", "splitk_m16_swap", "gemv_m1_early"}
     for name, row in report.items():
         sass = row.get("sass")
         if sass is None:

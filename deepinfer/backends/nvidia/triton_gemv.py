@@ -19,6 +19,11 @@ ship on): a prologue, ``norm_in`` (each row's RMSNorm before the product); epilo
 query's RoPE); and two on the launch's last program, picked by a ticket counter (triton_tickets): ``route``
 (triton_ced_route.Tail: the router on the logits) and ``linear_add_rms`` (the residual add and the next norm).
 
+``EARLY_W`` (a module knob, off; backends/nvidia/ops.py's profile A/B sets it with ``--knob triton_gemv.EARLY_W=1``):
+the CUDA-core kernel loads its first weight tile before the PDL wait, so under PDL the tile streams while the kernel
+before it still runs (the weights are parameters: no kernel of a step writes them, so reading them early is safe;
+everything else is read after the wait). The same loads and sums in the same order: the same bits.
+
 Precision: float32 accumulation of exact products of bf16 / fp16 / float32 values, one rounding (round to
 nearest even) at the end, as cuBLAS computes; the summation order differs, so results agree to the last bits.
 """
@@ -50,6 +55,7 @@ DOT_ROWS = 16  # the tensor-core variant: one MMA's rows
 TILE = 8192  # weight elements a program loads per K step (16 KB in bf16)
 PROGRAMS_PER_SM = 4
 NUM_WARPS = 8
+EARLY_W = False  # the first weight tile before the PDL wait (the module doc; not yet timed on a GPU)
 
 
 @triton.jit
@@ -73,6 +79,23 @@ def _rope_cols(acc, rows, pos_ptr, inv_ptr, M, HEAD_D, HALF, DT: tl.constexpr, B
 
 
 @triton.jit
+def _rows_step(acc, w, x_g, stride_xm, k, k_mask, M, rows, rstd, nin_w, BLOCK_M: tl.constexpr,
+               NORM_IN: tl.constexpr):
+    """One K step of the CUDA-core kernel: the float32 weight tile w [BLOCK_N, BLOCK_K] against each row's x at
+    columns k, summed into that row of acc (with NORM_IN, x normed first, as ced_rms_norm rounds it)."""
+    if NORM_IN:
+        wn = to_f32(tl.load(nin_w + k, mask=k_mask, other=0.0))
+    for r in tl.static_range(BLOCK_M):
+        xr = tl.load(x_g + r * stride_xm + k, mask=k_mask & (r < M), other=0.0).to(tl.float32)
+        if NORM_IN:  # the norm's output as ced_rms_norm rounds it: x * rstd * w in float32, then x's dtype
+            rs = tl.sum(tl.where(rows == r, rstd, 0.0), axis=0)
+            xr = to_f32(cast_rne(_mul_rn(_mul_rn(xr, rs), wn), x_g.dtype.element_ty))
+        s = tl.sum(w * xr[None, :], axis=1)  # [BLOCK_N]
+        acc = tl.where(rows[:, None] == r, acc + s[None, :], acc)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                  stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_I: tl.constexpr,
@@ -82,16 +105,20 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                  BLOCK_TK: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = False,
                  norm_count=None, norm_r=None, norm_w=None, norm_h=None, norm_o=None, stride_nr=0, stride_nh=0,
                  stride_no=0, norm_eps=1e-6, NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1,
-                 nin_w=None, nin_eps=1e-6, NORM_IN: tl.constexpr = False, PDL: tl.constexpr = 0):
-    pdl_start(PDL, True)
+                 nin_w=None, nin_eps=1e-6, NORM_IN: tl.constexpr = False, EARLY_W: tl.constexpr = False,
+                 PDL: tl.constexpr = 0):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
     n_mask = n < N
-    rows = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + g * stride_wg + n[:, None].to(tl.int64) * stride_wn
+    if EARLY_W:  # (a parameter: no kernel before this one writes it; see the module doc)
+        w0 = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0)
+    pdl_start(PDL, True)
+    rows = tl.arange(0, BLOCK_M)
     x_g = x_ptr + g * stride_xg
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM_IN:  # each row's RMS first: its squares summed over K in BLOCK_K chunks
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K_I if _INTERP else K, BLOCK_K):
@@ -100,19 +127,13 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                 xr = to_f32(tl.load(x_g + r * stride_xm + k, mask=(k < K) & (r < M), other=0.0))
                 ss = tl.where(rows == r, ss + tl.sum(_mul_rn(xr, xr), axis=0), ss)
         rstd = _rsqrt(ss / K + nin_eps)
-    for k0 in range(0, K_I if _INTERP else K, BLOCK_K):
+    if EARLY_W:  # the first step on the early tile, then the loop from the second
+        acc = _rows_step(acc, w0.to(tl.float32), x_g, stride_xm, kk, kk < K, M, rows, rstd, nin_w, BLOCK_M, NORM_IN)
+    for k0 in range(BLOCK_K if EARLY_W else 0, K_I if _INTERP else K, BLOCK_K):
         k = k0 + kk
         k_mask = k < K
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        if NORM_IN:
-            wn = to_f32(tl.load(nin_w + k, mask=k_mask, other=0.0))
-        for r in tl.static_range(BLOCK_M):
-            xr = tl.load(x_g + r * stride_xm + k, mask=k_mask & (r < M), other=0.0).to(tl.float32)
-            if NORM_IN:  # the norm's output as ced_rms_norm rounds it: x * rstd * w in float32, then x's dtype
-                rs = tl.sum(tl.where(rows == r, rstd, 0.0), axis=0)
-                xr = to_f32(cast_rne(_mul_rn(_mul_rn(xr, rs), wn), x_ptr.dtype.element_ty))
-            s = tl.sum(w * xr[None, :], axis=1)  # [BLOCK_N]
-            acc = tl.where(rows[:, None] == r, acc + s[None, :], acc)
+        acc = _rows_step(acc, w, x_g, stride_xm, k, k_mask, M, rows, rstd, nin_w, BLOCK_M, NORM_IN)
     o = out_ptr + g * stride_og + rows[:, None].to(tl.int64) * stride_om + n[None, :]
     pdl_signal(PDL)
     if ROPE:
@@ -281,8 +302,8 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
     BM, BN, BK = block_sizes(M, G, N, K, x.device, tile, per_sm, min_n=2 if rope is not None else 1)
     _gemv_kernel[(cdiv(N, BN), G)](
         x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, K_I=K if INTERPRET else 0, **rk, num_warps=num_warps,
-        **launch_kw(x.device))
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, K_I=K if INTERPRET else 0, EARLY_W=bool(EARLY_W), **rk,
+        num_warps=num_warps, **launch_kw(x.device))
     return out
 
 
