@@ -517,20 +517,22 @@ s24a)
   timeout 90 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 --steps 16 --top 30 \
     --knob CED_QUERY_NORM_GEMV=1 --out "$OUT/profile_ced_timeline_normin.jsonl" 2>&1 | grep "== batch\|span" ;;
 s24b)
-  # 24th session (~7 min; not yet run: the budget ran out; the decode profiles come first): the decode profile as
-  # shipped at 1 / 16 / 64; with triton_gemv's early weight tile at 1 (the only batch on the CUDA-core GEMV); with
-  # split-K swapped for 5-64 rows at 16 / 64, and unswapped; then the GEMV, split-K and prologue tests; then
-  # gemv_bench's split-K knobs with and without swap against cuBLAS at 16 / 64 rows.
-  for k in "" "triton_gemv.EARLY_W=1" "SPLITK_MAX_ROWS=64 SPLITK_SWAP=1" "SPLITK_MAX_ROWS=64"; do
+  # 24th session (~8 min; not yet run: the budget ran out; the decode profiles come first): the decode profile as
+  # shipped at 1 / 16 / 64; with the CED attention's entry loop bounded on the device at 1 / 16 / 64; with
+  # triton_gemv's early weight tile at 1 (the only batch on the CUDA-core GEMV); with split-K swapped for 5-64 rows
+  # at 16 / 64, and unswapped; then the GEMV, split-K, prologue and CED kernel tests; then gemv_bench's split-K
+  # knobs with and without swap against cuBLAS at 16 / 64 rows.
+  for k in "" "triton_ced_attention.DYNAMIC_ENTRIES=1" "triton_gemv.EARLY_W=1" "SPLITK_MAX_ROWS=64 SPLITK_SWAP=1" \
+      "SPLITK_MAX_ROWS=64"; do
     args=""; for a in $k; do args="$args --knob $a"; done
-    case "$k" in "") b="1 16 64" ;; triton_gemv*) b="1" ;; *) b="16 64" ;; esac
+    case "$k" in ""|triton_ced*) b="1 16 64" ;; triton_gemv*) b="1" ;; *) b="16 64" ;; esac
     timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches $b --steps 16 $args \
       --out "$OUT/profile_ced_knobs.jsonl" 2>&1 | grep "== batch\|^timeline" | sed "s/^/[${k:-as shipped}] /" \
       | cut -c 1-120
   done
   timeout -s INT 150 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_gemv_norm_in.py \
-    tests/test_triton_gemv.py 2>&1 | tail -3
-  timeout 200 python3 benchmarks/gemv_bench.py --rows 16 64 --tiles 8192 --per-sm 4 --warps 8 --splitk-knobs \
+    tests/test_triton_gemv.py tests/test_triton_ced.py 2>&1 | tail -3
+  timeout 150 python3 benchmarks/gemv_bench.py --rows 16 64 --tiles 8192 --per-sm 4 --warps 8 --splitk-knobs \
     4,128,64,16,3 4,128,64,16,3,1 2,128,64,16,3,1 4,128,128,16,3,1 4,256,64,16,3,1 8,128,64,16,4,1 \
     --out "$OUT/gemv_swap.jsonl" 2>&1 | grep -v "done$" | grep -v Warning | tail -12 ;;
 s22e)

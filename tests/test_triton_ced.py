@@ -241,6 +241,28 @@ def test_sparse_attention_prefetch_same_bits(rows, W, H, K, fmt, dtype, splits, 
     assert rel_err(piped, REF.ced_sparse_attention(*args, **kw)) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@examples(10)
+@given(rows=ced_attention_rows(2), W=st.integers(1, 12), H=st.integers(1, 3), K=st.integers(0, 70),
+       fmt=st.sampled_from(FP4), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       splits=st.sampled_from([None, 1, 2, 5]), prefetch=st.sampled_from([0, 1]), at_end=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_sparse_attention_dynamic_entries_same_bits(rows, W, H, K, fmt, dtype, splits, prefetch, at_end, seed):
+    """The entry loop bounded by each split's last valid slot (launch key "dynamic") gives the static loop's bits:
+    with the -1s anywhere (attention_case) or, as the indexer pads its top-K, after the last valid entry; with
+    either entry loop and any split count."""
+    args, kw = attention_case(gen(seed), rows, W, 1, H, 32, K, fmt, dtype, True)
+    if at_end:  # each row's valid slots first, in their order, then the -1s
+        sel = args[4]
+        key = torch.where(sel >= 0, 0, 1) * (K + 1) + torch.arange(K, device=sel.device)
+        args = (*args[:4], sel.gather(1, key.argsort(1)))
+    launch = dict(triton_ced_attention.launch_config(H, 32, dtype), prefetch=prefetch)
+    launch.pop("BLOCK_D")
+    static = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=dict(launch, dynamic=0), **kw)
+    dynamic = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=dict(launch, dynamic=1), **kw)
+    assert_same_bits(dynamic, static)
+    assert rel_err(dynamic, REF.ced_sparse_attention(*args, **kw)) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("fmt", FP4)
 def test_sparse_attention_bench_latent_width(fmt):
     """The bench latent's launch config (16 heads x D = 512: BLOCK_H 16, BLOCK_D 512, BLOCK_N 16, as compiled on
@@ -673,7 +695,9 @@ for dt in ("bf16", "fp32"):
                               "stride_rsr", "stride_ec", "stride_es", "stride_sel", "stride_ot", "stride_oh",
                               "stride_cs", "H", "D", "K", "RING", "NUM_SPLITS", "WINDOW", "HALF"))
             wide = tca.wide_launch(2048, H, D, torch.bfloat16, 128, 512) if dt == "bf16" and direct else None
-            for kind, lc in (("", cfg), ("_prefill", dict(cfg, **wide[0]) if wide else None)):
+            dyn = dt == "bf16" and D == 512  # the bench decode launches with the entry loop bounded on the device
+            for kind, lc in (("", cfg), ("_prefill", dict(cfg, **wide[0]) if wide else None),
+                             ("_dyn", dict(cfg, dynamic=1) if dyn else None)):
                 if lc is None:
                     continue
                 fast = dt == "bf16" and tca.fast_entries(torch.bfloat16, lc)
@@ -682,7 +706,8 @@ for dt in ("bf16", "fp32"):
                               WIN_TILES=2, SEL_TILES=8, GROUP=16, E8M0=False, HAS_ENTRIES=True, HAS_SINKS=True,
                               DIRECT=direct, DOT_PRECISION="ieee" if dt == "fp32" else "tf32", FAST_FP4=fast,
                               UNROPE=True, BLOCK_R=min(32, D // 4),  # (the engine's: out_proj's RoPE in)
-                              PREFETCH=tca.prefetch_entries(lc)),
+                              PREFETCH=tca.prefetch_entries(lc), DYN="dynamic" in lc,
+                              SEL_POW2=8 * lc["BLOCK_N"]),
                          div16=("stride_qt", "stride_qh", "stride_kv", "stride_rs", "stride_rr", "stride_rss",
                                 "stride_ec", "stride_sel", "stride_ot", "stride_oh", "H", "D", "K"),
                          num_warps=lc["num_warps"], **({"num_stages": lc["num_stages"]} if "num_stages" in lc else {}))
@@ -724,14 +749,15 @@ print(json.dumps(report))
 
 def test_ced_kernels_compile_for_hopper():
     """The compiled code path, which CPU CI never runs: every CED kernel compiles for sm_90; bf16 attention (D = 32,
-    128, 512) and indexer scores (dh = 32, 128) use the tensor cores without local-memory spills and no MMA operand
+    128, 512; at 512 also with the dynamic entry loop) and indexer scores (dh = 32, 128) use the tensor cores without local-memory spills and no MMA operand
     has a kWidth Triton 3.6 miscompiles for its K (see kwidth_hazards); the quantisers use correctly rounded
     division and keep subnormals (no flush-to-zero multiplies)."""
     from pathlib import Path
 
     report = run_compile_script(_COMPILE_SCRIPT, timeout=600, cwd=Path(__file__).resolve().parents[1])
-    # bf16: 7 attention launches (one a prefill's), 4 score kernels, 4 (de)quantisers; fp32: 6 + 2 + 4; 3 top-K
-    assert len(report) == 15 + 12 + 3
+    # bf16: 9 attention launches (one a prefill's, two dynamic), 4 score kernels, 4 (de)quantisers; fp32: 6 + 2 +
+    # 4; 3 top-K
+    assert len(report) == 17 + 12 + 3
     hazards = {name: row["kwidth_hazards"] for name, row in report.items() if row["kwidth_hazards"]}
     assert not hazards, f"MMA operands whose kWidth exceeds K / 8 (miscompiled by Triton 3.6): {hazards}"
     for name in [n for n in report if n.startswith(("attn_bf16", "score_bf16"))]:

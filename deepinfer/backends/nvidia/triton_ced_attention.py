@@ -20,8 +20,12 @@ guarded against -inf). Where a thread's share of a code tile is small (prefetch_
 software-pipelined: the next tile's codes and the one after's slots are loaded before this tile is decoded, the
 first tile's before the window (the same tiles in the same order, so the same bits; 3-5% at decode on the H100).
 When the grid would be too small to fill the GPU (decode), the keys are split (flash-decoding) and
-triton_attention's merge kernel combines the partials and the sink. Split counts and loop bounds depend on
-shapes only, never on values, so the launch is safe inside a CUDA graph capture.
+triton_attention's merge kernel combines the partials and the sink. Split counts depend on shapes only, never
+on values, so the launch is safe inside a CUDA graph capture. The entry loop's bound does too, unless the launch
+is dynamic (DYNAMIC_ENTRIES, launch key "dynamic"): a program then reads its split's slots first and walks only
+the tiles up to its last valid one (read on the device, so still capture-safe). A step whose top-K lists are
+mostly -1 (contexts with fewer than K visible entries: the indexer pads its list at the end) then skips them; the
+skipped tiles would have left the state untouched, so the bits are the same.
 
 Compiled code: the dequantised tiles pass an opaque identity (``triton_fp4.mma_operand``) before the products,
 since Triton 3.6 otherwise widens the MMA operands' kWidth for their 8-bit origin and miscomputes dots with
@@ -49,6 +53,7 @@ from .triton_pdl import launch_kw, pdl_signal, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, check_knob, merge_launch, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
+_INTERP = tl.constexpr(INTERPRET)
 RING_FMT = "fp8_e4m3_pow2"
 RING_GROUP = 32
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -58,6 +63,9 @@ MAX_HEAD_DIM = 1024
 # (benchmarks/ced_attn_sweep.py).
 PREFETCH = True
 PREFETCH_MAX_BYTES = 32  # code bytes a thread holds for the next tile (the sm_90 compile test: 64 spilled)
+# The entry loop bounded on the device by each split's last valid slot (the module doc); the launch key "dynamic"
+# (0 / 1) overrides it per call. Not yet timed on a GPU: off.
+DYNAMIC_ENTRIES = False
 
 
 @triton.jit
@@ -114,7 +122,7 @@ def _ced_attn_kernel(
     WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
     HAS_ENTRIES: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_FP4: tl.constexpr, UNROPE: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr = False,
-    PDL: tl.constexpr = 0,
+    DYN: tl.constexpr = False, SEL_POW2: tl.constexpr = 1, PDL: tl.constexpr = 0,
 ):
     pdl_start(PDL, True)
     t = tl.program_id(0).to(tl.int64)
@@ -143,6 +151,12 @@ def _ced_attn_kernel(
     n_off = tl.arange(0, BLOCK_N)
     sel_row = sel_ptr + t * stride_sel
     e0 = split * SEL_TILES * BLOCK_N + n_off
+    n_sel = SEL_TILES
+    if HAS_ENTRIES and DYN:  # this split's tiles up to its last valid slot (none: 0)
+        j = tl.arange(0, SEL_POW2)
+        e_all = split * SEL_TILES * BLOCK_N + j
+        s_all = tl.load(sel_row + e_all, mask=(j < SEL_TILES * BLOCK_N) & (e_all < K), other=-1)
+        n_sel = (tl.max(tl.where(s_all >= 0, j, -1), axis=0) + BLOCK_N) // BLOCK_N
     if HAS_ENTRIES and PREFETCH:  # the first entry tile's loads, in flight during the window
         lim = tl.minimum(K, (split + 1) * SEL_TILES * BLOCK_N)  # the end of this split's entries
         slot = tl.load(sel_row + e0, mask=e0 < lim, other=-1)
@@ -156,20 +170,27 @@ def _ced_attn_kernel(
         m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if HAS_ENTRIES:  # selected entries: this split's tiles of entry_slots[t]
+        # (a dynamic bound: the interpreter, which cannot range over a device value, walks every tile and masks
+        # those past it, so its tests see a bound that drops a valid tile)
         if PREFETCH:  # tile i + 1's codes and tile i + 2's slots are in flight while tile i is decoded and used
-            for i in range(SEL_TILES):
+            for i in range(SEL_TILES if _INTERP or not DYN else n_sel):
                 e2 = e0 + (i + 2) * BLOCK_N
                 after = tl.load(sel_row + e2, mask=e2 < lim, other=-1)
                 byte_n, sb_n = fp4_load(ec_ptr, es_ptr, nxt, nxt >= 0, stride_ec, stride_es, D // GROUP,
                                         BLOCK_D // GROUP, GROUP, FAST_FP4)
                 kv = fp4_decode(byte, sb, GROUP, E8M0, DT, FAST_FP4)
-                m_i, l_i, acc = _online_step(q, kv, slot >= 0, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+                valid = slot >= 0
+                if DYN:
+                    valid = valid & (i < n_sel)
+                m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
                 slot, nxt, byte, sb = nxt, after, byte_n, sb_n
         else:
-            for i in range(SEL_TILES):
+            for i in range(SEL_TILES if _INTERP or not DYN else n_sel):
                 e = e0 + i * BLOCK_N
                 slot = tl.load(sel_row + e, mask=e < K, other=-1)
                 valid = slot >= 0
+                if DYN:
+                    valid = valid & (i < n_sel)
                 kv = fp4_operand(ec_ptr, es_ptr, slot, valid, stride_ec, stride_es, D // GROUP, BLOCK_D // GROUP,
                                  GROUP, E8M0, DT, FAST_FP4)
                 m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
@@ -383,7 +404,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
     else:  # a caller's overrides (tests, benchmarks/ced_attn_sweep.py): checked, the latent tile kept
         cfg = merge_launch("sparse_attention", cfg, launch, {
             "BLOCK_H": (16, 64, True), "BLOCK_N": (16, 128, True), "BLOCK_D": (cfg["BLOCK_D"], cfg["BLOCK_D"], True),
-            "num_warps": (1, 16, True), "num_stages": (1, 8, False), "prefetch": (0, 1, False)})
+            "num_warps": (1, 16, True), "num_stages": (1, 8, False), "prefetch": (0, 1, False),
+            "dynamic": (0, 1, False)})
         if num_splits is not None:
             check_knob("sparse_attention", "num_splits", num_splits, 1, 256, False)
     BLOCK_H, BLOCK_N, BLOCK_D = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["BLOCK_D"]
@@ -417,6 +439,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         HAS_SINKS=has_sinks, DIRECT=S == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FAST_FP4=has_entries and fast_entries(q.dtype, cfg), UNROPE=unrope is not None, BLOCK_R=block_r,
         PREFETCH=has_entries and prefetch_entries(cfg),
+        DYN=has_entries and bool(cfg.get("dynamic", DYNAMIC_ENTRIES)),
+        SEL_POW2=next_pow2(max(1, cdiv(sel_tiles, S) * BLOCK_N)),
         num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
         **launch_kw(q.device),
     )
