@@ -19,8 +19,8 @@ ship on): a prologue, ``norm_in`` (each row's RMSNorm before the product); epilo
 query's RoPE); and two on the launch's last program, picked by a ticket counter (triton_tickets): ``route``
 (triton_ced_route.Tail: the router on the logits) and ``linear_add_rms`` (the residual add and the next norm).
 
-``EARLY_W`` (a module knob, off; backends/nvidia/ops.py's profile A/B sets it with ``--knob triton_gemv.EARLY_W=1``):
-the CUDA-core kernel loads its first weight tile before the PDL wait, so under PDL the tile streams while the kernel
+``EARLY_W`` (a module knob, off; ``benchmarks/profile_decode.py --knob triton_gemv.EARLY_W=1`` A/Bs it): the
+CUDA-core kernel loads its first weight tile before the PDL wait, so under PDL the tile streams while the kernel
 before it still runs (the weights are parameters: no kernel of a step writes them, so reading them early is safe;
 everything else is read after the wait). The same loads and sums in the same order: the same bits.
 

@@ -9,8 +9,9 @@ and its writes are visible, so the launch overlaps the previous kernel's tail in
 Every kernel that takes ``PDL`` calls ``pdl_start(PDL)`` first, before any load, store or early return. That
 keeps each such kernel ordered after everything before it (the wait covers the previous grid, which itself
 waited, or was launched normally after its own predecessor), so correctness does not depend on which kernels
-take part. ``launch_kw()`` is what a launch site passes: nothing where PDL is off (the interpreter, pre-Hopper
-GPUs, ``DEEPINFER_PDL=0``), so the kernels compile as before there.
+take part. (One exception, a knob: triton_gemv's EARLY_W loads its first weight tile before the wait; weights are
+parameters, which no kernel of a step writes.) ``launch_kw()`` is what a launch site passes: nothing where PDL is
+off (the interpreter, pre-Hopper GPUs, ``DEEPINFER_PDL=0``), so the kernels compile as before there.
 
 Modes (``DEEPINFER_PDL``): 0 off; 1 wait only (the next grid launches as this one's programs exit); 2 wait and
 signal the next grid at once (it launches as soon as every program here has started); 3 as 2, but the kernels
