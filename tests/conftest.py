@@ -1,5 +1,6 @@
 """Suite-wide settings: the test models are tiny, so one torch thread is fastest, and on a shared 2-core
-machine it avoids OpenMP spin-waits that cost 5-10x. Triton's interpreter on machines without CUDA."""
+machine it avoids OpenMP spin-waits that cost 5-10x. Triton's interpreter on machines without CUDA. Under
+``--dist loadfile`` the slowest files are handed out first."""
 
 import os
 
@@ -28,3 +29,31 @@ def spec_llama(tmp_path_factory):
     d = tmp_path_factory.mktemp("spec_llama")
     build_tiny_hf_model(d, "llama", seed=3)
     return str(d)
+
+
+# The files that take longest on the 2-core CI machine (seconds of a whole-suite run, most of it Triton's interpreter),
+# longest first. xdist's loadfile scheduler orders files by their number of tests, which left test_ced_prefill_step
+# (4 tests, ~140 s) to start near the end of the run with one worker idle beside it; handing these out first lets
+# the many short files fill in around them. A name missing here only costs time.
+SLOW_FILES = ("test_triton_ced.py", "test_ced_prefill_step.py", "test_parallel.py", "test_triton_moe.py",
+              "test_nvidia_kernels.py", "test_ced.py", "test_batch_invariant.py", "test_triton_moe_pairs.py",
+              "test_triton_prefill.py", "test_gpu_bench.py", "test_route_tail.py", "test_triton_gemv.py",
+              "test_train.py", "test_parallel_ced.py", "test_spec_host.py", "test_triton_sampling.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SlowFilesFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            if not getattr(self, "_slow_first", False):  # the work queue is built by now: reorder it once
+                self._slow_first = True
+                for name in reversed(SLOW_FILES):
+                    for scope in [s for s in self.workqueue if s.rsplit("/", 1)[-1] == name]:
+                        self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return SlowFilesFirst(config, log)
