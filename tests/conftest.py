@@ -18,6 +18,43 @@ settings.load_profile("deepinfer")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _scan_interpreter_builtins_once():
+    """Triton's interpreter (3.6) re-patches triton.language at every launch and at every call of a @triton.jit
+    helper inside a kernel (interpreter._patch_lang), and each time its _patch_builtin scans a package with
+    inspect.getmembers for the builtins to wrap: about 30% of an interpreted CED prefill step. The packages it
+    scans hold the same names throughout, so they are listed once, here, before any kernel has patched them; a
+    call then wraps the same members in the same order as the scan would (a name only while it still holds a
+    builtin). Unknown packages, and any triton without this function, go the original way."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_builtin", None)
+    if original is None or not hasattr(interpreter, "_patch_attr"):
+        return
+    import inspect
+
+    pkgs = [tl, tl.core, tl.tensor, tl.math, getattr(tl.core, "tensor_descriptor_base", None)]
+    names = {id(p): (p, [n for n, m in inspect.getmembers(p) if tl.core.is_builtin(m)]) for p in pkgs if p is not None}
+
+    def _patch_builtin(pkg, builder, scope):
+        known = names.get(id(pkg))
+        if known is None or known[0] is not pkg:
+            return original(pkg, builder, scope)
+        for name in known[1]:
+            member = getattr(pkg, name, None)
+            if tl.core.is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    interpreter._patch_builtin = _patch_builtin
+
+
+_scan_interpreter_builtins_once()
+
 torch.set_num_threads(1)
 
 
