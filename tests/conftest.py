@@ -19,13 +19,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _scan_interpreter_builtins_once():
-    """Triton's interpreter (3.6) re-patches triton.language at every launch and at every call of a @triton.jit
-    helper inside a kernel (interpreter._patch_lang), and each time its _patch_builtin scans a package with
-    inspect.getmembers for the builtins to wrap: about 30% of an interpreted CED prefill step. The packages it
-    scans hold the same names throughout, so they are listed once, here, before any kernel has patched them; a
-    call then wraps the same members in the same order as the scan would (a name only while it still holds a
-    builtin). Unknown packages, and any triton without this function, go the original way."""
+def _lighter_interpreter_bookkeeping():
+    """Two of Triton's interpreter (3.6) helpers redo constant work on every call; they get the same results from
+    tables built once, here:
+    - _patch_builtin: triton.language is re-patched at every launch and at every call of a @triton.jit helper
+      inside a kernel (interpreter._patch_lang), and each time each package was scanned with inspect.getmembers
+      for the builtins to wrap (about 30% of an interpreted CED prefill step). The packages hold the same names
+      throughout, so they are listed once, before any kernel has patched them; a call wraps the same members in
+      the same order as the scan did (a name only while it still holds a builtin);
+    - _get_np_dtype built its 18-entry dtype table at each of its calls (about 7%).
+    Unknown packages, and a triton without these functions, go the original way."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
     try:
@@ -33,27 +36,48 @@ def _scan_interpreter_builtins_once():
         from triton.runtime import interpreter
     except ImportError:
         return
-    original = getattr(interpreter, "_patch_builtin", None)
-    if original is None or not hasattr(interpreter, "_patch_attr"):
-        return
     import inspect
 
-    pkgs = [tl, tl.core, tl.tensor, tl.math, getattr(tl.core, "tensor_descriptor_base", None)]
-    names = {id(p): (p, [n for n, m in inspect.getmembers(p) if tl.core.is_builtin(m)]) for p in pkgs if p is not None}
+    original = getattr(interpreter, "_patch_builtin", None)
+    if original is not None and hasattr(interpreter, "_patch_attr"):
+        pkgs = [tl, tl.core, tl.tensor, tl.math, getattr(tl.core, "tensor_descriptor_base", None)]
+        names = {id(p): (p, [n for n, m in inspect.getmembers(p) if tl.core.is_builtin(m)])
+                 for p in pkgs if p is not None}
 
-    def _patch_builtin(pkg, builder, scope):
-        known = names.get(id(pkg))
-        if known is None or known[0] is not pkg:
-            return original(pkg, builder, scope)
-        for name in known[1]:
-            member = getattr(pkg, name, None)
-            if tl.core.is_builtin(member):
-                interpreter._patch_attr(pkg, name, member, builder, scope)
+        def _patch_builtin(pkg, builder, scope):
+            known = names.get(id(pkg))
+            if known is None or known[0] is not pkg:
+                return original(pkg, builder, scope)
+            for name in known[1]:
+                member = getattr(pkg, name, None)
+                if tl.core.is_builtin(member):
+                    interpreter._patch_attr(pkg, name, member, builder, scope)
 
-    interpreter._patch_builtin = _patch_builtin
+        interpreter._patch_builtin = _patch_builtin
+
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if np_dtype is not None:
+        import numpy as np
+
+        # the function's own table, read back through it (bfloat16 and the float8 types as their storage)
+        table = {t: np_dtype(t) for t in (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16,
+                                          tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16,
+                                          tl.float8e5, tl.float8e5b16, tl.float8e4nv, tl.float8e4b8, tl.float8e4b15)}
+        pointer = np.dtype(np.uint64)
+
+        def _get_np_dtype(tt_dtype):
+            if isinstance(tt_dtype, tl.pointer_type):
+                return pointer
+            if isinstance(tt_dtype, tl.block_type):
+                if isinstance(tt_dtype.element_ty, tl.pointer_type):
+                    return pointer
+                return table[tt_dtype.element_ty]
+            return table[tt_dtype]
+
+        interpreter._get_np_dtype = _get_np_dtype
 
 
-_scan_interpreter_builtins_once()
+_lighter_interpreter_bookkeeping()
 
 torch.set_num_threads(1)
 
