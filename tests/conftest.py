@@ -71,8 +71,9 @@ def _lighter_interpreter_bookkeeping():
             if isinstance(tt_dtype, tl.block_type):
                 if isinstance(tt_dtype.element_ty, tl.pointer_type):
                     return pointer
-                return table[tt_dtype.element_ty]
-            return table[tt_dtype]
+                tt_dtype = tt_dtype.element_ty
+            found = table.get(tt_dtype)
+            return np_dtype(tt_dtype) if found is None else found  # (a type the table lacks: the original)
 
         interpreter._get_np_dtype = _get_np_dtype
 
@@ -108,9 +109,12 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    if not hasattr(LoadFileScheduling, "_assign_work_unit"):  # (a private method of xdist 3.x: else its own order)
+        return None
+
     class SlowFilesFirst(LoadFileScheduling):
         def _assign_work_unit(self, node):
-            if not getattr(self, "_slow_first", False):  # the work queue is built by now: reorder it once
+            if not getattr(self, "_slow_first", False) and hasattr(self, "workqueue"):  # built by now: reorder once
                 self._slow_first = True
                 for name in reversed(SLOW_FILES):
                     for scope in [s for s in self.workqueue if s.rsplit("/", 1)[-1] == name]:
