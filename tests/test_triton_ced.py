@@ -241,6 +241,13 @@ def test_sparse_attention_prefetch_same_bits(rows, W, H, K, fmt, dtype, splits, 
     assert rel_err(piped, REF.ced_sparse_attention(*args, **kw)) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def valid_first(sel: torch.Tensor) -> torch.Tensor:
+    """Each row's valid slots first, in their order, then its -1s (the indexer's top-K layout)."""
+    K = sel.shape[1]
+    key = torch.where(sel >= 0, 0, 1) * (K + 1) + torch.arange(K, device=sel.device)
+    return sel.gather(1, key.argsort(1))
+
+
 @examples(10)
 @given(rows=ced_attention_rows(2), W=st.integers(1, 12), H=st.integers(1, 3), K=st.integers(0, 70),
        fmt=st.sampled_from(FP4), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -251,10 +258,8 @@ def test_sparse_attention_dynamic_entries_same_bits(rows, W, H, K, fmt, dtype, s
     with the -1s anywhere (attention_case) or, as the indexer pads its top-K, after the last valid entry; with
     either entry loop and any split count."""
     args, kw = attention_case(gen(seed), rows, W, 1, H, 32, K, fmt, dtype, True)
-    if at_end:  # each row's valid slots first, in their order, then the -1s
-        sel = args[4]
-        key = torch.where(sel >= 0, 0, 1) * (K + 1) + torch.arange(K, device=sel.device)
-        args = (*args[:4], sel.gather(1, key.argsort(1)))
+    if at_end:
+        args = (*args[:4], valid_first(args[4]))
     launch = dict(triton_ced_attention.launch_config(H, 32, dtype), prefetch=prefetch)
     launch.pop("BLOCK_D")
     static = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=dict(launch, dynamic=0), **kw)
@@ -554,8 +559,11 @@ def test_gpu_sparse_attention_unrope_bench_shapes():
 
 
 @gpu
-def test_gpu_sparse_attention_in_cuda_graph():
-    """No host sync, splits from shapes only: capture once, replay with new queries, positions and entries."""
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_gpu_sparse_attention_in_cuda_graph(dynamic, monkeypatch):
+    """No host sync, splits from shapes only: capture once, replay with new queries, positions and entries (with
+    DYNAMIC_ENTRIES, each replay's entry loops bounded by its own slots' last valid one)."""
+    monkeypatch.setattr(triton_ced_attention, "DYNAMIC_ENTRIES", dynamic)
     c = bench_config()
     g = gen(2)
     rows = [(int(p), 1, 0) for p in torch.randint(c.n_win, 3000, (8,), generator=g)]
@@ -579,7 +587,8 @@ def test_gpu_sparse_attention_in_cuda_graph():
         static["q"].copy_(torch.randn(args[0].shape, generator=g).to(args[0]))
         static["pos"].copy_(kw["pos"] + shift)
         static["fresh_lo"].copy_(kw["fresh_lo"] + shift)
-        static["sel"].copy_(args[4].roll(i + 1, dims=0))
+        sel = args[4].roll(i + 1, dims=0)
+        static["sel"].copy_(valid_first(sel) if i == 2 else sel)  # (the last: short entry loops when dynamic)
         graph.replay()
         torch.cuda.synchronize()
         assert rel_err(out, run(REF)) < 1e-2
