@@ -67,7 +67,8 @@ CED_QUERY_ROPE_GEMV = False
 CED_OUT_ADD_RMS_GEMV = False
 # The query latent's RMSNorm in W_q_b's GEMV prologue (Ops.ced_query: each program sums its rows' squares, then
 # normalises them as it reads them; where the layer keeps no cq, i.e. has no indexer): a serial step off the chain
-# rather than into a tail. Tested, not yet measured on a GPU (23rd session: no device time left), so off.
+# rather than into a tail. Off: on the H100 (24th session) no faster (replay 1.323 against 1.313 ms at batch 1,
+# 2.915 / 2.924 at 16), the GEMV now waiting for the squares' sum before its first weight load.
 CED_QUERY_NORM_GEMV = False
 # The routed experts of a few tokens: up to this many (token, expert) pairs triton_moe_pairs.pair_experts (a GEMV
 # per pair, two launches) instead of fused_experts (sort by expert, two GEMMs, k-sum: five). Never in batch-invariant
@@ -500,9 +501,8 @@ class NvidiaOps(ReferenceOps):
             dot = self._gemv_route(qa, w)
             if dot is not None and triton_gemv.supports(qa[:, None, :], w[None], dot):
                 self.kernel_calls["gemv_rms_in"] += 1
-                rope = CED_QUERY_ROPE_GEMV and triton_gemv.supports_rope(qa, w, pos, rope_dim, heads)
-                y = triton_gemv.linear(qa, w, dot=dot, norm_in=(norm_w.contiguous(), eps), rope=(
-                    pos, tcf.inv_freq(rope_dim, theta, qa.device), heads) if rope else None)
+                rope = self._rope_epilogue(qa, w, pos, rope_dim, theta, heads)
+                y = triton_gemv.linear(qa, w, dot=dot, norm_in=(norm_w.contiguous(), eps), rope=rope)
                 q = y.view(qa.shape[0], heads, w.shape[0] // heads)
                 return q if rope else self.ced_rope(q, pos, rope_dim, theta, reuse_input=True)
         return super().ced_query(qa, norm_w, eps, w, pos, rope_dim, theta, heads)
@@ -521,16 +521,24 @@ class NvidiaOps(ReferenceOps):
     def ced_linear_rope(self, x, w, pos, rope_dim, theta, heads):
         """Where linear takes the GEMV kernel, the RoPE rides on its store (triton_gemv's rope epilogue: one
         launch, the bits of the GEMV then the rope kernel); otherwise the two ops."""
-        from . import triton_ced_fused as tcf
-
-        if CED_QUERY_ROPE_GEMV and x.dim() == 2 and w.dim() == 2 and kernel_device_ok(x, w, pos) \
-                and triton_gemv.supports_rope(x, w, pos, rope_dim, heads):
+        rope = x.dim() == 2 and w.dim() == 2 and kernel_device_ok(x, w, pos) \
+            and self._rope_epilogue(x, w, pos, rope_dim, theta, heads)
+        if rope:
             dot = self._gemv_route(x, w)
             if dot is not None and triton_gemv.supports(x[:, None, :], w[None], dot):
                 self.kernel_calls["gemv_rope"] += 1
-                return triton_gemv.linear(x, w, dot=dot, rope=(pos, tcf.inv_freq(rope_dim, theta, x.device),
-                                                               heads)).view(x.shape[0], heads, w.shape[0] // heads)
+                return triton_gemv.linear(x, w, dot=dot, rope=rope).view(x.shape[0], heads, w.shape[0] // heads)
         return super().ced_linear_rope(x, w, pos, rope_dim, theta, heads)
+
+    @staticmethod
+    def _rope_epilogue(x, w, pos, rope_dim, theta, heads):
+        """triton_gemv's ``rope`` argument for x @ w.T where CED_QUERY_ROPE_GEMV is on and it supports the shapes,
+        else None."""
+        from . import triton_ced_fused as tcf
+
+        if CED_QUERY_ROPE_GEMV and triton_gemv.supports_rope(x, w, pos, rope_dim, heads):
+            return pos, tcf.inv_freq(rope_dim, theta, x.device), heads
+        return None
 
     def ced_compress_plan(self, pos, block_table, m, size, per, *, rows=None, real=None, scratch_block=0):
         from . import triton_ced_plan as tpl
