@@ -55,6 +55,8 @@
 #   bash scripts/device_issue12.sh s23a COMMIT       # (carry .baseline) the GEMV tails' GPU tests, then s21b COMMIT
 #   bash scripts/device_issue12.sh s23b              # decode profiles as shipped, then each GEMV epilogue / the
 #                                            # norm prologue on in turn
+#   bash scripts/device_issue12.sh s25a              # decode profiles with each untimed knob (fused_experts' PDL
+#                                            # chain, the dynamic entry loop, EARLY_W, split-K swap), gemv_bench
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -516,6 +518,20 @@ s24a)
     --out "$OUT/profile_ced_timeline.jsonl" 2>&1 | grep -v Warning | grep -A32 "== batch\|^timeline" | cut -c 1-120
   timeout 90 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 --steps 16 --top 30 \
     --knob CED_QUERY_NORM_GEMV=1 --out "$OUT/profile_ced_timeline_normin.jsonl" 2>&1 | grep "== batch\|span" ;;
+s25a)
+  # 25th session (~6 min): s24b's decode profiles and gemv_bench (its tests run in s22c), and fused_experts as a PDL
+  # chain (triton_moe.PDL_CHAIN) at 16 / 64.
+  for k in "" "triton_moe.PDL_CHAIN=1" "triton_ced_attention.DYNAMIC_ENTRIES=1" "triton_gemv.EARLY_W=1" \
+      "SPLITK_MAX_ROWS=64 SPLITK_SWAP=1" "SPLITK_MAX_ROWS=64"; do
+    args=""; for a in $k; do args="$args --knob $a"; done
+    case "$k" in ""|triton_ced*) b="1 16 64" ;; triton_gemv*) b="1" ;; *) b="16 64" ;; esac
+    timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches $b --steps 16 $args \
+      --out "$OUT/profile_ced_knobs.jsonl" 2>&1 | grep "== batch\|^timeline" | sed "s/^/[${k:-as shipped}] /" \
+      | cut -c 1-120
+  done
+  timeout 150 python3 benchmarks/gemv_bench.py --rows 16 64 --tiles 8192 --per-sm 4 --warps 8 --splitk-knobs \
+    4,128,64,16,3 4,128,64,16,3,1 2,128,64,16,3,1 4,128,128,16,3,1 4,256,64,16,3,1 8,128,64,16,4,1 \
+    --out "$OUT/gemv_swap.jsonl" 2>&1 | grep -v "done$" | grep -v Warning | tail -12 ;;
 s24b)
   # 24th session (~8 min; not yet run: the budget ran out; the decode profiles come first): the decode profile as
   # shipped at 1 / 16 / 64; with the CED attention's entry loop bounded on the device at 1 / 16 / 64; with

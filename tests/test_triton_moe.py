@@ -116,6 +116,41 @@ def test_launch_overrides_keep_the_result(T, E, k, knobs, seed):
     assert rel_err(out, ref_moe.experts_routed(x, w13, w2, weights, ids, clamp=0.7)) < 1e-2
 
 
+@examples(8)
+@given(T=st.integers(1, 12), k=st.integers(1, 8), d=st.sampled_from([8, 24, 100, 1100]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), seed=st.integers(0, 2**16))
+def test_k_sum_adds_each_tokens_pairs_in_order(T, k, d, dtype, seed):
+    """PDL_CHAIN's k-sum kernel: token t's rows t*k .. t*k+k-1 added in that order in float32, rounded once (an
+    oracle of torch adds, bit for bit; d crosses the kernel's tile both ways)."""
+    g = gen(seed)
+    pairs = (torch.randn(T * k, d, generator=g) * torch.logspace(-3, 3, d)).to(dtype)
+    want = torch.zeros(T, d, dtype=torch.float32)
+    for j in range(k):
+        want = want + pairs.view(T, k, d)[:, j].float()
+    out = triton_moe.k_sum(pairs.to(DEV), T, k, {})
+    assert out.dtype == dtype and out.shape == (T, d)
+    assert torch.equal(out.cpu(), want.to(dtype))
+
+
+@examples(6)
+@given(T=st.integers(1, 40), E=st.integers(1, 10), k=st.integers(1, 4), **dims,
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
+def test_pdl_chain_keeps_the_result(T, E, k, d, F, dtype, seed):
+    """PDL_CHAIN changes the launches and the k-sum's kernel, not the function: against the routed reference as
+    the default path (float32: against the dense oracle)."""
+    k = min(k, E)
+    x, w13, w2, weights, ids = make_case(gen(seed), T, E, k, d, F, dtype)
+    poison_free_memory((T * k + 64) * (d + F) * 4)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_moe, "PDL_CHAIN", True)
+        out = triton_moe.fused_experts(x, w13, w2, weights, ids, clamp=0.7)
+    assert out.dtype == dtype and out.shape == (T, d)
+    if dtype == torch.float32:
+        assert rel_err(out, ref_moe.experts_dense(x, w13, w2, weights, ids, clamp=0.7)) < 1e-5
+    else:
+        assert rel_err(out, ref_moe.experts_routed(x, w13, w2, weights, ids, clamp=0.7)) < 1e-2
+
+
 def test_idle_experts_and_all_tokens_to_one_expert():
     g = gen(1)
     x, w13, w2, weights, ids = make_case(g, 0, 3, 2, 24, 20)  # no tokens
@@ -384,6 +419,33 @@ def test_gpu_cuda_graph_capture_and_replay_with_new_routing():
     assert ops.kernel_calls["fused_moe"] == 3
 
 
+@gpu
+def test_gpu_pdl_chain_same_bits_in_every_mode(monkeypatch):
+    """With PDL_CHAIN the five launches overlap their neighbours (PDL modes 1-3) or not (0): the same bits, eager and
+    in a CUDA graph, and no host sync."""
+    from deepinfer.backends.nvidia import triton_pdl
+
+    monkeypatch.setattr(triton_moe, "PDL_CHAIN", True)
+    w13, w2 = _qwen3_weights(23)
+    x, weights, ids = _tokens(24, 48)
+    outs = {}
+    for mode in (0, 1, 2, 3):
+        monkeypatch.setattr(triton_pdl, "MODE", mode)
+        monkeypatch.setattr(triton_pdl, "_by_device", {})
+
+        def run():
+            return triton_moe.fused_experts(x, w13, w2, weights, ids)
+
+        outs[mode] = run()
+        graph, out = capture_graph(run, warmup=lambda: (run(), no_host_sync(run)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, outs[mode]), mode
+    for mode in (1, 2, 3):
+        assert torch.equal(outs[mode], outs[0]), mode
+    assert rel_err(outs[0], ref_moe.experts_routed(x, w13, w2, weights, ids)) < 1e-2
+
+
 # ------------------------------------------------------------------------------------------- compiled path
 _COMPILE_SCRIPT = r'''
 import json
@@ -427,6 +489,22 @@ for pairs, fp8 in ((8, False), (64 * 8, False), (4096 * 8, False), (128 * 1024, 
                   EVEN_K=True, EVEN_N=True, DOT_PRECISION="tf32", F_I=0),
              div16=("stride_at", "stride_we", "stride_wn", "stride_ot", "F", "D"),
              num_warps=cfg["warps2"], num_stages=cfg["stages2"])
+cfg = tm.launch_config(64, 128, 768, 2048, torch.device("cuda", 0))  # PDL_CHAIN's launches: waits and late signals
+for pdl in (2, 3):
+    k = compile_sm90(tm._gemm1_swiglu_kernel,
+                     dict(x_ptr="*bf16", w_ptr="*bf16", ws_ptr="*fp32", act_ptr="*bf16", sorted_ptr="*i32",
+                          starts_ptr="*i32", counts_ptr="*i32", clamp="fp32", **ints("stride_xt", "stride_we",
+                          "stride_wn", "stride_se", "stride_sn", "stride_at", "F", "D", "E", "TOPK", "NUM_N")),
+                     dict(stride_xk=1, stride_wk=1, stride_sk=1, EB=256, BLOCK_M=16, BLOCK_N=cfg["BN1"],
+                          BLOCK_K=cfg["BK1"], HAS_CLAMP=True, FP8_W=False, EVEN_K=True, EVEN_N=True,
+                          DOT_PRECISION="tf32", D_I=0, PDL=pdl), (), launch_pdl=True,
+                     num_warps=cfg["warps1"], num_stages=cfg["stages1"])
+    ks = compile_sm90(tm._ksum_kernel, dict(pairs_ptr="*bf16", out_ptr="*bf16", **ints("D", "stride_pt", "stride_ot")),
+                      dict(TOPK=8, BLOCK_D=1024, PDL=pdl), (), launch_pdl=True, num_warps=4)
+    for name, kern in (("pdl_gemm1", k), ("pdl_ksum", ks)):
+        ptx = kern.asm["ptx"]
+        report[f"{name}_{pdl}"] = dict(wait=ptx.count("griddepcontrol.wait"),
+                                       signal=ptx.count("griddepcontrol.launch_dependents"), smem=kern.metadata.shared)
 print(json.dumps(report))
 '''
 
@@ -437,6 +515,10 @@ def test_kernels_compile_for_hopper():
     tensor cores (warpgroup MMAs from BLOCK_M 64), within the H200's 227 KB of shared memory."""
     report = run_compile_script(_COMPILE_SCRIPT)
     assert {"gemm1_bf16_BM16", "gemm1_bf16_BM64", "gemm1_bf16_BM128", "gemm2_fp8_BM16", "gemm2_fp8_BM64"} <= set(report)
+    for pdl in (2, 3):  # every program waits; the signal at the start (2) or after the main loop (3)
+        for name in ("pdl_gemm1", "pdl_ksum"):
+            row = report.pop(f"{name}_{pdl}")
+            assert (row["wait"], row["signal"]) == (1, 1) and row["smem"] <= 227 * 1024, (name, pdl, row)
     for name, row in report.items():
         assert row["smem"] <= 227 * 1024, (name, row)
         sass = row.get("sass")

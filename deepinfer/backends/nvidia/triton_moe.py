@@ -47,6 +47,7 @@ import triton.language as tl
 from ..reference.moe import FP8, SCALE_BLOCK, _check_experts, check_scales
 from .triton_attention import sm_count
 from .triton_norm import cast_rne, to_f32
+from .triton_pdl import launch_kw, pdl_signal, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, merge_launch, next_pow2
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -54,6 +55,11 @@ _INTERP = tl.constexpr(INTERPRET)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_EXPERTS = 1024
 _INT32_MAX = tl.constexpr(2 ** 31 - 1)
+# PDL_CHAIN: the five launches (count, place, GEMM 1, GEMM 2, k-sum) as a PDL chain (triton_pdl), the k-sum a Triton
+# kernel (_ksum_kernel) instead of torch's reduction. Off, they launch normally and the PDL kernels on either side of
+# them lose their overlap (the decode profile at batch 16 / 64: the torch reduction ~5 us a layer). Shipped off until
+# timed on a GPU: profile_decode --knob triton_moe.PDL_CHAIN=1.
+PDL_CHAIN = False
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -102,8 +108,9 @@ def _load_weight(ptrs, mask, dtype: tl.constexpr, EVEN: tl.constexpr, FP8_W: tl.
 # ------------------------------------------------------------------------------------------- alignment
 @triton.jit
 def _count_kernel(ids_ptr, chunk_counts_ptr, N, E, CHUNK, S: tl.constexpr, EB: tl.constexpr,
-                  CHUNK_I: tl.constexpr):
+                  CHUNK_I: tl.constexpr, PDL: tl.constexpr = 0):
     """chunk_counts[c, b] = pairs of chunk c (pairs c*CHUNK .. +CHUNK-1) in bucket b."""
+    pdl_start(PDL)
     c = tl.program_id(0).to(tl.int64)
     hist = tl.zeros([EB], dtype=tl.int32)
     for s in range(0, CHUNK_I if _INTERP else CHUNK, S):
@@ -117,9 +124,10 @@ def _count_kernel(ids_ptr, chunk_counts_ptr, N, E, CHUNK, S: tl.constexpr, EB: t
 def _place_kernel(ids_ptr, chunk_counts_ptr, sorted_ptr, starts_ptr, counts_ptr,
                   N, E, CHUNK, NUM_CHUNKS,
                   BLOCK_M: tl.constexpr, S: tl.constexpr, EB: tl.constexpr, RB: tl.constexpr,
-                  CHUNK_I: tl.constexpr, NUM_CHUNKS_I: tl.constexpr):
+                  CHUNK_I: tl.constexpr, NUM_CHUNKS_I: tl.constexpr, PDL: tl.constexpr = 0):
     """Stable placement of chunk c's pairs; program 0 also writes starts [E + 2] (starts[E + 1] is the
     padded total) and counts [E + 1]."""
+    pdl_start(PDL)
     c = tl.program_id(0)
     e_off = tl.arange(0, EB)
     total = tl.zeros([EB], dtype=tl.int32)  # pairs per bucket
@@ -157,9 +165,10 @@ def _gemm1_swiglu_kernel(
     F, D, E, TOPK, NUM_N, clamp,
     EB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_CLAMP: tl.constexpr, FP8_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, D_I: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, D_I: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """act[rows of M-block, N-tile] = silu(x_rows @ gate.T) * (x_rows @ up.T) of the block's expert."""
+    pdl_start(PDL, True)
     pid = tl.program_id(0)
     pid_m = pid // NUM_N
     pid_n = pid % NUM_N
@@ -206,6 +215,7 @@ def _gemm1_swiglu_kernel(
         x_ptrs += BLOCK_K * stride_xk
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
+    pdl_signal(PDL)
     if HAS_CLAMP:  # DeepSeek-V4: gate <= clamp, -clamp <= up <= clamp
         acc_g = tl.minimum(acc_g, clamp)
         acc_u = tl.maximum(tl.minimum(acc_u, clamp), -clamp)
@@ -222,9 +232,10 @@ def _gemm2_kernel(
     F, D, E, NUM_N,
     EB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8_W: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    F_I: tl.constexpr,
+    F_I: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """out[pair, N-tile of d] = routing_weight[pair] * (act_row @ w2[e].T) for the M-block's pairs."""
+    pdl_start(PDL, True)
     pid = tl.program_id(0)
     pid_m = pid // NUM_N
     pid_n = pid % NUM_N
@@ -262,8 +273,33 @@ def _gemm2_kernel(
             acc = _mma(a, w, acc, DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
+    pdl_signal(PDL)
     rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)  # [BLOCK_M] float32 routing weights
     tl.store(o_ptrs, cast_rne(acc * rw[:, None], out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _ksum_kernel(pairs_ptr, out_ptr, D, stride_pt, stride_ot, TOPK: tl.constexpr, BLOCK_D: tl.constexpr,
+                 PDL: tl.constexpr = 0):
+    """out[t, tile] = sum over j in order of pairs[t * TOPK + j, tile], in float32, rounded once to out's dtype."""
+    pdl_start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = n < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(pairs_ptr + (t * TOPK + j) * stride_pt + n, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + n, cast_rne(acc, out_ptr.dtype.element_ty), mask=m)
+
+
+def k_sum(pairs: torch.Tensor, T: int, k: int, pdl: dict) -> torch.Tensor:
+    """[T * k, d] weighted expert outputs -> [T, d]: each token's k rows summed in pair order in float32."""
+    d = pairs.shape[1]
+    out = torch.empty(T, d, dtype=pairs.dtype, device=pairs.device)
+    BLOCK_D = min(1024, next_pow2(d)) if not INTERPRET else min(64, next_pow2(d))
+    _ksum_kernel[(T, cdiv(d, BLOCK_D))](pairs, out, d, pairs.stride(0), out.stride(0), TOPK=k, BLOCK_D=BLOCK_D,
+                                         num_warps=4, **pdl)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- host side
@@ -324,13 +360,15 @@ def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return (cdiv(num_pairs, block_m) + min(num_experts + 1, num_pairs)) * block_m
 
 
-def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int, pdl: Optional[dict] = None):
     """Sort the pairs of ids [T, k] by expert (stable) into BLOCK_M-padded segments, on the device.
 
     Returns (sorted_ids [max_rows] int32, starts [E + 2] int32, counts [E + 1] int32): bucket b (expert b,
     or E for ids outside [0, E)) holds its counts[b] pairs at rows starts[b] .. starts[b] + counts[b] - 1
     in ascending pair order; starts[E + 1] is the padded total. Padding rows are left unwritten.
+    pdl: triton_pdl.launch_kw's arguments for both launches (fused_experts' PDL_CHAIN), or none.
     """
+    pdl = pdl or {}
     flat = ids.reshape(-1)  # [N]; pair p = t * k + j
     if flat.stride(0) != 1:
         flat = flat.contiguous()
@@ -345,10 +383,10 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
     starts = torch.empty(E + 2, dtype=torch.int32, device=dev)
     counts = torch.empty(E + 1, dtype=torch.int32, device=dev)
     chunk_counts = torch.empty(C, EB, dtype=torch.int32, device=dev)
-    _count_kernel[(C,)](flat, chunk_counts, N, E, CHUNK, S=S, EB=EB, CHUNK_I=_i(CHUNK), num_warps=4)
+    _count_kernel[(C,)](flat, chunk_counts, N, E, CHUNK, S=S, EB=EB, CHUNK_I=_i(CHUNK), num_warps=4, **pdl)
     _place_kernel[(C,)](flat, chunk_counts, sorted_ids, starts, counts, N, E, CHUNK, C,
                         BLOCK_M=block_m, S=S, EB=EB, RB=8, CHUNK_I=_i(CHUNK),
-                        NUM_CHUNKS_I=_i(C), num_warps=4)
+                        NUM_CHUNKS_I=_i(C), num_warps=4, **pdl)
     return sorted_ids, starts, counts
 
 
@@ -421,7 +459,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     if fp8:
         if SCALE_BLOCK % cfg["BK1"] or SCALE_BLOCK % cfg["BK2"]:
             raise ValueError(f"FP8 weights need BK1 and BK2 dividing {SCALE_BLOCK}, got {cfg['BK1']} and {cfg['BK2']}")
-    sorted_ids, starts, counts = align_pairs(ids, E, BM)
+    pdl = launch_kw(dev) if PDL_CHAIN else {}
+    sorted_ids, starts, counts = align_pairs(ids, E, BM, pdl)
     rows = sorted_ids.shape[0]
     rw = weights.reshape(-1).to(torch.float32).contiguous()  # [N]
     s13 = w13_scale if fp8 else rw  # placeholders: never read without FP8
@@ -439,7 +478,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         F, d, E, k, n1, float(clamp) if clamp is not None else 0.0,
         EB=EB, BLOCK_M=BM, BLOCK_N=cfg["BN1"], BLOCK_K=cfg["BK1"], HAS_CLAMP=clamp is not None, FP8_W=fp8,
         EVEN_K=d % cfg["BK1"] == 0, EVEN_N=F % cfg["BN1"] == 0, DOT_PRECISION=precision, D_I=_i(d),
-        num_warps=cfg["warps1"], num_stages=cfg["stages1"],
+        num_warps=cfg["warps1"], num_stages=cfg["stages1"], **pdl,
     )
     out_pairs = torch.empty(N, d, dtype=x.dtype, device=dev)  # [T * k, d] weighted expert outputs
     n2 = cdiv(d, cfg["BN2"])
@@ -449,6 +488,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         F, d, E, n2,
         EB=EB, BLOCK_M=BM, BLOCK_N=cfg["BN2"], BLOCK_K=cfg["BK2"], FP8_W=fp8,
         EVEN_K=F % cfg["BK2"] == 0, EVEN_N=d % cfg["BN2"] == 0, DOT_PRECISION=precision, F_I=_i(F),
-        num_warps=cfg["warps2"], num_stages=cfg["stages2"],
+        num_warps=cfg["warps2"], num_stages=cfg["stages2"], **pdl,
     )
+    if PDL_CHAIN:
+        return k_sum(out_pairs, T, k, pdl)
     return out_pairs.view(T, k, d).sum(dim=1)  # deterministic k-sum, float32 accumulation
