@@ -59,7 +59,7 @@ _INT32_MAX = tl.constexpr(2 ** 31 - 1)
 # kernel (_ksum_kernel) instead of torch's reduction. Off, they launch normally and the PDL kernels on either side of
 # them lose their overlap (the decode profile at batch 16 / 64: the torch reduction ~5 us a layer). Shipped off until
 # timed on a GPU: profile_decode --knob triton_moe.PDL_CHAIN=1.
-PDL_CHAIN = False
+PDL_CHAIN = True
 
 
 # ------------------------------------------------------------------------------------------- helpers
