@@ -532,6 +532,11 @@ s25a)
   timeout 150 python3 benchmarks/gemv_bench.py --rows 16 64 --tiles 8192 --per-sm 4 --warps 8 --splitk-knobs \
     4,128,64,16,3 4,128,64,16,3,1 2,128,64,16,3,1 4,128,128,16,3,1 4,256,64,16,3,1 8,128,64,16,4,1 \
     --out "$OUT/gemv_swap.jsonl" 2>&1 | grep -v "done$" | grep -v Warning | tail -12 ;;
+s25b)
+  # 25th session (~7 min, EARLY_W and PDL_CHAIN on): the GEMV / PDL / CED decode GPU tests, then s21b COMMIT.
+  timeout -s INT 150 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_gemv_norm_in.py \
+    tests/test_triton_gemv.py tests/test_triton_pdl.py tests/test_ced_decode_path.py 2>&1 | tail -3
+  decode_ab "${1:-?}" ;;
 s24b)
   # 24th session (~8 min; not yet run: the budget ran out; the decode profiles come first): the decode profile as
   # shipped at 1 / 16 / 64; with the CED attention's entry loop bounded on the device at 1 / 16 / 64; with
