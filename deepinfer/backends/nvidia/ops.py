@@ -104,7 +104,9 @@ GEMV_DOT_MAX_ROWS = 4
 # faster (its best split-K reaches ~2.3 TB/s). So 0: the kernel stays for the router's float32 gate below.
 SPLITK_MAX_ROWS = 0
 # triton_splitk's ``swap`` for those projections (the weight tile as wgmma's M side instead of the rows as
-# mma.sync's; 24th session, not yet timed in a step: off).
+# mma.sync's). Off: on the H100 (25th session, profile_decode graph replay with SPLITK_MAX_ROWS=64) 2.972 / 4.360 ms
+# at batch 16 / 64 swapped, 2.974 / 4.271 unswapped, 2.911 / ~3.6 on cuBLAS; gemv_bench's step totals at 16 / 64 rows,
+# cuBLAS 910 / 951 us against the best split-K knobs' 1201 / 1912.
 SPLITK_SWAP = False
 INVARIANT_CED_SPLIT_TILES = 4  # batch-invariant mode: key tiles per split of the CED attention kernel
 

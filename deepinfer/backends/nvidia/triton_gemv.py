@@ -19,10 +19,13 @@ ship on): a prologue, ``norm_in`` (each row's RMSNorm before the product); epilo
 query's RoPE); and two on the launch's last program, picked by a ticket counter (triton_tickets): ``route``
 (triton_ced_route.Tail: the router on the logits) and ``linear_add_rms`` (the residual add and the next norm).
 
-``EARLY_W`` (a module knob, off; ``benchmarks/profile_decode.py --knob triton_gemv.EARLY_W=1`` A/Bs it): the
+``EARLY_W`` (a module knob, on; ``benchmarks/profile_decode.py --knob triton_gemv.EARLY_W=0`` A/Bs it): the
 CUDA-core kernel loads its first weight tile before the PDL wait, so under PDL the tile streams while the kernel
 before it still runs (the weights are parameters: no kernel of a step writes them, so reading them early is safe;
-everything else is read after the wait). The same loads and sums in the same order: the same bits.
+everything else is read after the wait). The same loads and sums in the same order: the same bits. On the H100
+(25th session, the CED bench decode step at batch 1, graph replay) 1.276 against 1.318 ms in one run, 1.302 / 1.307
+against 1.333 / 1.328 in two more: the GEMVs' share of the span fell 0.558 -> 0.481 ms, most of it handed to the
+small kernels after them, which now wait longer.
 
 Precision: float32 accumulation of exact products of bf16 / fp16 / float32 values, one rounding (round to
 nearest even) at the end, as cuBLAS computes; the summation order differs, so results agree to the last bits.
@@ -55,7 +58,7 @@ DOT_ROWS = 16  # the tensor-core variant: one MMA's rows
 TILE = 8192  # weight elements a program loads per K step (16 KB in bf16)
 PROGRAMS_PER_SM = 4
 NUM_WARPS = 8
-EARLY_W = True  # the first weight tile before the PDL wait (the module doc; H100 timing in docs/benchmarks.md)
+EARLY_W = True  # the first weight tile before the PDL wait (the module doc)
 
 
 @triton.jit

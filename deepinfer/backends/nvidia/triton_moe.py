@@ -57,8 +57,9 @@ MAX_EXPERTS = 1024
 _INT32_MAX = tl.constexpr(2 ** 31 - 1)
 # PDL_CHAIN: the five launches (count, place, GEMM 1, GEMM 2, k-sum) as a PDL chain (triton_pdl), the k-sum a Triton
 # kernel (_ksum_kernel) instead of torch's reduction. Off, they launch normally and the PDL kernels on either side of
-# them lose their overlap (the decode profile at batch 16 / 64: the torch reduction ~5 us a layer). Shipped off until
-# timed on a GPU: profile_decode --knob triton_moe.PDL_CHAIN=1.
+# them lose their overlap. On: the CED bench decode step on the H100 (25th session, profile_decode graph replay,
+# two alternating runs against 0d6fa03) 2.818 / 2.828 against 2.925 / 2.924 ms at batch 16, 3.500 / 3.500 against
+# 3.598 / 3.594 at 64 (batch 1 takes the pair kernels). Off: profile_decode --knob triton_moe.PDL_CHAIN=0.
 PDL_CHAIN = True
 
 
