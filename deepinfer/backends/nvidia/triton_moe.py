@@ -17,8 +17,8 @@ expert ids [T, k] (pair p = t * k + j is token t's j-th choice):
    DeepSeek-V4 clamp (gate <= clamp, |up| <= clamp) and silu(gate) * up, and stores the activation
    [padded rows, F] in x's dtype.
 3. GEMM 2: activation @ w2[e].T times the pair's routing weight (float32), stored in x's dtype at the
-   pair's own row of a [N, d] buffer; the k rows of each token are then summed (a reshape and a sum:
-   deterministic, no atomics) into [T, d].
+   pair's own row of a [N, d] buffer; the k rows of each token are then summed in pair order in float32
+   (``_ksum_kernel``; torch's reduction where PDL_CHAIN is off: deterministic either way, no atomics) into [T, d].
 
 FP8 block-scaled weights (DeepSeek-V3): w13/w2 as float8_e4m3fn with float32 scales w13_scale
 [E, cdiv(2F, 128), cdiv(d, 128)] and w2_scale [E, cdiv(d, 128), cdiv(F, 128)] (weight = fp8 * scale per
