@@ -11,7 +11,7 @@ layers do not. A row per (shape, rows, implementation); then, per row count, the
 whose total is lowest at one row (triton_gemv's TILE, PROGRAMS_PER_SM, NUM_WARPS) and GEMV_MAX_ROWS for
 backends/nvidia/ops.py: the largest row count up to which the shipped knobs' total beats cuBLAS's at every count
 (likewise CED_ROUTE_LOGITS_GEMV_MAX_ROWS from the router's row), and GEMV_DOT_MAX_ROWS: past that, the largest
-row count up to which the tensor-core variant ("dot" rows, up to 16 rows) beats cuBLAS at every count; then
+row count up to which the tensor-core variant ("dot" rows, up to 64 rows) beats cuBLAS at every count; then
 SPLITK_MAX_ROWS: past those, the largest row count up to which triton_splitk's kernel ("splitk" rows, its knobs
 swept by ``--splitk-knobs``; up to 64 rows) beats cuBLAS at every count, and the knobs with the lowest total
 summed over the row counts it would serve.
@@ -155,7 +155,8 @@ def main(argv=None) -> int:
             splitk_summary(a.rows, totals, max(max_rows, dot_rows) if not router else max_rows, f, router)
             if not router:
                 one = {i: v for (m, i, r), v in totals.items() if m == a.rows[0] and not r and i.startswith("gemv")}
-                print(f"knobs at {a.rows[0]} row(s): {min(one, key=one.get)}")
+                if one:  # (none where the first row count is past the CUDA-core kernel's rows)
+                    print(f"knobs at {a.rows[0]} row(s): {min(one, key=one.get)}")
                 print(f"GEMV_DOT_MAX_ROWS (backends/nvidia/ops.py) by these rows: {dot_rows}")
             print(f"{limit} (backends/nvidia/ops.py) by these rows: {max_rows}")
     return 0

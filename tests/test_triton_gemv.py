@@ -55,9 +55,10 @@ def test_early_weight_tile_keeps_the_bits(M, G, N, K, tile, normed, seed):
     x = torch.randn(M, G, K, generator=g).to(DEV, torch.bfloat16)
     w = (torch.randn(G, N, K, generator=g) * K ** -0.5).to(DEV, torch.bfloat16)
     kw = dict(tile=tile, norm_in=(torch.rand(K, generator=g).to(DEV, torch.bfloat16) + 0.5, 1e-6) if normed else None)
-    off = tg.grouped_gemv(x, w, **kw)
     was = tg.EARLY_W
     try:
+        tg.EARLY_W = False
+        off = tg.grouped_gemv(x, w, **kw)
         tg.EARLY_W = True
         on = tg.grouped_gemv(x, w, **kw)
     finally:
@@ -72,8 +73,8 @@ def test_early_weight_tile_keeps_the_bits(M, G, N, K, tile, normed, seed):
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), mixed=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_tensor_core_variant_matches_float64(M, G, N, K, dtype, mixed, seed):
-    """dot=True (rows padded to 16, one MMA per K step; float32 and mixed operands through an "ieee" dot): the same
-    bound as the CUDA-core kernel, up to DOT_ROWS rows."""
+    """dot=True (rows padded to 16, 32 or 64, one MMA per K step; float32 and mixed operands through an "ieee" dot):
+    the same bound as the CUDA-core kernel, up to DOT_ROWS rows."""
     g = gen(seed)
     x = torch.randn(M, G, K, generator=g).to(DEV, dtype)
     w = torch.randn(G, N, K, generator=g).to(DEV, torch.float32 if mixed else dtype)
@@ -123,6 +124,19 @@ def test_launch_config_fills_the_gpu_and_keeps_the_tile():
     assert tg.block_sizes(5, 1, 64, 64, torch.device(DEV))[0] == 8
 
 
+def test_dot_block_sizes_pad_the_rows_and_bound_the_x_tile():
+    """The tensor-core variant: rows padded to 16 / 32 / 64; block_sizes' columns (16 at least); past 16 rows the K
+    step at most DOT_X_TILE / BLOCK_M, so an x tile never grows past DOT_X_TILE elements."""
+    dev = torch.device(DEV)
+    for M, want_bm in ((1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (64, 64)):
+        for G, N, K in ((1, 8192, 1024), (1, 1024, 2048), (8, 1024, 1024), (1, 40, 7)):
+            bm, bn, bk = tg.dot_block_sizes(M, G, N, K, dev)
+            _, bn16, bk16 = tg.block_sizes(M, G, N, K, dev, min_n=16)
+            assert (bm, bn) == (want_bm, bn16)
+            assert bk == (bk16 if bm == 16 else max(16, min(bk16, tg.DOT_X_TILE // bm)))
+            assert bm == 16 or bm * bk <= max(tg.DOT_X_TILE, bm * 16)
+
+
 def test_bad_inputs_are_refused_with_their_shapes():
     x = torch.randn(2, 1, 16, device=DEV)
     with pytest.raises(ValueError, match="unsupported inputs"):
@@ -156,6 +170,12 @@ def test_the_backend_takes_the_tensor_core_variant_past_gemv_max_rows(monkeypatc
         x = torch.randn(rows, 40, generator=gen(rows)).to(DEV)
         torch.testing.assert_close(backend.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert seen == [False, True, True]  # 5 rows: cuBLAS
+    monkeypatch.setattr(nv, "GEMV_DOT_MAX_ROWS", tg.DOT_ROWS)  # the variant's whole range
+    seen.clear()
+    for rows in (17, 33, tg.DOT_ROWS, tg.DOT_ROWS + 1):
+        x = torch.randn(rows, 40, generator=gen(rows)).to(DEV)
+        torch.testing.assert_close(backend.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert seen == [True, True, True]  # past DOT_ROWS: cuBLAS
 
 
 @st.composite
@@ -478,7 +498,8 @@ def test_gpu_split_k_in_a_graph(M, G, N, K, swap):
 
 _COMPILE_SCRIPT = r'''
 import json
-from deepinfer.backends.nvidia import triton_gemv as tg, triton_splitk as tsk
+import torch
+from deepinfer.backends.nvidia import triton_attention, triton_gemv as tg, triton_splitk as tsk
 from deepinfer.testing.kernels import compile_sm90, sass_row
 
 assert not tg.INTERPRET
@@ -500,6 +521,14 @@ report["gemv_m1_early"] = sass_row(k, pat)
 k = compile_sm90(tg._dot_kernel, sig, dict(BLOCK_N=16, BLOCK_K=512, K_I=0, WIDEN=False, PRECISION="tf32"), div16,
                  num_warps=4)
 report["dot_bf16"] = sass_row(k, pat)
+# the variant at 32 and 64 rows, as dot_block_sizes sizes W_q_b (8192 x 1024) and W_q_a (1024 x 2048) on an H200
+triton_attention._SM_COUNT[0] = 132
+for M in (32, 64):
+    for N, K in ((8192, 1024), (1024, 2048)):
+        bm, bn, bk = tg.dot_block_sizes(M, 1, N, K, torch.device("cuda", 0))
+        k = compile_sm90(tg._dot_kernel, sig, dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, K_I=0, WIDEN=False,
+                                                    PRECISION="tf32", PDL=2), div16, num_warps=4, launch_pdl=True)
+        report[f"dot_bf16_m{M}_n{N}"] = sass_row(k, pat, smem=k.metadata.shared)
 # W_q_b's GEMV at one row and on the variant: CED's query RoPE on the store; the query latent's RMSNorm in its
 # prologue (norm_in); both
 rope = dict(pos_ptr="*i64", inv_ptr="*fp32", HEAD_D="i32", HALF="i32")
@@ -542,17 +571,20 @@ def test_kernels_compile_for_hopper():
     report = run_compile_script(_COMPILE_SCRIPT)
     assert set(report) == {"gemv_m1", "gemv_m8", "dot_bf16", "gemv_m1_rope", "dot_bf16_rope", "gemv_m1_route",
                            "splitk_m64_route", "gemv_m1_normin", "dot_bf16_normin", "gemv_m1_normin_rope",
-                           "dot_bf16_normin_rope", "splitk_m16", "splitk_m16_swap", "gemv_m1_early"}
+                           "dot_bf16_normin_rope", "splitk_m16", "splitk_m16_swap", "gemv_m1_early",
+                           "dot_bf16_m32_n8192", "dot_bf16_m32_n1024", "dot_bf16_m64_n8192", "dot_bf16_m64_n1024"}
     for name, row in report.items():
+        assert row.get("smem", 0) <= 227 * 1024, (name, row)  # within the H200's / H100's shared memory per block
         sass = row.get("sass")
         if sass is None:
             continue  # no cuobjdump in this triton install
         if not name.endswith("_rope"):  # (libdevice's cosf / sinf keep a local array for huge angles)
             assert sass.get("STL", 0) == 0 and sass.get("LDL", 0) == 0, f"{name}: local-memory spills: {sass}"
         assert sass.get("LDG.E.128", 0) + sass.get("LDGSTS.E.BYPASS.128", 0) > 0, (name, sass)  # 16-byte loads
-    dot = report["dot_bf16"].get("sass")
-    if dot is not None:
-        assert dot.get("HMMA", 0) + dot.get("HGMMA", 0) > 0, dot
+    for name in ("dot_bf16", "dot_bf16_m32_n8192", "dot_bf16_m64_n1024"):
+        dot = report[name].get("sass")
+        if dot is not None:
+            assert dot.get("HMMA", 0) + dot.get("HGMMA", 0) > 0, (name, dot)
     plain, swap = report["splitk_m16"].get("sass"), report["splitk_m16_swap"].get("sass")
     if swap is not None:  # swap: the weight tile as wgmma's 64-row M side, the 16 rows its N
         assert plain.get("HMMA", 0) > 0 and not any(op.startswith("HGMMA") for op in plain), plain

@@ -51,7 +51,8 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROWS = 8  # past this the per-row products cost more than the loads save: cuBLAS's GEMM
-DOT_ROWS = 16  # the tensor-core variant: one MMA's rows
+DOT_ROWS = 64  # the tensor-core variant: rows padded to 16, 32 or 64 (one to four MMA row tiles)
+DOT_X_TILE = 8192  # x elements a dot program loads per K step at 32 rows or more (BLOCK_K = this / BLOCK_M)
 # Launch knobs from benchmarks/gemv_bench.py on the H200 (13th session): the lowest step total at one row over the
 # CED bench projections (609 us against cuBLAS's 1079). A variant that summed per k lane and reduced once after
 # the loop was slower at 1-2 rows (656 / 815 us against 609 / 752) and lost to cuBLAS from 4 rows as this does.
@@ -160,20 +161,22 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
                 BLOCK_TK: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False, RENORM: tl.constexpr = False,
                 norm_count=None, norm_r=None, norm_w=None, norm_h=None, norm_o=None, stride_nr=0, stride_nh=0,
                 stride_no=0, norm_eps=1e-6, NORM: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1,
-                nin_w=None, nin_eps=1e-6, NORM_IN: tl.constexpr = False, PDL: tl.constexpr = 0):
-    """The same product for up to DOT_ROWS rows on the tensor cores: x's rows padded to 16 (the MMA's M), one dot
-    per K step; WIDEN: mixed dtypes, both operands widened to float32 (exact) for an "ieee" dot."""
+                nin_w=None, nin_eps=1e-6, NORM_IN: tl.constexpr = False, BLOCK_M: tl.constexpr = 16,
+                PDL: tl.constexpr = 0):
+    """The same product for up to DOT_ROWS rows on the tensor cores: x's rows padded to BLOCK_M (16, 32 or 64; the
+    MMA's M is 16), one dot per K step; WIDEN: mixed dtypes, both operands widened to float32 (exact) for an "ieee"
+    dot."""
     pdl_start(PDL, True)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1).to(tl.int64)
     n_mask = n < N
-    rows = tl.arange(0, 16)
+    rows = tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + g * stride_wg + n[:, None].to(tl.int64) * stride_wn
     x_rows = x_ptr + g * stride_xg + rows[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if NORM_IN:  # each row's RMS first: its squares summed over K in BLOCK_K chunks
-        ss = tl.zeros([16], dtype=tl.float32)
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K_I if _INTERP else K, BLOCK_K):
             k = k0 + kk
             xt = to_f32(tl.load(x_rows + k[None, :], mask=(rows < M)[:, None] & (k < K)[None, :], other=0.0))
@@ -194,14 +197,14 @@ def _dot_kernel(x_ptr, w_ptr, out_ptr, M, N, K,
     o = out_ptr + g * stride_og + rows[:, None].to(tl.int64) * stride_om + n[None, :]
     pdl_signal(PDL)
     if ROPE:
-        acc = _rope_cols(acc, rows, pos_ptr, inv_ptr, M, HEAD_D, HALF, out_ptr.dtype.element_ty, 16, BLOCK_N)
+        acc = _rope_cols(acc, rows, pos_ptr, inv_ptr, M, HEAD_D, HALF, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N)
     tl.store(o, cast_rne(acc, out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_mask[None, :])
     if ROUTE:
         route_tail(tail_count, tl.num_programs(0) * tl.num_programs(1), out_ptr, stride_om, M, N, tail_w, tail_ids,
-                   tail_bias, tail_scale, TOPK, 16, BLOCK_E, BLOCK_TK, HAS_BIAS, RENORM)
+                   tail_bias, tail_scale, TOPK, BLOCK_M, BLOCK_E, BLOCK_TK, HAS_BIAS, RENORM)
     if NORM:
         add_rms_tail(norm_count, tl.num_programs(0) * tl.num_programs(1), out_ptr, stride_om, norm_r, stride_nr,
-                     norm_w, norm_h, stride_nh, norm_o, stride_no, M, N, norm_eps, NORM_BLOCK, 16)
+                     norm_w, norm_h, stride_nh, norm_o, stride_no, M, N, norm_eps, NORM_BLOCK, BLOCK_M)
 
 
 def supports(x: torch.Tensor, w: torch.Tensor, dot: bool = False) -> bool:
@@ -226,6 +229,23 @@ def block_sizes(M: int, G: int, N: int, K: int, device: torch.device, tile: int 
     return next_pow2(M), bn, bk
 
 
+def dot_rows(M: int) -> int:
+    """The dot kernel's BLOCK_M for M rows: 16, 32 or 64."""
+    return max(16, next_pow2(max(1, M)))
+
+
+def dot_block_sizes(M: int, G: int, N: int, K: int, device: torch.device, tile: int = TILE,
+                    per_sm: int = PROGRAMS_PER_SM) -> tuple:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the dot kernel: block_sizes' columns (16 at least); past 16 rows BLOCK_K
+    also at most DOT_X_TILE / BLOCK_M, so the x tile of a pipelined K step stays 16 KB in bf16 (three stages of a 64
+    x 512 x tile and a 16 x 512 weight tile would pass the 227 KB of shared memory)."""
+    _, bn, bk = block_sizes(M, G, N, K, device, tile, per_sm, min_n=16)
+    bm = dot_rows(M)
+    if bm > 16:
+        bk = max(16, min(bk, DOT_X_TILE // bm))
+    return bm, bn, bk
+
+
 def supports_rope(x: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, rope_dim: int, heads: int) -> bool:
     """Whether linear(x, w, rope=...) takes this RoPE epilogue: one group, N = heads x D with D even, an even
     rope_dim in (0, D], pos int64 [M] on x's device."""
@@ -243,7 +263,7 @@ def supports_route(x: torch.Tensor, w: torch.Tensor, top_k: int, bias: Optional[
     """Whether grouped_gemv(x, w, out_dtype=torch.float32, route=Tail(...)) carries a router of top_k (and bias):
     one group, K > 0, rows x experts within triton_ced_route.MAX_TAIL_LOGITS (x, w as supports takes them)."""
     return x.dim() == 3 and w.dim() == 3 and x.shape[1] == 1 and w.shape[0] == 1 and x.shape[2] > 0 \
-        and supports_tail(x.shape[0], w.shape[1], top_k, bias, 16 if dot else next_pow2(max(1, x.shape[0])))
+        and supports_tail(x.shape[0], w.shape[1], top_k, bias, dot_rows(x.shape[0]) if dot else next_pow2(max(1, x.shape[0])))
 
 
 def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.dtype] = None, tile: int = TILE,
@@ -295,12 +315,12 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
         rk.update(pos_ptr=pos.contiguous(), inv_ptr=inv.contiguous(), HEAD_D=N // heads, HALF=inv.shape[0],
                   ROPE=True)
     if dot:
-        _, BN, BK = block_sizes(M, G, N, K, x.device, tile, per_sm, min_n=16)
+        BM, BN, BK = dot_block_sizes(M, G, N, K, x.device, tile, per_sm)
         widen = x.dtype != w.dtype or x.dtype == torch.float32
         _dot_kernel[(cdiv(N, BN), G)](
             x, w, out, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
             BLOCK_N=BN, BLOCK_K=BK, K_I=K if INTERPRET else 0, WIDEN=widen, PRECISION="ieee" if widen else "tf32",
-            **rk, num_warps=4, **launch_kw(x.device))
+            BLOCK_M=BM, **rk, num_warps=4, **launch_kw(x.device))
         return out
     BM, BN, BK = block_sizes(M, G, N, K, x.device, tile, per_sm, min_n=2 if rope is not None else 1)
     _gemv_kernel[(cdiv(N, BN), G)](
