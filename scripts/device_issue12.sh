@@ -57,6 +57,8 @@
 #                                            # norm prologue on in turn
 #   bash scripts/device_issue12.sh s25a              # decode profiles with each untimed knob (fused_experts' PDL
 #                                            # chain, the dynamic entry loop, EARLY_W, split-K swap), gemv_bench
+#   bash scripts/device_issue12.sh s26a              # the tensor-core GEMV variant at 16 / 64 rows in the decode
+#                                            # step (GEMV_DOT_MAX_ROWS), gemv_bench's dot rows at 8-64
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -518,6 +520,19 @@ s24a)
     --out "$OUT/profile_ced_timeline.jsonl" 2>&1 | grep -v Warning | grep -A32 "== batch\|^timeline" | cut -c 1-120
   timeout 90 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 --steps 16 --top 30 \
     --knob CED_QUERY_NORM_GEMV=1 --out "$OUT/profile_ced_timeline_normin.jsonl" 2>&1 | grep "== batch\|span" ;;
+s26a)
+  # 26th session (~6 min): the tensor-core GEMV variant (up to 64 rows now) in the decode step at 16 / 64 rows against
+  # cuBLAS (GEMV_DOT_MAX_ROWS=16 / 64; it keeps the PDL overlap that cuBLAS's kernels break), the same three in one
+  # call each way twice; then gemv_bench's dot rows against cuBLAS at 8 / 16 / 32 / 64 rows.
+  for rep in 1 2; do
+    for k in "" "GEMV_DOT_MAX_ROWS=16" "GEMV_DOT_MAX_ROWS=64"; do
+      args=""; for a in $k; do args="$args --knob $a"; done
+      timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches 16 64 --steps 16 $args \
+        --out "$OUT/profile_ced_dot.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped} $rep] /" | cut -c 1-110
+    done
+  done
+  timeout 150 python3 benchmarks/gemv_bench.py --rows 8 16 32 64 --tiles 8192 16384 --per-sm 4 --warps 8 \
+    --out "$OUT/gemv_dot.jsonl" 2>&1 | grep -v "done$" | grep -v Warning | tail -14 ;;
 s25a)
   # 25th session (~6 min): s24b's decode profiles and gemv_bench (its tests run in s22c), and fused_experts as a PDL
   # chain (triton_moe.PDL_CHAIN) at 16 / 64.

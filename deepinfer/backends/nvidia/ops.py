@@ -94,8 +94,10 @@ MOE_SHARED_ON_PAIRS = True
 # kernel us a step: 1043 / 603 at 1 row, 1019 / 802 at 2, 906 / 1149 at 4, 815 / 2081 at 8. So 2.
 GEMV_MAX_ROWS = 2
 # Past GEMV_MAX_ROWS and up to this many rows, the kernel's tensor-core variant (triton_gemv dot=True: rows padded to
-# one MMA's 16). The same bench, cuBLAS / variant us a step: 906 / 854 at 4 rows, 815 / 879 at 8, 822 / 839 at 16
-# (it wins at the narrow projections, 5.1 against 5.9-12.0 us at 1024 x 2048, and loses at 8192 x 1024). So 4.
+# 16, 32 or 64; up to triton_gemv.DOT_ROWS). The same bench, cuBLAS / variant us a step: 906 / 854 at 4 rows, 815 /
+# 879 at 8, 822 / 839 at 16 (it wins at the narrow projections, 5.1 against 5.9-12.0 us at 1024 x 2048, and loses at
+# 8192 x 1024). So 4. Those were isolated calls; in a step the variant keeps the PDL overlap cuBLAS's kernels break
+# (25th session: 16 and 64 queued for a decode-step A/B, profile_decode --knob GEMV_DOT_MAX_ROWS=64).
 GEMV_DOT_MAX_ROWS = 4
 # Past the GEMV kernels' rows and up to this many, projections run triton_splitk (K split over programs, rows padded
 # to an MMA's) instead of cuBLAS. benchmarks/gemv_bench.py's "splitk" rows on the H200 (19th session), us a step at

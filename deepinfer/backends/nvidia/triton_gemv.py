@@ -273,7 +273,7 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
     """x [M, G, K] @ w[g].T per group -> [M, G, N] in ``out_dtype`` (default x's; see the module doc: both operands
     are widened to float32 exactly, so mixed dtypes compute x.float() @ w.float().T). ``tile``, ``per_sm`` and
     ``num_warps`` are the launch's knobs (benchmarks/gemv_bench.py times them); ``dot``: the tensor-core kernel
-    (up to DOT_ROWS rows, padded to 16; BLOCK_N at least 16), float32 operands through an "ieee" dot. ``rope`` =
+    (up to DOT_ROWS rows, padded to 16, 32 or 64: dot_block_sizes; BLOCK_N at least 16), float32 operands through an "ieee" dot. ``rope`` =
     (pos [M] int64, inv_freq [R/2] float32, heads): one group whose N columns are heads of D = N / heads; each
     head's last R columns leave rotated by the row's position (CED's query RoPE, as triton_ced_fused.rope computes
     it on the rounded output; supports_rope says which). ``route``: a triton_ced_route.Tail for one group of N
