@@ -58,7 +58,8 @@
 #   bash scripts/device_issue12.sh s25a              # decode profiles with each untimed knob (fused_experts' PDL
 #                                            # chain, the dynamic entry loop, EARLY_W, split-K swap), gemv_bench
 #   bash scripts/device_issue12.sh s26a              # the tensor-core GEMV variant at 16 / 64 rows in the decode
-#                                            # step (GEMV_DOT_MAX_ROWS), gemv_bench's dot rows at 8-64
+#                                            # step (GEMV_DOT_MAX_ROWS), gemv_bench's dot rows at 8-64, CED
+#                                            # attention's splits at 256 tokens of context
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -532,7 +533,10 @@ s26a)
     done
   done
   timeout 150 python3 benchmarks/gemv_bench.py --rows 8 16 32 64 --tiles 8192 16384 --per-sm 4 --warps 8 \
-    --out "$OUT/gemv_dot.jsonl" 2>&1 | grep -v "done$" | grep -v Warning | tail -14 ;;
+    --out "$OUT/gemv_dot.jsonl" 2>&1 | grep -v "done$" | grep -v Warning | tail -14
+  # CED attention at a short context (the decode profile's ~200 tokens): how its time scales with splits and tiles
+  timeout 100 python3 benchmarks/ced_attn_sweep.py --batches 16 64 --context 256 --block-n 16 32 --warps 4 \
+    --stages 1 --split-scale 0 0.5 1 --prefetch 0 1 --out "$OUT/ced_attn_short.jsonl" 2>&1 | grep -v Warning | tail -4 ;;
 s25a)
   # 25th session (~6 min): s24b's decode profiles and gemv_bench (its tests run in s22c), and fused_experts as a PDL
   # chain (triton_moe.PDL_CHAIN) at 16 / 64.
