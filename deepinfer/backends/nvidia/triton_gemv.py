@@ -263,7 +263,8 @@ def supports_route(x: torch.Tensor, w: torch.Tensor, top_k: int, bias: Optional[
     """Whether grouped_gemv(x, w, out_dtype=torch.float32, route=Tail(...)) carries a router of top_k (and bias):
     one group, K > 0, rows x experts within triton_ced_route.MAX_TAIL_LOGITS (x, w as supports takes them)."""
     return x.dim() == 3 and w.dim() == 3 and x.shape[1] == 1 and w.shape[0] == 1 and x.shape[2] > 0 \
-        and supports_tail(x.shape[0], w.shape[1], top_k, bias, dot_rows(x.shape[0]) if dot else next_pow2(max(1, x.shape[0])))
+        and supports_tail(x.shape[0], w.shape[1], top_k, bias,
+                          dot_rows(x.shape[0]) if dot else next_pow2(max(1, x.shape[0])))
 
 
 def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.dtype] = None, tile: int = TILE,
@@ -273,10 +274,10 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
     """x [M, G, K] @ w[g].T per group -> [M, G, N] in ``out_dtype`` (default x's; see the module doc: both operands
     are widened to float32 exactly, so mixed dtypes compute x.float() @ w.float().T). ``tile``, ``per_sm`` and
     ``num_warps`` are the launch's knobs (benchmarks/gemv_bench.py times them); ``dot``: the tensor-core kernel
-    (up to DOT_ROWS rows, padded to 16, 32 or 64: dot_block_sizes; BLOCK_N at least 16), float32 operands through an "ieee" dot. ``rope`` =
-    (pos [M] int64, inv_freq [R/2] float32, heads): one group whose N columns are heads of D = N / heads; each
-    head's last R columns leave rotated by the row's position (CED's query RoPE, as triton_ced_fused.rope computes
-    it on the rounded output; supports_rope says which). ``route``: a triton_ced_route.Tail for one group of N
+    (up to DOT_ROWS rows, padded to 16, 32 or 64: dot_block_sizes; BLOCK_N at least 16), float32 operands through
+    an "ieee" dot. ``rope`` = (pos [M] int64, inv_freq [R/2] float32, heads): one group whose N columns are heads
+    of D = N / heads; each head's last R columns leave rotated by the row's position (CED's query RoPE, as
+    triton_ced_fused.rope computes it on the rounded output; supports_rope says which). ``route``: a triton_ced_route.Tail for one group of N
     experts' float32 logits; the launch's last program routes every row into its ``w`` / ``ids``
     (supports_route says which). ``norm_in`` = (weight [K], eps): x's rows pass CED's RMSNorm first (the bits
     ced_rms_norm rounds to, up to its sum's order), in the product's launch (one group, x's dtype out)."""
