@@ -277,9 +277,9 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
     (up to DOT_ROWS rows, padded to 16, 32 or 64: dot_block_sizes; BLOCK_N at least 16), float32 operands through
     an "ieee" dot. ``rope`` = (pos [M] int64, inv_freq [R/2] float32, heads): one group whose N columns are heads
     of D = N / heads; each head's last R columns leave rotated by the row's position (CED's query RoPE, as
-    triton_ced_fused.rope computes it on the rounded output; supports_rope says which). ``route``: a triton_ced_route.Tail for one group of N
-    experts' float32 logits; the launch's last program routes every row into its ``w`` / ``ids``
-    (supports_route says which). ``norm_in`` = (weight [K], eps): x's rows pass CED's RMSNorm first (the bits
+    triton_ced_fused.rope computes it on the rounded output; supports_rope says which). ``route``: a
+    triton_ced_route.Tail for one group of N experts' float32 logits; the launch's last program routes every row
+    into its ``w`` / ``ids`` (supports_route says which). ``norm_in`` = (weight [K], eps): x's rows pass CED's RMSNorm first (the bits
     ced_rms_norm rounds to, up to its sum's order), in the product's launch (one group, x's dtype out)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if rope is not None and (x.dim() != 3 or x.shape[1] != 1 or len(rope) != 3
