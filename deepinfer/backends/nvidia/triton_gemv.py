@@ -279,8 +279,9 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, *, out_dtype: Optional[torch.
     of D = N / heads; each head's last R columns leave rotated by the row's position (CED's query RoPE, as
     triton_ced_fused.rope computes it on the rounded output; supports_rope says which). ``route``: a
     triton_ced_route.Tail for one group of N experts' float32 logits; the launch's last program routes every row
-    into its ``w`` / ``ids`` (supports_route says which). ``norm_in`` = (weight [K], eps): x's rows pass CED's RMSNorm first (the bits
-    ced_rms_norm rounds to, up to its sum's order), in the product's launch (one group, x's dtype out)."""
+    into its ``w`` / ``ids`` (supports_route says which). ``norm_in`` = (weight [K], eps): x's rows pass CED's
+    RMSNorm first (the bits ced_rms_norm rounds to, up to its sum's order), in the product's launch (one group, x's
+    dtype out)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if rope is not None and (x.dim() != 3 or x.shape[1] != 1 or len(rope) != 3
                              or not supports_rope(x, w, rope[0], 2 * rope[1].shape[0], rope[2])):
