@@ -159,18 +159,20 @@ def top_functions(prof, n_steps: int, k: int = 22) -> list:
 
 def set_knobs(pairs: list) -> dict:
     """NAME=VALUE pairs -> the nvidia backend's module constants set (ints; bools as 0 / 1): NAME is a constant of
-    backends/nvidia/ops.py, or MODULE.NAME one of another backends/nvidia module (triton_gemv.EARLY_W); unknown
-    names raise."""
+    backends/nvidia/ops.py, or MODULE.NAME one of another backends/nvidia module (triton_gemv.EARLY_W), or
+    backends.MODULE.NAME one of deepinfer/backends (backends.cuda_graph.RESOLVE_IN_GRAPH); unknown names raise."""
     import importlib
 
     knobs = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
         mod_name, _, const = name.rpartition(".")
+        path = f"deepinfer.{mod_name}" if mod_name.startswith("backends.") else \
+            f"deepinfer.backends.nvidia.{mod_name or 'ops'}"
         try:
-            mod = importlib.import_module(f"deepinfer.backends.nvidia.{mod_name or 'ops'}")
+            mod = importlib.import_module(path)
         except ImportError:
-            raise SystemExit(f"--knob {pair!r}: no module deepinfer.backends.nvidia.{mod_name}") from None
+            raise SystemExit(f"--knob {pair!r}: no module {path}") from None
         if not hasattr(mod, const) or not isinstance(getattr(mod, const), (bool, int)):
             raise SystemExit(f"--knob {pair!r}: {mod.__name__} has no int / bool constant {const!r}")
         knobs[name] = type(getattr(mod, const))(int(value))

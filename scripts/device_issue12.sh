@@ -57,9 +57,10 @@
 #                                            # norm prologue on in turn
 #   bash scripts/device_issue12.sh s25a              # decode profiles with each untimed knob (fused_experts' PDL
 #                                            # chain, the dynamic entry loop, EARLY_W, split-K swap), gemv_bench
-#   bash scripts/device_issue12.sh s26a              # the tensor-core GEMV variant at 16 / 64 rows in the decode
-#                                            # step (GEMV_DOT_MAX_ROWS), gemv_bench's dot rows at 8-64, CED
-#                                            # attention's splits at 256 tokens of context
+#   bash scripts/device_issue12.sh s26a              # decode-step A/Bs: the tensor-core GEMV variant at 16 / 64
+#                                            # rows, pending ids resolved in the graphs; their GPU tests
+#   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
+#                                            # tokens of context
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
 #                                            # roofline,ced (cache bytes, prefill 4K/16K bounded and exact,
 #                                            # decode at batch 1/16/64 against the HBM roofline); rows, log, plot
@@ -522,21 +523,28 @@ s24a)
   timeout 90 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 --steps 16 --top 30 \
     --knob CED_QUERY_NORM_GEMV=1 --out "$OUT/profile_ced_timeline_normin.jsonl" 2>&1 | grep "== batch\|span" ;;
 s26a)
-  # 26th session (~6 min): the tensor-core GEMV variant (up to 64 rows now) in the decode step at 16 / 64 rows against
-  # cuBLAS (GEMV_DOT_MAX_ROWS=16 / 64; it keeps the PDL overlap that cuBLAS's kernels break), the same three in one
-  # call each way twice; then gemv_bench's dot rows against cuBLAS at 8 / 16 / 32 / 64 rows.
+  # 26th session (~6 min): A/B in the decode step, twice each way: the tensor-core GEMV variant (up to 64 rows now)
+  # at 16 / 64 rows against cuBLAS (GEMV_DOT_MAX_ROWS=16 / 64: it keeps the PDL overlap cuBLAS's kernels break);
+  # pending token ids resolved inside the decode graphs (RESOLVE_IN_GRAPH) at 1 / 16 / 64; then the GPU tests of
+  # the graph inputs with it on (test_overlap's GPU test runs both ways).
   for rep in 1 2; do
-    for k in "" "GEMV_DOT_MAX_ROWS=16" "GEMV_DOT_MAX_ROWS=64"; do
+    for k in "" "GEMV_DOT_MAX_ROWS=16" "GEMV_DOT_MAX_ROWS=64" "backends.cuda_graph.RESOLVE_IN_GRAPH=1"; do
       args=""; for a in $k; do args="$args --knob $a"; done
-      timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches 16 64 --steps 16 $args \
-        --out "$OUT/profile_ced_dot.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped} $rep] /" | cut -c 1-110
+      case "$k" in ""|backends*) b="1 16 64" ;; *) b="16 64" ;; esac
+      timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches $b --steps 16 $args \
+        --out "$OUT/profile_ced_s26.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped} $rep] /" | cut -c 1-110
     done
   done
+  timeout -s INT 100 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_overlap.py \
+    tests/test_cuda_graphs.py tests/test_verify_graphs.py 2>&1 | tail -3 ;;
+s26b)
+  # 26th session (~3 min): gemv_bench's dot rows against cuBLAS at 8 / 16 / 32 / 64 rows; CED attention at a short
+  # context (the decode profile's ~200 tokens): how its time scales with splits and tiles.
   timeout 150 python3 benchmarks/gemv_bench.py --rows 8 16 32 64 --tiles 8192 16384 --per-sm 4 --warps 8 \
     --out "$OUT/gemv_dot.jsonl" 2>&1 | grep -v "done$" | grep -v Warning | tail -14
-  # CED attention at a short context (the decode profile's ~200 tokens): how its time scales with splits and tiles
   timeout 100 python3 benchmarks/ced_attn_sweep.py --batches 16 64 --context 256 --block-n 16 32 --warps 4 \
-    --stages 1 --split-scale 0 0.5 1 --prefetch 0 1 --out "$OUT/ced_attn_short.jsonl" 2>&1 | grep -v Warning | tail -4 ;;
+    --stages 1 --split-scale 0 0.5 1 --prefetch 0 1 --out "$OUT/ced_attn_short.jsonl" 2>&1 | grep -v Warning \
+    | tail -4 ;;
 s25a)
   # 25th session (~6 min): s24b's decode profiles and gemv_bench (its tests run in s22c), and fused_experts as a PDL
   # chain (triton_moe.PDL_CHAIN) at 16 / 64.

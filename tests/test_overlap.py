@@ -142,15 +142,23 @@ def test_input_ids_reads_pending_references():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_overlap_on_gpu(ckpt):
+@pytest.mark.parametrize("in_graph", [False, True])
+def test_overlap_on_gpu(ckpt, in_graph, monkeypatch):
     """On the GPU, where the next step really runs while the host collects: float32 greedy tokens as without
-    overlap, and every step after the first reported one step late."""
+    overlap, and every step after the first reported one step late; with the decode graphs resolving the pending
+    references themselves (cuda_graph.RESOLVE_IN_GRAPH) too."""
+    from deepinfer.backends import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "RESOLVE_IN_GRAPH", in_graph)
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 26, 2)]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=2)  # logprobs: the top two
               for m in (24, 5, 17, 1, 30, 12)]
     kw = dict(device="cuda", backend="nvidia", dtype="float32", num_kv_blocks=64, block_size=4)
     on, off = LLM(ckpt, overlap_scheduling=True, **kw), LLM(ckpt, overlap_scheduling=False, **kw)
     assert on.engine.overlap and not off.engine.overlap
+    graphs = on.engine.decode_graphs
+    assert graphs is not None
+    assert all((st.get("future") is not None) == in_graph for _, st, _ in graphs.graphs.values())
     a = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
     b = [o.outputs[0] for o in off.generate(prompts, params, use_tqdm=False)]
     assert [len(x) for x in a] == [24, 5, 17, 1, 30, 12]
@@ -158,3 +166,73 @@ def test_overlap_on_gpu(ckpt):
     # differently: a sequence may part from the synchronous run only at a near-tie of that run's top two logits.
     assert_greedy_matches(a, [y.token_ids for y in b], [y.logprobs for y in b], NEAR_TIE["float32"])
     assert on.engine.pool.num_free == on.engine.pool.num_blocks
+
+
+def test_graph_resolution_is_resolve_future():
+    """cuda_graph.resolve_in_graph (pending references resolved inside a decode graph) gives resolve_future's ids
+    wherever the eager one is defined; a reference past the buffer reads its last entry instead of raising."""
+    from deepinfer.backends.cuda_graph import resolve_in_graph
+    from deepinfer.layout import resolve_future
+
+    g = torch.Generator().manual_seed(3)
+    future = torch.randint(0, 1000, (12,), generator=g)
+    for _ in range(20):
+        ids = torch.randint(-12, 50, (9,), generator=g)
+        assert torch.equal(resolve_in_graph(ids, future), resolve_future(ids, future))
+    assert resolve_in_graph(torch.tensor([-13, -1, 4]), future).tolist() == [int(future[-1]), int(future[0]), 4]
+
+
+def test_pending_ids_resolved_in_the_graph_give_the_same_tokens(ckpt, monkeypatch):
+    """An overlapping engine on the graph path (EagerGraphs: the captured functions run eagerly on the CPU), with
+    RESOLVE_IN_GRAPH on: the graphs resolve the pending references from the engine's future buffer and the host
+    resolves none; greedy tokens and their logprobs as with it off, which resolves each replay's on the host."""
+    from deepinfer.backends import cuda_graph
+    from deepinfer.testing.graphs import install_eager_graphs
+
+    kw = dict(num_kv_blocks=40, block_size=4, max_model_len=64, max_num_seqs=4, device="cpu", backend="reference",
+              overlap_scheduling=True)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], list(range(3, 20)), [9, 9, 9, 9], list(range(30, 41)), [4]]
+    sp = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=1) for m in (12, 7, 15, 1, 9)]
+    host_calls = []
+    real = cuda_graph.resolve_future
+    monkeypatch.setattr(cuda_graph, "resolve_future", lambda *a: host_calls.append(1) or real(*a))
+    got = {}
+    for on in (False, True):
+        monkeypatch.setattr(cuda_graph, "RESOLVE_IN_GRAPH", on)
+        llm = LLM(ckpt, **kw)
+        eng = llm.engine
+        bs = eng.config.block_size
+        blocks = eng.kv_cache[0].shape[1] // bs
+        eng.kv_cache = tuple(torch.cat([t, t.new_zeros(t.shape[0], bs, *t.shape[2:])], 1) for t in eng.kv_cache)
+        graphs = install_eager_graphs(llm, 3, blocks)
+        host_calls.clear()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        assert graphs.num_replays > 0 and all(o.error is None for o in outs)
+        assert all((st.get("future") is not None) == on for _, st, _ in graphs.graphs.values())
+        got[on] = (_summary(outs), len(host_calls))
+    assert got[False][1] > 0 and got[True][1] == 0  # pending references reached the graphs both times
+    for (x, xv), (y, yv) in zip(got[False][0], got[True][0]):
+        assert x == y
+        assert xv == [pytest.approx(v, abs=1e-5) for v in yv]
+
+
+def test_verify_statics_resolved_in_the_graph():
+    """A verify graph's inputs: fill_verify(in_graph=True) leaves the pending references for the graph, whose ids
+    (cuda_graph._graph_ids) are then what the host-resolved fill writes; everything else is the same."""
+    from deepinfer.backends import cuda_graph as cg
+
+    future = torch.arange(100, 116)
+    ids = [[7, -3], [-1, 4, 5], [-16]]
+    starts, slots = [10, 3, 20], [2, 0, 1]
+    host, graph = cg.verify_inputs(4, 8, 3, 4, 9, "cpu"), cg.verify_inputs(4, 8, 3, 4, 9, "cpu")
+    graph["future"] = future
+    keep_h = cg.fill_verify(host, ids, starts, slots, 9, future)
+    keep_g = cg.fill_verify(graph, ids, starts, slots, 9, future, in_graph=True)
+    assert torch.equal(keep_h, keep_g)
+    assert graph["ids"].min() < 0 and host["ids"].min() >= 0
+    assert torch.equal(cg._graph_ids(graph), host["ids"]) and torch.equal(cg._graph_ids(host), host["ids"])
+    assert host["ids"][:6].tolist() == [7, 102, 0, 100, 4, 5] and int(host["ids"][6]) == 115
+    for k in ("pos", "nums", "rows"):
+        assert torch.equal(host[k], graph[k])
+    assert cg._resolves(graph, future, future) and not cg._resolves(graph, future.clone(), future)
+    assert not cg._resolves(host, future, future) and not cg._resolves(graph, None, future)

@@ -33,6 +33,13 @@ import torch
 from .base import AttnMetadata, resolve_future, to_device
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# Overlap scheduling hands a replay pending token references (-1 - i: the step in flight's i-th sampled token, in the
+# engine's future buffer). Off: the host resolves them before the replay (resolve_future: four eager kernels and
+# their host time a step). On: graphs captured after the engine set ``DecodeGraphs.future`` resolve them inside the
+# graph from that buffer (the same formula, read at replay time in stream order, as the eager kernels read it); a
+# replay handed another buffer resolves on the host as before. Off until timed on a GPU (benchmarks/profile_decode.py
+# --knob backends.cuda_graph.RESOLVE_IN_GRAPH=1).
+RESOLVE_IN_GRAPH = False
 
 
 def _bucket(n: int, buckets) -> int:
@@ -40,6 +47,12 @@ def _bucket(n: int, buckets) -> int:
         if n <= b:
             return b
     return -1
+
+
+def resolve_in_graph(ids: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
+    """resolve_future's result from a graph's static ids and the engine's future buffer (flat), with no host step:
+    references past the buffer read its last entry (the eager path raises there; a graph cannot)."""
+    return torch.where(ids < 0, future[(-1 - ids).clamp(0, future.numel() - 1)], ids)
 
 
 def default_sizes(max_batch: int) -> tuple:
@@ -65,6 +78,7 @@ class DecodeGraphs:
         self.max_len = tables.max_blocks * block_size  # positions a padded verify token may reach
         self.num_verify_replays = 0
         self.hidden_width = 0  # with kept hidden states in the output: the hidden states' columns
+        self.future = None  # the engine's future buffer (RESOLVE_IN_GRAPH), set before capture
 
     def enable_verify(self, width: int, max_len: int) -> None:
         """Capture verify steps of up to width - 1 drafts per row (padded to ``width`` tokens), for a model of
@@ -112,10 +126,10 @@ class DecodeGraphs:
         bs, dev, tables = self.block_size, self.device, self.tables
         # Every tensor the graph reads must outlive it: a graph holds raw pointers, so a tensor freed after
         # capture (say, one only a closure referenced) would be reused by the allocator under the graph.
+        inp = torch.zeros(3, B, dtype=torch.long, device=dev)  # ids, positions, state rows: one copy a replay
+        inp[2].fill_(tables.scratch_row)
         st = {
-            "ids": torch.zeros(B, dtype=torch.long, device=dev),
-            "pos": torch.zeros(B, dtype=torch.long, device=dev),
-            "rows": torch.full((B,), tables.scratch_row, dtype=torch.long, device=dev),
+            "in": inp, "ids": inp[0], "pos": inp[1], "rows": inp[2], "future": self._graph_future(),
             "q_index": torch.arange(B, device=dev)[:, None],
             "q_valid": torch.ones(B, 1, dtype=torch.bool, device=dev),
             "kv_pos": torch.arange(NB * bs, device=dev),
@@ -131,19 +145,25 @@ class DecodeGraphs:
                                 q_valid=st["q_valid"], kv_slots=kv_slots, q_pos=pos[:, None], block_table=bt,
                                 block_size=bs, cu_q=st["cu_q"], max_q=1, num_decodes=B, state_rows=st["rows"],
                                 replay_rows=tables.cuts[0, st["rows"]], swa_cut_rows=tables.cuts[1, st["rows"]])
-            return self.model(st["ids"], meta, self.kv_cache)  # hidden [B, d]
+            return self.model(_graph_ids(st), meta, self.kv_cache)  # hidden [B, d]
 
         return self._record((B, NB), st, self._with_kept(forward))
 
     def _capture_verify(self, B: int, NB: int, Q: int):
         tables = self.tables
         st = verify_inputs(B, NB, Q, self.block_size, tables.scratch_row, self.device)
+        st["future"] = self._graph_future()
 
         def forward():
             meta = verify_metadata(st, tables, self.block_size)
-            return self.model(st["ids"], meta, self.kv_cache)  # hidden [B * Q, d]
+            return self.model(_graph_ids(st), meta, self.kv_cache)  # hidden [B * Q, d]
 
         return self._record((B, NB, Q), st, self._with_kept(forward))
+
+    def _graph_future(self):
+        """The flat future buffer a graph captured now resolves pending ids from, or None (RESOLVE_IN_GRAPH off, or
+        no buffer set)."""
+        return self.future.reshape(-1) if RESOLVE_IN_GRAPH and self.future is not None else None
 
     def _with_kept(self, forward):
         """forward, with the model's kept hidden states (``captured_hidden``: the last ``capture_last`` decoder
@@ -185,10 +205,12 @@ class DecodeGraphs:
         graph, st, out = self.graphs.get((B, NB)) or self._capture(B, NB)
         pad = B - n
         host = [list(ids) + [0] * pad, list(positions) + [0] * pad, list(slots) + [self.tables.scratch_row] * pad]
-        dev = to_device(host, torch.long, self.device)
-        st["ids"].copy_(resolve_future(dev[0], future) if min(ids) < 0 else dev[0])
-        st["pos"].copy_(dev[1])
-        st["rows"].copy_(dev[2])
+        dev = to_device(host, torch.long, self.device).view(3, B)
+        if min(ids) < 0 and not _resolves(st, future, self.future):  # resolved by eager kernels before the replay
+            st["ids"].copy_(resolve_future(dev[0], future))
+            st["in"][1:].copy_(dev[1:])
+        else:
+            st["in"].copy_(dev)
         graph.replay()
         self.num_replays += 1
         self.last_key = (B, NB)
@@ -201,7 +223,8 @@ class DecodeGraphs:
         Q, n = self.verify_width, len(ids)
         B, NB = _bucket(n, self.batch_buckets), _bucket(self._verify_blocks(starts), self.block_buckets)
         graph, st, out = self.graphs.get((B, NB, Q)) or self._capture(B, NB, Q)
-        keep = fill_verify(st, ids, starts, slots, self.tables.scratch_row, future)
+        keep = fill_verify(st, ids, starts, slots, self.tables.scratch_row, future,
+                           in_graph=_resolves(st, future, self.future))
         graph.replay()
         self.num_replays += 1
         self.num_verify_replays += 1
@@ -233,9 +256,22 @@ def capture_graph(forward, device, pool, warmup: bool = True, error_mode: str = 
     return graph, out
 
 
-def fill_verify(st: dict, ids: list, starts: list, slots: list, scratch_row: int, future=None) -> torch.Tensor:
+def _resolves(st: dict, future, engine_future) -> bool:
+    """Whether the graph of st resolves pending ids itself: it was captured with the engine's buffer, and this
+    replay's references point into that buffer."""
+    return st.get("future") is not None and future is not None and future is engine_future
+
+
+def _graph_ids(st: dict) -> torch.Tensor:
+    """A graph's input ids: the static ids, pending references resolved in the graph where it was captured so."""
+    return st["ids"] if st.get("future") is None else resolve_in_graph(st["ids"], st["future"])
+
+
+def fill_verify(st: dict, ids: list, starts: list, slots: list, scratch_row: int, future=None,
+                in_graph: bool = False) -> torch.Tensor:
     """Write a verify step's rows into a graph's static inputs (st: verify_inputs; rows past len(ids) padded)
-    with one host-to-device copy; returns the stream index [T] of every real token (rows in order)."""
+    with one host-to-device copy; returns the stream index [T] of every real token (rows in order). in_graph: the
+    graph resolves pending references itself (RESOLVE_IN_GRAPH), so they are copied as they are."""
     B, Q = st["pos"].shape[0], st["j"].shape[0]
     pad = B - len(ids)
     flat, keep = [], []
@@ -247,7 +283,7 @@ def fill_verify(st: dict, ids: list, starts: list, slots: list, scratch_row: int
         + list(slots) + [scratch_row] * pad + keep
     dev = to_device(host, torch.long, st["pos"].device)
     tok, o = dev[:B * Q], B * Q
-    st["ids"].copy_(resolve_future(tok, future) if min(flat) < 0 else tok)
+    st["ids"].copy_(resolve_future(tok, future) if min(flat) < 0 and not in_graph else tok)
     st["pos"].copy_(dev[o:o + B])
     st["nums"].copy_(dev[o + B:o + 2 * B])
     st["rows"].copy_(dev[o + 2 * B:o + 3 * B])

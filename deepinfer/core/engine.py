@@ -137,6 +137,8 @@ class Engine:
         # Sampled tokens by launch parity: the next step's inputs read the previous step's half.
         self.max_rows = config.max_num_seqs
         self.future = torch.zeros(2 * self.max_rows, dtype=torch.long, device=self.device)
+        if self.decode_graphs is not None:  # (before capture: graphs may read it, backends/cuda_graph.py)
+            self.decode_graphs.future = self.future
         self._parity = 0
         self._inflight = None
         step_stages = self.stages["step"]

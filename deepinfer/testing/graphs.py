@@ -32,6 +32,7 @@ def install_eager_graphs(llm, width: int, scratch_block: int, sizes=(1, 2, 4, 8)
     tables.cuts = torch.cat([tables.cuts, torch.zeros(2, 1, dtype=torch.long)], 1)
     tables.scratch_row = tables.table.shape[0] - 1
     graphs = EagerGraphs(eng.model, eng.kv_cache, tables, eng.config.block_size, "cpu", sizes)
+    graphs.future = eng.future  # as the engine hands its own graphs the buffer (cuda_graph.RESOLVE_IN_GRAPH)
     graphs.enable_verify(width, eng.max_model_len)
     next(st for st in eng.stages["step"] if st.name == "forward").decode_graphs = graphs
     eng.decode_graphs = graphs  # (the engine's own view: dynamic draft lengths price a padded verify step)
