@@ -3,7 +3,8 @@
     python benchmarks/profile_decode.py --batches 1 64 --out $OUT/profile.jsonl   # device run, ~1 min
 
 For the Llama-3.1-8B shape with random bf16 weights (as benchmarks/gpu_bench.py builds it), at each batch size:
-``step_ms``: steady engine step (wall, B sequences decoding, overlap scheduling as configured);
+``step_ms``: steady engine step (wall, B sequences decoding, overlap scheduling as configured); ``wait_ms``: the
+part of it the host spent waiting for a step's tokens (near zero: the step is host-bound);
 ``replay_ms``: the captured decode graph alone, replayed back to back (CUDA events) - the GPU's share;
 ``kernels``: the top kernels by GPU time per step under torch.profiler (the graph's kernels are listed one by
 one), so the gap to the bandwidth roofline can be attributed; ``device_ms`` and the rest of ``device_split``: the
@@ -16,6 +17,7 @@ how far it moves the end of the timeline, and the idle gaps apart. One JSONL row
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -65,15 +67,39 @@ def steady_steps(llm, B: int, in_len: int, n_steps: int, vocab: int, profile=Fal
                 eng.step()
             torch.cuda.synchronize()
     else:
-        for _ in range(n_steps):
-            eng.step()
-        torch.cuda.synchronize()
+        with event_waits() as waited:
+            for _ in range(n_steps):
+                eng.step()
+            torch.cuda.synchronize()
+        llm.wait_ms = 1e3 * waited[0] / n_steps
     dt = time.perf_counter() - t0
     for r in rids:
         eng.abort(r)
     while eng.has_unfinished():
         eng.step()
     return 1e3 * dt / n_steps, prof
+
+
+@contextlib.contextmanager
+def event_waits():
+    """Seconds the host spends in torch.cuda.Event.synchronize (a step's collection waiting for its tokens) while
+    the block runs, in a one-item list. An engine step minus its wait is the host's own time: a wait near zero
+    means the device waited for the host (host-bound), not the other way round."""
+    waited = [0.0]
+    real = torch.cuda.Event.synchronize
+
+    def timed(self):
+        t = time.perf_counter()
+        try:
+            return real(self)
+        finally:
+            waited[0] += time.perf_counter() - t
+
+    torch.cuda.Event.synchronize = timed
+    try:
+        yield waited
+    finally:
+        torch.cuda.Event.synchronize = real
 
 
 def replay_ms(llm, B: int) -> float | None:
@@ -210,10 +236,11 @@ def main() -> int:
     rows = []
     for B in args.batches:
         step, _ = steady_steps(llm, B, args.input_len, args.steps, vocab)
+        wait = llm.wait_ms
         rep = replay_ms(llm, B)
         _, prof = steady_steps(llm, B, args.input_len, 8, vocab, profile="gpu")
         host_ms, hprof = steady_steps(llm, B, args.input_len, 16, vocab, profile="host")
-        row = {"shape": args.shape, "knobs": knobs, "batch_invariant": args.batch_invariant, "batch": B, "step_ms": round(step, 3), "replay_ms": rep and round(rep, 3),
+        row = {"shape": args.shape, "knobs": knobs, "batch_invariant": args.batch_invariant, "batch": B, "step_ms": round(step, 3), "wait_ms": round(wait, 3), "replay_ms": rep and round(rep, 3),
                "overlap": llm.engine.overlap, **device_split(prof, 8), "kernels": top_kernels(prof, 8, args.top),
                "timeline": timeline(prof, 8, args.top),
                "syncs": hprof.syncs,
@@ -222,7 +249,8 @@ def main() -> int:
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
     for r in rows:
-        print(f"\n== batch {r['batch']}: engine step {r['step_ms']} ms, graph replay {r['replay_ms']} ms "
+        print(f"\n== batch {r['batch']}: engine step {r['step_ms']} ms (host waited {r['wait_ms']}), graph replay "
+              f"{r['replay_ms']} ms "
               f"(overlap {r['overlap']}); under the profiler the GPU is busy {r['device_ms']} ms a step, with "
               f"{r['launches_outside_graph']} kernels launched outside the {r['graph_launches']} graph launches")
         print(f"{'ms/step':>9} {'calls':>5}  kernel")

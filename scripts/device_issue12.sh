@@ -532,7 +532,7 @@ s26a)
       args=""; for a in $k; do args="$args --knob $a"; done
       case "$k" in ""|backends*) b="1 16 64" ;; *) b="16 64" ;; esac
       timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches $b --steps 16 $args \
-        --out "$OUT/profile_ced_s26.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped} $rep] /" | cut -c 1-110
+        --out "$OUT/profile_ced_s26.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped} $rep] /" | cut -c 1-140
     done
   done
   timeout -s INT 100 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_overlap.py \
