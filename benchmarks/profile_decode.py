@@ -240,7 +240,8 @@ def main() -> int:
         rep = replay_ms(llm, B)
         _, prof = steady_steps(llm, B, args.input_len, 8, vocab, profile="gpu")
         host_ms, hprof = steady_steps(llm, B, args.input_len, 16, vocab, profile="host")
-        row = {"shape": args.shape, "knobs": knobs, "batch_invariant": args.batch_invariant, "batch": B, "step_ms": round(step, 3), "wait_ms": round(wait, 3), "replay_ms": rep and round(rep, 3),
+        row = {"shape": args.shape, "knobs": knobs, "batch_invariant": args.batch_invariant, "batch": B,
+               "step_ms": round(step, 3), "wait_ms": round(wait, 3), "replay_ms": rep and round(rep, 3),
                "overlap": llm.engine.overlap, **device_split(prof, 8), "kernels": top_kernels(prof, 8, args.top),
                "timeline": timeline(prof, 8, args.top),
                "syncs": hprof.syncs,

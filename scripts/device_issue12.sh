@@ -115,6 +115,24 @@ ced_kernels16() {  # 16th session: tests/test_triton_ced.py, then ced_prefill_ke
     | tee "$OUT/ced_prefill_kernels.log" | grep -v Warning | tail -"$1"
 }
 
+knob_profiles() {  # s24b / s25a: the decode profile as shipped ("") and with each knob set ("A=1 B=2"), each at
+  # the batches it touches (triton_ced*: 1 / 16 / 64; triton_gemv*: 1, the CUDA-core GEMV's; the rest 16 / 64)
+  local k a args b
+  for k in "$@"; do
+    args=""; for a in $k; do args="$args --knob $a"; done
+    case "$k" in ""|triton_ced*) b="1 16 64" ;; triton_gemv*) b="1" ;; *) b="16 64" ;; esac
+    timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches $b --steps 16 $args \
+      --out "$OUT/profile_ced_knobs.jsonl" 2>&1 | grep "== batch\|^timeline" | sed "s/^/[${k:-as shipped}] /" \
+      | cut -c 1-120
+  done
+}
+
+splitk_swap_bench() {  # s24b / s25a: gemv_bench's split-K knobs with and without swap against cuBLAS, 16 / 64 rows
+  timeout 150 python3 benchmarks/gemv_bench.py --rows 16 64 --tiles 8192 --per-sm 4 --warps 8 --splitk-knobs \
+    4,128,64,16,3 4,128,64,16,3,1 2,128,64,16,3,1 4,128,128,16,3,1 4,256,64,16,3,1 8,128,64,16,4,1 \
+    --out "$OUT/gemv_swap.jsonl" 2>&1 | grep -v "done$" | grep -v Warning | tail -12
+}
+
 decode_ab() {  # s21b / s23a: the base tree's and this tree's decode profiles alternating, then gpu_bench ($1 commit)
   # 21st session (~8 min): the decode profile of the baseline tree (.baseline/base.tgz: git archive of deepinfer
   # without assets, benchmarks, recipes, the n-gram plugin) and of this tree, alternating twice on this GPU; then
@@ -548,17 +566,9 @@ s26b)
 s25a)
   # 25th session (~6 min): s24b's decode profiles and gemv_bench (its tests run in s22c), and fused_experts as a PDL
   # chain (triton_moe.PDL_CHAIN) at 16 / 64.
-  for k in "" "triton_moe.PDL_CHAIN=1" "triton_ced_attention.DYNAMIC_ENTRIES=1" "triton_gemv.EARLY_W=1" \
-      "SPLITK_MAX_ROWS=64 SPLITK_SWAP=1" "SPLITK_MAX_ROWS=64"; do
-    args=""; for a in $k; do args="$args --knob $a"; done
-    case "$k" in ""|triton_ced*) b="1 16 64" ;; triton_gemv*) b="1" ;; *) b="16 64" ;; esac
-    timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches $b --steps 16 $args \
-      --out "$OUT/profile_ced_knobs.jsonl" 2>&1 | grep "== batch\|^timeline" | sed "s/^/[${k:-as shipped}] /" \
-      | cut -c 1-120
-  done
-  timeout 150 python3 benchmarks/gemv_bench.py --rows 16 64 --tiles 8192 --per-sm 4 --warps 8 --splitk-knobs \
-    4,128,64,16,3 4,128,64,16,3,1 2,128,64,16,3,1 4,128,128,16,3,1 4,256,64,16,3,1 8,128,64,16,4,1 \
-    --out "$OUT/gemv_swap.jsonl" 2>&1 | grep -v "done$" | grep -v Warning | tail -12 ;;
+  knob_profiles "" "triton_moe.PDL_CHAIN=1" "triton_ced_attention.DYNAMIC_ENTRIES=1" "triton_gemv.EARLY_W=1" \
+    "SPLITK_MAX_ROWS=64 SPLITK_SWAP=1" "SPLITK_MAX_ROWS=64"
+  splitk_swap_bench ;;
 s25b)
   # 25th session (~7 min, EARLY_W and PDL_CHAIN on): the GEMV / PDL / CED decode GPU tests, then s21b COMMIT.
   timeout -s INT 150 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_gemv_norm_in.py \
@@ -570,19 +580,11 @@ s24b)
   # triton_gemv's early weight tile at 1 (the only batch on the CUDA-core GEMV); with split-K swapped for 5-64 rows
   # at 16 / 64, and unswapped; then the GEMV, split-K, prologue and CED kernel tests; then gemv_bench's split-K
   # knobs with and without swap against cuBLAS at 16 / 64 rows.
-  for k in "" "triton_ced_attention.DYNAMIC_ENTRIES=1" "triton_gemv.EARLY_W=1" "SPLITK_MAX_ROWS=64 SPLITK_SWAP=1" \
-      "SPLITK_MAX_ROWS=64"; do
-    args=""; for a in $k; do args="$args --knob $a"; done
-    case "$k" in ""|triton_ced*) b="1 16 64" ;; triton_gemv*) b="1" ;; *) b="16 64" ;; esac
-    timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches $b --steps 16 $args \
-      --out "$OUT/profile_ced_knobs.jsonl" 2>&1 | grep "== batch\|^timeline" | sed "s/^/[${k:-as shipped}] /" \
-      | cut -c 1-120
-  done
+  knob_profiles "" "triton_ced_attention.DYNAMIC_ENTRIES=1" "triton_gemv.EARLY_W=1" \
+    "SPLITK_MAX_ROWS=64 SPLITK_SWAP=1" "SPLITK_MAX_ROWS=64"
   timeout -s INT 150 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE tests/test_gemv_norm_in.py \
     tests/test_triton_gemv.py tests/test_triton_ced.py 2>&1 | tail -3
-  timeout 150 python3 benchmarks/gemv_bench.py --rows 16 64 --tiles 8192 --per-sm 4 --warps 8 --splitk-knobs \
-    4,128,64,16,3 4,128,64,16,3,1 2,128,64,16,3,1 4,128,128,16,3,1 4,256,64,16,3,1 8,128,64,16,4,1 \
-    --out "$OUT/gemv_swap.jsonl" 2>&1 | grep -v "done$" | grep -v Warning | tail -12 ;;
+  splitk_swap_bench ;;
 s22e)
   # 22nd session (carry .whl312 and .baseline): every GPU test file but kv_sizing, kv_sizing alone, the decode
   # profile of the baseline tree (.baseline/base.tgz) then this one, gpu_bench's roofline, CED decode at 1 / 16 /

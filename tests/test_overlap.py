@@ -187,7 +187,7 @@ def test_pending_ids_resolved_in_the_graph_give_the_same_tokens(ckpt, monkeypatc
     RESOLVE_IN_GRAPH on: the graphs resolve the pending references from the engine's future buffer and the host
     resolves none; greedy tokens and their logprobs as with it off, which resolves each replay's on the host."""
     from deepinfer.backends import cuda_graph
-    from deepinfer.testing.graphs import install_eager_graphs
+    from deepinfer.testing.graphs import install_eager_graphs_paged
 
     kw = dict(num_kv_blocks=40, block_size=4, max_model_len=64, max_num_seqs=4, device="cpu", backend="reference",
               overlap_scheduling=True)
@@ -200,11 +200,7 @@ def test_pending_ids_resolved_in_the_graph_give_the_same_tokens(ckpt, monkeypatc
     for on in (False, True):
         monkeypatch.setattr(cuda_graph, "RESOLVE_IN_GRAPH", on)
         llm = LLM(ckpt, **kw)
-        eng = llm.engine
-        bs = eng.config.block_size
-        blocks = eng.kv_cache[0].shape[1] // bs
-        eng.kv_cache = tuple(torch.cat([t, t.new_zeros(t.shape[0], bs, *t.shape[2:])], 1) for t in eng.kv_cache)
-        graphs = install_eager_graphs(llm, 3, blocks)
+        graphs = install_eager_graphs_paged(llm, 3)
         host_calls.clear()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         assert graphs.num_replays > 0 and all(o.error is None for o in outs)

@@ -175,13 +175,9 @@ def test_speculating_engine_syncs_at_most_once_per_step(tmp_path):
 
 def _eager_graphs(llm, width: int):
     """Give a CPU engine a scratch block and DecodeGraphs whose graphs run eagerly (capture needs CUDA)."""
-    from deepinfer.testing.graphs import install_eager_graphs
+    from deepinfer.testing.graphs import install_eager_graphs_paged
 
-    eng = llm.engine
-    bs = eng.config.block_size
-    blocks = eng.kv_cache[0].shape[1] // bs
-    eng.kv_cache = tuple(torch.cat([t, t.new_zeros(t.shape[0], bs, *t.shape[2:])], 1) for t in eng.kv_cache)
-    return install_eager_graphs(llm, width, blocks)
+    return install_eager_graphs_paged(llm, width)
 
 
 def test_engine_verify_graph_path_gives_eager_verification_tokens(checkpoint):

@@ -37,3 +37,13 @@ def install_eager_graphs(llm, width: int, scratch_block: int, sizes=(1, 2, 4, 8)
     next(st for st in eng.stages["step"] if st.name == "forward").decode_graphs = graphs
     eng.decode_graphs = graphs  # (the engine's own view: dynamic draft lengths price a padded verify step)
     return graphs
+
+
+def install_eager_graphs_paged(llm, width: int, sizes=(1, 2, 4, 8)) -> EagerGraphs:
+    """install_eager_graphs for an engine with a paged KV cache ([*, slots, ...] tensors): one more block appended
+    to every cache tensor serves as the scratch block."""
+    eng = llm.engine
+    bs = eng.config.block_size
+    blocks = eng.kv_cache[0].shape[1] // bs
+    eng.kv_cache = tuple(torch.cat([t, t.new_zeros(t.shape[0], bs, *t.shape[2:])], 1) for t in eng.kv_cache)
+    return install_eager_graphs(llm, width, blocks, sizes)

@@ -1,7 +1,8 @@
 """Ticket counters for kernels whose last program finishes a launch's work (triton_splitk's column tiles,
 triton_ced_route.Tail, the GEMV's add + RMSNorm tail): int32s per (purpose, device, stream), zeroed once and left
-zeroed by every kernel that takes a ticket, so a CUDA graph that captured a call replays it. Two calls on one stream never overlap (with PDL a kernel
-waits for the previous grid before any load), and separate streams get separate counters."""
+zeroed by every kernel that takes a ticket, so a CUDA graph that captured a call replays it. Two calls on one
+stream never overlap (with PDL a kernel waits for the previous grid before any load), and separate streams get
+separate counters."""
 
 from __future__ import annotations
 
@@ -18,5 +19,6 @@ def counter(purpose: str, device: torch.device, size: int = 1) -> torch.Tensor:
     if buf is None:
         buf = _counters[key] = torch.zeros(size, dtype=torch.int32, device=device)
     elif buf.numel() != size:
-        raise ValueError(f"ticket counters {purpose!r} hold {buf.numel()} counters, asked for {size}: one size a purpose")
+        raise ValueError(f"ticket counters {purpose!r} hold {buf.numel()} counters, asked for {size}: "
+                         "one size a purpose")
     return buf
