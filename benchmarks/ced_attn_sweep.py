@@ -42,13 +42,15 @@ def main(argv=None) -> int:
     ap.add_argument("--split-scale", type=float, nargs="+", default=[0.0, 0.5, 1.0, 2.0], help="0: one split")
     ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 1],
                     help="the entry loop software-pipelined (1) or not (0); 'default' runs tca.prefetch_entries' choice")
+    ap.add_argument("--raw", type=int, nargs="+", default=[0],
+                    help="1: also each setting on the entries decoded once to bf16 (entry_fmt 'bf16'), 0: FP4")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="ced_attn_sweep.jsonl")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 2
-    from deepinfer.backends.nvidia import triton_ced_attention as tca
+    from deepinfer.backends.nvidia import triton_ced_attention as tca, triton_fp4 as tfp4
     from deepinfer.backends.nvidia.host_math import cdiv
 
     totals, rows = {}, []
@@ -74,8 +76,13 @@ def main(argv=None) -> int:
                 splits = 1 if sc == 0 else max(1, min(32, round(s0 * sc)))
                 settings.append((f"bn{bn} w{nw} s{ns} x{sc:g} p{pf}",
                                  dict(BLOCK_N=bn, num_warps=nw, num_stages=ns, prefetch=pf), splits))
-            for name, launch, splits in settings:
-                def fn(args, kw, _l=launch, _s=splits):
+            ec, es = first[0][3]
+            table = tfp4.dequantize(ec, es, first[1]["entry_fmt"], torch.bfloat16).view(torch.uint8)
+            settings = [(f"{n} raw" if r else n, lc, sp, r) for n, lc, sp in settings for r in a.raw]
+            for name, launch, splits, raw in settings:
+                def fn(args, kw, _l=launch, _s=splits, _r=raw):
+                    if _r:  # the same entries, decoded (the table's decode is not timed: once per full layer)
+                        args, kw = (*args[:3], (table, None), args[4]), dict(kw, entry_fmt="bf16")
                     return tca.sparse_attention(*args, launch=_l, num_splits=_s, **kw)
                 row = dict(bench="ced_attn_sweep", batch=B, chunk=chunk, context=a.context, setting=name,
                            splits=splits or s_default, device=torch.cuda.get_device_name())

@@ -562,7 +562,17 @@ s26b)
     --out "$OUT/gemv_dot.jsonl" 2>&1 | grep -v "done$" | grep -v Warning | tail -14
   timeout 100 python3 benchmarks/ced_attn_sweep.py --batches 16 64 --context 256 --block-n 16 32 --warps 4 \
     --stages 1 --split-scale 0 0.5 1 --prefetch 0 1 --out "$OUT/ced_attn_short.jsonl" 2>&1 | grep -v Warning \
-    | tail -4 ;;
+    | tail -4
+  # a 2048-query prefill chunk at 16K on its FP4 entries against the same entries decoded once to bf16
+  timeout 120 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 16 32 \
+    --warps 4 8 --stages 1 --split-scale 0 --prefetch 0 --raw 0 1 --out "$OUT/ced_attn_raw.jsonl" 2>&1 \
+    | grep -v Warning | tail -3
+  python3 - "$OUT/ced_attn_raw.jsonl" <<'PY'
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    if "us" in r: print(f"{r['setting']:<28} {r['us']:9.1f} us  err {r.get('rel_l2_err', float('nan')):.1e}")
+PY
+  ;;
 s25a)
   # 25th session (~6 min): s24b's decode profiles and gemv_bench (its tests run in s22c), and fused_experts as a PDL
   # chain (triton_moe.PDL_CHAIN) at 16 / 64.

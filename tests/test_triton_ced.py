@@ -268,6 +268,36 @@ def test_sparse_attention_dynamic_entries_same_bits(rows, W, H, K, fmt, dtype, s
     assert rel_err(dynamic, REF.ced_sparse_attention(*args, **kw)) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@examples(8)
+@given(rows=ced_attention_rows(2), W=st.integers(1, 12), H=st.integers(1, 3), K=st.integers(0, 40),
+       fmt=st.sampled_from(FP4), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
+def test_sparse_attention_raw_bf16_entries(rows, W, H, K, fmt, dtype, splits, seed):
+    """Entries as raw bf16 bytes (entry_fmt "bf16"): FP4 entries decoded to bf16 (exact) give the FP4 launch's
+    bits; values no FP4 code holds match the reference op; fp16 queries (which would round bf16 entries) and
+    scaled raw entries are refused."""
+    args, kw = attention_case(gen(seed), rows, W, 1, H, 32, K, fmt, dtype, True)
+    launch = dict(triton_ced_attention.launch_config(H, 32, dtype), prefetch=0)
+    launch.pop("BLOCK_D")
+    ec, es = args[3]
+    table = lowbit.dequantize(ec.cpu(), es.cpu(), fmt, torch.bfloat16).view(torch.uint8).to(DEV)
+    raw = (*args[:3], (table, None), args[4])
+    fp4 = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=launch, **kw)
+    got = triton_ced_attention.sparse_attention(*raw, num_splits=splits, launch=launch, **dict(kw, entry_fmt="bf16"))
+    assert_same_bits(got, fp4)
+    g = gen(seed + 1)
+    other = (torch.randn(table.shape[0], 32, generator=g) * 3).to(torch.bfloat16).view(torch.uint8).to(DEV)
+    raw = (*args[:3], (other, None), args[4])
+    kwr = dict(kw, entry_fmt="bf16")
+    got = triton_ced_attention.sparse_attention(*raw, num_splits=splits, **kwr)
+    assert rel_err(got, REF.ced_sparse_attention(*raw, **kwr)) < (1e-5 if dtype == torch.float32 else 1e-2)
+    half = (args[0].half(), args[1].half(), *raw[2:])
+    assert not triton_ced_attention.supports(*half[:5], "fp8_e4m3_pow2", "bf16")
+    assert not triton_ced_attention.supports(*args[:3], (other, es), args[4], "fp8_e4m3_pow2", "bf16")
+    with pytest.raises(ValueError, match="unsupported inputs"):
+        triton_ced_attention.sparse_attention(*half, **kwr)
+
+
 @pytest.mark.parametrize("fmt", FP4)
 def test_sparse_attention_bench_latent_width(fmt):
     """The bench latent's launch config (16 heads x D = 512: BLOCK_H 16, BLOCK_D 512, BLOCK_N 16, as compiled on
@@ -709,17 +739,20 @@ for dt in ("bf16", "fp32"):
             wide = tca.wide_launch(2048, H, D, torch.bfloat16, 128, 512) if dt == "bf16" and direct else None
             dyn = dt == "bf16" and D == 512  # the bench decode launches with the entry loop bounded on the device
             for kind, lc in (("", cfg), ("_prefill", dict(cfg, **wide[0]) if wide else None),
-                             ("_dyn", dict(cfg, dynamic=1) if dyn else None)):
+                             ("_dyn", dict(cfg, dynamic=1) if dyn else None),
+                             ("_raw", dict(cfg, **wide[0], raw=1) if wide and D == 512 else None)):
                 if lc is None:
                     continue
-                fast = dt == "bf16" and tca.fast_entries(torch.bfloat16, lc)
-                compile_(tca._ced_attn_kernel, f"attn_{dt}_D{D}_{'direct' if direct else 'split'}{kind}", sig,
+                raw = "raw" in lc  # a prefill on entries decoded to bf16 (entry_fmt "bf16")
+                fast = dt == "bf16" and not raw and tca.fast_entries(torch.bfloat16, lc)
+                compile_(tca._ced_attn_kernel, f"attn_{dt}_D{D}_{'direct' if direct else 'split'}{kind}",
+                         dict(sig, ec_ptr=p if raw else "*u8", es_ptr=p if raw else "*u8"),
                          dict(BLOCK_H=lc["BLOCK_H"], BLOCK_N=lc["BLOCK_N"], BLOCK_D=lc["BLOCK_D"],
                               WIN_TILES=2, SEL_TILES=8, GROUP=16, E8M0=False, HAS_ENTRIES=True, HAS_SINKS=True,
                               DIRECT=direct, DOT_PRECISION="ieee" if dt == "fp32" else "tf32", FAST_FP4=fast,
                               UNROPE=True, BLOCK_R=min(32, D // 4),  # (the engine's: out_proj's RoPE in)
-                              PREFETCH=tca.prefetch_entries(lc), DYN="dynamic" in lc,
-                              SEL_POW2=8 * lc["BLOCK_N"]),
+                              PREFETCH=not raw and tca.prefetch_entries(lc), DYN="dynamic" in lc,
+                              SEL_POW2=8 * lc["BLOCK_N"], RAW=raw),
                          div16=("stride_qt", "stride_qh", "stride_kv", "stride_rs", "stride_rr", "stride_rss",
                                 "stride_ec", "stride_sel", "stride_ot", "stride_oh", "H", "D", "K"),
                          num_warps=lc["num_warps"], **({"num_stages": lc["num_stages"]} if "num_stages" in lc else {}))
@@ -761,16 +794,16 @@ print(json.dumps(report))
 
 def test_ced_kernels_compile_for_hopper():
     """The compiled code path, which CPU CI never runs: every CED kernel compiles for sm_90; bf16 attention (D = 32,
-    128, 512; at 512 also with the dynamic entry loop) and indexer scores (dh = 32, 128) use the tensor cores
+    128, 512; at 512 also with the dynamic entry loop and a prefill's on raw bf16 entries) and indexer scores (dh = 32, 128) use the tensor cores
     without local-memory spills and no MMA operand has a kWidth Triton 3.6 miscompiles for its K (see
     kwidth_hazards); the quantisers use correctly rounded division and keep subnormals (no flush-to-zero
     multiplies)."""
     from pathlib import Path
 
     report = run_compile_script(_COMPILE_SCRIPT, timeout=600, cwd=Path(__file__).resolve().parents[1])
-    # bf16: 9 attention launches (one a prefill's, two dynamic), 4 score kernels, 4 (de)quantisers; fp32: 6 + 2 +
-    # 4; 3 top-K
-    assert len(report) == 17 + 12 + 3
+    # bf16: 10 attention launches (one a prefill's, one a prefill's on raw bf16 entries, two dynamic), 4 score
+    # kernels, 4 (de)quantisers; fp32: 6 + 2 + 4; 3 top-K
+    assert len(report) == 18 + 12 + 3
     hazards = {name: row["kwidth_hazards"] for name, row in report.items() if row["kwidth_hazards"]}
     assert not hazards, f"MMA operands whose kWidth exceeds K / 8 (miscompiled by Triton 3.6): {hazards}"
     for name in [n for n in report if n.startswith(("attn_bf16", "score_bf16"))]:

@@ -5,7 +5,8 @@ Each CED query attends one shared latent (MQA, K = V, head dim D) over
   the fresh KV ``kv`` (row fresh_start + p - fresh_lo for p >= fresh_lo); older ones live in the sequence's
   FP8 ring (``fp8_e4m3_pow2``: E4M3 codes with a power-of-two scale per 32 channels, slot p % ring);
 - its selected global entries: cache rows ``entry_slots[t]`` (-1 = none) of the paged FP4 KV cache
-  (``fp4_e2m1_e4m3``, E2M1 nibbles with an E4M3 scale per 16 channels, or ``mxfp4``);
+  (``fp4_e2m1_e4m3``, E2M1 nibbles with an E4M3 scale per 16 channels, or ``mxfp4``), or of a bf16 table
+  (``bf16``: unquantized entries, or FP4 ones decoded once for many queries, see decoded_entries);
 - a per-head sink logit, which joins only the softmax denominator.
 
 A program owns one (query, head tile, split). It walks its share of the window tiles, then of the entry
@@ -56,6 +57,9 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
 RING_FMT = "fp8_e4m3_pow2"
 RING_GROUP = 32
+# Entries stored unquantized (reference.lowbit's "bf16": the values' bytes, no scales): read as they are, in bf16
+# or float32 queries (fp16 would round them).
+RAW_FMT = "bf16"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 1024
 # Entry tiles software-pipelined (the kernel's PREFETCH): the next tile's slots and codes are loaded before this
@@ -123,7 +127,7 @@ def _ced_attn_kernel(
     WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
     HAS_ENTRIES: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_FP4: tl.constexpr, UNROPE: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr = False,
-    DYN: tl.constexpr = False, SEL_POW2: tl.constexpr = 1, PDL: tl.constexpr = 0,
+    DYN: tl.constexpr = False, SEL_POW2: tl.constexpr = 1, PDL: tl.constexpr = 0, RAW: tl.constexpr = False,
 ):
     pdl_start(PDL, True)
     t = tl.program_id(0).to(tl.int64)
@@ -192,8 +196,12 @@ def _ced_attn_kernel(
                 valid = slot >= 0
                 if DYN:
                     valid = valid & (i < n_sel)
-                kv = fp4_operand(ec_ptr, es_ptr, slot, valid, stride_ec, stride_es, D // GROUP, BLOCK_D // GROUP,
-                                 GROUP, E8M0, DT, FAST_FP4)
+                if RAW:  # bf16 entries [N, D]: loaded as they are (exact in float32 too)
+                    kv = tl.load(ec_ptr + slot[:, None] * stride_ec + d[None, :], mask=valid[:, None] & d_mask[None, :],
+                                 other=0.0).to(DT)
+                else:
+                    kv = fp4_operand(ec_ptr, es_ptr, slot, valid, stride_ec, stride_es, D // GROUP,
+                                     BLOCK_D // GROUP, GROUP, E8M0, DT, FAST_FP4)
                 m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     pdl_signal(PDL)
@@ -263,7 +271,13 @@ def supports(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Optional[t
         return False
     if entry_slots.shape[0] != T or entry_slots.dtype != torch.int64:
         return False
-    if entries is not None:
+    if entries is not None and entry_fmt == RAW_FMT:  # raw bf16 bytes [N, 2 D], no scales
+        ec, es = entries
+        if es is not None or q.dtype == torch.float16 or ec.dtype != torch.uint8 or ec.dim() != 2:
+            return False
+        if ec.shape[1] != 2 * D or ec.stride(1) != 1 or ec.stride(0) % 2 or ec.storage_offset() % 2:
+            return False
+    elif entries is not None:
         ec, es = entries
         if entry_fmt not in GROUPS or es is None or ec.dtype != torch.uint8 or es.dtype != torch.uint8:
             return False
@@ -363,8 +377,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
     """One softmax per query over its window keys, its selected FP4 entries and the sink (see the module doc).
 
     q [T, H, D]; kv [T, D] this pass's fresh latents (q's dtype); ring = (codes [S, RING, D], scales
-    [S, RING, D // 32]) uint8; entries = (codes [N, D // 2], scales [N, D // G]) uint8 or None (no global
-    branch); entry_slots [T, K] int64 cache rows, -1 = none; pos, cut, fresh_lo, fresh_start, ring_slot [T]
+    [S, RING, D // 32]) uint8; entries = (codes [N, D // 2], scales [N, D // G]) uint8, for entry_fmt "bf16"
+    (the values' bytes [N, 2 D], None), or None (no global branch); entry_slots [T, K] int64 cache rows, -1 = none; pos, cut, fresh_lo, fresh_start, ring_slot [T]
     int64 per query; window W; sinks [H] or None. Returns [T, H, D] in q's dtype. ``launch`` overrides
     launch_config's keys (and ``num_stages``): benchmarks/ced_attn_sweep.py times the choices. ``unrope``: (cos,
     sin) [T, R/2] float32, each query's rotary angles (functional.rope_cos_sin of pos): the output leaves with
@@ -396,6 +410,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
     K = entry_slots.shape[1]
     has_entries = entries is not None and K > 0
     ec, es = entries if has_entries else (rc, rs)  # unused when there are no entries
+    raw = has_entries and entry_fmt == RAW_FMT
+    if raw:
+        ec = es = ec.view(torch.bfloat16)  # [N, D] (es: unused)
     if entry_slots.stride(1) != 1:
         entry_slots = entry_slots.contiguous()
     cfg = launch_config(H, D, q.dtype)
@@ -438,8 +455,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         WIN_TILES=cdiv(win_tiles, S), SEL_TILES=cdiv(sel_tiles, S),
         GROUP=GROUPS.get(entry_fmt, 16), E8M0=entry_fmt == "mxfp4", HAS_ENTRIES=has_entries,
         HAS_SINKS=has_sinks, DIRECT=S == 1, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FAST_FP4=has_entries and fast_entries(q.dtype, cfg), UNROPE=unrope is not None, BLOCK_R=block_r,
-        PREFETCH=has_entries and prefetch_entries(cfg),
+        FAST_FP4=has_entries and not raw and fast_entries(q.dtype, cfg), UNROPE=unrope is not None,
+        BLOCK_R=block_r, PREFETCH=has_entries and not raw and prefetch_entries(cfg), RAW=raw,
         DYN=has_entries and bool(cfg.get("dynamic", DYNAMIC_ENTRIES)),
         SEL_POW2=next_pow2(max(1, cdiv(sel_tiles, S) * BLOCK_N)),
         num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
