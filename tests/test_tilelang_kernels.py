@@ -334,6 +334,8 @@ def test_supports_refuses_what_the_kernels_do_not_take():
     assert not ok(*args, ring_fmt="fp32") and not ok(*args, fmt="fp8_e4m3_pow2")
     assert not ok(args[0][..., :32].contiguous(), args[1][:, :32].contiguous(), *args[2:])  # D % 64
     assert not ok(*args, sinks=torch.zeros(3))
+    raw = torch.zeros(args[3][0].shape[0], 2 * 64, dtype=torch.uint8)  # raw bf16 entries: Triton's only
+    assert not ok(*args[:3], (raw, None), args[4], fmt="bf16")
     q, cache, clean, meta = mla_decode_case([5, 9], block_size=4, heads=2, rank=64, rope=32, dtype=torch.bfloat16)
     bt = meta.block_table
     assert lma.supports(q, cache, bt, 4, 64, meta.seq_lens)

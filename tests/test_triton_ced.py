@@ -545,6 +545,33 @@ def test_ced_engine_greedy_tokens_match_reference(tmp_path):
     assert tokens["nvidia"] == tokens["reference"]
 
 
+def test_ced_engine_entry_table_same_logprobs(tmp_path, monkeypatch):
+    """A prefill's entries decoded once into a bf16 table (NvidiaOps.ced_entry_table, its read threshold lowered
+    so the tiny prompt takes it) give the in-place FP4 path's tokens and log-probabilities bit for bit."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.backends.nvidia import ops as nv_ops
+    from deepinfer.testing.ced import build_ced_checkpoint
+
+    cfg = build_ced_checkpoint(tmp_path, seed=5, hidden_size=32, num_layers=4, num_encoder_layers=2, num_heads=2,
+                               head_dim=32, rope_dim=8, q_lora_rank=32, out_groups=2, out_group_dim=32, n_win=4,
+                               swa_allowance=1, layer_modes=("swa", "full", "full", "reuse"), encoder_ratio=2,
+                               index_heads=2, index_head_dim=32, index_topk=3, pool_block=2, pool_blocks=2,
+                               n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                               max_position_embeddings=256)
+    prompt = torch.randint(0, cfg.vocab_size, (14,), generator=gen(2)).tolist()
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2)
+    got = {}
+    for on in (False, True):
+        monkeypatch.setattr(nv_ops, "ENTRY_TABLE", on)
+        monkeypatch.setattr(nv_ops, "ENTRY_TABLE_READS", 1)
+        llm = LLM(str(tmp_path), backend="nvidia", device=str(DEV), dtype="bfloat16", block_size=4,
+                  num_kv_blocks=32, max_num_batched_tokens=16, max_num_seqs=1)
+        out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        got[on] = (out.token_ids, [sorted(d.items()) for d in out.logprobs])
+        assert (llm.engine.ops.kernel_calls["ced_entry_table"] > 0) == on
+    assert got[True] == got[False]
+
+
 # ------------------------------------------------------------------------------------------- GPU only
 def bench_config():
     from deepinfer.models.ced.config import SIZES, CEDConfig

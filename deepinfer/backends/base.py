@@ -196,6 +196,16 @@ class Ops:
         where ids is -1: the cache rows of each query's chosen entries (its sequence's row of the table)."""
         raise NotImplementedError
 
+    def ced_entry_table(self, entries: tuple, fmt: str, slots: torch.Tensor, reads: int, dtype: torch.dtype):
+        """A pass's entries decoded once for its attention: entries (codes, scales) of the paged cache in ``fmt``,
+        slots [R, J] each row's entries' cache rows (-1 = none), ``reads`` the entry reads the pass's attention will
+        make (queries x top-K), dtype the queries'. -> (raw bf16 bytes [R * J, 2 D], index [R, J]: each entry's
+        table row, -1 = none) to attend with entry_fmt "bf16" and ced_entry_rows over the index instead of slots,
+        or None: the attention reads (and decodes) the cache in place. The values, hence the attention's bits, are
+        the same either way; a backend builds the table where decoding each entry once beats decoding it per read.
+        This default never does."""
+        return None
+
     def ced_query(self, qa: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor, pos: torch.Tensor,
                   rope_dim: int, theta: float, heads: int) -> torch.Tensor:
         """CED's query from W_q_a's output qa [T, K]: its RMSNorm (weight [K]), then ced_linear_rope with w

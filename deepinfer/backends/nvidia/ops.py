@@ -110,6 +110,13 @@ SPLITK_MAX_ROWS = 0
 # at batch 16 / 64 swapped, 2.974 / 4.271 unswapped, 2.911 / ~3.6 on cuBLAS; gemv_bench's step totals at 16 / 64 rows,
 # cuBLAS 910 / 951 us against the best split-K knobs' 1201 / 1912.
 SPLITK_SWAP = False
+# A prefill pass's FP4 entries decoded once to bf16 for its CED attention (Ops.ced_entry_table) where its queries
+# read at least ENTRY_TABLE_READS times as many entries as the table holds and the table fits ENTRY_TABLE_MAX_BYTES:
+# the attention kernel then loads bf16 rows instead of decoding FP4 per query (the same bits). Off until timed
+# (benchmarks/ced_attn_sweep.py --raw, then the 16K prefill).
+ENTRY_TABLE = False
+ENTRY_TABLE_READS = 8
+ENTRY_TABLE_MAX_BYTES = 64 << 20
 INVARIANT_CED_SPLIT_TILES = 4  # batch-invariant mode: key tiles per split of the CED attention kernel
 
 
@@ -470,6 +477,25 @@ class NvidiaOps(ReferenceOps):
             logits = triton_splitk.linear(x, gate, **CED_ROUTE_LOGITS_SPLITK_KNOBS)
             return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
         return super().ced_moe_route(x, gate, top_k, bias=bias, scaling=scaling)
+
+    def ced_entry_table(self, entries, fmt, slots, reads, dtype):
+        """With ENTRY_TABLE on, the entries of ``slots`` gathered and decoded (dequantize_kv) into a bf16 table
+        where that pays (ENTRY_TABLE_READS, ENTRY_TABLE_MAX_BYTES) and the attention kernel reads it (bf16 or
+        float32 queries); shapes only decide, so a CUDA-graph capture holds."""
+        from . import triton_fp4
+
+        if not ENTRY_TABLE or entries is None or fmt not in triton_fp4.GROUPS or dtype not in (torch.bfloat16,
+                                                                                            torch.float32):
+            return None
+        codes, scales = entries
+        R, J = slots.shape
+        if R * J == 0 or R * J * ENTRY_TABLE_READS > reads or R * J * codes.shape[1] * 4 > ENTRY_TABLE_MAX_BYTES:
+            return None
+        self.kernel_calls["ced_entry_table"] += 1
+        rows = slots.reshape(-1).clamp(min=0)  # (a row with no entry decodes row 0: never read, its index is -1)
+        table = self.dequantize_kv(codes[rows], scales[rows], fmt, torch.bfloat16)
+        index = torch.arange(R * J, device=slots.device).view(R, J)
+        return table.view(torch.uint8), torch.where(slots >= 0, index, -1)
 
     def _rows(self, table, q_rows, ids, count=False):
         """entry_rows (and the count of ids >= 0), one kernel where it runs."""

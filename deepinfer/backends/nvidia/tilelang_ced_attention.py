@@ -44,10 +44,11 @@ def supports(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Optional[t
              ring_fmt: str, entry_fmt: str, sinks: Optional[torch.Tensor] = None) -> bool:
     """Whether sparse_attention can run these inputs (otherwise the Triton kernel or the reference op): the Triton
     kernel's contract (triton_ced_attention.supports: formats, shapes, dtypes), narrowed to 16-bit q and kv, a
-    latent width that is a multiple of 64 and contiguous tensors."""
+    latent width that is a multiple of 64 and contiguous tensors; FP4 entries only (not raw bf16 ones)."""
     from . import triton_ced_attention
 
-    if not triton_ced_attention.supports(q, kv, ring, entries, entry_slots, ring_fmt, entry_fmt, sinks):
+    if entry_fmt == triton_ced_attention.RAW_FMT \
+            or not triton_ced_attention.supports(q, kv, ring, entries, entry_slots, ring_fmt, entry_fmt, sinks):
         return False
     if q.dtype not in SUPPORTED_DTYPES or q.shape[2] % 64 or (sinks is not None and not sinks.is_floating_point()):
         return False

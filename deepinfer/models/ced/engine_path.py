@@ -470,7 +470,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None,
     qa, y, iw_raw = layer.project_input(x) or (None, None, None)  # one product where the weights are joined
     q, cq = layer.query(x, P.pos, qa=qa, need_cq=layer.mode in ("full", "reindex"))  # (cq: the indexer's)
     kv = P.swa_kv(layer, x, cache, ops, y=y)
-    entries, sel = None, P.no_entries()  # swa layers: no global branch
+    entries, sel, table = None, P.no_entries(), None  # swa layers: no global branch
     if layer.mode != "swa":
         m = layer.m
         src_l = c.source_full(layer.i)
@@ -484,19 +484,28 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None,
         else:
             topk = ctx[("topk", c.source_topk(layer.i))]
         # A reuse layer reads the cache rows its top-K layer looked up (same top-K, same full layer's slots).
+        # The full layer's entries decoded once for this pass's queries, where the backend finds that pays
+        # (Ops.ced_entry_table): then its rows and index stand in for the cache and slots, with the same values.
+        tab_key = ("table", src_l)
+        if tab_key not in ctx:
+            reads = P.n * min(topk.shape[1], slots.shape[1])  # (at most J of a query's K ids are valid)
+            ctx[tab_key] = ops.ced_entry_table(cache.kv[src_l], c.global_kv_format, slots, reads, q.dtype) \
+                if reads else None
+        table = ctx[tab_key]
         sel_key = ("sel", layer.i if layer.mode in ("full", "reindex") else c.source_topk(layer.i))
         sel = ctx.get(sel_key)
         if sel is None:
-            if P.n and slots.shape[1]:
-                sel = ops.ced_entry_rows(slots, P.rows_t, topk)  # [Tq, K] cache rows
+            if P.n and slots.shape[1]:  # [Tq, K] cache (or table) rows
+                sel = ops.ced_entry_rows(slots if table is None else table[1], P.rows_t, topk)
             else:  # no query, or no complete entry yet in any row (topk is all -1)
                 sel = torch.full_like(topk, -1)
             ctx[sel_key] = sel
-        entries = cache.kv[src_l]
+        entries = cache.kv[src_l] if table is None else (table[0], None)
     if P.n:
         o = ops.ced_sparse_attention(q, kv, cache.rings(P.score)[layer.i], entries, sel, pos=P.pos, cut=P.cut_t,
                                      fresh_lo=P.lo_t, fresh_start=P.lstart_t, ring_slot=P.ring_slot,
-                                     window=c.n_win, ring_fmt=c.swa_kv_format, entry_fmt=c.global_kv_format,
+                                     window=c.n_win, ring_fmt=c.swa_kv_format,
+                                     entry_fmt=c.global_kv_format if table is None else "bf16",
                                      sinks=layer.sink, scale=c.head_dim ** -0.5,
                                      unrope=P.rope_angles(c))  # (out_proj's inverse RoPE, in the op)
         h, xf = layer.out_proj_add_rms(o, P.pos, h, unrotated=True)
