@@ -133,8 +133,13 @@ def main() -> int:
     ap.add_argument("--max-len", type=int, default=None, help="the engine's max_model_len (default: tokens + 16)")
     ap.add_argument("--max-seqs", type=int, default=4, help="the engine's max_num_seqs (gpu_bench's ced phase: 64)")
     ap.add_argument("--batched", type=int, default=None, help="max_num_batched_tokens (default: tokens)")
+    ap.add_argument("--knob", action="append", default=[], metavar="NAME=VALUE",
+                    help="a backend constant set first (profile_decode.set_knobs: ENTRY_TABLE=1)")
     ap.add_argument("--out", default="profile_cold_prefill")
     args = ap.parse_args()
+    from profile_decode import set_knobs
+
+    knobs = set_knobs(args.knob)
     report, rows = io.StringIO(), []
 
     def say(*a):
@@ -172,7 +177,7 @@ def main() -> int:
             launches = sum(e.count for e in ev if e.key in LAUNCH)
             wall = statistics.median(walls)
             each = [round(w * 1e3, 1) for w in walls]
-            say(f"\n== {mode}: {args.tokens} tokens, wall {wall * 1e3:.1f} ms (all {each}),"
+            say(f"\n== {mode}{' ' + str(knobs) if knobs else ''}: {args.tokens} tokens, wall {wall * 1e3:.1f} ms (all {each}),"
                 f" profiled {prof_wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms, {launches} launches;"
                 f" matmul floor {flops['flops'] / rate * 1e3:.1f} ms ({flops['flops'] / rate / wall:.1%} of the wall)"
                 f"; layer tokens {list(model.counters['layer_tokens'])}")
@@ -191,7 +196,8 @@ def main() -> int:
                     say(f"{name:40s} {shapes[:80]:80s} {n:6d} {t / 1e3:9.2f}")
             if args.host:
                 say(host_top(llm, prompt))
-            rows.append({"bench": "profile_cold_prefill", "mode": mode, "tokens": args.tokens, "wall_s": wall,
+            rows.append({"bench": "profile_cold_prefill", "mode": mode, "tokens": args.tokens, "knobs": knobs,
+                         "wall_s": wall,
                          "walls_s": walls, "busy_s": busy, "launches": launches, "flops": flops,
                          "matmul_flop_per_s": rate, "fraction_of_matmul_rate": flops["flops"] / rate / wall,
                          "idle_spans": idle, "ops": ops,

@@ -573,6 +573,14 @@ for r in map(json.loads, open(sys.argv[1])):
     if "us" in r: print(f"{r['setting']:<28} {r['us']:9.1f} us  err {r.get('rel_l2_err', float('nan')):.1e}")
 PY
   ;;
+s26c)
+  # 26th session (~5 min): a cold 16K bounded prefill with its entries read in place (FP4) and from a bf16 table
+  # decoded once per full layer (ENTRY_TABLE=1), one after the other: wall, share of the matmul rate, kernels.
+  for k in "" "ENTRY_TABLE=1"; do
+    timeout 200 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 3 --top 12 \
+      ${k:+--knob $k} --out "$OUT/cold_prefill_16k${k:+_table}" 2>&1 | grep -v Warning | grep -A14 "^== " \
+      | cut -c 1-150
+  done ;;
 s25a)
   # 25th session (~6 min): s24b's decode profiles and gemv_bench (its tests run in s22c), and fused_experts as a PDL
   # chain (triton_moe.PDL_CHAIN) at 16 / 64.
