@@ -115,6 +115,18 @@ ced_kernels16() {  # 16th session: tests/test_triton_ced.py, then ced_prefill_ke
     | tee "$OUT/ced_prefill_kernels.log" | grep -v Warning | tail -"$1"
 }
 
+raw_entry_sweep() {  # 26th session: a 2048-query prefill chunk at 16K on its FP4 entries against the same entries
+  # decoded once to bf16 (entry_fmt "bf16", what ENTRY_TABLE attends), each launch both ways
+  timeout 120 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 16 32 \
+    --warps 4 8 --stages 1 --split-scale 0 --prefetch 0 --raw 0 1 --out "$OUT/ced_attn_raw.jsonl" 2>&1 \
+    | grep -v Warning | tail -3
+  python3 - "$OUT/ced_attn_raw.jsonl" <<'PY'
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    if "us" in r: print(f"{r['setting']:<28} {r['us']:9.1f} us  err {r.get('rel_l2_err', float('nan')):.1e}")
+PY
+}
+
 knob_profiles() {  # s24b / s25a: the decode profile as shipped ("") and with each knob set ("A=1 B=2"), each at
   # the batches it touches (triton_ced*: 1 / 16 / 64; triton_gemv*: 1, the CUDA-core GEMV's; the rest 16 / 64)
   local k a args b
@@ -563,16 +575,15 @@ s26b)
   timeout 100 python3 benchmarks/ced_attn_sweep.py --batches 16 64 --context 256 --block-n 16 32 --warps 4 \
     --stages 1 --split-scale 0 0.5 1 --prefetch 0 1 --out "$OUT/ced_attn_short.jsonl" 2>&1 | grep -v Warning \
     | tail -4
-  # a 2048-query prefill chunk at 16K on its FP4 entries against the same entries decoded once to bf16
-  timeout 120 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 16 32 \
-    --warps 4 8 --stages 1 --split-scale 0 --prefetch 0 --raw 0 1 --out "$OUT/ced_attn_raw.jsonl" 2>&1 \
-    | grep -v Warning | tail -3
-  python3 - "$OUT/ced_attn_raw.jsonl" <<'PY'
-import json, sys
-for r in map(json.loads, open(sys.argv[1])):
-    if "us" in r: print(f"{r['setting']:<28} {r['us']:9.1f} us  err {r.get('rel_l2_err', float('nan')):.1e}")
-PY
-  ;;
+  raw_entry_sweep ;;
+s26t)
+  # 26th session (~5 min): the GPU test files of what changed since the last full run (the decode graphs' [3, B]
+  # inputs, EARLY_W, the raw bf16 entries and the entry table), then raw_entry_sweep.
+  timeout -s INT 220 python3 -m pytest -n 8 --dist loadfile -p no:cacheprovider -q -rfE tests/test_overlap.py \
+    tests/test_cuda_graphs.py tests/test_verify_graphs.py tests/test_ced_verify_graphs.py tests/test_pass_graphs.py \
+    tests/test_triton_ced.py tests/test_triton_gemv.py tests/test_gpu_parity.py tests/test_ced_decode_path.py \
+    2>&1 | tee "$OUT/gpu_tests_s26t.log" | tail -6
+  raw_entry_sweep ;;
 s26c)
   # 26th session (~5 min): a cold 16K bounded prefill with its entries read in place (FP4) and from a bf16 table
   # decoded once per full layer (ENTRY_TABLE=1), one after the other: wall, share of the matmul rate, kernels.
