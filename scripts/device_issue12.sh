@@ -117,7 +117,7 @@ ced_kernels16() {  # 16th session: tests/test_triton_ced.py, then ced_prefill_ke
 
 raw_entry_sweep() {  # 26th session: a 2048-query prefill chunk at 16K on its FP4 entries against the same entries
   # decoded once to bf16 (entry_fmt "bf16", what ENTRY_TABLE attends), each launch both ways
-  timeout 120 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 16 32 \
+  timeout 120 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 16 32 64 \
     --warps 4 8 --stages 1 --split-scale 0 --prefetch 0 --raw 0 1 --out "$OUT/ced_attn_raw.jsonl" 2>&1 \
     | grep -v Warning | tail -3
   python3 - "$OUT/ced_attn_raw.jsonl" <<'PY'
