@@ -552,14 +552,14 @@ def test_ced_engine_entry_table_same_logprobs(tmp_path, monkeypatch):
     from deepinfer.backends.nvidia import ops as nv_ops
     from deepinfer.testing.ced import build_ced_checkpoint
 
-    cfg = build_ced_checkpoint(tmp_path, seed=5, hidden_size=32, num_layers=4, num_encoder_layers=2, num_heads=2,
+    cfg = build_ced_checkpoint(tmp_path, seed=5, hidden_size=32, num_layers=3, num_encoder_layers=1, num_heads=2,
                                head_dim=32, rope_dim=8, q_lora_rank=32, out_groups=2, out_group_dim=32, n_win=4,
-                               swa_allowance=1, layer_modes=("swa", "full", "full", "reuse"), encoder_ratio=2,
+                               swa_allowance=1, layer_modes=("full", "full", "reuse"), encoder_ratio=2,
                                index_heads=2, index_head_dim=32, index_topk=3, pool_block=2, pool_blocks=2,
                                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                max_position_embeddings=256)
-    prompt = torch.randint(0, cfg.vocab_size, (14,), generator=gen(2)).tolist()
-    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompt = torch.randint(0, cfg.vocab_size, (12,), generator=gen(2)).tolist()
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2)  # (the prefill reads the table)
     got = {}
     for on in (False, True):
         monkeypatch.setattr(nv_ops, "ENTRY_TABLE", on)
