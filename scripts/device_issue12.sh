@@ -584,6 +584,17 @@ s26t)
     tests/test_triton_ced.py tests/test_triton_gemv.py tests/test_gpu_parity.py tests/test_ced_decode_path.py \
     2>&1 | tee "$OUT/gpu_tests_s26t.log" | tail -6
   raw_entry_sweep ;;
+s26min)
+  # 26th session, the little budget the failed starts left (~5 min): the decode graphs' [3, B] inputs and the raw
+  # entries on the GPU, raw_entry_sweep, then the 16K prefill's entry table off / on (what the budget cuts is last).
+  timeout -s INT 110 python3 -m pytest -n 8 --dist loadfile -p no:cacheprovider -q -rfE tests/test_overlap.py \
+    tests/test_cuda_graphs.py tests/test_triton_ced.py -k "not compile" 2>&1 | tail -4
+  raw_entry_sweep
+  for k in "" "ENTRY_TABLE=1"; do
+    timeout 85 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 2 --top 8 \
+      ${k:+--knob $k} --out "$OUT/cold_prefill_16k${k:+_table}" 2>&1 | grep -v Warning | grep -A10 "^== " \
+      | cut -c 1-150
+  done ;;
 s26all)
   # 26th session, one call under 600 s (the device came rarely): the graph-input GPU tests, raw_entry_sweep, the
   # 16K prefill's entry table off / on, the decode profile at 16 / 64 as shipped and with the tensor-core GEMV up to
