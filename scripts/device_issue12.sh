@@ -584,6 +584,11 @@ s26t)
     tests/test_triton_ced.py tests/test_triton_gemv.py tests/test_gpu_parity.py tests/test_ced_decode_path.py \
     2>&1 | tee "$OUT/gpu_tests_s26t.log" | tail -6
   raw_entry_sweep ;;
+s26raw)
+  # 26th session, the last ~3 min of budget: raw_entry_sweep, then the decode graphs' [3, B] inputs on the GPU.
+  raw_entry_sweep
+  timeout -s INT 60 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_overlap.py tests/test_cuda_graphs.py \
+    2>&1 | tail -4 ;;
 s26min)
   # 26th session, the little budget the failed starts left (~5 min): the decode graphs' [3, B] inputs and the raw
   # entries on the GPU, raw_entry_sweep, then the 16K prefill's entry table off / on (what the budget cuts is last).
