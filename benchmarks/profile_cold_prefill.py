@@ -177,7 +177,8 @@ def main() -> int:
             launches = sum(e.count for e in ev if e.key in LAUNCH)
             wall = statistics.median(walls)
             each = [round(w * 1e3, 1) for w in walls]
-            say(f"\n== {mode}{' ' + str(knobs) if knobs else ''}: {args.tokens} tokens, wall {wall * 1e3:.1f} ms (all {each}),"
+            say(f"\n== {mode}{' ' + str(knobs) if knobs else ''}: {args.tokens} tokens,"
+                f" wall {wall * 1e3:.1f} ms (all {each}),"
                 f" profiled {prof_wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms, {launches} launches;"
                 f" matmul floor {flops['flops'] / rate * 1e3:.1f} ms ({flops['flops'] / rate / wall:.1%} of the wall)"
                 f"; layer tokens {list(model.counters['layer_tokens'])}")

@@ -821,10 +821,10 @@ print(json.dumps(report))
 
 def test_ced_kernels_compile_for_hopper():
     """The compiled code path, which CPU CI never runs: every CED kernel compiles for sm_90; bf16 attention (D = 32,
-    128, 512; at 512 also with the dynamic entry loop and a prefill's on raw bf16 entries) and indexer scores (dh = 32, 128) use the tensor cores
-    without local-memory spills and no MMA operand has a kWidth Triton 3.6 miscompiles for its K (see
-    kwidth_hazards); the quantisers use correctly rounded division and keep subnormals (no flush-to-zero
-    multiplies)."""
+    128, 512; at 512 also with the dynamic entry loop and a prefill's on raw bf16 entries) and indexer scores (dh =
+    32, 128) use the tensor cores without local-memory spills and no MMA operand has a kWidth Triton 3.6
+    miscompiles for its K (see kwidth_hazards); the quantisers use correctly rounded division and keep
+    subnormals (no flush-to-zero multiplies)."""
     from pathlib import Path
 
     report = run_compile_script(_COMPILE_SCRIPT, timeout=600, cwd=Path(__file__).resolve().parents[1])

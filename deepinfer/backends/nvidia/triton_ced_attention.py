@@ -6,7 +6,7 @@ Each CED query attends one shared latent (MQA, K = V, head dim D) over
   FP8 ring (``fp8_e4m3_pow2``: E4M3 codes with a power-of-two scale per 32 channels, slot p % ring);
 - its selected global entries: cache rows ``entry_slots[t]`` (-1 = none) of the paged FP4 KV cache
   (``fp4_e2m1_e4m3``, E2M1 nibbles with an E4M3 scale per 16 channels, or ``mxfp4``), or of a bf16 table
-  (``bf16``: unquantized entries, or FP4 ones decoded once for many queries, see decoded_entries);
+  (``bf16``: unquantized entries, or FP4 ones decoded once for many queries: Ops.ced_entry_table);
 - a per-head sink logit, which joins only the softmax denominator.
 
 A program owns one (query, head tile, split). It walks its share of the window tiles, then of the entry
@@ -378,14 +378,15 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
 
     q [T, H, D]; kv [T, D] this pass's fresh latents (q's dtype); ring = (codes [S, RING, D], scales
     [S, RING, D // 32]) uint8; entries = (codes [N, D // 2], scales [N, D // G]) uint8, for entry_fmt "bf16"
-    (the values' bytes [N, 2 D], None), or None (no global branch); entry_slots [T, K] int64 cache rows, -1 = none; pos, cut, fresh_lo, fresh_start, ring_slot [T]
-    int64 per query; window W; sinks [H] or None. Returns [T, H, D] in q's dtype. ``launch`` overrides
-    launch_config's keys (and ``num_stages``): benchmarks/ced_attn_sweep.py times the choices. ``unrope``: (cos,
-    sin) [T, R/2] float32, each query's rotary angles (functional.rope_cos_sin of pos): the output leaves with
-    the inverse RoPE applied to its last R channels (CEDLayer.out_proj's first step), the bits
-    functional.apply_rope gives, in the launch that stores it (the DIRECT epilogue or the split merge reads
-    those channels back and rotates them in a tile of their own). The query's RoPE stays the caller's: applied
-    as q is loaded it cost the compiled kernel spills at some latents (the sm_90 compile test).
+    (the values' bytes [N, 2 D], None), or None (no global branch); entry_slots [T, K] int64 cache rows, -1 =
+    none; pos, cut, fresh_lo, fresh_start, ring_slot [T] int64 per query; window W; sinks [H] or None. Returns
+    [T, H, D] in q's dtype. ``launch`` overrides launch_config's keys (and ``num_stages``):
+    benchmarks/ced_attn_sweep.py times the choices. ``unrope``: (cos, sin) [T, R/2] float32, each query's rotary
+    angles (functional.rope_cos_sin of pos): the output leaves with the inverse RoPE applied to its last R
+    channels (CEDLayer.out_proj's first step), the bits functional.apply_rope gives, in the launch that stores it
+    (the DIRECT epilogue or the split merge reads those channels back and rotates them in a tile of their own).
+    The query's RoPE stays the caller's: applied as q is loaded it cost the compiled kernel spills at some
+    latents (the sm_90 compile test).
     """
     if not supports(q, kv, ring, entries, entry_slots, ring_fmt, entry_fmt, sinks):
         raise ValueError(f"sparse_attention: unsupported inputs: q {q.dtype} {tuple(q.shape)}, kv {kv.dtype} "
