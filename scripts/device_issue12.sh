@@ -127,6 +127,15 @@ for r in map(json.loads, open(sys.argv[1])):
 PY
 }
 
+table_prefill_ab() {  # 26th session: a cold 16K bounded prefill with its entries read in place (FP4), then from a
+  # bf16 table decoded once per full layer (ENTRY_TABLE=1); $1 seconds each, $2 repeats, the $3 top kernels
+  for k in "" "ENTRY_TABLE=1"; do
+    timeout "$1" python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats "$2" \
+      --top "$3" ${k:+--knob $k} --out "$OUT/cold_prefill_16k${k:+_table}" 2>&1 | grep -v Warning \
+      | grep -A$(($3 + 2)) "^== " | cut -c 1-150
+  done
+}
+
 knob_profiles() {  # s24b / s25a: the decode profile as shipped ("") and with each knob set ("A=1 B=2"), each at
   # the batches it touches (triton_ced*: 1 / 16 / 64; triton_gemv*: 1, the CUDA-core GEMV's; the rest 16 / 64)
   local k a args b
@@ -595,11 +604,7 @@ s26min)
   timeout -s INT 110 python3 -m pytest -n 8 --dist loadfile -p no:cacheprovider -q -rfE tests/test_overlap.py \
     tests/test_cuda_graphs.py tests/test_triton_ced.py -k "not compile" 2>&1 | tail -4
   raw_entry_sweep
-  for k in "" "ENTRY_TABLE=1"; do
-    timeout 85 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 2 --top 8 \
-      ${k:+--knob $k} --out "$OUT/cold_prefill_16k${k:+_table}" 2>&1 | grep -v Warning | grep -A10 "^== " \
-      | cut -c 1-150
-  done ;;
+  table_prefill_ab 85 2 8 ;;
 s26all)
   # 26th session, one call under 600 s (the device came rarely): the graph-input GPU tests, raw_entry_sweep, the
   # 16K prefill's entry table off / on, the decode profile at 16 / 64 as shipped and with the tensor-core GEMV up to
@@ -607,11 +612,7 @@ s26all)
   timeout -s INT 120 python3 -m pytest -n 8 --dist loadfile -p no:cacheprovider -q -rfE tests/test_overlap.py \
     tests/test_cuda_graphs.py tests/test_verify_graphs.py tests/test_ced_decode_path.py 2>&1 | tail -4
   raw_entry_sweep
-  for k in "" "ENTRY_TABLE=1"; do
-    timeout 85 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 2 --top 8 \
-      ${k:+--knob $k} --out "$OUT/cold_prefill_16k${k:+_table}" 2>&1 | grep -v Warning | grep -A10 "^== " \
-      | cut -c 1-150
-  done
+  table_prefill_ab 85 2 8
   for k in "" "GEMV_DOT_MAX_ROWS=64"; do
     timeout 80 python3 benchmarks/profile_decode.py --shape ced-bench --batches 16 64 --steps 16 ${k:+--knob $k} \
       --out "$OUT/profile_ced_s26.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped}] /" | cut -c 1-140
@@ -619,11 +620,7 @@ s26all)
 s26c)
   # 26th session (~5 min): a cold 16K bounded prefill with its entries read in place (FP4) and from a bf16 table
   # decoded once per full layer (ENTRY_TABLE=1), one after the other: wall, share of the matmul rate, kernels.
-  for k in "" "ENTRY_TABLE=1"; do
-    timeout 200 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 3 --top 12 \
-      ${k:+--knob $k} --out "$OUT/cold_prefill_16k${k:+_table}" 2>&1 | grep -v Warning | grep -A14 "^== " \
-      | cut -c 1-150
-  done ;;
+  table_prefill_ab 200 3 12 ;;
 s25a)
   # 25th session (~6 min): s24b's decode profiles and gemv_bench (its tests run in s22c), and fused_experts as a PDL
   # chain (triton_moe.PDL_CHAIN) at 16 / 64.
