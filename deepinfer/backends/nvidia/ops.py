@@ -489,7 +489,8 @@ class NvidiaOps(ReferenceOps):
             return None
         codes, scales = entries
         R, J = slots.shape
-        if R * J == 0 or R * J * ENTRY_TABLE_READS > reads or R * J * codes.shape[1] * 4 > ENTRY_TABLE_MAX_BYTES:
+        table_bytes = R * J * 2 * (2 * codes.shape[1])  # bf16 rows of D = 2 x the code bytes channels
+        if R * J == 0 or R * J * ENTRY_TABLE_READS > reads or table_bytes > ENTRY_TABLE_MAX_BYTES:
             return None
         self.kernel_calls["ced_entry_table"] += 1
         rows = slots.reshape(-1).clamp(min=0)  # (a row with no entry decodes row 0: never read, its index is -1)
