@@ -72,14 +72,16 @@ def fp4_values(g: torch.Generator, rows: int, C: int, G: int) -> torch.Tensor:
 
 @FAST
 @given(fmt=st.sampled_from(FP4), rows=st.integers(1, 5), groups=st.integers(1, 5),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), lead3=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_fp4_quantize_dequantize_bit_exact(fmt, rows, groups, dtype, lead3, seed):
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       layout=st.sampled_from(["rows", "broadcast", "sliced"]), seed=st.integers(0, 2**16))
+def test_fp4_quantize_dequantize_bit_exact(fmt, rows, groups, dtype, layout, seed):
     G = triton_fp4.GROUPS[fmt]
     x = fp4_values(gen(seed), rows, groups * G, G).to(dtype)
     x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))  # fp16 overflow: the formats take finite input
-    if lead3:
+    if layout == "broadcast":
         x = x[:, None].expand(rows, 2, groups * G)  # a broadcast (non-contiguous) view
+    elif layout == "sliced":  # rows further apart than their channels (the kernels' row stride)
+        x = torch.cat([x, torch.full_like(x[:, :G], 7.0)], dim=1)[:, :groups * G]
     x = x.to(DEV)
     codes, scales = triton_fp4.quantize(x, fmt)
     ref_codes, ref_scales = lowbit.quantize(x.cpu(), fmt)
@@ -803,12 +805,12 @@ for dt in ("bf16", "fp32"):
             report[name]["fast"] = fast
     for fmt, G in triton_fp4.GROUPS.items():
         compile_(triton_fp4._quant_kernel, f"quant_{fmt}_{dt}",
-                 dict(x_ptr=p, codes_ptr="*u8", scales_ptr="*u8", **ints("stride_x", "stride_c", "stride_s", "NG")),
-                 dict(BLOCK_G=16, GROUP=G, E8M0=fmt == "mxfp4"), num_warps=4)
+                 dict(x_ptr=p, codes_ptr="*u8", scales_ptr="*u8", **ints("stride_x", "stride_c", "stride_s", "M", "NG")),
+                 dict(BLOCK_G=16, GROUP=G, E8M0=fmt == "mxfp4", ROWS=1), num_warps=4)
         fast = dt == "bf16" and triton_fp4.fast_decode(torch.bfloat16, 16 * G // 2, 1)
         compile_(triton_fp4._dequant_kernel, f"dequant_{fmt}_{dt}",
-                 dict(codes_ptr="*u8", scales_ptr="*u8", out_ptr=p, **ints("stride_c", "stride_s", "stride_o", "NG")),
-                 dict(BLOCK_G=16, GROUP=G, E8M0=fmt == "mxfp4", FAST=fast), num_warps=1 if fast else 4)
+                 dict(codes_ptr="*u8", scales_ptr="*u8", out_ptr=p, **ints("stride_c", "stride_s", "stride_o", "M", "NG")),
+                 dict(BLOCK_G=16, GROUP=G, E8M0=fmt == "mxfp4", FAST=fast, ROWS=1), num_warps=1 if fast else 4)
         report[f"dequant_{fmt}_{dt}"]["fast"] = fast
 for block, tiles, warps in ((4096, 1, 8), (4096, 4, 8), (16384, 1, 16)):  # (topk_select's widest row tile last)
     compile_(tci._topk_kernel, f"topk_{block}_{tiles}",

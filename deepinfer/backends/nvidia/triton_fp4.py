@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kvquant import as_rows, block_g
+from .triton_kvquant import as_rows, block_g, row_at, row_groups, rows_per_program
 from .triton_norm import cast_rne, to_f32
 from deepinfer.backends.nvidia.host_math import cdiv
 
@@ -252,31 +252,29 @@ def fp4_dequant(c, sb, E8M0: tl.constexpr):
 
 
 @triton.jit
-def _quant_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, stride_s, NG,
-                  BLOCK_G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # group index within the row
-    g_mask = g < NG
+def _quant_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, stride_s, M, NG,
+                  BLOCK_G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, ROWS: tl.constexpr):
+    row, g, g_mask = row_groups(M, NG, BLOCK_G, ROWS)  # group g of row `row` (ROWS > 1: flattened pairs)
     j = tl.arange(0, GROUP // 2)
     byte = g[:, None] * (GROUP // 2) + j[None, :]  # [BLOCK_G, GROUP // 2]: byte i holds channels 2i, 2i + 1
     mask = g_mask[:, None]
-    x0 = to_f32(tl.load(x_ptr + row * stride_x + 2 * byte, mask=mask, other=0.0))
-    x1 = to_f32(tl.load(x_ptr + row * stride_x + 2 * byte + 1, mask=mask, other=0.0))
+    xrow = x_ptr + row_at(row, stride_x, ROWS)
+    x0 = to_f32(tl.load(xrow + 2 * byte, mask=mask, other=0.0))
+    x1 = to_f32(tl.load(xrow + 2 * byte + 1, mask=mask, other=0.0))
     code, sbyte = fp4_quant(x0, x1, E8M0)
-    tl.store(codes_ptr + row * stride_c + byte, code.to(tl.uint8), mask=mask)
+    tl.store(codes_ptr + row_at(row, stride_c, ROWS) + byte, code.to(tl.uint8), mask=mask)
     tl.store(scales_ptr + row * stride_s + g, sbyte.to(tl.uint8), mask=g_mask)
 
 
 @triton.jit
-def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, stride_c, stride_s, stride_o, NG,
-                    BLOCK_G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, FAST: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-    g_mask = g < NG
+def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, stride_c, stride_s, stride_o, M, NG,
+                    BLOCK_G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, FAST: tl.constexpr,
+                    ROWS: tl.constexpr):
+    row, g, g_mask = row_groups(M, NG, BLOCK_G, ROWS)
     j = tl.arange(0, GROUP // 2)
     byte = g[:, None] * (GROUP // 2) + j[None, :]
     mask = g_mask[:, None]
-    c = tl.load(codes_ptr + row * stride_c + byte, mask=mask, other=0)
+    c = tl.load(codes_ptr + row_at(row, stride_c, ROWS) + byte, mask=mask, other=0)
     sb = tl.load(scales_ptr + row * stride_s + g, mask=g_mask, other=0).to(tl.int32)
     if FAST:  # the attention and indexer kernels' decoder, so the every-byte test holds it to the reference
         if E8M0:
@@ -287,8 +285,9 @@ def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, stride_c, stride_s, stride_o
     else:
         v0, v1 = fp4_dequant(c.to(tl.int32), sb, E8M0)
     dt = out_ptr.dtype.element_ty
-    tl.store(out_ptr + row * stride_o + 2 * byte, cast_rne(v0, dt), mask=mask)
-    tl.store(out_ptr + row * stride_o + 2 * byte + 1, cast_rne(v1, dt), mask=mask)
+    orow = out_ptr + row_at(row, stride_o, ROWS)
+    tl.store(orow + 2 * byte, cast_rne(v0, dt), mask=mask)
+    tl.store(orow + 2 * byte + 1, cast_rne(v1, dt), mask=mask)
 
 
 def supports_quantize(x: torch.Tensor, fmt: str) -> bool:
@@ -324,9 +323,10 @@ def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
         return codes, scales
     c2, s2 = codes.view(-1, C // 2), scales.view(-1, NG)
     BG = block_g(NG)
-    _quant_kernel[(M, cdiv(NG, BG))](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), NG,
-                                            BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4",
-                                            num_warps=4 if BG >= 8 else 1)
+    R = rows_per_program(M, BG)
+    _quant_kernel[(cdiv(M, R), cdiv(NG, BG))](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), M, NG,
+                                              BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4", ROWS=R,
+                                              num_warps=4 if BG >= 8 else 1)
     return codes, scales
 
 
@@ -350,7 +350,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str,
     o2 = out.view(-1, C)
     BG = block_g(NG)
     fast = fast_decode(dtype, BG * G // 2, 1)
-    _dequant_kernel[(M, cdiv(NG, BG))](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), NG,
-                                              BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4", FAST=fast,
-                                              num_warps=1 if fast or BG < 8 else 4)
+    R = rows_per_program(M, BG)
+    _dequant_kernel[(cdiv(M, R), cdiv(NG, BG))](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), M, NG,
+                                                BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4", FAST=fast, ROWS=R,
+                                                num_warps=1 if fast or BG < 8 else 4)
     return out

@@ -85,33 +85,63 @@ def fp8_pow2_dequant(c, sb):
 
 
 @triton.jit
-def _quant_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, stride_s, NG,
-                  BLOCK_G: tl.constexpr, GROUP_SIZE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # group index within the row
-    g_mask = g < NG
+def _quant_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, stride_s, M, NG,
+                  BLOCK_G: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr):
+    row, g, g_mask = row_groups(M, NG, BLOCK_G, ROWS)
     j = tl.arange(0, GROUP_SIZE)
     ch = g[:, None] * GROUP_SIZE + j[None, :]  # [BLOCK_G, GROUP_SIZE]
     mask = g_mask[:, None]
-    x = to_f32(tl.load(x_ptr + row * stride_x + ch, mask=mask, other=0.0))
+    x = to_f32(tl.load(x_ptr + row_at(row, stride_x, ROWS) + ch, mask=mask, other=0.0))
     code, sbyte = fp8_pow2_quant(x)
-    tl.store(codes_ptr + row * stride_c + ch, code.to(tl.uint8), mask=mask)
+    tl.store(codes_ptr + row_at(row, stride_c, ROWS) + ch, code.to(tl.uint8), mask=mask)
     tl.store(scales_ptr + row * stride_s + g, sbyte.to(tl.uint8), mask=g_mask)
 
 
 @triton.jit
-def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, stride_c, stride_s, stride_o, NG,
-                    BLOCK_G: tl.constexpr, GROUP_SIZE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-    g_mask = g < NG
+def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, stride_c, stride_s, stride_o, M, NG,
+                    BLOCK_G: tl.constexpr, GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr):
+    row, g, g_mask = row_groups(M, NG, BLOCK_G, ROWS)
     j = tl.arange(0, GROUP_SIZE)
     ch = g[:, None] * GROUP_SIZE + j[None, :]
     mask = g_mask[:, None]
-    c = tl.load(codes_ptr + row * stride_c + ch, mask=mask, other=0).to(tl.int32)
+    c = tl.load(codes_ptr + row_at(row, stride_c, ROWS) + ch, mask=mask, other=0).to(tl.int32)
     sb = tl.load(scales_ptr + row * stride_s + g, mask=g_mask, other=0).to(tl.int32)
     out = fp8_pow2_dequant(c, sb)
-    tl.store(out_ptr + row * stride_o + ch, cast_rne(out, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row_at(row, stride_o, ROWS) + ch, cast_rne(out, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def row_groups(M, NG, BLOCK_G: tl.constexpr, ROWS: tl.constexpr):
+    """The (row, group) pairs of this program of a (de)quantisation kernel: ROWS rows [pid0 * ROWS, +ROWS) times
+    BLOCK_G groups from pid1 * BLOCK_G, flattened to [ROWS * BLOCK_G] (row-major), with the mask of the pairs
+    that exist. ROWS = 1 (on the GPU) gives the scalar row id of a one-row program, as the kernels had it."""
+    if ROWS == 1:
+        row = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+        return row, g, g < NG
+    else:
+        k = tl.arange(0, ROWS * BLOCK_G)
+        row = tl.program_id(0).to(tl.int64) * ROWS + k // BLOCK_G
+        g = tl.program_id(1) * BLOCK_G + k % BLOCK_G
+        return row, g, (g < NG) & (row < M)
+
+
+@triton.jit
+def row_at(row, stride, ROWS: tl.constexpr):
+    """Offset of ``row`` for a [groups, bytes] tile's loads: a scalar, or [ROWS * BLOCK_G, 1] for row_groups'
+    flattened rows."""
+    if ROWS == 1:
+        return row * stride
+    else:
+        return (row * stride)[:, None]
+
+
+def rows_per_program(M: int, bg: int) -> int:
+    """Rows a (de)quantisation program covers: one on a GPU (a row's groups fill a program; the launch shape
+    the kernels were tuned and timed with); under Triton's interpreter as many as make ~512 groups, because
+    there each program costs tens of milliseconds of Python whatever its size (a 64-row FP4 quantize took 3 s
+    one row a program)."""
+    return max(1, min(next_pow2(M), 512 // bg)) if INTERPRET else 1
 
 
 def block_g(ng: int) -> int:
@@ -146,8 +176,9 @@ def quantize_fp8_pow2(x: torch.Tensor, check_finite: bool = False) -> tuple[torc
         return codes, scales
     c2, s2 = codes.view(-1, C), scales.view(-1, NG)
     BG = block_g(NG)
-    _quant_kernel[(M, cdiv(NG, BG))](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), NG,
-                                            BLOCK_G=BG, GROUP_SIZE=GROUP, num_warps=4 if BG >= 8 else 1)
+    R = rows_per_program(M, BG)
+    _quant_kernel[(cdiv(M, R), cdiv(NG, BG))](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), M, NG,
+                                              BLOCK_G=BG, GROUP_SIZE=GROUP, ROWS=R, num_warps=4 if BG >= 8 else 1)
     return codes, scales
 
 
@@ -167,6 +198,7 @@ def dequantize_fp8_pow2(codes: torch.Tensor, scales: torch.Tensor,
         return out
     o2 = out.view(-1, C)
     BG = block_g(NG)
-    _dequant_kernel[(M, cdiv(NG, BG))](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), NG,
-                                              BLOCK_G=BG, GROUP_SIZE=GROUP, num_warps=4 if BG >= 8 else 1)
+    R = rows_per_program(M, BG)
+    _dequant_kernel[(cdiv(M, R), cdiv(NG, BG))](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), M, NG,
+                                                BLOCK_G=BG, GROUP_SIZE=GROUP, ROWS=R, num_warps=4 if BG >= 8 else 1)
     return out
