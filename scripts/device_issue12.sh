@@ -59,6 +59,8 @@
 #                                            # chain, the dynamic entry loop, EARLY_W, split-K swap), gemv_bench
 #   bash scripts/device_issue12.sh s26a              # decode-step A/Bs: the tensor-core GEMV variant at 16 / 64
 #                                            # rows, pending ids resolved in the graphs; their GPU tests
+#   bash scripts/device_issue12.sh s27               # (carry .whl312) GPU files but kv_sizing, the 16K entry table
+#                                                    # A/B, the decode profile with the tensor-core GEMV to 64 rows
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
@@ -616,6 +618,17 @@ s26all)
   for k in "" "GEMV_DOT_MAX_ROWS=64"; do
     timeout 80 python3 benchmarks/profile_decode.py --shape ced-bench --batches 16 64 --steps 16 ${k:+--knob $k} \
       --out "$OUT/profile_ced_s26.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped}] /" | cut -c 1-140
+  done ;;
+s27)
+  # 27th session, one call under 600 s (carry .whl312; starts failed for two sessions): every GPU test file but
+  # kv_sizing (EARLY_W, the decode graphs' [3, B] inputs, the raw entries, the interpreter's row folding of the
+  # (de)quantisation kernels: none ran on a GPU yet), the 16K prefill's entry table off / on, then the decode
+  # profile at 16 / 64 with the tensor-core GEMV up to 64 rows (what the budget cuts is last).
+  gpu_files_but_kv_sizing
+  table_prefill_ab 80 2 8
+  for k in "" "GEMV_DOT_MAX_ROWS=64"; do
+    timeout 60 python3 benchmarks/profile_decode.py --shape ced-bench --batches 16 64 --steps 16 ${k:+--knob $k} \
+      --out "$OUT/profile_ced_s27.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped}] /" | cut -c 1-140
   done ;;
 s26c)
   # 26th session (~5 min): a cold 16K bounded prefill with its entries read in place (FP4) and from a bf16 table
