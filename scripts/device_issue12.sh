@@ -60,7 +60,7 @@
 #   bash scripts/device_issue12.sh s26a              # decode-step A/Bs: the tensor-core GEMV variant at 16 / 64
 #                                            # rows, pending ids resolved in the graphs; their GPU tests
 #   bash scripts/device_issue12.sh s27               # (carry .whl312) GPU files but kv_sizing, the 16K entry table
-#                                                    # A/B, the decode profile with the tensor-core GEMV to 64 rows
+#                                            # A/B, the decode profile with the tensor-core GEMV to 64 rows
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
