@@ -61,6 +61,7 @@
 #                                            # rows, pending ids resolved in the graphs; their GPU tests
 #   bash scripts/device_issue12.sh s27               # (carry .whl312) GPU files but kv_sizing, the 16K entry table
 #                                            # A/B, the decode profile with the tensor-core GEMV to 64 rows
+#   bash scripts/device_issue12.sh s27t              # the GPU files of what no GPU ran yet, then the entry table A/B
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
@@ -630,6 +631,15 @@ s27)
     timeout 60 python3 benchmarks/profile_decode.py --shape ced-bench --batches 16 64 --steps 16 ${k:+--knob $k} \
       --out "$OUT/profile_ced_s27.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped}] /" | cut -c 1-140
   done ;;
+s27t)
+  # 27th session, a short call (~4 min): the GPU test files of what no GPU ran yet (the decode graphs' [3, B]
+  # inputs, EARLY_W, the raw entries and the entry table, the (de)quantisation kernels' ROWS), then the 16K
+  # prefill's entry table off / on as far as the call's limit lets it.
+  timeout -s INT 220 python3 -m pytest -n 8 --dist loadfile -p no:cacheprovider -q -rfE tests/test_overlap.py \
+    tests/test_cuda_graphs.py tests/test_verify_graphs.py tests/test_ced_verify_graphs.py tests/test_pass_graphs.py \
+    tests/test_triton_ced.py tests/test_triton_gemv.py tests/test_gpu_parity.py tests/test_ced_decode_path.py \
+    tests/test_nvidia_kernels.py 2>&1 | tee "$OUT/gpu_tests_s27t.log" | tail -6
+  table_prefill_ab 80 2 8 ;;
 s26c)
   # 26th session (~5 min): a cold 16K bounded prefill with its entries read in place (FP4) and from a bf16 table
   # decoded once per full layer (ENTRY_TABLE=1), one after the other: wall, share of the matmul rate, kernels.
