@@ -62,6 +62,7 @@
 #   bash scripts/device_issue12.sh s27               # (carry .whl312) GPU files but kv_sizing, the 16K entry table
 #                                            # A/B, the decode profile with the tensor-core GEMV to 64 rows
 #   bash scripts/device_issue12.sh s27t              # the GPU files of what no GPU ran yet, then the entry table A/B
+#   bash scripts/device_issue12.sh s27m              # the least: the GPU tests of what is on by default and untested
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
@@ -640,6 +641,14 @@ s27t)
     tests/test_triton_ced.py tests/test_triton_gemv.py tests/test_gpu_parity.py tests/test_ced_decode_path.py \
     tests/test_nvidia_kernels.py 2>&1 | tee "$OUT/gpu_tests_s27t.log" | tail -6
   table_prefill_ab 80 2 8 ;;
+s27m)
+  # 27th session, the least budget (~2 min): the GPU tests of what is on by default and no GPU ran yet: EARLY_W
+  # (test_triton_gemv), the decode graphs' [3, B] inputs (test_overlap, test_cuda_graphs), the (de)quantisation
+  # kernels' ROWS (their bit-exact tests).
+  timeout -s INT 120 python3 -m pytest -n 8 --dist loadfile -p no:cacheprovider -q -rfE tests/test_triton_gemv.py \
+    tests/test_overlap.py tests/test_cuda_graphs.py tests/test_nvidia_kernels.py tests/test_triton_ced.py \
+    -k "not compile and (gemv or graph or overlap or quant or fp4 or fp8 or every or early or pending or resolve)" \
+    2>&1 | tee "$OUT/gpu_tests_s27m.log" | tail -6 ;;
 s26c)
   # 26th session (~5 min): a cold 16K bounded prefill with its entries read in place (FP4) and from a bf16 table
   # decoded once per full layer (ENTRY_TABLE=1), one after the other: wall, share of the matmul rate, kernels.
