@@ -805,11 +805,13 @@ for dt in ("bf16", "fp32"):
             report[name]["fast"] = fast
     for fmt, G in triton_fp4.GROUPS.items():
         compile_(triton_fp4._quant_kernel, f"quant_{fmt}_{dt}",
-                 dict(x_ptr=p, codes_ptr="*u8", scales_ptr="*u8", **ints("stride_x", "stride_c", "stride_s", "M", "NG")),
+                 dict(x_ptr=p, codes_ptr="*u8", scales_ptr="*u8",
+                      **ints("stride_x", "stride_c", "stride_s", "M", "NG")),
                  dict(BLOCK_G=16, GROUP=G, E8M0=fmt == "mxfp4", ROWS=1), num_warps=4)
         fast = dt == "bf16" and triton_fp4.fast_decode(torch.bfloat16, 16 * G // 2, 1)
         compile_(triton_fp4._dequant_kernel, f"dequant_{fmt}_{dt}",
-                 dict(codes_ptr="*u8", scales_ptr="*u8", out_ptr=p, **ints("stride_c", "stride_s", "stride_o", "M", "NG")),
+                 dict(codes_ptr="*u8", scales_ptr="*u8", out_ptr=p,
+                      **ints("stride_c", "stride_s", "stride_o", "M", "NG")),
                  dict(BLOCK_G=16, GROUP=G, E8M0=fmt == "mxfp4", FAST=fast, ROWS=1), num_warps=1 if fast else 4)
         report[f"dequant_{fmt}_{dt}"]["fast"] = fast
 for block, tiles, warps in ((4096, 1, 8), (4096, 4, 8), (16384, 1, 16)):  # (topk_select's widest row tile last)
