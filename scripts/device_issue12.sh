@@ -140,6 +140,15 @@ table_prefill_ab() {  # 26th session: a cold 16K bounded prefill with its entrie
   done
 }
 
+dot_rows_profiles() {  # s26all / s27: the decode profile at 16 / 64 as shipped, then with the tensor-core GEMV up
+  # to 64 rows; $1 seconds each, rows to profile_ced_$2.jsonl
+  local k
+  for k in "" "GEMV_DOT_MAX_ROWS=64"; do
+    timeout "$1" python3 benchmarks/profile_decode.py --shape ced-bench --batches 16 64 --steps 16 ${k:+--knob $k} \
+      --out "$OUT/profile_ced_$2.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped}] /" | cut -c 1-140
+  done
+}
+
 knob_profiles() {  # s24b / s25a: the decode profile as shipped ("") and with each knob set ("A=1 B=2"), each at
   # the batches it touches (triton_ced*: 1 / 16 / 64; triton_gemv*: 1, the CUDA-core GEMV's; the rest 16 / 64)
   local k a args b
@@ -617,10 +626,7 @@ s26all)
     tests/test_cuda_graphs.py tests/test_verify_graphs.py tests/test_ced_decode_path.py 2>&1 | tail -4
   raw_entry_sweep
   table_prefill_ab 85 2 8
-  for k in "" "GEMV_DOT_MAX_ROWS=64"; do
-    timeout 80 python3 benchmarks/profile_decode.py --shape ced-bench --batches 16 64 --steps 16 ${k:+--knob $k} \
-      --out "$OUT/profile_ced_s26.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped}] /" | cut -c 1-140
-  done ;;
+  dot_rows_profiles 80 s26 ;;
 s27)
   # 27th session, one call under 600 s (carry .whl312; starts failed for two sessions): every GPU test file but
   # kv_sizing (EARLY_W, the decode graphs' [3, B] inputs, the raw entries, the interpreter's row folding of the
@@ -628,10 +634,7 @@ s27)
   # profile at 16 / 64 with the tensor-core GEMV up to 64 rows (what the budget cuts is last).
   gpu_files_but_kv_sizing
   table_prefill_ab 80 2 8
-  for k in "" "GEMV_DOT_MAX_ROWS=64"; do
-    timeout 60 python3 benchmarks/profile_decode.py --shape ced-bench --batches 16 64 --steps 16 ${k:+--knob $k} \
-      --out "$OUT/profile_ced_s27.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped}] /" | cut -c 1-140
-  done ;;
+  dot_rows_profiles 60 s27 ;;
 s27t)
   # 27th session, a short call (~4 min): the GPU test files of what no GPU ran yet (the decode graphs' [3, B]
   # inputs, EARLY_W, the raw entries and the entry table, the (de)quantisation kernels' ROWS), then the 16K
