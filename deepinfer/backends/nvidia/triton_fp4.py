@@ -29,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kvquant import as_rows, block_g, row_at, row_groups, rows_per_program
+from .triton_kvquant import as_rows, row_at, row_groups, row_launch
 from .triton_norm import cast_rne, to_f32
-from deepinfer.backends.nvidia.host_math import cdiv
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
@@ -322,11 +321,10 @@ def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     if M == 0 or NG == 0:
         return codes, scales
     c2, s2 = codes.view(-1, C // 2), scales.view(-1, NG)
-    BG = block_g(NG)
-    R = rows_per_program(M, BG)
-    _quant_kernel[(cdiv(M, R), cdiv(NG, BG))](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), M, NG,
-                                              BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4", ROWS=R,
-                                              num_warps=4 if BG >= 8 else 1)
+    grid, BG, R = row_launch(M, NG)
+    _quant_kernel[grid](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), M, NG,
+                        BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4", ROWS=R,
+                        num_warps=4 if BG >= 8 else 1)
     return codes, scales
 
 
@@ -348,10 +346,9 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str,
     if M == 0 or NG == 0:
         return out
     o2 = out.view(-1, C)
-    BG = block_g(NG)
+    grid, BG, R = row_launch(M, NG)
     fast = fast_decode(dtype, BG * G // 2, 1)
-    R = rows_per_program(M, BG)
-    _dequant_kernel[(cdiv(M, R), cdiv(NG, BG))](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), M, NG,
-                                                BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4", FAST=fast, ROWS=R,
-                                                num_warps=1 if fast or BG < 8 else 4)
+    _dequant_kernel[grid](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), M, NG,
+                          BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4", FAST=fast, ROWS=R,
+                          num_warps=1 if fast or BG < 8 else 4)
     return out

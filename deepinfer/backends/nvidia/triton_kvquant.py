@@ -136,12 +136,15 @@ def row_at(row, stride, ROWS: tl.constexpr):
         return (row * stride)[:, None]
 
 
-def rows_per_program(M: int, bg: int) -> int:
-    """Rows a (de)quantisation program covers: one on a GPU (a row's groups fill a program; the launch shape
-    the kernels were tuned and timed with); under Triton's interpreter as many as make ~512 groups, because
-    there each program costs tens of milliseconds of Python whatever its size (a 64-row FP4 quantize took 3 s
-    one row a program)."""
-    return max(1, min(next_pow2(M), 512 // bg)) if INTERPRET else 1
+def row_launch(M: int, NG: int) -> tuple[tuple[int, int], int, int]:
+    """(grid, BLOCK_G, ROWS) of a (de)quantisation kernel over M rows of NG groups (this module's and triton_fp4's).
+    ROWS, the rows a program covers: one on a GPU (a row's groups fill a program; the launch shape the kernels
+    were tuned and timed with); under Triton's interpreter as many as make ~512 groups, because there each
+    program costs tens of milliseconds of Python whatever its size (a 64-row FP4 quantize took 3 s one row a
+    program)."""
+    bg = block_g(NG)
+    rows = max(1, min(next_pow2(M), 512 // bg)) if INTERPRET else 1
+    return (cdiv(M, rows), cdiv(NG, bg)), bg, rows
 
 
 def block_g(ng: int) -> int:
@@ -175,10 +178,9 @@ def quantize_fp8_pow2(x: torch.Tensor, check_finite: bool = False) -> tuple[torc
     if M == 0 or NG == 0:
         return codes, scales
     c2, s2 = codes.view(-1, C), scales.view(-1, NG)
-    BG = block_g(NG)
-    R = rows_per_program(M, BG)
-    _quant_kernel[(cdiv(M, R), cdiv(NG, BG))](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), M, NG,
-                                              BLOCK_G=BG, GROUP_SIZE=GROUP, ROWS=R, num_warps=4 if BG >= 8 else 1)
+    grid, BG, R = row_launch(M, NG)
+    _quant_kernel[grid](x2, c2, s2, x2.stride(0), c2.stride(0), s2.stride(0), M, NG,
+                        BLOCK_G=BG, GROUP_SIZE=GROUP, ROWS=R, num_warps=4 if BG >= 8 else 1)
     return codes, scales
 
 
@@ -197,8 +199,7 @@ def dequantize_fp8_pow2(codes: torch.Tensor, scales: torch.Tensor,
     if M == 0 or NG == 0:
         return out
     o2 = out.view(-1, C)
-    BG = block_g(NG)
-    R = rows_per_program(M, BG)
-    _dequant_kernel[(cdiv(M, R), cdiv(NG, BG))](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), M, NG,
-                                                BLOCK_G=BG, GROUP_SIZE=GROUP, ROWS=R, num_warps=4 if BG >= 8 else 1)
+    grid, BG, R = row_launch(M, NG)
+    _dequant_kernel[grid](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), M, NG,
+                          BLOCK_G=BG, GROUP_SIZE=GROUP, ROWS=R, num_warps=4 if BG >= 8 else 1)
     return out
