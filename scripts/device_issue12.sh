@@ -652,6 +652,16 @@ s27m)
     tests/test_overlap.py tests/test_cuda_graphs.py tests/test_nvidia_kernels.py tests/test_triton_ced.py \
     -k "not compile and (gemv or graph or overlap or quant or fp4 or fp8 or every or early or pending or resolve)" \
     2>&1 | tee "$OUT/gpu_tests_s27m.log" | tail -6 ;;
+s28a)
+  # 28th session (~8 min, ENTRY_TABLE on): the 16K bounded / exact prefill ratio (gpu_bench, 2 repeats; $1 commit),
+  # then the decode profile at 1 / 16 / 64 with the pending token ids resolved outside / inside the decode graphs.
+  timeout 300 python3 benchmarks/gpu_bench.py --out "$OUT/gpu_bench_ced_prefill.jsonl" --commit "${1:-?}" \
+    --phases roofline,ced --ced-prefill-tokens 16384 --ced-batches --ced-repeats 2 --budget-s 270 2>&1 \
+    | tee "$OUT/gpu_bench_ced_prefill.log" | grep -v Warning | tail -12
+  for k in "" "backends.cuda_graph.RESOLVE_IN_GRAPH=1"; do
+    timeout 90 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 ${k:+--knob $k} \
+      --out "$OUT/profile_ced_s28.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped}] /" | cut -c 1-140
+  done ;;
 s26c)
   # 26th session (~5 min): a cold 16K bounded prefill with its entries read in place (FP4) and from a bf16 table
   # decoded once per full layer (ENTRY_TABLE=1), one after the other: wall, share of the matmul rate, kernels.
