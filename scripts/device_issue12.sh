@@ -662,6 +662,17 @@ s28a)
     timeout 90 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 ${k:+--knob $k} \
       --out "$OUT/profile_ced_s28.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped}] /" | cut -c 1-140
   done ;;
+s28b)
+  # 28th session (~5 min): the 16K bounded prefill with its entries read in place (FP4), then from the bf16 table
+  # (the default since e67d1af), four repeats each; then CED attention at the decode profile's short context: how
+  # its time scales with splits and tiles at 16 / 64 rows.
+  for k in "ENTRY_TABLE=0" "ENTRY_TABLE=1"; do
+    timeout 75 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 4 --top 10 \
+      --knob $k --out "$OUT/cold_prefill_16k_$k" 2>&1 | grep -v Warning | grep -A12 "^== \|idle spans" | cut -c 1-150
+  done
+  timeout 100 python3 benchmarks/ced_attn_sweep.py --batches 16 64 --context 256 --block-n 16 32 --warps 4 \
+    --stages 1 --split-scale 0 0.5 1 --prefetch 0 1 --out "$OUT/ced_attn_short.jsonl" 2>&1 | grep -v Warning \
+    | tail -6 ;;
 s26c)
   # 26th session (~5 min): a cold 16K bounded prefill with its entries read in place (FP4) and from a bf16 table
   # decoded once per full layer (ENTRY_TABLE=1), one after the other: wall, share of the matmul rate, kernels.
