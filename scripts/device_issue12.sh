@@ -108,7 +108,7 @@ prefill_ratios() {  # final15 / final16: 4K and 16K bounded / exact prefill, gpu
 gpu_files_but_kv_sizing() {  # final15 / final16: every GPU test file but kv_sizing (which runs alone), 12 workers
   local files
   files=$(python3 -c "import sys; sys.path.insert(0, 'scripts'); import gpu_tests; print(' '.join(f for f in gpu_tests.gpu_test_files() if 'kv_sizing' not in f))")
-  timeout -s INT 280 python3 -m pytest -n 12 --dist loadfile -p no:cacheprovider -q -rfE \
+  timeout -s INT 330 python3 -m pytest -n 12 --dist loadfile -p no:cacheprovider -q -rfE \
     --junitxml="$OUT/gpu_tests_all.xml" $files tests/test_triton_ced_launch.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 }
 
@@ -668,7 +668,7 @@ s28b)
   # its time scales with splits and tiles at 16 / 64 rows.
   for k in "ENTRY_TABLE=0" "ENTRY_TABLE=1"; do
     timeout 75 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 4 --top 10 \
-      --knob $k --out "$OUT/cold_prefill_16k_$k" 2>&1 | grep -v Warning | grep -A12 "^== \|idle spans" | cut -c 1-150
+      --knob $k --out "$OUT/cold_prefill_16k_${k#ENTRY_TABLE=}" 2>&1 | grep -v Warning | grep -A12 "^== \|idle spans" | cut -c 1-150
   done
   timeout 100 python3 benchmarks/ced_attn_sweep.py --batches 16 64 --context 256 --block-n 16 32 --warps 4 \
     --stages 1 --split-scale 0 0.5 1 --prefetch 0 1 --out "$OUT/ced_attn_short.jsonl" 2>&1 | grep -v Warning \
