@@ -9,7 +9,9 @@ CED sparse attention, the indexer's scores and its top-K, each over a 2048-query
 - indexer scores (16 heads x 128, MXFP4 keys, the encoder's m = 2: query i sees (i + 1) // 2 entries):
   BLOCK_Q queries a program (1: one query, as before; launch_config's choice) x the two decoders;
 - top-K (512 of up to --context // 2 entries): row tiles of 4096 (as before; re-read from L2 by each of the
-  33 passes) or one tile of the whole row kept in registers, 8 or 16 warps.
+  33 passes) or one tile of the whole row kept in registers, 8 or 16 warps; then on the one tile, the threshold
+  search settling one or two bits a pass (TOPK_DIGIT), each without and with the early stop (TOPK_EARLY).
+--kernels picks which of the three run (all by default).
 Each variant is checked against the reference op on the first input set (attention: relative L2 error under
 1e-2; scores: relative L2 under 1e-4; top-K: the same sets as the reference's selection from the same scores)
 and timed as kernels_gpu times (a CUDA graph of calls over rotating input sets). Rows go to --out; a table
@@ -64,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="ced_prefill_kernels.jsonl")
+    ap.add_argument("--kernels", nargs="+", default=["attention", "indexer", "topk"],
+                    choices=["attention", "indexer", "topk"])
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -90,21 +94,22 @@ def main(argv=None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    # Attention: the chunk's queries, the fast FP4 decoder off, then on.
-    case = ced_case(1, a.context, a.chunk, 256.0, [])
-    sets = [(args, kw) for args, kw in case["sets"]]
-    want = case["reference"](*sets[0])
+    if "attention" in a.kernels:
+        # Attention: the chunk's queries, the fast FP4 decoder off, then on.
+        case = ced_case(1, a.context, a.chunk, 256.0, [])
+        sets = [(args, kw) for args, kw in case["sets"]]
+        want = case["reference"](*sets[0])
 
-    def attn_check(out):
-        e = errors(out, want)
-        return dict(e, ok=e["finite"] and e["rel_l2_err"] < 1e-2)
+        def attn_check(out):
+            e = errors(out, want)
+            return dict(e, ok=e["finite"] and e["rel_l2_err"] < 1e-2)
 
-    for fast in (False, True):
-        triton_fp4.FAST_DECODE = fast
-        run("attention", "fast decoder" if fast else "float32 decoder",
-            lambda args, kw: tca.sparse_attention(*args, **kw), sets, attn_check)
-    del case, sets
-    torch.cuda.empty_cache()
+        for fast in (False, True):
+            triton_fp4.FAST_DECODE = fast
+            run("attention", "fast decoder" if fast else "float32 decoder",
+                lambda args, kw: tca.sparse_attention(*args, **kw), sets, attn_check)
+        del case, sets
+        torch.cuda.empty_cache()
 
     # Indexer scores (their time: indexer_topk's less topk_select's on the same scores), then top-K.
     isets, k = indexer_inputs(a.chunk, a.context, 4, "mxfp4", torch.Generator().manual_seed(0))
@@ -118,7 +123,7 @@ def main(argv=None) -> int:
         rel = float((scores[vis] - ref_scores[vis]).norm() / ref_scores[vis].norm())
         return dict(rel_l2_err=rel, same_sets=same_sets(ids, ref_ids), ok=rel < 1e-4)
 
-    for fast in (False, True):
+    for fast in ((False, True) if "indexer" in a.kernels else ()):
         triton_fp4.FAST_DECODE = fast
         for q in sorted({1, bq}):
             run("indexer", f"BLOCK_Q {q}, {'fast' if fast else 'float32'} decoder",
@@ -129,10 +134,13 @@ def main(argv=None) -> int:
     tsets = [(sc, s[7]) for sc, s in zip(scores, isets)]
     want_ids = ref_ids  # (the reference's selection from its own scores)
     row = max(4096, 1 << (a.context // 2 - 1).bit_length())
-    for block, warps in ((4096, 8), (row, 8), (row, 16)):
+    same = lambda ids: dict(same_sets_vs_reference=same_sets(ids, want_ids), ok=True)  # noqa: E731
+    for block, warps in ((4096, 8), (row, 8), (row, 16)) if "topk" in a.kernels else ():
         run("topk", f"{'tiles of 4096' if block < row else 'one tile'}, {warps} warps",
-            lambda sc, nv, _b=block, _w=warps: tci.topk_select(sc, nv, k, block=_b, num_warps=_w), tsets,
-            lambda ids: dict(same_sets_vs_reference=same_sets(ids, want_ids), ok=True))
+            lambda sc, nv, _b=block, _w=warps: tci.topk_select(sc, nv, k, block=_b, num_warps=_w), tsets, same)
+    for digit, early in ((1, True), (2, False), (2, True)) if "topk" in a.kernels else ():
+        run("topk", f"one tile, default warps, {digit} bit{'s' * (digit > 1)} a pass{', early stop' * early}",
+            lambda sc, nv, _d=digit, _e=early: tci.topk_select(sc, nv, k, digit=_d, early=_e), tsets, same)
     with open(a.out, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

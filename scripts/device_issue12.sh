@@ -673,6 +673,13 @@ s28b)
   timeout 100 python3 benchmarks/ced_attn_sweep.py --batches 16 64 --context 256 --block-n 16 32 --warps 4 \
     --stages 1 --split-scale 0 0.5 1 --prefetch 0 1 --out "$OUT/ced_attn_short.jsonl" 2>&1 | grep -v Warning \
     | tail -6 ;;
+s28c)
+  # 28th session (~7 min): top-K's threshold search one / two bits a pass, with / without the early stop, against
+  # the shipped search on a 16K prefill chunk's scores; then every GPU file but kv_sizing (the search variants'
+  # bits, the entry table on by default).
+  timeout 120 python3 benchmarks/ced_prefill_kernels.py --kernels topk --out "$OUT/ced_topk.jsonl" 2>&1 \
+    | grep -v Warning | tail -8
+  gpu_files_but_kv_sizing ;;
 s26c)
   # 26th session (~5 min): a cold 16K bounded prefill with its entries read in place (FP4) and from a bf16 table
   # decoded once per full layer (ENTRY_TABLE=1), one after the other: wall, share of the matmul rate, kernels.

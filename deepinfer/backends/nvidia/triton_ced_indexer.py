@@ -45,6 +45,11 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEADS = 128
 MAX_HEAD_DIM = 512
+# topk_select's threshold search: bits of the threshold settled a pass (1 or 2: three counts packed in one int64
+# reduction), and whether a row stops once exactly K keys reach its prefix. Both leave the set unchanged; both off
+# until timed (benchmarks/ced_prefill_kernels.py's top-K rows).
+TOPK_DIGIT = 1
+TOPK_EARLY = False
 
 
 @triton.jit
@@ -132,30 +137,59 @@ def _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, j, nvis, HAS_ALLOWED
 
 
 @triton.jit
+def _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0, prefix, shift,
+                    HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr, DIGIT: tl.constexpr,
+                    FIELD: tl.constexpr):
+    """For each next digit value c = 1 .. 2^DIGIT - 1: how many chosen keys are >= prefix | c << shift (in the
+    unsigned order of key + 2^31), packed into one int64, FIELD bits a count: one reduction a pass."""
+    total = tl.full([], 0, dtype=tl.int64)
+    for i in range(NUM_TILES):
+        if NUM_TILES == 1:
+            key, valid = key0, valid0
+        else:
+            key, valid = _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i * BLOCK + offs, nvis, HAS_ALLOWED)
+        packed = tl.zeros([BLOCK], dtype=tl.int64)
+        for c in tl.static_range(1, 1 << DIGIT):
+            ck = ((prefix | (tl.full([], c, dtype=tl.int64) << shift)) - 2147483648).to(tl.int32)
+            packed += ((key >= ck) & valid).to(tl.int64) << (FIELD * (c - 1))
+        total += tl.sum(packed, axis=0)
+    return total
+
+
+@triton.jit
 def _topk_kernel(scores_ptr, nvis_ptr, allowed_ptr, out_ptr, stride_st, stride_at, stride_ot, J, K,
                  HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NUM_KT: tl.constexpr, PDL: tl.constexpr = 0):
+                 BLOCK_K: tl.constexpr, NUM_KT: tl.constexpr, PDL: tl.constexpr = 0, DIGIT: tl.constexpr = 1,
+                 EARLY: tl.constexpr = False):
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     nvis = tl.minimum(tl.load(nvis_ptr + t), J)
     offs = tl.arange(0, BLOCK)
+    key0 = tl.zeros([BLOCK], dtype=tl.int32)
+    valid0 = offs < 0
     if NUM_TILES == 1:  # the whole row stays in registers
         key0, valid0 = _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, HAS_ALLOWED)
-    # The K-th largest key, bit by bit from the top, in the unsigned order of key + 2^31.
+    # The K-th largest key, DIGIT bits a pass from the top, in the unsigned order of key + 2^31: prefix is the
+    # largest value whose count of keys >= it is still >= K. cnt is that count where a pass found it (0: unknown);
+    # with EARLY a row stops as soon as it is exactly K, since the keys >= prefix are then the chosen set.
+    FIELD: tl.constexpr = 21 if DIGIT > 1 else 63
     prefix = tl.full([], 0, dtype=tl.int64)
-    for b in range(32):
-        cand = prefix | (tl.full([], 1, dtype=tl.int64) << (tl.full([], 31, dtype=tl.int64) - b))
-        ck = (cand - 2147483648).to(tl.int32)
-        if NUM_TILES == 1:
-            cnt = tl.sum(((key0 >= ck) & valid0).to(tl.int32), axis=0)
-        else:
-            cnt = tl.full([], 0, dtype=tl.int32)
-            for i in range(NUM_TILES):
-                key, valid = _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i * BLOCK + offs, nvis,
-                                   HAS_ALLOWED)
-                cnt += tl.sum(((key >= ck) & valid).to(tl.int32), axis=0)
-        prefix = tl.where(cnt >= K, cand, prefix)
-    thr = (prefix - 2147483648).to(tl.int32)  # INT32_MIN (below every key) when fewer than K may be chosen
+    cnt = tl.full([], 0, dtype=tl.int64)
+    b = tl.full([], 0, dtype=tl.int64)
+    while (b < 32) & ((cnt != K) | (not EARLY)):
+        shift = 32 - DIGIT - b
+        total = _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0, prefix,
+                                shift, HAS_ALLOWED, BLOCK, NUM_TILES, DIGIT, FIELD)
+        best = tl.full([], 0, dtype=tl.int64)
+        for c in tl.static_range(1, 1 << DIGIT):  # counts fall as c grows: the last one still >= K wins
+            n_c = (total >> (FIELD * (c - 1))) & ((1 << FIELD) - 1)
+            best = tl.where(n_c >= K, c, best)
+            cnt = tl.where(n_c >= K, n_c, cnt)
+        prefix = prefix | (best << shift)
+        b += DIGIT
+    # INT32_MIN (below every key) when fewer than K may be chosen. Where a row stopped early, the keys at thr are
+    # all chosen (ties by budget: exactly K keys reach it), so the set is the full search's.
+    thr = (prefix - 2147483648).to(tl.int32)
     # Entries above the threshold, then ties at it by ascending id while the budget lasts.
     above = tl.full([], 0, dtype=tl.int32)
     for i in range(NUM_TILES):
@@ -197,10 +231,11 @@ def _check_visibility(Tq: int, J: int, num_visible, allowed) -> None:
 
 def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
                 allowed: Optional[torch.Tensor] = None, block: Optional[int] = None,
-                num_warps: Optional[int] = None) -> torch.Tensor:
+                num_warps: Optional[int] = None, digit: Optional[int] = None,
+                early: Optional[bool] = None) -> torch.Tensor:
     """Top-k entry ids per row of scores [Tq, J] float32 among entries j < num_visible[t] (and allowed[t, j])
     scored above -inf: [Tq, k] int64 in ascending id order, -1 after the last. The same set as select_topk
-    (ties to the lower id)."""
+    (ties to the lower id). digit / early: the search's TOPK_DIGIT / TOPK_EARLY for this call."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be float32 [Tq, J], got {scores.dtype} {tuple(scores.shape)}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -223,12 +258,18 @@ def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
     if num_warps is None:
         num_warps = 4 if block < 2048 else (8 if block <= 8192 else 16)  # 16K: 32 a thread, as 8K on 8 warps
     num_tiles = cdiv(J, block)
+    digit = TOPK_DIGIT if digit is None else digit
+    if digit not in (1, 2):
+        raise ValueError(f"digit must be 1 or 2, got {digit!r}")
+    if J >= 1 << 21:  # a count no longer fits the packed 21-bit fields
+        digit = 1
     block_k = min(next_pow2(k), 16 if INTERPRET else 1024)
     al = allowed.view(torch.uint8) if allowed is not None else scores
     _topk_kernel[(Tq,)](scores, num_visible.contiguous(), al, out, scores.stride(0),
                         al.stride(0) if allowed is not None else 0, out.stride(0), J, k,
                         HAS_ALLOWED=allowed is not None, BLOCK=block, NUM_TILES=num_tiles, BLOCK_K=block_k,
-                        NUM_KT=cdiv(k, block_k), num_warps=num_warps, **launch_kw(scores.device))
+                        NUM_KT=cdiv(k, block_k), DIGIT=digit, EARLY=TOPK_EARLY if early is None else bool(early),
+                        num_warps=num_warps, **launch_kw(scores.device))
     return out
 
 
