@@ -680,14 +680,14 @@ s28c)
   # two bits a pass and the early stop.
   timeout 120 python3 benchmarks/ced_prefill_kernels.py --kernels topk --out "$OUT/ced_topk.jsonl" 2>&1 \
     | grep -v Warning | tail -8
-  timeout -s INT 200 python3 -m pytest -n 12 --dist load -p no:cacheprovider -q -rfE \
+  timeout -s INT 180 python3 -m pytest -n 12 --dist load -p no:cacheprovider -q -rfE \
     --junitxml="$OUT/gpu_tests_ced.xml" tests/test_triton_ced.py tests/test_gpu_parity.py \
     tests/test_ced_decode_path.py tests/test_ced_verify_graphs.py tests/test_triton_ced_glue.py \
     tests/test_triton_ced_fused.py tests/test_ced_index_plans.py tests/test_pass_graphs.py \
     tests/test_triton_ced_launch.py tests/test_swa_pool.py 2>&1 | tee "$OUT/gpu_tests_ced.log" | tail -6
   for k in "" "triton_ced_indexer.TOPK_DIGIT=2 triton_ced_indexer.TOPK_EARLY=1"; do
     args=""; for a in $k; do args="$args --knob $a"; done
-    timeout 70 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 4 --top 6 \
+    timeout 60 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 3 --top 6 \
       $args --out "$OUT/cold_prefill_16k_topk${k:+_knobs}" 2>&1 | grep -v Warning | grep -A7 "^== " | cut -c 1-150
   done ;;
 s26c)
