@@ -159,8 +159,8 @@ def _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis
 @triton.jit
 def _topk_kernel(scores_ptr, nvis_ptr, allowed_ptr, out_ptr, stride_st, stride_at, stride_ot, J, K,
                  HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
-                 BLOCK_K: tl.constexpr, NUM_KT: tl.constexpr, PDL: tl.constexpr = 0, DIGIT: tl.constexpr = 1,
-                 EARLY: tl.constexpr = False):
+                 BLOCK_K: tl.constexpr, NUM_KT: tl.constexpr, DIGIT: tl.constexpr = 1, EARLY: tl.constexpr = False,
+                 PDL: tl.constexpr = 0):
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     nvis = tl.minimum(tl.load(nvis_ptr + t), J)
