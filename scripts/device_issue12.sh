@@ -652,6 +652,28 @@ s27m)
     tests/test_overlap.py tests/test_cuda_graphs.py tests/test_nvidia_kernels.py tests/test_triton_ced.py \
     -k "not compile and (gemv or graph or overlap or quant or fp4 or fp8 or every or early or pending or resolve)" \
     2>&1 | tee "$OUT/gpu_tests_s27m.log" | tail -6 ;;
+s29a)
+  # 29th session (~5 min): the launch on raw bf16 entries (the prefill's entry table, on since e67d1af): BLOCK_N 16 /
+  # 32 / 64 x 4 / 8 warps x 1 / 2 / 3 stages on a 2048-query chunk at 16K; then the 16K bounded prefill as shipped
+  # and with the chunk's fastest launch (the RAW_* knobs of triton_ced_attention).
+  timeout 240 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 \
+    --block-n 16 32 64 --warps 4 8 --stages 1 2 3 --split-scale 0 --prefetch 0 --raw 1 \
+    --out "$OUT/ced_attn_raw_stages.jsonl" 2>&1 | grep -v Warning | tail -3
+  knobs=$(python3 - "$OUT/ced_attn_raw_stages.jsonl" <<'PY'
+import json, re, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if r.get("ok") and r.get("chunk", 1) > 1 and "us" in r]
+for r in sorted(rows, key=lambda r: r["us"])[:6]:
+    print(f"{r['setting']:<28} {r['us']:9.1f} us", file=sys.stderr)
+m = re.match(r"bn(\d+) w(\d+) s(\d+)", min(rows, key=lambda r: r["us"])["setting"]) if rows else None
+if m:
+    print(" ".join(f"--knob triton_ced_attention.{k}={v}"
+                   for k, v in zip(("RAW_BLOCK_N", "RAW_WARPS", "RAW_STAGES"), m.groups())))
+PY
+)
+  for k in "" "$knobs"; do
+    timeout 60 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 3 --top 4 $k \
+      --out "$OUT/cold_prefill_16k_raw${k:+_best}" 2>&1 | grep -v Warning | grep -A5 "^== " | cut -c 1-150
+  done ;;
 s28a)
   # 28th session (~8 min, ENTRY_TABLE on): the 16K bounded / exact prefill ratio (gpu_bench, 2 repeats; $1 commit),
   # then the decode profile at 1 / 16 / 64 with the pending token ids resolved outside / inside the decode graphs.

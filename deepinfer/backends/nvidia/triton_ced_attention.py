@@ -71,6 +71,13 @@ PREFETCH_MAX_BYTES = 32  # code bytes a thread holds for the next tile (the sm_9
 # (0 / 1) overrides it per call. Off: on the H100 (25th session) the attention's share of a batch-64 decode step fell
 # only 0.526 -> 0.496 ms and a batch-1 step got 0.013 ms slower.
 DYNAMIC_ENTRIES = False
+# Launches on raw bf16 entries (a prefill's entry table, the default since the 28th session) take wide_launch's FP4
+# choice, except where these are set (0: that choice): BLOCK_N, num_warps, num_stages. The FP4 rule's one stage
+# kept registers for the decoder; loaded rows may pipeline better. For the next sweep (ced_attn_sweep.py --raw 1
+# --stages 1 2 3) and the 16K prefill's A/B (profile_cold_prefill.py --knob triton_ced_attention.RAW_STAGES=2).
+RAW_BLOCK_N = 0
+RAW_WARPS = 0
+RAW_STAGES = 0
 
 
 @triton.jit
@@ -319,7 +326,8 @@ def launch_config(H: int, D: int, dtype: torch.dtype) -> dict:
             "BLOCK_N": BLOCK_N, "num_warps": num_warps}
 
 
-def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int) -> Optional[tuple]:
+def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
+                raw: bool = False) -> Optional[tuple]:
     """(launch overrides, splits) for a call of wide latents (BLOCK_D >= 512, bf16 / fp16, compiled), decode or
     prefill, or None (launch_config and choose_splits decide). From benchmarks/ced_attn_sweep.py on the H200 at the
     CED bench config (16 heads x 512, window 128, 512 entries, 16K of context; the old choice in brackets). Decode
@@ -329,7 +337,8 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int)
     session): a 2048-query chunk on BLOCK_N 32, 4 warps, 1 stage, 1 split, 1117 us [launch_config's BLOCK_N 16,
     8 warps, Triton's default stages: 2380]; every 4-warp BLOCK_N 32 setting beat every 8-warp one there, so the
     decode rule's last regime holds on past 64 queries (one split from 256). Batch-invariant mode never takes this
-    (its split count must not follow T)."""
+    (its split count must not follow T). ``raw``: the entries are bf16 rows; RAW_BLOCK_N / RAW_WARPS / RAW_STAGES
+    replace the choice's tile, warps and stages where set."""
     BLOCK_D = next_pow2(D)
     if INTERPRET or dtype == torch.float32 or BLOCK_D < 512 or T <= 0:
         return None
@@ -341,8 +350,12 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int)
         bn, warps, programs, most = 32, 8, 128, 16
     else:
         bn, warps, programs, most = 32, 4, 256, 16
+    stages = 1
+    if raw:
+        bn, warps, stages = RAW_BLOCK_N or bn, RAW_WARPS or warps, RAW_STAGES or stages
     tiles = max(cdiv(window, bn), cdiv(K, bn), 1)
-    return {"BLOCK_N": bn, "num_warps": warps, "num_stages": 1}, int(max(1, min(cdiv(programs, rows), tiles, most)))
+    return {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}, \
+        int(max(1, min(cdiv(programs, rows), tiles, most)))
 
 
 def fast_entries(dtype: torch.dtype, cfg: dict) -> bool:
@@ -418,7 +431,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         entry_slots = entry_slots.contiguous()
     cfg = launch_config(H, D, q.dtype)
     if launch is None and num_splits is None:  # wide latents: the launch the H200 sweeps chose
-        launch, num_splits = wide_launch(T, H, D, q.dtype, window, K if has_entries else 0) or (None, None)
+        launch, num_splits = wide_launch(T, H, D, q.dtype, window, K if has_entries else 0, raw) or (None, None)
         cfg = {**cfg, **(launch or {})}
     else:  # a caller's overrides (tests, benchmarks/ced_attn_sweep.py): checked, the latent tile kept
         cfg = merge_launch("sparse_attention", cfg, launch, {
