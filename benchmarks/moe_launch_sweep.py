@@ -2,6 +2,11 @@
 launch_config's choice, at the CED bench config's MoE shape (32 experts, top-4, F=512, d=2048, bf16).
 
     python benchmarks/moe_launch_sweep.py --out $OUT/moe_launch.jsonl      # H200, ~2 min
+    python benchmarks/moe_launch_sweep.py --prefill --out $OUT/moe_launch_prefill.jsonl   # a 16K prefill's layer
+
+``--prefill`` (tokens 16384 unless --tokens says otherwise) sweeps the large-M regime instead: M-blocks of 64 and
+128 rows, N tiles 64-256, K steps 32-128, 4 or 8 warps, 2-4 stages (a 16K bounded prefill spends ~9.5 ms of its
+75 in these two GEMMs on the H100, ~46% of the bf16 matmul rate).
 
 A decode step's routed experts stream nearly every expert's weights once, so each row also reports the weight
 bytes the touched experts hold over the time (TB/s). GEMM 1's knobs are swept with GEMM 2 at launch_config's and
@@ -47,6 +52,21 @@ def variants(smoke: bool) -> list:
     return out
 
 
+def prefill_variants() -> list:
+    """The large-M grid: each GEMM's tile, K step and warps (stages: launch_config's rule), then stages alone, then
+    both GEMMs on 64-row M-blocks (BLOCK_M: fused_experts' block_m; the padding is per expert segment)."""
+    out = [("default", {})]
+    for bn, bk, w in itertools.product((64, 128), (32, 64, 128), (4, 8)):
+        out.append(("gemm1", dict(BN1=bn, BK1=bk, warps1=w)))
+    for bn, bk, w in itertools.product((64, 128, 256), (32, 64), (4, 8)):
+        out.append(("gemm2", dict(BN2=bn, BK2=bk, warps2=w)))
+    for st in (2, 3, 4):
+        out += [("gemm1", dict(stages1=st)), ("gemm2", dict(stages2=st))]
+    for w in (4, 8):
+        out.append(("both", dict(BLOCK_M=64, warps1=w, warps2=w)))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[16, 32, 64, 128])
@@ -60,7 +80,10 @@ def main(argv=None) -> int:
                     help='more variants of both GEMMs as JSON knobs, e.g. \'{"BN1": 32, "stages2": 4}\' (a previous '
                          'launch_config, timed in the same run)')
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: small shapes, checks the script")
+    ap.add_argument("--prefill", action="store_true", help="the large-M grid (prefill_variants) at 16384 tokens")
     a = ap.parse_args(argv)
+    if a.prefill and a.tokens == ap.get_default("tokens"):
+        a.tokens = [16384]
     if a.smoke:
         a.hidden, a.intermediate, a.experts, a.top_k, a.tokens, a.reps = 64, 32, 8, 2, [3], 1
     elif not torch.cuda.is_available():
@@ -86,37 +109,44 @@ def main(argv=None) -> int:
             ref = ref_moe.experts_dense(x.float(), w13.float(), w2.float(), wts, ids, clamp=10.0)
             base = triton_moe.fused_experts(x, w13, w2, wts, ids, clamp=10.0)
             cfg = triton_moe.launch_config(T * k, E, F, d, dev)
-            for gemm, knobs in variants(a.smoke) + [("given", k) for k in a.also]:
+            grid = variants(a.smoke)
+            if a.prefill:  # (--smoke: its first tile variant and the 64-row M-blocks only)
+                grid = prefill_variants()[:2] + prefill_variants()[-1:] if a.smoke else prefill_variants()
+            for gemm, knobs in grid + [("given", k) for k in a.also]:
                 if gemm == "gemm1" and all(cfg.get(key) == v for key, v in knobs.items()):
                     continue  # launch_config's own: the default row
                 if gemm == "gemm2" and all(cfg.get(key) == v for key, v in knobs.items()):
                     continue
+                tiles = {key: v for key, v in knobs.items() if key != "BLOCK_M"}
+                bm = knobs.get("BLOCK_M")
                 try:
-                    out = triton_moe.fused_experts(x, w13, w2, wts, ids, clamp=10.0, launch=knobs)
+                    out = triton_moe.fused_experts(x, w13, w2, wts, ids, clamp=10.0, launch=tiles, block_m=bm)
                 except Exception as e:  # a tile that does not compile (shared memory): say so, go on
                     print(f"  T={T} {gemm} {knobs}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
                     continue
-                calls = [lambda s=s: triton_moe.fused_experts(s[0], w13, w2, s[1], s[2], clamp=10.0, launch=knobs)
-                         for s in sets]
+                calls = [lambda s=s: triton_moe.fused_experts(s[0], w13, w2, s[1], s[2], clamp=10.0, launch=tiles,
+                                                              block_m=bm) for s in sets]
                 ms, mode = time_calls(calls, a.reps)
                 nbytes = touched * 3 * F * d * 2
                 row = dict(bench="moe_launch", tokens=T, gemm=gemm,
                            knobs=" ".join(f"{key}={v}" for key, v in knobs.items()) or "launch_config",
                            us=round(ms * 1e3, 2), tb_s=round(nbytes / (ms * 1e-3) / 1e12, 3),
+                           tflop_s=round(6 * T * k * F * d / (ms * 1e-3) / 1e12, 1),
                            rel_err_vs_default=rel(out, base), default_rel_err=rel(base, ref),
                            experts_touched=round(touched, 1), launch_config=json.dumps(cfg), timing=mode,
                            device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")
     print(format_table(rows, (("tokens", "tokens", "{}"), ("gemm", "gemm", "{}"), ("knobs", "knobs", "{}"),
-                              ("us", "us", "{}"), ("TB/s", "tb_s", "{}"), ("err vs default", "rel_err_vs_default",
+                              ("us", "us", "{}"), ("TB/s", "tb_s", "{}"), ("TFLOP/s", "tflop_s", "{}"),
+                              ("err vs default", "rel_err_vs_default",
                                                                           "{:.1e}"))))
     for T in a.tokens:
         mine = [r for r in rows if r["tokens"] == T]
         base = next((r for r in mine if r["gemm"] == "default"), None)
         if base is None:
             continue
-        for gemm in ("gemm1", "gemm2", "given"):
+        for gemm in ("gemm1", "gemm2", "both", "given"):
             theirs = [r for r in mine if r["gemm"] == gemm]
             if theirs:
                 best = min(theirs, key=lambda r: r["us"])

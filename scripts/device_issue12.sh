@@ -674,6 +674,12 @@ PY
     timeout 60 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 3 --top 4 $k \
       --out "$OUT/cold_prefill_16k_raw${k:+_best}" 2>&1 | grep -v Warning | grep -A5 "^== " | cut -c 1-150
   done ;;
+s29b)
+  # 29th session (~4 min): the MoE's two grouped GEMMs at a 16K prefill layer's shape (65,536 pairs over 32 experts):
+  # tiles, K steps, warps, stages and 64-row M-blocks against launch_config's large-M choice (~46% of the matmul
+  # rate in the 16K prefill); the last lines give the best of each GEMM.
+  timeout 300 python3 benchmarks/moe_launch_sweep.py --prefill --out "$OUT/moe_launch_prefill.jsonl" 2>&1 \
+    | grep -v Warning | tail -40 ;;
 s28a)
   # 28th session (~8 min, ENTRY_TABLE on): the 16K bounded / exact prefill ratio (gpu_bench, 2 repeats; $1 commit),
   # then the decode profile at 1 / 16 / 64 with the pending token ids resolved outside / inside the decode graphs.
