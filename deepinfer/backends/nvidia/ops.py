@@ -113,7 +113,7 @@ SPLITK_SWAP = False
 # A prefill pass's FP4 entries decoded once to bf16 for its CED attention (Ops.ced_entry_table) where its queries
 # read at least ENTRY_TABLE_READS times as many entries as the table holds and the table fits ENTRY_TABLE_MAX_BYTES:
 # the attention kernel then loads bf16 rows instead of decoding FP4 per query (the same bits). On: the 16K bounded
-# prefill's CED attention 33.7 -> 28.7 ms, wall 98 -> 81 ms (H100, 28th session, docs/benchmarks.md).
+# prefill's CED attention 33.4 -> 28.7 ms, wall 84.2 -> 77.1 ms (H100, 28th session, docs/benchmarks.md).
 ENTRY_TABLE = True
 ENTRY_TABLE_READS = 8
 ENTRY_TABLE_MAX_BYTES = 64 << 20

@@ -13,9 +13,10 @@ Two kernels:
   (4 bytes per entry against the 68 bytes of a key at dh = 128), which the decoder's candidate pool also
   reads.
 - ``_topk_kernel``, one program per query: a threshold search instead of a sort. Scores are mapped to
-  int32 keys with the order of floats (-0.0 folded into +0.0); 32 counting passes find, bit by bit from
-  the top, the K-th largest key T; one more pass writes the entries above T and then the lowest-id entries
-  equal to T, in ascending id order, and -1 after the last. Rows up to BLOCK entries (16K) are read once and
+  int32 keys with the order of floats (-0.0 folded into +0.0); up to 32 counting passes find, bit by bit from
+  the top, the K-th largest key T (a row stops early where exactly K keys reach the bits found so far: they
+  are the set; TOPK_EARLY); one more pass writes the entries above T and then the lowest-id entries equal to
+  T, in ascending id order, and -1 after the last. Rows up to BLOCK entries (16K) are read once and
   kept in registers; longer rows are re-read per pass (from L2).
 
 So the selected set is exactly the reference's for the same scores. Scores computed here differ from the
@@ -241,6 +242,9 @@ def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
         raise ValueError(f"scores must be float32 [Tq, J], got {scores.dtype} {tuple(scores.shape)}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
+    digit = TOPK_DIGIT if digit is None else digit
+    if digit not in (1, 2) or isinstance(digit, bool):
+        raise ValueError(f"digit must be 1 or 2, got {digit!r}")
     Tq, J = scores.shape
     _check_visibility(Tq, J, num_visible, allowed)
     out = torch.empty((Tq, k), dtype=torch.int64, device=scores.device)
@@ -259,9 +263,6 @@ def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
     if num_warps is None:
         num_warps = 4 if block < 2048 else (8 if block <= 8192 else 16)  # 16K: 32 a thread, as 8K on 8 warps
     num_tiles = cdiv(J, block)
-    digit = TOPK_DIGIT if digit is None else digit
-    if digit not in (1, 2):
-        raise ValueError(f"digit must be 1 or 2, got {digit!r}")
     if J >= 1 << 21:  # a count no longer fits the packed 21-bit fields
         digit = 1
     block_k = min(next_pow2(k), 16 if INTERPRET else 1024)
