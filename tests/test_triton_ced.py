@@ -571,7 +571,9 @@ def test_ced_engine_greedy_tokens_match_reference(tmp_path):
 
 def test_ced_engine_entry_table_same_logprobs(tmp_path, monkeypatch):
     """A prefill's entries decoded once into a bf16 table (NvidiaOps.ced_entry_table, its read threshold lowered
-    so the tiny prompt takes it) give the in-place FP4 path's tokens and log-probabilities bit for bit."""
+    so the tiny prompts take it) give the in-place FP4 path's tokens and log-probabilities bit for bit: two
+    prompts of different lengths in one batch, the second split across two passes (the token budget), so the
+    table holds rows of both sequences with different entry counts."""
     from deepinfer import LLM, SamplingParams
     from deepinfer.backends.nvidia import ops as nv_ops
     from deepinfer.testing.ced import build_ced_checkpoint
@@ -582,18 +584,27 @@ def test_ced_engine_entry_table_same_logprobs(tmp_path, monkeypatch):
                                index_heads=2, index_head_dim=32, index_topk=3, pool_block=2, pool_blocks=2,
                                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                max_position_embeddings=256)
-    prompt = torch.randint(0, cfg.vocab_size, (12,), generator=gen(2)).tolist()
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen(2 + n)).tolist() for n in (12, 9)]
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2)  # (the prefill reads the table)
-    got = {}
+    got, tables = {}, []
+    build = nv_ops.NvidiaOps.ced_entry_table
+
+    def recorded(self, entries, fmt, slots, reads, dtype):
+        table = build(self, entries, fmt, slots, reads, dtype)
+        tables.append(tuple(slots.shape) if table is not None else None)
+        return table
+
+    monkeypatch.setattr(nv_ops.NvidiaOps, "ced_entry_table", recorded)
     for on in (False, True):
         monkeypatch.setattr(nv_ops, "ENTRY_TABLE", on)
         monkeypatch.setattr(nv_ops, "ENTRY_TABLE_READS", 1)
         llm = LLM(str(tmp_path), backend="nvidia", device=str(DEV), dtype="bfloat16", block_size=4,
-                  num_kv_blocks=32, max_num_batched_tokens=16, max_num_seqs=1)
-        out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
-        got[on] = (out.token_ids, [sorted(d.items()) for d in out.logprobs])
+                  num_kv_blocks=32, max_num_batched_tokens=16, max_num_seqs=2)
+        outs = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+        got[on] = [(o.token_ids, [sorted(d.items()) for d in o.logprobs]) for o in outs]
         assert (llm.engine.ops.kernel_calls["ced_entry_table"] > 0) == on
     assert got[True] == got[False]
+    assert any(shape is not None and shape[0] == 2 for shape in tables), tables  # (both sequences in one table)
 
 
 # ------------------------------------------------------------------------------------------- GPU only
