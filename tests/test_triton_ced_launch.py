@@ -47,6 +47,11 @@ def test_wide_launch_rule(monkeypatch):
     monkeypatch.setattr(tca, "RAW_WARPS", 8)
     assert tca.wide_launch(1, 16, 512, bf, 128, 512, raw=True) == \
         ({"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, 8)  # (splits: no more than the 8 key tiles of 64)
+    for name, bad in (("RAW_BLOCK_N", 24), ("RAW_WARPS", 3), ("RAW_STAGES", 9)):  # named before Triton sees them
+        monkeypatch.setattr(tca, name, bad)
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True)
+        monkeypatch.setattr(tca, name, 0)
     monkeypatch.setattr(tca, "INTERPRET", True)
     assert tca.wide_launch(1, 16, 512, bf, 128, 512) is None
 
