@@ -352,8 +352,8 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
         bn, warps, programs, most = 32, 4, 256, 16
     stages = 1
     if raw:
-        for name, v, lo, hi, pow2 in (("RAW_BLOCK_N", RAW_BLOCK_N, 16, 128, True), ("RAW_WARPS", RAW_WARPS, 1, 16, True),
-                                      ("RAW_STAGES", RAW_STAGES, 1, 8, False)):
+        for name, v, lo, hi, pow2 in (("RAW_BLOCK_N", RAW_BLOCK_N, 16, 128, True),
+                                      ("RAW_WARPS", RAW_WARPS, 1, 16, True), ("RAW_STAGES", RAW_STAGES, 1, 8, False)):
             if v:
                 check_knob("triton_ced_attention", name, v, lo, hi, pow2)
         bn, warps, stages = RAW_BLOCK_N or bn, RAW_WARPS or warps, RAW_STAGES or stages
