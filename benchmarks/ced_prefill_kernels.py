@@ -9,8 +9,9 @@ CED sparse attention, the indexer's scores and its top-K, each over a 2048-query
 - indexer scores (16 heads x 128, MXFP4 keys, the encoder's m = 2: query i sees (i + 1) // 2 entries):
   BLOCK_Q queries a program (1: one query, as before; launch_config's choice) x the two decoders;
 - top-K (512 of up to --context // 2 entries): row tiles of 4096 (as before; re-read from L2 by each of the
-  33 passes) or one tile of the whole row kept in registers, 8 or 16 warps; then on the one tile, the threshold
-  search settling one or two bits a pass (TOPK_DIGIT), each without and with the early stop (TOPK_EARLY).
+  33 passes) or one tile of the whole row kept in registers, 8 or 16 warps (these three: the plain search, all
+  32 passes); then on the one tile, the threshold search settling one or two bits a pass (TOPK_DIGIT), each
+  without and with the early stop (TOPK_EARLY; one bit with it is the default).
 --kernels picks which of the three run (all by default).
 Each variant is checked against the reference op on the first input set (attention: relative L2 error under
 1e-2; scores: relative L2 under 1e-4; top-K: the same sets as the reference's selection from the same scores)
@@ -137,7 +138,8 @@ def main(argv=None) -> int:
     same = lambda ids: dict(same_sets_vs_reference=same_sets(ids, want_ids), ok=True)  # noqa: E731
     for block, warps in ((4096, 8), (row, 8), (row, 16)) if "topk" in a.kernels else ():
         run("topk", f"{'tiles of 4096' if block < row else 'one tile'}, {warps} warps",
-            lambda sc, nv, _b=block, _w=warps: tci.topk_select(sc, nv, k, block=_b, num_warps=_w), tsets, same)
+            lambda sc, nv, _b=block, _w=warps: tci.topk_select(sc, nv, k, block=_b, num_warps=_w, digit=1,
+                                                               early=False), tsets, same)
     for digit, early in ((1, True), (2, False), (2, True)) if "topk" in a.kernels else ():
         run("topk", f"one tile, default warps, {digit} bit{'s' * (digit > 1)} a pass{', early stop' * early}",
             lambda sc, nv, _d=digit, _e=early: tci.topk_select(sc, nv, k, digit=_d, early=_e), tsets, same)
