@@ -109,9 +109,9 @@ def main(argv=None) -> int:
             ref = ref_moe.experts_dense(x.float(), w13.float(), w2.float(), wts, ids, clamp=10.0)
             base = triton_moe.fused_experts(x, w13, w2, wts, ids, clamp=10.0)
             cfg = triton_moe.launch_config(T * k, E, F, d, dev)
-            grid = variants(a.smoke)
-            if a.prefill:  # (--smoke: its first tile variant and the 64-row M-blocks only)
-                grid = prefill_variants()[:2] + prefill_variants()[-1:] if a.smoke else prefill_variants()
+            grid = prefill_variants() if a.prefill else variants(a.smoke)
+            if a.prefill and a.smoke:  # its first tile variant and the 64-row M-blocks only
+                grid = grid[:2] + grid[-1:]
             for gemm, knobs in grid + [("given", k) for k in a.also]:
                 if gemm == "gemm1" and all(cfg.get(key) == v for key, v in knobs.items()):
                     continue  # launch_config's own: the default row

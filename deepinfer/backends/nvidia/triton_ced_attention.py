@@ -78,6 +78,10 @@ DYNAMIC_ENTRIES = False
 RAW_BLOCK_N = 0
 RAW_WARPS = 0
 RAW_STAGES = 0
+# A launch override's bounds (merge_launch: lo, hi, power of two), shared by sparse_attention's ``launch`` and the
+# RAW_* knobs; BLOCK_D is the latent's own width, added per call.
+_LAUNCH_BOUNDS = {"BLOCK_H": (16, 64, True), "BLOCK_N": (16, 128, True), "num_warps": (1, 16, True),
+                  "num_stages": (1, 8, False), "prefetch": (0, 1, False), "dynamic": (0, 1, False)}
 
 
 @triton.jit
@@ -352,10 +356,10 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
         bn, warps, programs, most = 32, 4, 256, 16
     stages = 1
     if raw:
-        for name, v, lo, hi, pow2 in (("RAW_BLOCK_N", RAW_BLOCK_N, 16, 128, True),
-                                      ("RAW_WARPS", RAW_WARPS, 1, 16, True), ("RAW_STAGES", RAW_STAGES, 1, 8, False)):
+        for name, v, key in (("RAW_BLOCK_N", RAW_BLOCK_N, "BLOCK_N"), ("RAW_WARPS", RAW_WARPS, "num_warps"),
+                             ("RAW_STAGES", RAW_STAGES, "num_stages")):
             if v:
-                check_knob("triton_ced_attention", name, v, lo, hi, pow2)
+                check_knob("triton_ced_attention", name, v, *_LAUNCH_BOUNDS[key])
         bn, warps, stages = RAW_BLOCK_N or bn, RAW_WARPS or warps, RAW_STAGES or stages
     tiles = max(cdiv(window, bn), cdiv(K, bn), 1)
     return {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}, \
@@ -438,10 +442,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         launch, num_splits = wide_launch(T, H, D, q.dtype, window, K if has_entries else 0, raw) or (None, None)
         cfg = {**cfg, **(launch or {})}
     else:  # a caller's overrides (tests, benchmarks/ced_attn_sweep.py): checked, the latent tile kept
-        cfg = merge_launch("sparse_attention", cfg, launch, {
-            "BLOCK_H": (16, 64, True), "BLOCK_N": (16, 128, True), "BLOCK_D": (cfg["BLOCK_D"], cfg["BLOCK_D"], True),
-            "num_warps": (1, 16, True), "num_stages": (1, 8, False), "prefetch": (0, 1, False),
-            "dynamic": (0, 1, False)})
+        cfg = merge_launch("sparse_attention", cfg, launch,
+                           {**_LAUNCH_BOUNDS, "BLOCK_D": (cfg["BLOCK_D"], cfg["BLOCK_D"], True)})
         if num_splits is not None:
             check_knob("sparse_attention", "num_splits", num_splits, 1, 256, False)
     BLOCK_H, BLOCK_N, BLOCK_D = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["BLOCK_D"]
