@@ -139,6 +139,15 @@ def _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, j, nvis, HAS_ALLOWED
 
 
 @triton.jit
+def _tile_keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i, offs, nvis, key0, valid0,
+               HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr):
+    """Tile i's keys and validity: the row's registers when it is one tile, else loaded again."""
+    if NUM_TILES == 1:
+        return key0, valid0
+    return _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i * BLOCK + offs, nvis, HAS_ALLOWED)
+
+
+@triton.jit
 def _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0, prefix, shift,
                     HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr, DIGIT: tl.constexpr,
                     FIELD: tl.constexpr):
@@ -146,10 +155,8 @@ def _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis
     unsigned order of key + 2^31), packed into one int64, FIELD bits a count: one reduction a pass."""
     total = tl.full([], 0, dtype=tl.int64)
     for i in range(NUM_TILES):
-        if NUM_TILES == 1:
-            key, valid = key0, valid0
-        else:
-            key, valid = _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i * BLOCK + offs, nvis, HAS_ALLOWED)
+        key, valid = _tile_keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i, offs, nvis, key0, valid0,
+                                HAS_ALLOWED, BLOCK, NUM_TILES)
         packed = tl.zeros([BLOCK], dtype=tl.int64)
         for c in tl.static_range(1, 1 << DIGIT):
             ck = ((prefix | (tl.full([], c, dtype=tl.int64) << shift)) - 2147483648).to(tl.int32)
@@ -195,20 +202,16 @@ def _topk_kernel(scores_ptr, nvis_ptr, allowed_ptr, out_ptr, stride_st, stride_a
     # Entries above the threshold, then ties at it by ascending id while the budget lasts.
     above = tl.full([], 0, dtype=tl.int32)
     for i in range(NUM_TILES):
-        if NUM_TILES == 1:
-            key, valid = key0, valid0
-        else:
-            key, valid = _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i * BLOCK + offs, nvis, HAS_ALLOWED)
+        key, valid = _tile_keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i, offs, nvis, key0, valid0,
+                                HAS_ALLOWED, BLOCK, NUM_TILES)
         above += tl.sum(((key > thr) & valid).to(tl.int32), axis=0)
     budget = K - above
     taken = tl.full([], 0, dtype=tl.int32)
     ties = tl.full([], 0, dtype=tl.int32)
     for i in range(NUM_TILES):
         j = i * BLOCK + offs
-        if NUM_TILES == 1:
-            key, valid = key0, valid0
-        else:
-            key, valid = _keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, j, nvis, HAS_ALLOWED)
+        key, valid = _tile_keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i, offs, nvis, key0, valid0,
+                                HAS_ALLOWED, BLOCK, NUM_TILES)
         eq = (valid & (key == thr)).to(tl.int32)
         take = (valid & (key > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, axis=0) <= budget))
         at = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
