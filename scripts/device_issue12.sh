@@ -652,6 +652,32 @@ s27m)
     tests/test_overlap.py tests/test_cuda_graphs.py tests/test_nvidia_kernels.py tests/test_triton_ced.py \
     -k "not compile and (gemv or graph or overlap or quant or fp4 or fp8 or every or early or pending or resolve)" \
     2>&1 | tee "$OUT/gpu_tests_s27m.log" | tail -6 ;;
+s29c)
+  # 29th session, one call when the device is scarce (~9 min): every GPU test file but kv_sizing (after the top-K
+  # search's tile helper), then s29a's raw-entry launch sweep narrowed to BLOCK_N 32 / 64 (its 16K prefill A/B
+  # waits for the next call: s29d with the best setting's knobs).
+  gpu_files_but_kv_sizing
+  timeout 200 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 \
+    --block-n 32 64 --warps 4 8 --stages 1 2 3 --split-scale 0 --prefetch 0 --raw 1 \
+    --out "$OUT/ced_attn_raw_stages.jsonl" 2>&1 | grep -v Warning | tail -3
+  python3 - "$OUT/ced_attn_raw_stages.jsonl" <<'PY2'
+import json, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if r.get("ok") and r.get("chunk", 1) > 1 and "us" in r]
+for r in sorted(rows, key=lambda r: r["us"]):
+    print(f"{r['setting']:<28} {r['us']:9.1f} us")
+PY2
+  ;;
+s29d)
+  # 29th session (~3 min, after s29c): the 16K bounded prefill as shipped and with RAW_* knobs "$@" (e.g.
+  # triton_ced_attention.RAW_STAGES=2), alternating, three repeats each.
+  args=""; for a in "$@"; do args="$args --knob $a"; done
+  n=0
+  for k in "" "$args" "" "$args"; do
+    n=$((n + 1))
+    timeout 60 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 3 --top 4 $k \
+      --out "$OUT/cold_prefill_16k_raw$n${k:+_knobs}" 2>&1 | grep -v Warning | grep -A5 "^== " \
+      | sed "s/^/[${k:-as shipped}] /" | cut -c 1-150
+  done ;;
 s29a)
   # 29th session (~5 min): the launch on raw bf16 entries (the prefill's entry table, on since e67d1af): BLOCK_N 16 /
   # 32 / 64 x 4 / 8 warps x 1 / 2 / 3 stages on a 2048-query chunk at 16K; then the 16K bounded prefill as shipped
