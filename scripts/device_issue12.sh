@@ -678,6 +678,18 @@ s29d)
       --out "$OUT/cold_prefill_16k_raw$n${k:+_knobs}" 2>&1 | grep -v Warning | grep -A5 "^== " \
       | sed "s/^/[${k:-as shipped}] /" | cut -c 1-150
   done ;;
+s29e)
+  # 29th session (~6 min; the last of its budget): the MoE GPU tests with the wide large-M tiles (WIDE_PREFILL_TILES,
+  # from s29b's sweep), then the 16K bounded prefill with them off / on, alternating, twice.
+  timeout -s INT 120 python3 -m pytest -n 4 --dist loadfile -p no:cacheprovider -q -rfE tests/test_triton_moe.py \
+    tests/test_moe_fp8.py tests/test_triton_moe_pairs.py 2>&1 | tee "$OUT/gpu_tests_moe.log" | tail -4
+  n=0
+  for k in 0 1 0 1; do
+    n=$((n + 1))
+    timeout 55 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 3 --top 8 \
+      --knob triton_moe.WIDE_PREFILL_TILES=$k --out "$OUT/cold_prefill_16k_moe${n}_wide$k" 2>&1 | grep -v Warning \
+      | grep -A9 "^== " | sed "s/^/[wide $k] /" | cut -c 1-150
+  done ;;
 s29a)
   # 29th session (~5 min): the launch on raw bf16 entries (the prefill's entry table, on since e67d1af): BLOCK_N 16 /
   # 32 / 64 x 4 / 8 warps x 1 / 2 / 3 stages on a 2048-query chunk at 16K; then the 16K bounded prefill as shipped

@@ -362,6 +362,30 @@ def test_gpu_qwen3_float32_clamp_and_skewed_routing():
 
 
 @gpu
+@pytest.mark.parametrize("T,skew", [(4096, False), (3001, True)])
+def test_gpu_prefill_sized_m_blocks(T, skew, monkeypatch):
+    """128-row M-blocks (a prefill's mean of over 512 pairs an expert) on the wide tiles of launch_config
+    (WIDE_PREFILL_TILES) and on the earlier ones: both match the reference's routed experts, partial blocks and
+    crowded experts included."""
+    E, k, d, F = 8, 2, 2048, 768
+    g = torch.Generator(device=DEV).manual_seed(19)
+    w13 = (torch.randn(E, 2 * F, d, generator=g, device=DEV) * d ** -0.5).bfloat16()
+    w2 = (torch.randn(E, d, F, generator=g, device=DEV) * F ** -0.5).bfloat16()
+    x, weights, ids = _tokens(20, T, E=E, k=k, d=d)
+    if skew:
+        ids = torch.where(torch.arange(T, device=DEV)[:, None] % 3 == 0, ids % 2, ids)
+    assert triton_moe.launch_config(T * k, E, F, d, DEV)["BLOCK_M"] == 128
+    ref = ref_moe.experts_routed(x, w13, w2, weights, ids)
+    outs = {}
+    for wide in (True, False):
+        monkeypatch.setattr(triton_moe, "WIDE_PREFILL_TILES", wide)
+        assert (triton_moe.launch_config(T * k, E, F, d, DEV)["BN1"] == 128) == wide
+        outs[wide] = triton_moe.fused_experts(x, w13, w2, weights, ids)
+        assert rel_err(outs[wide], ref) < 1e-2, wide
+    assert rel_err(outs[True], outs[False]) < 1e-2
+
+
+@gpu
 def test_gpu_deepseek_v3_fp8_shapes():
     """E=256, k=8, d=7168, F=2048, 128x128 block-scaled FP8, 16 tokens, against experts_dense on the
     weights models.quant dequantizes (only the experts the routing uses)."""

@@ -317,6 +317,10 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KB per block; Triton keeps (num_stages - 1) stages in flight
 
 
+# The large-M tiles of the 29th session's sweep (launch_config); off: the earlier ones, for A/B runs.
+WIDE_PREFILL_TILES = True
+
+
 def _stages(stage_bytes: int) -> int:
     return max(2, min(4, 1 + SMEM_BUDGET // stage_bytes))
 
@@ -333,6 +337,7 @@ def launch_config(num_pairs: int, num_experts: int, F: int, d: int, device: torc
     scale blocks). x_bytes/w_bytes: element sizes of x and of the weights.
     """
     BM = block_m or choose_block_m(num_pairs, num_experts)
+    wide = False
     if INTERPRET:
         return dict(BLOCK_M=BM, BN1=16, BK1=16, BN2=16, BK2=16, warps1=4, stages1=1, warps2=4, stages2=1)
     if x_bytes >= 4:  # float32 runs the "ieee" dot on FMA units: small tiles keep it out of local memory
@@ -347,9 +352,15 @@ def launch_config(num_pairs: int, num_experts: int, F: int, d: int, device: torc
         cfg = dict(BLOCK_M=BM, BN1=BN1, BK1=128, BN2=64, BK2=128, warps1=4, warps2=4)
     else:
         warps = 8 if BM >= 128 else 4
-        cfg = dict(BLOCK_M=BM, BN1=64, BK1=64, BN2=128, BK2=64, warps1=warps, warps2=warps)
+        # moe_launch_sweep.py --prefill on the H100 (CED bench MoE, 16K tokens, bf16; 29th session): at 128-row
+        # M-blocks a 128-wide GEMM-1 N tile (2 x 128 of gate and up) and three GEMM-2 stages, 1228 -> ~1030 us a
+        # call (each alone 1117 and 1143); FP8 weights and 64-row blocks were not swept and keep the old tiles.
+        wide = WIDE_PREFILL_TILES and BM >= 128 and w_bytes == 2
+        cfg = dict(BLOCK_M=BM, BN1=128 if wide else 64, BK1=64, BN2=128, BK2=64, warps1=warps, warps2=warps)
     cfg["stages1"] = _stages(BM * cfg["BK1"] * x_bytes + 2 * cfg["BK1"] * cfg["BN1"] * w_bytes)
     cfg["stages2"] = _stages(BM * cfg["BK2"] * x_bytes + cfg["BK2"] * cfg["BN2"] * w_bytes)
+    if wide:
+        cfg["stages2"] = 3
     if BM <= 32 and x_bytes < 4 and cdiv(F, cfg["BK2"]) <= 4:
         cfg["stages2"] = 2  # a short K loop (the same sweep: F = 512, 2 us a call faster than 4 stages)
     return cfg
