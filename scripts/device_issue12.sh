@@ -678,6 +678,18 @@ s29d)
       --out "$OUT/cold_prefill_16k_raw$n${k:+_knobs}" 2>&1 | grep -v Warning | grep -A5 "^== " \
       | sed "s/^/[${k:-as shipped}] /" | cut -c 1-150
   done ;;
+s30a)
+  # 30th session (~3 min; Firecracker machines have ncu): Nsight Compute on one launch of the 16K prefill chunk's
+  # CED attention on raw bf16 entries (the shipped launch): occupancy, warp stall reasons, L2 and memory throughput,
+  # to tell load latency from MMA or softmax time before another entry layout is built.
+  command -v ncu >/dev/null || { echo "no ncu on this machine"; exit 0; }
+  timeout 300 ncu --clock-control none --kernel-name regex:_ced_attn_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 \
+    --context 16384 --block-n 32 --warps 4 --stages 1 --split-scale 0 --prefetch 0 --raw 1 \
+    --out /tmp/ncu_sweep.jsonl > "$OUT/ncu_ced_attn_raw.txt" 2>&1
+  grep -v Warning "$OUT/ncu_ced_attn_raw.txt" | grep -E "^ +[A-Z]|Stall|stall|Occupancy|Throughput|Registers" \
+    | head -90 ;;
 s29e)
   # 29th session (~6 min; the last of its budget): the MoE GPU tests with the wide large-M tiles (WIDE_PREFILL_TILES,
   # from s29b's sweep), then the 16K bounded prefill with them off / on, alternating, twice.
