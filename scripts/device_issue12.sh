@@ -63,6 +63,13 @@
 #                                            # A/B, the decode profile with the tensor-core GEMV to 64 rows
 #   bash scripts/device_issue12.sh s27t              # the GPU files of what no GPU ran yet, then the entry table A/B
 #   bash scripts/device_issue12.sh s27m              # the least: the GPU tests of what is on by default and untested
+#   bash scripts/device_issue12.sh s28a COMMIT       # s28a-c: the 28th session's A/Bs (see each target's comment)
+#   bash scripts/device_issue12.sh s29a              # the raw-entry launch sweep (stages), the 16K prefill with the best
+#   bash scripts/device_issue12.sh s29b              # moe_launch_sweep --prefill: the MoE GEMMs' large-M tiles
+#   bash scripts/device_issue12.sh s29c              # GPU files but kv_sizing, then s29a's sweep narrowed (one call)
+#   bash scripts/device_issue12.sh s29d KNOB=V ...   # the 16K bounded prefill as shipped / with knobs, alternating
+#   bash scripts/device_issue12.sh s29e              # the MoE GPU files, the 16K prefill with WIDE_PREFILL_TILES 0 / 1
+#   bash scripts/device_issue12.sh s30a              # Nsight Compute on the 16K prefill chunk's CED attention
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
