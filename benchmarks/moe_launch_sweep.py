@@ -6,7 +6,9 @@ launch_config's choice, at the CED bench config's MoE shape (32 experts, top-4, 
 
 ``--prefill`` (tokens 16384 unless --tokens says otherwise) sweeps the large-M regime instead: M-blocks of 64 and
 128 rows, N tiles 64-256, K steps 32-128, 4 or 8 warps, 2-4 stages (a 16K bounded prefill spends ~9.5 ms of its
-75 in these two GEMMs on the H100, ~46% of the bf16 matmul rate).
+75 in these two GEMMs on the H100, ~46% of the bf16 matmul rate). ``--fp8`` takes block-scaled FP8 expert weights
+(128 x 128 scale blocks, as FP8 checkpoints are served) instead of bf16, checked against the weights they dequantize
+to: launch_config's FP8 tiles (w_bytes 1) were never swept at prefill sizes.
 
 A decode step's routed experts stream nearly every expert's weights once, so each row also reports the weight
 bytes the touched experts hold over the time (TB/s). GEMM 1's knobs are swept with GEMM 2 at launch_config's and
@@ -79,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--also", nargs="*", default=[], type=json.loads,
                     help='more variants of both GEMMs as JSON knobs, e.g. \'{"BN1": 32, "stages2": 4}\' (a previous '
                          'launch_config, timed in the same run)')
+    ap.add_argument("--fp8", action="store_true", help="block-scaled FP8 expert weights instead of bf16")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: small shapes, checks the script")
     ap.add_argument("--prefill", action="store_true", help="the large-M grid (prefill_variants) at 16384 tokens")
     a = ap.parse_args(argv)
@@ -95,8 +98,17 @@ def main(argv=None) -> int:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(0)
     E, d, F, k = a.experts, a.hidden, a.intermediate, a.top_k
-    w13 = (torch.randn(E, 2 * F, d, generator=g) * d ** -0.5).to(dev, torch.bfloat16)
-    w2 = (torch.randn(E, d, F, generator=g) * F ** -0.5).to(dev, torch.bfloat16)
+    if a.fp8:  # the kernels read (codes, scales); the reference the float32 weights they dequantize to
+        from deepinfer.testing.kernels import fp8_weights
+
+        w13, s13, ref13 = fp8_weights(g, E, 2 * F, d, dev)
+        w2, s2, ref2 = fp8_weights(g, E, d, F, dev)
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    else:
+        w13 = (torch.randn(E, 2 * F, d, generator=g) * d ** -0.5).to(dev, torch.bfloat16)
+        w2 = (torch.randn(E, d, F, generator=g) * F ** -0.5).to(dev, torch.bfloat16)
+        ref13, ref2, scales = w13.float(), w2.float(), {}
+    w_bytes = w13.element_size()
     rows = []
     with open(a.out, "w") as f:
         for T in a.tokens:
@@ -106,9 +118,9 @@ def main(argv=None) -> int:
                 sets.append((torch.randn(T, d, generator=g).to(dev, torch.bfloat16), wts.to(dev), ids.to(dev)))
             touched = sum(len(set(s[2].flatten().tolist())) for s in sets) / len(sets)
             x, wts, ids = sets[0]
-            ref = ref_moe.experts_dense(x.float(), w13.float(), w2.float(), wts, ids, clamp=10.0)
-            base = triton_moe.fused_experts(x, w13, w2, wts, ids, clamp=10.0)
-            cfg = triton_moe.launch_config(T * k, E, F, d, dev)
+            ref = ref_moe.experts_dense(x.float(), ref13, ref2, wts, ids, clamp=10.0)
+            base = triton_moe.fused_experts(x, w13, w2, wts, ids, clamp=10.0, **scales)
+            cfg = triton_moe.launch_config(T * k, E, F, d, dev, w_bytes=w_bytes)
             grid = prefill_variants() if a.prefill else variants(a.smoke)
             if a.prefill and a.smoke:  # its first tile variant and the 64-row M-blocks only
                 grid = grid[:2] + grid[-1:]
@@ -120,15 +132,16 @@ def main(argv=None) -> int:
                 tiles = {key: v for key, v in knobs.items() if key != "BLOCK_M"}
                 bm = knobs.get("BLOCK_M")
                 try:
-                    out = triton_moe.fused_experts(x, w13, w2, wts, ids, clamp=10.0, launch=tiles, block_m=bm)
+                    out = triton_moe.fused_experts(x, w13, w2, wts, ids, clamp=10.0, launch=tiles, block_m=bm,
+                                                   **scales)
                 except Exception as e:  # a tile that does not compile (shared memory): say so, go on
                     print(f"  T={T} {gemm} {knobs}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
                     continue
                 calls = [lambda s=s: triton_moe.fused_experts(s[0], w13, w2, s[1], s[2], clamp=10.0, launch=tiles,
-                                                              block_m=bm) for s in sets]
+                                                              block_m=bm, **scales) for s in sets]
                 ms, mode = time_calls(calls, a.reps)
-                nbytes = touched * 3 * F * d * 2
-                row = dict(bench="moe_launch", tokens=T, gemm=gemm,
+                nbytes = touched * 3 * F * d * w_bytes
+                row = dict(bench="moe_launch", tokens=T, weights="fp8" if a.fp8 else "bf16", gemm=gemm,
                            knobs=" ".join(f"{key}={v}" for key, v in knobs.items()) or "launch_config",
                            us=round(ms * 1e3, 2), tb_s=round(nbytes / (ms * 1e-3) / 1e12, 3),
                            tflop_s=round(6 * T * k * F * d / (ms * 1e-3) / 1e12, 1),

@@ -71,6 +71,7 @@
 #   bash scripts/device_issue12.sh s29e              # the MoE GPU files, the 16K prefill with WIDE_PREFILL_TILES 0 / 1
 #   bash scripts/device_issue12.sh s30a              # Nsight Compute on the 16K prefill chunk's CED attention
 #   bash scripts/device_issue12.sh s30b              # moe_launch_sweep --prefill at 64-row M-blocks (2K / 4K tokens)
+#   bash scripts/device_issue12.sh s30c              # moe_launch_sweep --prefill --fp8 (block-scaled FP8 experts)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
@@ -703,6 +704,11 @@ s30b)
   # CED bench MoE: 256 and 512 pairs an expert), which kept the old tiles when WIDE_PREFILL_TILES came in.
   timeout 280 python3 benchmarks/moe_launch_sweep.py --prefill --tokens 2048 4096 \
     --out "$OUT/moe_launch_prefill_bm64.jsonl" 2>&1 | grep -v Warning | tail -8 ;;
+s30c)
+  # 30th session (~2 min): the same large-M grid with block-scaled FP8 expert weights at a 16K prefill layer (FP8
+  # kept the old tiles when WIDE_PREFILL_TILES came in: never swept at prefill sizes).
+  timeout 280 python3 benchmarks/moe_launch_sweep.py --prefill --fp8 \
+    --out "$OUT/moe_launch_prefill_fp8.jsonl" 2>&1 | grep -v Warning | tail -8 ;;
 s29e)
   # 29th session (~6 min; the last of its budget): the MoE GPU tests with the wide large-M tiles (WIDE_PREFILL_TILES,
   # from s29b's sweep), then the 16K bounded prefill with them off / on, alternating, twice.
