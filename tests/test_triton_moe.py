@@ -116,6 +116,31 @@ def test_launch_overrides_keep_the_result(T, E, k, knobs, seed):
     assert rel_err(out, ref_moe.experts_routed(x, w13, w2, weights, ids, clamp=0.7)) < 1e-2
 
 
+def test_wide_prefill_tiles_only_where_they_were_measured_and_fit(monkeypatch):
+    """launch_config's compiled-GPU choice (the interpreter's is fixed): the wide GEMM-1 tile and three GEMM-2
+    stages only at 128-row M-blocks, bf16 weights, WIDE_PREFILL_TILES on and enough shared memory for four stages
+    of the tile (an sm_90's 227 KB, not an A100's ~163 KB); everything else keeps the earlier tiles."""
+    monkeypatch.setattr(triton_moe, "INTERPRET", False)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setitem(triton_moe._SMEM, 0, 232448)
+    prefill = lambda **kw: triton_moe.launch_config(65536, 32, 512, 2048, cuda, **kw)
+    wide = prefill()
+    assert (wide["BLOCK_M"], wide["BN1"], wide["stages2"]) == (128, 128, 3)
+    assert 4 * (128 * 64 * 2 + 2 * 64 * wide["BN1"] * 2) <= 232448 and wide["stages1"] == 4
+    old = dict(BN1=64, stages2=4)
+    assert prefill(w_bytes=1)["BN1"] == 64, "FP8 weights were not swept"
+    assert {key: prefill(block_m=64)[key] for key in old} == dict(BN1=64, stages2=4), "64-row blocks keep theirs"
+    from deepinfer.backends.nvidia import triton_attention
+
+    monkeypatch.setitem(triton_attention._SM_COUNT, 0, 132)  # the decode branch reads the SM count
+    assert triton_moe.launch_config(64, 32, 512, 2048, cuda)["BLOCK_M"] == 16  # decode: untouched branch
+    monkeypatch.setitem(triton_moe._SMEM, 0, 166912)  # an A100's opt-in shared memory a block
+    assert {key: prefill()[key] for key in old} == old
+    monkeypatch.setitem(triton_moe._SMEM, 0, 232448)
+    monkeypatch.setattr(triton_moe, "WIDE_PREFILL_TILES", False)
+    assert {key: prefill()[key] for key in old} == old
+
+
 @examples(8)
 @given(T=st.integers(1, 12), k=st.integers(1, 8), d=st.sampled_from([8, 24, 100, 1100]),
        dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), seed=st.integers(0, 2**16))
@@ -488,6 +513,7 @@ def compile_(fn, name, sig, const, div16=(), **opts):
 
 ints = lambda *names: {n: "i32" for n in names}
 triton_attention._SM_COUNT[0] = 132  # an H200 (the SM count the launch configs read)
+tm._SMEM[0] = 232448  # and its shared memory a block (launch_config's wide prefill tiles read it)
 compile_(tm._count_kernel, "count", dict(ids_ptr="*i64", chunk_counts_ptr="*i32", **ints("N", "E", "CHUNK")),
          dict(S=64, EB=512, CHUNK_I=0), num_warps=4)
 compile_(tm._place_kernel, "place", dict(ids_ptr="*i64", chunk_counts_ptr="*i32", sorted_ptr="*i32",

@@ -319,6 +319,18 @@ SMEM_BUDGET = 200 * 1024  # of the H200's 227 KB per block; Triton keeps (num_st
 
 # The large-M tiles of the 29th session's sweep (launch_config); off: the earlier ones, for A/B runs.
 WIDE_PREFILL_TILES = True
+_SMEM: dict = {}  # device index -> the shared memory a block may use (Triton's max_shared_mem), cached
+
+
+def max_shared_mem(device: torch.device) -> int:
+    """Bytes of shared memory a program may use on ``device``: Triton's figure for a CUDA device (227 KB on
+    sm_90, ~163 KB on an A100), Hopper's for any other device (the compile-only tests target sm_90)."""
+    if device.type != "cuda":
+        return 232448
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMEM:
+        _SMEM[idx] = int(triton.runtime.driver.active.utils.get_device_properties(idx)["max_shared_mem"])
+    return _SMEM[idx]
 
 
 def _stages(stage_bytes: int) -> int:
@@ -357,7 +369,9 @@ def launch_config(num_pairs: int, num_experts: int, F: int, d: int, device: torc
         # M-blocks a 128-wide GEMM-1 N tile (2 x 128 of gate and up) and three GEMM-2 stages: 1117 and 1143 against
         # 1228 us a call each alone, the same bits; in the 16K prefill the MoE 9.52 -> 7.64 ms. FP8 weights and
         # 64-row blocks were not swept and keep the old tiles.
-        wide = WIDE_PREFILL_TILES and BM >= 128 and w_bytes == 2
+        # (four stages of the wide GEMM-1 tile take 192 KB: GPUs with less shared memory keep the old tiles)
+        wide = WIDE_PREFILL_TILES and BM >= 128 and w_bytes == 2 and x_bytes == 2 \
+            and 4 * (BM * 64 * x_bytes + 2 * 64 * 128 * w_bytes) <= max_shared_mem(device)
         cfg = dict(BLOCK_M=BM, BN1=128 if wide else 64, BK1=64, BN2=128, BK2=64, warps1=warps, warps2=warps)
     cfg["stages1"] = _stages(BM * cfg["BK1"] * x_bytes + 2 * cfg["BK1"] * cfg["BN1"] * w_bytes)
     cfg["stages2"] = _stages(BM * cfg["BK2"] * x_bytes + cfg["BK2"] * cfg["BN2"] * w_bytes)
