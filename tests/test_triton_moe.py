@@ -126,7 +126,7 @@ def test_wide_prefill_tiles_only_where_they_were_measured_and_fit(monkeypatch):
     prefill = lambda **kw: triton_moe.launch_config(65536, 32, 512, 2048, cuda, **kw)
     wide = prefill()
     assert (wide["BLOCK_M"], wide["BN1"], wide["stages2"]) == (128, 128, 3)
-    assert 4 * (128 * 64 * 2 + 2 * 64 * wide["BN1"] * 2) <= 232448 and wide["stages1"] == 4
+    assert wide["stages1"] == 4  # 4 x 48 KB: what the A100 case below cannot hold
     old = dict(BN1=64, stages2=4)
     assert prefill(w_bytes=1)["BN1"] == 64, "FP8 weights were not swept"
     assert {key: prefill(block_m=64)[key] for key in old} == dict(BN1=64, stages2=4), "64-row blocks keep theirs"
