@@ -125,10 +125,8 @@ def main(argv=None) -> int:
             if a.prefill and a.smoke:  # its first tile variant and the 64-row M-blocks only
                 grid = grid[:2] + grid[-1:]
             for gemm, knobs in grid + [("given", k) for k in a.also]:
-                if gemm == "gemm1" and all(cfg.get(key) == v for key, v in knobs.items()):
+                if gemm in ("gemm1", "gemm2") and all(cfg.get(key) == v for key, v in knobs.items()):
                     continue  # launch_config's own: the default row
-                if gemm == "gemm2" and all(cfg.get(key) == v for key, v in knobs.items()):
-                    continue
                 tiles = {key: v for key, v in knobs.items() if key != "BLOCK_M"}
                 bm = knobs.get("BLOCK_M")
                 try:

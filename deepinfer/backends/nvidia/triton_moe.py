@@ -337,6 +337,11 @@ def _stages(stage_bytes: int) -> int:
     return max(2, min(4, 1 + SMEM_BUDGET // stage_bytes))
 
 
+def _gemm1_stage_bytes(BM: int, BK: int, BN: int, x_bytes: int, w_bytes: int) -> int:
+    """Shared memory of one GEMM-1 pipeline stage: an x tile and the gate and up weight tiles."""
+    return BM * BK * x_bytes + 2 * BK * BN * w_bytes
+
+
 def launch_config(num_pairs: int, num_experts: int, F: int, d: int, device: torch.device,
                   block_m: Optional[int] = None, x_bytes: int = 2, w_bytes: int = 2) -> dict:
     """Tile sizes, warps and pipeline stages of both GEMMs, from shapes only (deterministic, capture-safe).
@@ -369,11 +374,14 @@ def launch_config(num_pairs: int, num_experts: int, F: int, d: int, device: torc
         # M-blocks a 128-wide GEMM-1 N tile (2 x 128 of gate and up) and three GEMM-2 stages: 1117 and 1143 against
         # 1228 us a call each alone, the same bits; in the 16K prefill the MoE 9.52 -> 7.64 ms. FP8 weights and
         # 64-row blocks were not swept and keep the old tiles.
-        # (four stages of the wide GEMM-1 tile take 192 KB: GPUs with less shared memory keep the old tiles)
+        # (their stages of the wide GEMM-1 tile take 192 KB: GPUs with less shared memory keep the old tiles)
+        cfg = dict(BLOCK_M=BM, BN1=64, BK1=64, BN2=128, BK2=64, warps1=warps, warps2=warps)
+        wide_stage = _gemm1_stage_bytes(BM, 64, 128, x_bytes, w_bytes)
         wide = WIDE_PREFILL_TILES and BM >= 128 and w_bytes == 2 and x_bytes == 2 \
-            and 4 * (BM * 64 * x_bytes + 2 * 64 * 128 * w_bytes) <= max_shared_mem(device)
-        cfg = dict(BLOCK_M=BM, BN1=128 if wide else 64, BK1=64, BN2=128, BK2=64, warps1=warps, warps2=warps)
-    cfg["stages1"] = _stages(BM * cfg["BK1"] * x_bytes + 2 * cfg["BK1"] * cfg["BN1"] * w_bytes)
+            and _stages(wide_stage) * wide_stage <= max_shared_mem(device)
+        if wide:
+            cfg["BN1"] = 128
+    cfg["stages1"] = _stages(_gemm1_stage_bytes(BM, cfg["BK1"], cfg["BN1"], x_bytes, w_bytes))
     cfg["stages2"] = _stages(BM * cfg["BK2"] * x_bytes + cfg["BK2"] * cfg["BN2"] * w_bytes)
     if wide:
         cfg["stages2"] = 3
