@@ -150,6 +150,18 @@ table_prefill_ab() {  # 26th session: a cold 16K bounded prefill with its entrie
   done
 }
 
+prefill_ab() {  # s29d / s29e: the cold 16K bounded prefill with knobs "$4" then "$5" (space-separated NAME=VALUE,
+  # "" as shipped), alternating twice; $1 seconds a run, the $2 top kernels, rows to cold_prefill_16k_$3<run>.jsonl
+  local n=0 k a args
+  for k in "$4" "$5" "$4" "$5"; do
+    n=$((n + 1)); args=""
+    for a in $k; do args="$args --knob $a"; done
+    timeout "$1" python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 3 --top "$2" \
+      $args --out "$OUT/cold_prefill_16k_$3$n" 2>&1 | grep -v Warning | grep -A$(($2 + 1)) "^== " \
+      | sed "s/^/[${k:-as shipped}] /" | cut -c 1-150
+  done
+}
+
 dot_rows_profiles() {  # s26all / s27: the decode profile at 16 / 64 as shipped, then with the tensor-core GEMV up
   # to 64 rows; $1 seconds each, rows to profile_ced_$2.jsonl
   local k
@@ -680,14 +692,7 @@ PY2
 s29d)
   # 29th session (~3 min, after s29c): the 16K bounded prefill as shipped and with RAW_* knobs "$@" (e.g.
   # triton_ced_attention.RAW_STAGES=2), alternating, three repeats each.
-  args=""; for a in "$@"; do args="$args --knob $a"; done
-  n=0
-  for k in "" "$args" "" "$args"; do
-    n=$((n + 1))
-    timeout 60 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 3 --top 4 $k \
-      --out "$OUT/cold_prefill_16k_raw$n${k:+_knobs}" 2>&1 | grep -v Warning | grep -A5 "^== " \
-      | sed "s/^/[${k:-as shipped}] /" | cut -c 1-150
-  done ;;
+  prefill_ab 60 4 raw "" "$*" ;;
 s30a)
   # 30th session (~3 min; Firecracker machines have ncu): Nsight Compute on one launch of the 16K prefill chunk's
   # CED attention on raw bf16 entries (the shipped launch): occupancy, warp stall reasons, L2 and memory throughput,
@@ -715,13 +720,7 @@ s29e)
   # from s29b's sweep), then the 16K bounded prefill with them off / on, alternating, twice.
   timeout -s INT 120 python3 -m pytest -n 4 --dist loadfile -p no:cacheprovider -q -rfE tests/test_triton_moe.py \
     tests/test_moe_fp8.py tests/test_triton_moe_pairs.py 2>&1 | tee "$OUT/gpu_tests_moe.log" | tail -4
-  n=0
-  for k in 0 1 0 1; do
-    n=$((n + 1))
-    timeout 55 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 3 --top 8 \
-      --knob triton_moe.WIDE_PREFILL_TILES=$k --out "$OUT/cold_prefill_16k_moe${n}_wide$k" 2>&1 | grep -v Warning \
-      | grep -A9 "^== " | sed "s/^/[wide $k] /" | cut -c 1-150
-  done ;;
+  prefill_ab 55 8 moe triton_moe.WIDE_PREFILL_TILES=0 triton_moe.WIDE_PREFILL_TILES=1 ;;
 s29a)
   # 29th session (~5 min): the launch on raw bf16 entries (the prefill's entry table, on since e67d1af): BLOCK_N 16 /
   # 32 / 64 x 4 / 8 warps x 1 / 2 / 3 stages on a 2048-query chunk at 16K; then the 16K bounded prefill as shipped
