@@ -705,6 +705,11 @@ s30a)
     --out /tmp/ncu_sweep.jsonl > "$OUT/ncu_ced_attn_raw.txt" 2>&1
   grep -v Warning "$OUT/ncu_ced_attn_raw.txt" | grep -E "^ +[A-Z]|Stall|stall|Occupancy|Throughput|Registers" \
     | head -90 ;;
+s30d)
+  # 30th session's first call (~7 min): s30a's Nsight Compute run on the prefill chunk's CED attention, then the
+  # files the MoE launch choice touches (moe-graphs' list): the first GPU run of the wide tiles' shared-memory guard.
+  bash "$0" s30a
+  bash "$0" moe-graphs ;;
 s30b)
   # 30th session (~3 min): moe_launch_sweep's large-M grid at 64-row M-blocks (2K and 4K-token prefill chunks of the
   # CED bench MoE: 256 and 512 pairs an expert), which kept the old tiles when WIDE_PREFILL_TILES came in.
