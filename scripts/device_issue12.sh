@@ -72,6 +72,7 @@
 #   bash scripts/device_issue12.sh s30a              # Nsight Compute on the 16K prefill chunk's CED attention
 #   bash scripts/device_issue12.sh s30b              # moe_launch_sweep --prefill at 64-row M-blocks (2K / 4K tokens)
 #   bash scripts/device_issue12.sh s30c              # moe_launch_sweep --prefill --fp8 (block-scaled FP8 experts)
+#   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
 #   bash scripts/device_issue12.sh ced-bench COMMIT   # the issue's CED figures in one call: gpu_bench phases
