@@ -72,6 +72,7 @@
 #   bash scripts/device_issue12.sh s30a              # Nsight Compute on the 16K prefill chunk's CED attention
 #   bash scripts/device_issue12.sh s30b              # moe_launch_sweep --prefill at 64-row M-blocks (2K / 4K tokens)
 #   bash scripts/device_issue12.sh s30c              # moe_launch_sweep --prefill --fp8 (block-scaled FP8 experts)
+#   bash scripts/device_issue12.sh s30e              # the latent split over warps (dsplit) swept, 16K prefill A/B
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -711,6 +712,28 @@ s30d)
   # files the MoE launch choice touches (moe-graphs' list): the first GPU run of the wide tiles' shared-memory guard.
   bash "$0" s30a
   bash "$0" moe-graphs ;;
+s30e)
+  # 30th session (~9 min): the latent split over warps (launch key dsplit, _online_step3) on a 2048-query prefill
+  # chunk at 16K on raw entries: BLOCK_N 32 x 4 / 8 warps x 1 / 2 stages x 1 / 4 / 8 chunks, then BLOCK_N 16 / 64 at
+  # 8 chunks on 8 warps; then the 16K bounded prefill as shipped / with the chunk's fastest launch, alternating.
+  timeout 250 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
+    --warps 4 8 --stages 1 2 --split-scale 0 --prefetch 0 --raw 1 --dsplit 1 4 8 \
+    --out "$OUT/ced_attn_dsplit.jsonl" 2>&1 | grep -v Warning | tail -2
+  timeout 90 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 16 64 \
+    --warps 8 --stages 1 2 --split-scale 0 --prefetch 0 --raw 1 --dsplit 8 \
+    --out "$OUT/ced_attn_dsplit_bn.jsonl" 2>&1 | grep -v Warning | tail -1
+  knobs=$(cat "$OUT"/ced_attn_dsplit*.jsonl | python3 -c "
+import json, re, sys
+rows = [r for r in map(json.loads, sys.stdin) if r.get('ok') and r.get('chunk', 1) > 1 and 'us' in r]
+for r in sorted(rows, key=lambda r: r['us'])[:8]:
+    print(f\"{r['setting']:<32} {r['us']:9.1f} us\", file=sys.stderr)
+m = re.match(r'bn(\d+) w(\d+) s(\d+) x0 p0(?: d(\d+))?', min(rows, key=lambda r: r['us'])['setting']) if rows else None
+if m:
+    names = ('RAW_BLOCK_N', 'RAW_WARPS', 'RAW_STAGES', 'RAW_DSPLIT')
+    print(' '.join(f'triton_ced_attention.{k}={v}' for k, v in zip(names, m.groups()) if v))
+")
+  echo "fastest: ${knobs:-none}"
+  [ -n "$knobs" ] && prefill_ab 55 4 dsplit "" "$knobs" ;;
 s30b)
   # 30th session (~3 min): moe_launch_sweep's large-M grid at 64-row M-blocks (2K and 4K-token prefill chunks of the
   # CED bench MoE: 256 and 512 pairs an expert), which kept the old tiles when WIDE_PREFILL_TILES came in.

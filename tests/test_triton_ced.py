@@ -300,6 +300,29 @@ def test_sparse_attention_raw_bf16_entries(rows, W, H, K, fmt, dtype, splits, se
         triton_ced_attention.sparse_attention(*half, **kwr)
 
 
+@examples(10)
+@given(rows=ced_attention_rows(2), W=st.integers(1, 12), H=st.integers(1, 3), D=st.sampled_from([32, 64, 96]),
+       K=st.integers(0, 40), fmt=st.sampled_from((*FP4, "bf16")), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       dsplit=st.sampled_from([2, 4]), splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
+def test_sparse_attention_split_latent(rows, W, H, D, K, fmt, dtype, dsplit, splits, seed):
+    """The latent in ``dsplit`` chunks (launch key "dsplit": a batched dot, one chunk a warp group) computes the
+    same function: against the reference op, on FP4 or raw bf16 entries, window tiles from the fresh rows and the
+    FP8 ring, any split count, latents narrower than their power-of-two tile (96). A chunk narrower than 16
+    channels is refused, naming the key."""
+    dsplit = min(dsplit, triton_ced_attention.next_pow2(D) // 16)
+    args, kw = attention_case(gen(seed), rows, W, 1, H, D, K, "fp4_e2m1_e4m3" if fmt == "bf16" else fmt, dtype, True)
+    if fmt == "bf16":  # entries no FP4 code holds, as raw bf16 bytes
+        other = (torch.randn(args[3][0].shape[0], D, generator=gen(seed + 1)) * 3).to(torch.bfloat16)
+        args = (*args[:3], (other.view(torch.uint8).to(DEV), None), args[4])
+        kw = dict(kw, entry_fmt="bf16")
+    launch = dict(triton_ced_attention.launch_config(H, D, dtype), dsplit=dsplit)
+    launch.pop("BLOCK_D")
+    got = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=launch, **kw)
+    assert rel_err(got, REF.ced_sparse_attention(*args, **kw)) < (1e-5 if dtype == torch.float32 else 1e-2)
+    with pytest.raises(ValueError, match="dsplit"):
+        triton_ced_attention.sparse_attention(*args, launch=dict(launch, dsplit=64), **kw)
+
+
 @pytest.mark.parametrize("fmt", FP4)
 def test_sparse_attention_bench_latent_width(fmt):
     """The bench latent's launch config (16 heads x D = 512: BLOCK_H 16, BLOCK_D 512, BLOCK_N 16, as compiled on

@@ -78,10 +78,15 @@ DYNAMIC_ENTRIES = False
 RAW_BLOCK_N = 0
 RAW_WARPS = 0
 RAW_STAGES = 0
+# The latent in RAW_DSPLIT chunks on those launches (the launch key "dsplit", _online_step3; 0 or 1: whole). From
+# ptxas' sm_90 report at the bench latent (30th session): 8 chunks on 8 warps build without spills (208 registers a
+# thread; 173 at 2 stages, the loads then cp.async into shared memory), the whole latent on 4 warps at 255.
+RAW_DSPLIT = 0
 # A launch override's bounds (merge_launch: lo, hi, power of two), shared by sparse_attention's ``launch`` and the
 # RAW_* knobs; BLOCK_D is the latent's own width, added per call.
 _LAUNCH_BOUNDS = {"BLOCK_H": (16, 64, True), "BLOCK_N": (16, 128, True), "num_warps": (1, 16, True),
-                  "num_stages": (1, 8, False), "prefetch": (0, 1, False), "dynamic": (0, 1, False)}
+                  "num_stages": (1, 8, False), "prefetch": (0, 1, False), "dynamic": (0, 1, False),
+                  "dsplit": (1, 16, True)}
 
 
 @triton.jit
@@ -96,6 +101,59 @@ def _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.conste
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _dot(cast_rne(p, kv.dtype), kv, DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _online_step3(q3, kv3, valid, m_i, l_i, acc3, qk_scale, DOT_PRECISION: tl.constexpr):
+    """_online_step with the latent split into S chunks (DSPLIT): q3 [S, BLOCK_H, DC], keys kv3 [S, BLOCK_N, DC],
+    acc3 [S, BLOCK_H, DC]. A batched dot puts each chunk on its own warps: each computes its chunk's partial
+    scores (summed over the chunks, the one cross-warp step) and its chunk of the output, so no warp holds all of
+    q's operand fragment (128 registers a thread at the bench latent)."""
+    s = tl.sum(_dot(q3, tl.trans(kv3, (0, 2, 1)), DOT_PRECISION), axis=0) * qk_scale  # [BLOCK_H, BLOCK_N]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p3 = tl.broadcast_to(cast_rne(p, kv3.dtype)[None, :, :], (kv3.shape[0], p.shape[0], p.shape[1]))
+    acc3 = acc3 * alpha[None, :, None] + _dot(p3, kv3, DOT_PRECISION)
+    return m_new, l_i, acc3
+
+
+@triton.jit
+def _step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, DSPLIT: tl.constexpr):
+    """One tile of keys folded in: _online_step, or _online_step3 for a latent in DSPLIT chunks."""
+    if DSPLIT > 1:
+        return _online_step3(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    else:
+        return _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+
+
+@triton.jit
+def _window_tile3(kv_ptr, rc_row, rs_row, p_first, p, pos, fresh_lo, fresh_start, stride_kv, stride_rr, stride_rsr,
+                  RING, D, ch3, DT: tl.constexpr):
+    """_window_tile's keys as [S, BLOCK_N, DC] chunks (ch3 [S, 1, DC] their channels), loaded in that shape."""
+    valid = p <= pos
+    fresh = valid & (p >= fresh_lo)
+    frow = (fresh_start + p - fresh_lo).to(tl.int64)
+    cm = ch3 < D
+    kv = tl.load(kv_ptr + frow[None, :, None] * stride_kv + ch3, mask=fresh[None, :, None] & cm, other=0.0).to(DT)
+    if p_first < fresh_lo:
+        ring = valid & (p < fresh_lo)
+        slot = (p % RING).to(tl.int64)
+        rmask = ring[None, :, None] & cm
+        c = tl.load(rc_row + slot[None, :, None] * stride_rr + ch3, mask=rmask, other=0)
+        sb = tl.load(rs_row + slot[None, :, None] * stride_rsr + ch3 // 32, mask=rmask, other=0).to(tl.int32)
+        r = mma_operand(e4m3_value(c.to(tl.int32)) * e8m0_value(sb), DT)  # exact product, rounded once
+        kv = tl.where(fresh[None, :, None], kv, r)
+    return kv, valid
+
+
+@triton.jit
+def _split_d(x, S: tl.constexpr):
+    """[R, BLOCK_D] -> [S, R, BLOCK_D // S]: the latent's S chunks (DSPLIT)."""
+    return tl.permute(tl.reshape(x, [x.shape[0], S, x.shape[1] // S]), (1, 0, 2))
 
 
 @triton.jit
@@ -139,6 +197,7 @@ def _ced_attn_kernel(
     HAS_ENTRIES: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_FP4: tl.constexpr, UNROPE: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr = False,
     DYN: tl.constexpr = False, SEL_POW2: tl.constexpr = 1, RAW: tl.constexpr = False, PDL: tl.constexpr = 0,
+    DSPLIT: tl.constexpr = 1,
 ):
     pdl_start(PDL, True)
     t = tl.program_id(0).to(tl.int64)
@@ -148,13 +207,20 @@ def _ced_attn_kernel(
     h_mask = heads < H
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    if DSPLIT > 1:  # q and the output in the latent's DSPLIT chunks [DSPLIT, BLOCK_H, DC] (_online_step3)
+        DC: tl.constexpr = BLOCK_D // DSPLIT
+        ch3 = tl.arange(0, DSPLIT)[:, None, None] * DC + tl.arange(0, DC)[None, None, :]  # [DSPLIT, 1, DC]
+        q = tl.load(q_ptr + t * stride_qt + heads[None, :, None] * stride_qh + ch3,
+                    mask=h_mask[None, :, None] & (ch3 < D), other=0.0)
+        acc = tl.zeros([DSPLIT, BLOCK_H, DC], dtype=tl.float32)
+    else:
+        q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     DT = q.dtype
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
     # Window: this split's tiles of positions lo .. pos, lo = max(pos - W + 1, cut, 0).
     pos = tl.load(pos_ptr + t)
@@ -181,9 +247,13 @@ def _ced_attn_kernel(
                             BLOCK_D // GROUP, GROUP, FAST_FP4)
     for i in range(WIN_TILES):
         p_first = lo + (split * WIN_TILES + i) * BLOCK_N
-        kv, valid = _window_tile(kv_ptr, rc_row, rs_row, p_first, p_first + n_off, pos, fresh_lo, fresh_start,
-                                 stride_kv, stride_rr, stride_rsr, RING, D // 32, BLOCK_D // 32, DT)
-        m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        if DSPLIT > 1:
+            kv, valid = _window_tile3(kv_ptr, rc_row, rs_row, p_first, p_first + n_off, pos, fresh_lo,
+                                      fresh_start, stride_kv, stride_rr, stride_rsr, RING, D, ch3, DT)
+        else:
+            kv, valid = _window_tile(kv_ptr, rc_row, rs_row, p_first, p_first + n_off, pos, fresh_lo, fresh_start,
+                                     stride_kv, stride_rr, stride_rsr, RING, D // 32, BLOCK_D // 32, DT)
+        m_i, l_i, acc = _step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, DSPLIT)
 
     if HAS_ENTRIES:  # selected entries: this split's tiles of entry_slots[t]
         # (a dynamic bound: the interpreter, which cannot range over a device value, walks every tile and masks
@@ -195,10 +265,12 @@ def _ced_attn_kernel(
                 byte_n, sb_n = fp4_load(ec_ptr, es_ptr, nxt, nxt >= 0, stride_ec, stride_es, D // GROUP,
                                         BLOCK_D // GROUP, GROUP, FAST_FP4)
                 kv = fp4_decode(byte, sb, GROUP, E8M0, DT, FAST_FP4)
+                if DSPLIT > 1:
+                    kv = _split_d(kv, DSPLIT)
                 valid = slot >= 0
                 if DYN:
                     valid = valid & (i < n_sel)
-                m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+                m_i, l_i, acc = _step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, DSPLIT)
                 slot, nxt, byte, sb = nxt, after, byte_n, sb_n
         else:
             for i in range(SEL_TILES if _INTERP or not DYN else n_sel):
@@ -207,15 +279,22 @@ def _ced_attn_kernel(
                 valid = slot >= 0
                 if DYN:
                     valid = valid & (i < n_sel)
-                if RAW:  # bf16 entries [N, D]: loaded as they are (exact in float32 too)
+                if RAW and DSPLIT > 1:  # bf16 entries [N, D] (exact in float32 too), loaded in DSPLIT chunks
+                    kv = tl.load(ec_ptr + slot[None, :, None] * stride_ec + ch3,
+                                 mask=valid[None, :, None] & (ch3 < D), other=0.0).to(DT)
+                elif RAW:
                     kv = tl.load(ec_ptr + slot[:, None] * stride_ec + d[None, :], mask=valid[:, None] & d_mask[None, :],
                                  other=0.0).to(DT)
                 else:
                     kv = fp4_operand(ec_ptr, es_ptr, slot, valid, stride_ec, stride_es, D // GROUP,
                                      BLOCK_D // GROUP, GROUP, E8M0, DT, FAST_FP4)
-                m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+                    if DSPLIT > 1:
+                        kv = _split_d(kv, DSPLIT)
+                m_i, l_i, acc = _step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, DSPLIT)
 
     pdl_signal(PDL)
+    if DSPLIT > 1:  # the chunks back side by side: [BLOCK_H, BLOCK_D]
+        acc = tl.reshape(tl.permute(acc, (1, 0, 2)), [BLOCK_H, BLOCK_D])
     if DIRECT:  # one split: add the sink and finish here
         o = finish_softmax(acc, m_i, l_i, sinks_ptr + heads, h_mask, HAS_SINKS)
         tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -341,8 +420,8 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
     session): a 2048-query chunk on BLOCK_N 32, 4 warps, 1 stage, 1 split, 1117 us [launch_config's BLOCK_N 16,
     8 warps, Triton's default stages: 2380]; every 4-warp BLOCK_N 32 setting beat every 8-warp one there, so the
     decode rule's last regime holds on past 64 queries (one split from 256). Batch-invariant mode never takes this
-    (its split count must not follow T). ``raw``: the entries are bf16 rows; RAW_BLOCK_N / RAW_WARPS / RAW_STAGES
-    replace the choice's tile, warps and stages where set."""
+    (its split count must not follow T). ``raw``: the entries are bf16 rows; RAW_BLOCK_N / RAW_WARPS / RAW_STAGES / RAW_DSPLIT
+    replace the choice's tile, warps and stages, and split the latent, where set."""
     BLOCK_D = next_pow2(D)
     if INTERPRET or dtype == torch.float32 or BLOCK_D < 512 or T <= 0:
         return None
@@ -357,13 +436,15 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
     stages = 1
     if raw:
         for name, v, key in (("RAW_BLOCK_N", RAW_BLOCK_N, "BLOCK_N"), ("RAW_WARPS", RAW_WARPS, "num_warps"),
-                             ("RAW_STAGES", RAW_STAGES, "num_stages")):
+                             ("RAW_STAGES", RAW_STAGES, "num_stages"), ("RAW_DSPLIT", RAW_DSPLIT, "dsplit")):
             if v:
                 check_knob("triton_ced_attention", name, v, *_LAUNCH_BOUNDS[key])
         bn, warps, stages = RAW_BLOCK_N or bn, RAW_WARPS or warps, RAW_STAGES or stages
     tiles = max(cdiv(window, bn), cdiv(K, bn), 1)
-    return {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}, \
-        int(max(1, min(cdiv(programs, rows), tiles, most)))
+    launch = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+    if raw and RAW_DSPLIT > 1:
+        launch["dsplit"] = RAW_DSPLIT
+    return launch, int(max(1, min(cdiv(programs, rows), tiles, most)))
 
 
 def fast_entries(dtype: torch.dtype, cfg: dict) -> bool:
@@ -447,6 +528,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         if num_splits is not None:
             check_knob("sparse_attention", "num_splits", num_splits, 1, 256, False)
     BLOCK_H, BLOCK_N, BLOCK_D = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["BLOCK_D"]
+    dsplit = int(cfg.get("dsplit", 1))
+    if BLOCK_D // dsplit < 16:  # a chunk narrower than one MMA k-step
+        raise ValueError(f"sparse_attention launch: dsplit={dsplit} leaves latent chunks of {BLOCK_D // dsplit} "
+                         f"channels (BLOCK_D={BLOCK_D}); at most {BLOCK_D // 16}")
     num_ht = cdiv(H, BLOCK_H)
     win_tiles, sel_tiles = cdiv(window, BLOCK_N), cdiv(K, BLOCK_N) if has_entries else 0
     S = num_splits if num_splits is not None else choose_splits(T, num_ht, max(win_tiles, sel_tiles), q.device)
@@ -478,7 +563,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         FAST_FP4=has_entries and not raw and fast_entries(q.dtype, cfg), UNROPE=unrope is not None,
         BLOCK_R=block_r, PREFETCH=has_entries and not raw and prefetch_entries(cfg), RAW=raw,
         DYN=has_entries and bool(cfg.get("dynamic", DYNAMIC_ENTRIES)),
-        SEL_POW2=next_pow2(max(1, cdiv(sel_tiles, S) * BLOCK_N)),
+        SEL_POW2=next_pow2(max(1, cdiv(sel_tiles, S) * BLOCK_N)), DSPLIT=dsplit,
         num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
         **launch_kw(q.device),
     )
