@@ -73,6 +73,7 @@
 #   bash scripts/device_issue12.sh s30b              # moe_launch_sweep --prefill at 64-row M-blocks (2K / 4K tokens)
 #   bash scripts/device_issue12.sh s30c              # moe_launch_sweep --prefill --fp8 (block-scaled FP8 experts)
 #   bash scripts/device_issue12.sh s30e              # the latent split over warps (dsplit) swept, 16K prefill A/B
+#   bash scripts/device_issue12.sh s30f              # dsplit on the decode launches (batch 1 / 16 / 64)
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -734,6 +735,12 @@ if m:
 ")
   echo "fastest: ${knobs:-none}"
   [ -n "$knobs" ] && prefill_ab 55 4 dsplit "" "$knobs" ;;
+s30f)
+  # 30th session (~5 min): the latent split (dsplit 4 / 8) on the decode launches (FP4 entries, batch 1 / 16 / 64 at
+  # 16K, the default split count): ptxas builds the 16- and 64-query launches without their spills with it.
+  timeout 330 python3 benchmarks/ced_attn_sweep.py --batches 1 16 64 --context 16384 --block-n 16 32 --warps 4 8 \
+    --stages 1 --split-scale 1 --prefetch 1 --dsplit 4 8 --out "$OUT/ced_attn_dsplit_decode.jsonl" 2>&1 \
+    | grep -v Warning | tail -4 ;;
 s30b)
   # 30th session (~3 min): moe_launch_sweep's large-M grid at 64-row M-blocks (2K and 4K-token prefill chunks of the
   # CED bench MoE: 256 and 512 pairs an expert), which kept the old tiles when WIDE_PREFILL_TILES came in.
