@@ -714,15 +714,16 @@ s30d)
   bash "$0" s30a
   bash "$0" moe-graphs ;;
 s30e)
-  # 30th session (~9 min): the latent split over warps (launch key dsplit, _online_step3) on a 2048-query prefill
-  # chunk at 16K on raw entries: BLOCK_N 32 x 4 / 8 warps x 1 / 2 stages x 1 / 4 / 8 chunks, then BLOCK_N 16 / 64 at
-  # 8 chunks on 8 warps; then the 16K bounded prefill as shipped / with the chunk's fastest launch, alternating.
-  timeout 250 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
-    --warps 4 8 --stages 1 2 --split-scale 0 --prefetch 0 --raw 1 --dsplit 1 4 8 \
-    --out "$OUT/ced_attn_dsplit.jsonl" 2>&1 | grep -v Warning | tail -2
-  timeout 90 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 16 64 \
-    --warps 8 --stages 1 2 --split-scale 0 --prefetch 0 --raw 1 --dsplit 8 \
-    --out "$OUT/ced_attn_dsplit_bn.jsonl" 2>&1 | grep -v Warning | tail -1
+  # 30th session (~8 min): the latent split over warps (launch key dsplit, _online_step3) on a 2048-query prefill
+  # chunk at 16K on raw entries (BLOCK_N 32: 8 warps x 1 / 2 stages x 4 / 8 chunks, 4 warps x 1 / 2 stages x 4
+  # chunks; BLOCK_N 16 / 64 at 8 chunks on 8 warps, 2 stages); then the 16K bounded prefill as shipped / with the
+  # chunk's fastest launch, alternating.
+  for grid in "32 8 1_2 4_8" "32 4 1_2 4" "16_64 8 2 8"; do
+    set -- $grid
+    timeout 150 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 \
+      --block-n ${1//_/ } --warps $2 --stages ${3//_/ } --split-scale 0 --prefetch 0 --raw 1 --dsplit ${4//_/ } \
+      --out "$OUT/ced_attn_dsplit_$1_w$2.jsonl" 2>&1 | grep -v Warning | tail -1
+  done
   knobs=$(cat "$OUT"/ced_attn_dsplit*.jsonl | python3 -c "
 import json, re, sys
 rows = [r for r in map(json.loads, sys.stdin) if r.get('ok') and r.get('chunk', 1) > 1 and 'us' in r]
@@ -734,7 +735,7 @@ if m:
     print(' '.join(f'triton_ced_attention.{k}={v}' for k, v in zip(names, m.groups()) if v))
 ")
   echo "fastest: ${knobs:-none}"
-  [ -n "$knobs" ] && prefill_ab 55 4 dsplit "" "$knobs" ;;
+  [ -n "$knobs" ] && prefill_ab 50 4 dsplit "" "$knobs" ;;
 s30f)
   # 30th session (~5 min): the latent split (dsplit 4 / 8) on the decode launches (FP4 entries, batch 1 / 16 / 64 at
   # 16K, the default split count): ptxas builds the 16- and 64-query launches without their spills with it.
