@@ -28,6 +28,13 @@ the tiles up to its last valid one (read on the device, so still capture-safe). 
 mostly -1 (contexts with fewer than K visible entries: the indexer pads its list at the end) then skips them; the
 skipped tiles would have left the state untouched, so the bits are the same.
 
+The launch key "dsplit" splits the latent into that many chunks of BLOCK_D / dsplit channels held as a leading
+tensor dimension (_online_step3): the two products become batched dots, which Triton spreads over the warps by
+chunk, so each warp computes its chunk's partial scores (summed over the chunks: one cross-warp reduction a tile)
+and owns its chunk of the output. Without it every warp of a tile holds all of q's operand fragment (128
+registers a thread at a 512-wide latent, spills at 4 warps); the function is the same, the score's float32
+summation order is not.
+
 Compiled code: the dequantised tiles pass an opaque identity (``triton_fp4.mma_operand``) before the products,
 since Triton 3.6 otherwise widens the MMA operands' kWidth for their 8-bit origin and miscomputes dots with
 small K (BLOCK_N = 16 at D = 512: half the keys counted twice, the rest dropped). tests/test_triton_ced.py
@@ -420,8 +427,8 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
     session): a 2048-query chunk on BLOCK_N 32, 4 warps, 1 stage, 1 split, 1117 us [launch_config's BLOCK_N 16,
     8 warps, Triton's default stages: 2380]; every 4-warp BLOCK_N 32 setting beat every 8-warp one there, so the
     decode rule's last regime holds on past 64 queries (one split from 256). Batch-invariant mode never takes this
-    (its split count must not follow T). ``raw``: the entries are bf16 rows; RAW_BLOCK_N / RAW_WARPS / RAW_STAGES / RAW_DSPLIT
-    replace the choice's tile, warps and stages, and split the latent, where set."""
+    (its split count must not follow T). ``raw``: the entries are bf16 rows; RAW_BLOCK_N / RAW_WARPS /
+    RAW_STAGES / RAW_DSPLIT replace the choice's tile, warps and stages, and split the latent, where set."""
     BLOCK_D = next_pow2(D)
     if INTERPRET or dtype == torch.float32 or BLOCK_D < 512 or T <= 0:
         return None
