@@ -73,6 +73,7 @@
 #   bash scripts/device_issue12.sh s30b              # moe_launch_sweep --prefill at 64-row M-blocks (2K / 4K tokens)
 #   bash scripts/device_issue12.sh s30c              # moe_launch_sweep --prefill --fp8 (block-scaled FP8 experts)
 #   bash scripts/device_issue12.sh s30e              # the latent split over warps (dsplit) swept, 16K prefill A/B
+#   bash scripts/device_issue12.sh s30g              # s30e in ~4 min (8 chunks / 8 warps, 4 / 4; one A/B)
 #   bash scripts/device_issue12.sh s30f              # dsplit on the decode launches (batch 1 / 16 / 64)
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
@@ -154,15 +155,34 @@ table_prefill_ab() {  # 26th session: a cold 16K bounded prefill with its entrie
 }
 
 prefill_ab() {  # s29d / s29e: the cold 16K bounded prefill with knobs "$4" then "$5" (space-separated NAME=VALUE,
-  # "" as shipped), alternating twice; $1 seconds a run, the $2 top kernels, rows to cold_prefill_16k_$3<run>.jsonl
-  local n=0 k a args
-  for k in "$4" "$5" "$4" "$5"; do
+  # "" as shipped), alternating twice (or $6 runs in all); $1 seconds a run, the $2 top kernels, rows to
+  # cold_prefill_16k_$3<run>.jsonl
+  local n=0 k a args runs
+  runs=("$4" "$5" "$4" "$5")
+  for k in "${runs[@]:0:${6:-4}}"; do
     n=$((n + 1)); args=""
     for a in $k; do args="$args --knob $a"; done
     timeout "$1" python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 3 --top "$2" \
       $args --out "$OUT/cold_prefill_16k_$3$n" 2>&1 | grep -v Warning | grep -A$(($2 + 1)) "^== " \
       | sed "s/^/[${k:-as shipped}] /" | cut -c 1-150
   done
+}
+
+dsplit_ab() {  # s30e / s30g: the fastest prefill-chunk launch of $OUT/ced_attn_dsplit*.jsonl as RAW_* knobs, then the
+  # 16K bounded prefill as shipped / with them, alternating: $1 runs in all
+  local knobs
+  knobs=$(cat "$OUT"/ced_attn_dsplit*.jsonl | python3 -c "
+import json, re, sys
+rows = [r for r in map(json.loads, sys.stdin) if r.get('ok') and r.get('chunk', 1) > 1 and 'us' in r]
+for r in sorted(rows, key=lambda r: r['us'])[:8]:
+    print(f\"{r['setting']:<32} {r['us']:9.1f} us\", file=sys.stderr)
+m = re.match(r'bn(\d+) w(\d+) s(\d+) x0 p0(?: d(\d+))?', min(rows, key=lambda r: r['us'])['setting']) if rows else None
+if m:
+    names = ('RAW_BLOCK_N', 'RAW_WARPS', 'RAW_STAGES', 'RAW_DSPLIT')
+    print(' '.join(f'triton_ced_attention.{k}={v}' for k, v in zip(names, m.groups()) if v))
+")
+  echo "fastest: ${knobs:-none}"
+  [ -n "$knobs" ] && prefill_ab 50 4 dsplit "" "$knobs" "$1"
 }
 
 dot_rows_profiles() {  # s26all / s27: the decode profile at 16 / 64 as shipped, then with the tensor-core GEMV up
@@ -724,18 +744,18 @@ s30e)
       --block-n ${1//_/ } --warps $2 --stages ${3//_/ } --split-scale 0 --prefetch 0 --raw 1 --dsplit ${4//_/ } \
       --out "$OUT/ced_attn_dsplit_$1_w$2.jsonl" 2>&1 | grep -v Warning | tail -1
   done
-  knobs=$(cat "$OUT"/ced_attn_dsplit*.jsonl | python3 -c "
-import json, re, sys
-rows = [r for r in map(json.loads, sys.stdin) if r.get('ok') and r.get('chunk', 1) > 1 and 'us' in r]
-for r in sorted(rows, key=lambda r: r['us'])[:8]:
-    print(f\"{r['setting']:<32} {r['us']:9.1f} us\", file=sys.stderr)
-m = re.match(r'bn(\d+) w(\d+) s(\d+) x0 p0(?: d(\d+))?', min(rows, key=lambda r: r['us'])['setting']) if rows else None
-if m:
-    names = ('RAW_BLOCK_N', 'RAW_WARPS', 'RAW_STAGES', 'RAW_DSPLIT')
-    print(' '.join(f'triton_ced_attention.{k}={v}' for k, v in zip(names, m.groups()) if v))
-")
-  echo "fastest: ${knobs:-none}"
-  [ -n "$knobs" ] && prefill_ab 50 4 dsplit "" "$knobs" ;;
+  dsplit_ab 4 ;;
+s30g)
+  # 30th session, s30e at a budget's end (~4 min): the prefill chunk's launch with the latent in 8 chunks on 8 warps
+  # (1 / 2 stages) and 4 chunks on 4 warps, against the shipped one; the 16K bounded prefill as shipped, then with
+  # the fastest (one run each).
+  timeout 120 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
+    --warps 8 --stages 1 2 --split-scale 0 --prefetch 0 --raw 1 --dsplit 8 \
+    --out "$OUT/ced_attn_dsplit_32_w8.jsonl" 2>&1 | grep -v Warning | tail -1
+  timeout 60 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
+    --warps 4 --stages 1 --split-scale 0 --prefetch 0 --raw 1 --dsplit 4 \
+    --out "$OUT/ced_attn_dsplit_32_w4.jsonl" 2>&1 | grep -v Warning | tail -1
+  dsplit_ab 2 ;;
 s30f)
   # 30th session (~5 min): the latent split (dsplit 4 / 8) on the decode launches (FP4 entries, batch 1 / 16 / 64 at
   # 16K, the default split count): ptxas builds the 16- and 64-query launches without their spills with it.
