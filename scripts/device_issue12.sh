@@ -74,6 +74,7 @@
 #   bash scripts/device_issue12.sh s30c              # moe_launch_sweep --prefill --fp8 (block-scaled FP8 experts)
 #   bash scripts/device_issue12.sh s30e              # the latent split over warps (dsplit) swept, 16K prefill A/B
 #   bash scripts/device_issue12.sh s30g              # s30e in ~4 min (8 chunks / 8 warps, 4 / 4; one A/B)
+#   bash scripts/device_issue12.sh s30h              # s30g's sweeps alone (~3 min)
 #   bash scripts/device_issue12.sh s30f              # dsplit on the decode launches (batch 1 / 16 / 64)
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
@@ -756,6 +757,19 @@ s30g)
     --warps 4 --stages 1 --split-scale 0 --prefetch 0 --raw 1 --dsplit 4 \
     --out "$OUT/ced_attn_dsplit_32_w4.jsonl" 2>&1 | grep -v Warning | tail -1
   dsplit_ab 2 ;;
+s30h)
+  # 30th session's last seconds (~3 min): s30g's two sweeps without the prefill A/B.
+  timeout 110 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
+    --warps 8 --stages 1 2 --split-scale 0 --prefetch 0 --raw 1 --dsplit 8 \
+    --out "$OUT/ced_attn_dsplit_32_w8.jsonl" 2>&1 | grep -v Warning | tail -1
+  timeout 50 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
+    --warps 4 --stages 1 --split-scale 0 --prefetch 0 --raw 1 --dsplit 4 \
+    --out "$OUT/ced_attn_dsplit_32_w4.jsonl" 2>&1 | grep -v Warning | tail -1
+  cat "$OUT"/ced_attn_dsplit*.jsonl | python3 -c "
+import json, sys
+for r in sorted((r for r in map(json.loads, sys.stdin) if 'us' in r), key=lambda r: r['us']):
+    print(f\"{r['setting']:<32} {r['us']:9.1f} us  err {r.get('rel_l2_err', float('nan')):.1e}\")
+" ;;
 s30f)
   # 30th session (~5 min): the latent split (dsplit 4 / 8) on the decode launches (FP4 entries, batch 1 / 16 / 64 at
   # 16K, the default split count): ptxas builds the 16- and 64-query launches without their spills with it.
