@@ -203,8 +203,8 @@ def _ced_attn_kernel(
     WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
     HAS_ENTRIES: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_FP4: tl.constexpr, UNROPE: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr = False,
-    DYN: tl.constexpr = False, SEL_POW2: tl.constexpr = 1, RAW: tl.constexpr = False, PDL: tl.constexpr = 0,
-    DSPLIT: tl.constexpr = 1,
+    DYN: tl.constexpr = False, SEL_POW2: tl.constexpr = 1, RAW: tl.constexpr = False, DSPLIT: tl.constexpr = 1,
+    PDL: tl.constexpr = 0,
 ):
     pdl_start(PDL, True)
     t = tl.program_id(0).to(tl.int64)
