@@ -169,6 +169,16 @@ prefill_ab() {  # s29d / s29e: the cold 16K bounded prefill with knobs "$4" then
   done
 }
 
+dsplit_sweeps() {  # s30g / s30h: the prefill chunk's launch with the latent in 8 chunks on 8 warps (1 / 2 stages;
+  # $1 seconds) and in 4 on 4 warps ($2 seconds), each sweep with the shipped launch beside it
+  timeout "$1" python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
+    --warps 8 --stages 1 2 --split-scale 0 --prefetch 0 --raw 1 --dsplit 8 \
+    --out "$OUT/ced_attn_dsplit_32_w8.jsonl" 2>&1 | grep -v Warning | tail -1
+  timeout "$2" python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
+    --warps 4 --stages 1 --split-scale 0 --prefetch 0 --raw 1 --dsplit 4 \
+    --out "$OUT/ced_attn_dsplit_32_w4.jsonl" 2>&1 | grep -v Warning | tail -1
+}
+
 dsplit_ab() {  # s30e / s30g: the fastest prefill-chunk launch of $OUT/ced_attn_dsplit*.jsonl as RAW_* knobs, then the
   # 16K bounded prefill as shipped / with them, alternating: $1 runs in all
   local knobs
@@ -750,21 +760,11 @@ s30g)
   # 30th session, s30e at a budget's end (~4 min): the prefill chunk's launch with the latent in 8 chunks on 8 warps
   # (1 / 2 stages) and 4 chunks on 4 warps, against the shipped one; the 16K bounded prefill as shipped, then with
   # the fastest (one run each).
-  timeout 120 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
-    --warps 8 --stages 1 2 --split-scale 0 --prefetch 0 --raw 1 --dsplit 8 \
-    --out "$OUT/ced_attn_dsplit_32_w8.jsonl" 2>&1 | grep -v Warning | tail -1
-  timeout 60 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
-    --warps 4 --stages 1 --split-scale 0 --prefetch 0 --raw 1 --dsplit 4 \
-    --out "$OUT/ced_attn_dsplit_32_w4.jsonl" 2>&1 | grep -v Warning | tail -1
+  dsplit_sweeps 120 60
   dsplit_ab 2 ;;
 s30h)
   # 30th session's last seconds (~3 min): s30g's two sweeps without the prefill A/B.
-  timeout 110 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
-    --warps 8 --stages 1 2 --split-scale 0 --prefetch 0 --raw 1 --dsplit 8 \
-    --out "$OUT/ced_attn_dsplit_32_w8.jsonl" 2>&1 | grep -v Warning | tail -1
-  timeout 50 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
-    --warps 4 --stages 1 --split-scale 0 --prefetch 0 --raw 1 --dsplit 4 \
-    --out "$OUT/ced_attn_dsplit_32_w4.jsonl" 2>&1 | grep -v Warning | tail -1
+  dsplit_sweeps 110 50
   cat "$OUT"/ced_attn_dsplit*.jsonl | python3 -c "
 import json, sys
 for r in sorted((r for r in map(json.loads, sys.stdin) if 'us' in r), key=lambda r: r['us']):
