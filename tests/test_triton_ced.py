@@ -655,6 +655,31 @@ def test_gpu_sparse_attention_bench_shapes(fmt):
 
 
 @gpu
+def test_gpu_sparse_attention_split_latent_bench_shapes():
+    """The latent split over warps (launch key dsplit) compiled at the bench latent, on the launches it is meant for
+    (the raw-entry prefill chunk: 4 / 8 chunks on 4 / 8 warps, 1 / 2 stages) and on the FP4 decode rows: the
+    reference op's values."""
+    c = bench_config()
+    g = gen(3)
+    decode = [(int(p), 1, 0) for p in torch.randint(c.n_win, 6000, (16,), generator=g)]
+    for rows, raw in ((decode, False), ([(700, 300, 572)], True), ([(700, 300, 572)], False)):
+        args, kw = attention_case(g, rows, c.n_win, c.swa_allowance, c.num_heads, c.head_dim, c.index_topk,
+                                  "fp4_e2m1_e4m3", torch.bfloat16, c.use_sink)
+        if raw:  # the prefill's entry table: the FP4 entries decoded to bf16 rows
+            ec, es = args[3]
+            table = lowbit.dequantize(ec.cpu(), es.cpu(), "fp4_e2m1_e4m3", torch.bfloat16).view(torch.uint8).to(DEV)
+            args, kw = (*args[:3], (table, None), args[4]), dict(kw, entry_fmt="bf16")
+        want = REF.ced_sparse_attention(*args, **kw)
+        T, K = args[0].shape[0], args[4].shape[1]
+        base, splits = triton_ced_attention.wide_launch(T, c.num_heads, c.head_dim, torch.bfloat16, c.n_win, K, raw)
+        for dsplit, warps, stages in ((4, 4, 1), (8, 8, 1), (8, 8, 2)):
+            launch = dict(base, dsplit=dsplit, num_warps=warps, num_stages=stages)
+            out = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=launch, **kw)
+            torch.cuda.synchronize()
+            assert rel_err(out, want) < 1e-2, (rows[0], raw, launch)
+
+
+@gpu
 def test_gpu_sparse_attention_unrope_bench_shapes():
     """The compiled epilogues (split merge at decode, DIRECT at a prefill chunk's wide launch) give the torch
     formula's inverse RoPE bit for bit: their products are never contracted into FMAs."""
