@@ -303,7 +303,8 @@ def test_sparse_attention_raw_bf16_entries(rows, W, H, K, fmt, dtype, splits, se
 @examples(10)
 @given(rows=ced_attention_rows(2), W=st.integers(1, 12), H=st.integers(1, 3), D=st.sampled_from([32, 64, 96]),
        K=st.integers(0, 40), fmt=st.sampled_from((*FP4, "bf16")),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), dsplit=st.sampled_from([2, 4]), splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), dsplit=st.sampled_from([2, 4]),
+       splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
 def test_sparse_attention_split_latent(rows, W, H, D, K, fmt, dtype, dsplit, splits, seed):
     """The latent in ``dsplit`` chunks (launch key "dsplit": a batched dot, one chunk a warp group) computes the
     same function: against the reference op, on FP4 or raw bf16 entries, window tiles from the fresh rows and the
