@@ -122,7 +122,7 @@ def test_wide_prefill_tiles_only_where_they_were_measured_and_fit(monkeypatch):
     of the tile (an sm_90's 227 KB, not an A100's ~163 KB); everything else keeps the earlier tiles."""
     monkeypatch.setattr(triton_moe, "INTERPRET", False)
     cuda = torch.device("cuda", 0)
-    monkeypatch.setitem(triton_moe._SMEM, 0, 232448)
+    monkeypatch.setitem(triton_moe._SMEM, 0, triton_moe.HOPPER_SHARED_MEM)
     prefill = lambda **kw: triton_moe.launch_config(65536, 32, 512, 2048, cuda, **kw)
     wide = prefill()
     assert (wide["BLOCK_M"], wide["BN1"], wide["stages2"]) == (128, 128, 3)
@@ -136,7 +136,7 @@ def test_wide_prefill_tiles_only_where_they_were_measured_and_fit(monkeypatch):
     assert triton_moe.launch_config(64, 32, 512, 2048, cuda)["BLOCK_M"] == 16  # decode: untouched branch
     monkeypatch.setitem(triton_moe._SMEM, 0, 166912)  # an A100's opt-in shared memory a block
     assert {key: prefill()[key] for key in old} == old
-    monkeypatch.setitem(triton_moe._SMEM, 0, 232448)
+    monkeypatch.setitem(triton_moe._SMEM, 0, triton_moe.HOPPER_SHARED_MEM)
     monkeypatch.setattr(triton_moe, "WIDE_PREFILL_TILES", False)
     assert {key: prefill()[key] for key in old} == old
 
@@ -513,7 +513,7 @@ def compile_(fn, name, sig, const, div16=(), **opts):
 
 ints = lambda *names: {n: "i32" for n in names}
 triton_attention._SM_COUNT[0] = 132  # an H200 (the SM count the launch configs read)
-tm._SMEM[0] = 232448  # and its shared memory a block (launch_config's wide prefill tiles read it)
+tm._SMEM[0] = tm.HOPPER_SHARED_MEM  # and its shared memory a block (launch_config's wide prefill tiles read it)
 compile_(tm._count_kernel, "count", dict(ids_ptr="*i64", chunk_counts_ptr="*i32", **ints("N", "E", "CHUNK")),
          dict(S=64, EB=512, CHUNK_I=0), num_warps=4)
 compile_(tm._place_kernel, "place", dict(ids_ptr="*i64", chunk_counts_ptr="*i32", sorted_ptr="*i32",

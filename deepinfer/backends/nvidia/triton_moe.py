@@ -320,13 +320,14 @@ SMEM_BUDGET = 200 * 1024  # of the H200's 227 KB per block; Triton keeps (num_st
 # The large-M tiles of the 29th session's sweep (launch_config); off: the earlier ones, for A/B runs.
 WIDE_PREFILL_TILES = True
 _SMEM: dict = {}  # device index -> the shared memory a block may use (Triton's max_shared_mem), cached
+HOPPER_SHARED_MEM = 232448  # an sm_90 block's (227 KB)
 
 
 def max_shared_mem(device: torch.device) -> int:
     """Bytes of shared memory a program may use on ``device``: Triton's figure for a CUDA device (227 KB on
     sm_90, ~163 KB on an A100), Hopper's for any other device (the compile-only tests target sm_90)."""
     if device.type != "cuda":
-        return 232448
+        return HOPPER_SHARED_MEM
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SMEM:
         _SMEM[idx] = int(triton.runtime.driver.active.utils.get_device_properties(idx)["max_shared_mem"])
@@ -376,11 +377,12 @@ def launch_config(num_pairs: int, num_experts: int, F: int, d: int, device: torc
         # 64-row blocks were not swept and keep the old tiles.
         # (their stages of the wide GEMM-1 tile take 192 KB: GPUs with less shared memory keep the old tiles)
         cfg = dict(BLOCK_M=BM, BN1=64, BK1=64, BN2=128, BK2=64, warps1=warps, warps2=warps)
-        wide_stage = _gemm1_stage_bytes(BM, 64, 128, x_bytes, w_bytes)
+        wide_bn1 = 128
+        wide_stage = _gemm1_stage_bytes(BM, cfg["BK1"], wide_bn1, x_bytes, w_bytes)
         wide = WIDE_PREFILL_TILES and BM >= 128 and w_bytes == 2 and x_bytes == 2 \
             and _stages(wide_stage) * wide_stage <= max_shared_mem(device)
         if wide:
-            cfg["BN1"] = 128
+            cfg["BN1"] = wide_bn1
     cfg["stages1"] = _stages(_gemm1_stage_bytes(BM, cfg["BK1"], cfg["BN1"], x_bytes, w_bytes))
     cfg["stages2"] = _stages(BM * cfg["BK2"] * x_bytes + cfg["BK2"] * cfg["BN2"] * w_bytes)
     if wide:
