@@ -129,6 +129,17 @@ def test_fp4_through_ops_and_errors():
 
 
 # ------------------------------------------------------------------------------------------- sparse attention
+def decoded_entries(args, fmt):
+    """An attention_case's FP4 entries decoded to bf16 [N, D] (exact)."""
+    ec, es = args[3]
+    return lowbit.dequantize(ec.cpu(), es.cpu(), fmt, torch.bfloat16)
+
+
+def with_raw_entries(args, kw, rows):
+    """The case with bf16 entry rows [N, D] in place of its FP4 ones, as raw bytes (entry_fmt "bf16")."""
+    return (*args[:3], (rows.contiguous().view(torch.uint8).to(DEV), None), args[4]), dict(kw, entry_fmt="bf16")
+
+
 def attention_case(g, rows, W, allowance, H, D, K, fmt, dtype, with_sinks, n_entries=None):
     """An engine-like step: rows = [(fresh_lo, n_queries, cut)] per sequence. Positions fresh_lo .. + n - 1 are
     this pass's queries (fresh KV rows); the ring holds the RING positions before fresh_lo. Every ring slot, ring
@@ -281,21 +292,18 @@ def test_sparse_attention_raw_bf16_entries(rows, W, H, K, fmt, dtype, splits, se
     args, kw = attention_case(gen(seed), rows, W, 1, H, 32, K, fmt, dtype, True)
     launch = dict(triton_ced_attention.launch_config(H, 32, dtype), prefetch=0)
     launch.pop("BLOCK_D")
-    ec, es = args[3]
-    table = lowbit.dequantize(ec.cpu(), es.cpu(), fmt, torch.bfloat16).view(torch.uint8).to(DEV)
-    raw = (*args[:3], (table, None), args[4])
+    table = decoded_entries(args, fmt)
+    raw, kwr = with_raw_entries(args, kw, table)
     fp4 = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=launch, **kw)
-    got = triton_ced_attention.sparse_attention(*raw, num_splits=splits, launch=launch, **dict(kw, entry_fmt="bf16"))
+    got = triton_ced_attention.sparse_attention(*raw, num_splits=splits, launch=launch, **kwr)
     assert_same_bits(got, fp4)
     g = gen(seed + 1)
-    other = (torch.randn(table.shape[0], 32, generator=g) * 3).to(torch.bfloat16).view(torch.uint8).to(DEV)
-    raw = (*args[:3], (other, None), args[4])
-    kwr = dict(kw, entry_fmt="bf16")
+    raw, kwr = with_raw_entries(args, kw, (torch.randn(table.shape[0], 32, generator=g) * 3).to(torch.bfloat16))
     got = triton_ced_attention.sparse_attention(*raw, num_splits=splits, **kwr)
     assert rel_err(got, REF.ced_sparse_attention(*raw, **kwr)) < (1e-5 if dtype == torch.float32 else 1e-2)
     half = (args[0].half(), args[1].half(), *raw[2:])
     assert not triton_ced_attention.supports(*half[:5], "fp8_e4m3_pow2", "bf16")
-    assert not triton_ced_attention.supports(*args[:3], (other, es), args[4], "fp8_e4m3_pow2", "bf16")
+    assert not triton_ced_attention.supports(*args[:3], (raw[3][0], args[3][1]), args[4], "fp8_e4m3_pow2", "bf16")
     with pytest.raises(ValueError, match="unsupported inputs"):
         triton_ced_attention.sparse_attention(*half, **kwr)
 
@@ -313,9 +321,8 @@ def test_sparse_attention_split_latent(rows, W, H, D, K, fmt, dtype, dsplit, spl
     dsplit = min(dsplit, triton_ced_attention.next_pow2(D) // 16)
     args, kw = attention_case(gen(seed), rows, W, 1, H, D, K, "fp4_e2m1_e4m3" if fmt == "bf16" else fmt, dtype, True)
     if fmt == "bf16":  # entries no FP4 code holds, as raw bf16 bytes
-        other = (torch.randn(args[3][0].shape[0], D, generator=gen(seed + 1)) * 3).to(torch.bfloat16)
-        args = (*args[:3], (other.view(torch.uint8).to(DEV), None), args[4])
-        kw = dict(kw, entry_fmt="bf16")
+        args, kw = with_raw_entries(args, kw, (torch.randn(args[3][0].shape[0], D, generator=gen(seed + 1)) * 3)
+                                    .to(torch.bfloat16))
     launch = dict(triton_ced_attention.launch_config(H, D, dtype), dsplit=dsplit)
     launch.pop("BLOCK_D")
     got = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=launch, **kw)
@@ -667,9 +674,7 @@ def test_gpu_sparse_attention_split_latent_bench_shapes():
         args, kw = attention_case(g, rows, c.n_win, c.swa_allowance, c.num_heads, c.head_dim, c.index_topk,
                                   "fp4_e2m1_e4m3", torch.bfloat16, c.use_sink)
         if raw:  # the prefill's entry table: the FP4 entries decoded to bf16 rows
-            ec, es = args[3]
-            table = lowbit.dequantize(ec.cpu(), es.cpu(), "fp4_e2m1_e4m3", torch.bfloat16).view(torch.uint8).to(DEV)
-            args, kw = (*args[:3], (table, None), args[4]), dict(kw, entry_fmt="bf16")
+            args, kw = with_raw_entries(args, kw, decoded_entries(args, "fp4_e2m1_e4m3"))
         want = REF.ced_sparse_attention(*args, **kw)
         T, K = args[0].shape[0], args[4].shape[1]
         base, splits = triton_ced_attention.wide_launch(T, c.num_heads, c.head_dim, torch.bfloat16, c.n_win, K, raw)
