@@ -169,29 +169,37 @@ prefill_ab() {  # s29d / s29e: the cold 16K bounded prefill with knobs "$4" then
   done
 }
 
-dsplit_sweeps() {  # s30g / s30h: the prefill chunk's launch with the latent in 8 chunks on 8 warps (1 / 2 stages;
-  # $1 seconds) and in 4 on 4 warps ($2 seconds), each sweep with the shipped launch beside it
-  timeout "$1" python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
-    --warps 8 --stages 1 2 --split-scale 0 --prefetch 0 --raw 1 --dsplit 8 \
-    --out "$OUT/ced_attn_dsplit_32_w8.jsonl" 2>&1 | grep -v Warning | tail -1
-  timeout "$2" python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
-    --warps 4 --stages 1 --split-scale 0 --prefetch 0 --raw 1 --dsplit 4 \
-    --out "$OUT/ced_attn_dsplit_32_w4.jsonl" 2>&1 | grep -v Warning | tail -1
+dsplit_sweeps() {  # s30e / s30g / s30h: the prefill chunk's launch on raw entries (2048 queries at 16K), one sweep
+  # per grid "SECONDS BLOCK_N WARPS STAGES DSPLIT" (lists joined by _), each with the shipped launch beside it
+  local grid
+  for grid in "$@"; do
+    set -- $grid
+    timeout "$1" python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 \
+      --block-n ${2//_/ } --warps $3 --stages ${4//_/ } --split-scale 0 --prefetch 0 --raw 1 --dsplit ${5//_/ } \
+      --out "$OUT/ced_attn_dsplit_$2_w$3.jsonl" 2>&1 | grep -v Warning | tail -1
+  done
 }
 
-dsplit_ab() {  # s30e / s30g: the fastest prefill-chunk launch of $OUT/ced_attn_dsplit*.jsonl as RAW_* knobs, then the
-  # 16K bounded prefill as shipped / with them, alternating: $1 runs in all
-  local knobs
-  knobs=$(cat "$OUT"/ced_attn_dsplit*.jsonl | python3 -c "
+dsplit_best() {  # the timed rows of $OUT/ced_attn_dsplit*.jsonl, fastest first, on stderr; the fastest of those
+  # within the error bound as RAW_* knobs (none where the shipped launch wins) on stdout
+  cat "$OUT"/ced_attn_dsplit*.jsonl | python3 -c "
 import json, re, sys
-rows = [r for r in map(json.loads, sys.stdin) if r.get('ok') and r.get('chunk', 1) > 1 and 'us' in r]
-for r in sorted(rows, key=lambda r: r['us'])[:8]:
-    print(f\"{r['setting']:<32} {r['us']:9.1f} us\", file=sys.stderr)
+timed = [r for r in map(json.loads, sys.stdin) if r.get('chunk', 1) > 1 and 'us' in r]
+for r in sorted(timed, key=lambda r: r['us']):
+    print(f\"{r['setting']:<32} {r['us']:9.1f} us  err {r['rel_l2_err']:.1e}{'' if r['ok'] else '  (not ok)'}\",
+          file=sys.stderr)
+rows = [r for r in timed if r['ok']]
 m = re.match(r'bn(\d+) w(\d+) s(\d+) x0 p0(?: d(\d+))?', min(rows, key=lambda r: r['us'])['setting']) if rows else None
 if m:
     names = ('RAW_BLOCK_N', 'RAW_WARPS', 'RAW_STAGES', 'RAW_DSPLIT')
     print(' '.join(f'triton_ced_attention.{k}={v}' for k, v in zip(names, m.groups()) if v))
-")
+"
+}
+
+dsplit_ab() {  # s30e / s30g: dsplit_best's knobs, then the 16K bounded prefill as shipped / with them, alternating:
+  # $1 runs in all
+  local knobs
+  knobs=$(dsplit_best)
   echo "fastest: ${knobs:-none}"
   [ -n "$knobs" ] && prefill_ab 50 4 dsplit "" "$knobs" "$1"
 }
@@ -749,27 +757,18 @@ s30e)
   # chunk at 16K on raw entries (BLOCK_N 32: 8 warps x 1 / 2 stages x 4 / 8 chunks, 4 warps x 1 / 2 stages x 4
   # chunks; BLOCK_N 16 / 64 at 8 chunks on 8 warps, 2 stages); then the 16K bounded prefill as shipped / with the
   # chunk's fastest launch, alternating.
-  for grid in "32 8 1_2 4_8" "32 4 1_2 4" "16_64 8 2 8"; do
-    set -- $grid
-    timeout 150 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 \
-      --block-n ${1//_/ } --warps $2 --stages ${3//_/ } --split-scale 0 --prefetch 0 --raw 1 --dsplit ${4//_/ } \
-      --out "$OUT/ced_attn_dsplit_$1_w$2.jsonl" 2>&1 | grep -v Warning | tail -1
-  done
+  dsplit_sweeps "150 32 8 1_2 4_8" "150 32 4 1_2 4" "150 16_64 8 2 8"
   dsplit_ab 4 ;;
 s30g)
   # 30th session, s30e at a budget's end (~4 min): the prefill chunk's launch with the latent in 8 chunks on 8 warps
   # (1 / 2 stages) and 4 chunks on 4 warps, against the shipped one; the 16K bounded prefill as shipped, then with
   # the fastest (one run each).
-  dsplit_sweeps 120 60
+  dsplit_sweeps "120 32 8 1_2 8" "60 32 4 1 4"
   dsplit_ab 2 ;;
 s30h)
   # 30th session's last seconds (~3 min): s30g's two sweeps without the prefill A/B.
-  dsplit_sweeps 110 50
-  cat "$OUT"/ced_attn_dsplit*.jsonl | python3 -c "
-import json, sys
-for r in sorted((r for r in map(json.loads, sys.stdin) if 'us' in r), key=lambda r: r['us']):
-    print(f\"{r['setting']:<32} {r['us']:9.1f} us  err {r.get('rel_l2_err', float('nan')):.1e}\")
-" ;;
+  dsplit_sweeps "110 32 8 1_2 8" "50 32 4 1 4"
+  dsplit_best > /dev/null ;;
 s30f)
   # 30th session (~5 min): the latent split (dsplit 4 / 8) on the decode launches (FP4 entries, batch 1 / 16 / 64 at
   # 16K, the default split count): ptxas builds the 16- and 64-query launches without their spills with it.
