@@ -753,7 +753,7 @@ s30d)
   bash "$0" s30a
   bash "$0" moe-graphs ;;
 s30e)
-  # 30th session (~8 min): the latent split over warps (launch key dsplit, _online_step3) on a 2048-query prefill
+  # 30th session (~8 min): the latent split over warps (launch key dsplit, _online_step) on a 2048-query prefill
   # chunk at 16K on raw entries (BLOCK_N 32: 8 warps x 1 / 2 stages x 4 / 8 chunks, 4 warps x 1 / 2 stages x 4
   # chunks; BLOCK_N 16 / 64 at 8 chunks on 8 warps, 2 stages); then the 16K bounded prefill as shipped / with the
   # chunk's fastest launch, alternating.

@@ -29,7 +29,7 @@ mostly -1 (contexts with fewer than K visible entries: the indexer pads its list
 skipped tiles would have left the state untouched, so the bits are the same.
 
 The launch key "dsplit" splits the latent into that many chunks of BLOCK_D / dsplit channels held as a leading
-tensor dimension (_online_step3): the two products become batched dots, which Triton spreads over the warps by
+tensor dimension (_online_step): the two products become batched dots, which Triton spreads over the warps by
 chunk, so each warp computes its chunk's partial scores (summed over the chunks: one cross-warp reduction a tile)
 and owns its chunk of the output. Without it every warp of a tile holds all of q's operand fragment (128
 registers a thread at a 512-wide latent, spills at 4 warps); the function is the same, the score's float32
@@ -85,7 +85,7 @@ DYNAMIC_ENTRIES = False
 RAW_BLOCK_N = 0
 RAW_WARPS = 0
 RAW_STAGES = 0
-# The latent in RAW_DSPLIT chunks on those launches (the launch key "dsplit", _online_step3; 0 or 1: whole). From
+# The latent in RAW_DSPLIT chunks on those launches (the launch key "dsplit", _online_step; 0 or 1: whole). From
 # ptxas' sm_90 report at the bench latent (30th session): 8 chunks on 8 warps build without spills (208 registers a
 # thread; 173 at 2 stages, the loads then cp.async into shared memory), the whole latent on 4 warps at 255.
 RAW_DSPLIT = 0
@@ -97,44 +97,28 @@ _LAUNCH_BOUNDS = {"BLOCK_H": (16, 64, True), "BLOCK_N": (16, 128, True), "num_wa
 
 
 @triton.jit
-def _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
-    """Fold keys kv [BLOCK_N, BLOCK_D] (valid [BLOCK_N]) into the online softmax of q [BLOCK_H, BLOCK_D]."""
-    s = _dot(q, tl.trans(kv), DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+def _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, DSPLIT: tl.constexpr = 1):
+    """Fold keys kv [BLOCK_N, BLOCK_D] (valid [BLOCK_N]) into the online softmax of q [BLOCK_H, BLOCK_D]. With the
+    latent in DSPLIT chunks: q [DSPLIT, BLOCK_H, DC], kv [DSPLIT, BLOCK_N, DC], acc [DSPLIT, BLOCK_H, DC]; the
+    products are batched dots, which put each chunk on its own warps: each computes its chunk's partial scores
+    (summed over the chunks, the one cross-warp step) and its chunk of the output, so no warp holds all of q's
+    operand fragment (128 registers a thread at the bench latent)."""
+    if DSPLIT > 1:
+        s = tl.sum(_dot(q, tl.trans(kv, (0, 2, 1)), DOT_PRECISION), axis=0) * qk_scale  # [BLOCK_H, BLOCK_N]
+    else:
+        s = _dot(q, tl.trans(kv), DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep l = acc = 0, no NaN
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _dot(cast_rne(p, kv.dtype), kv, DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _online_step3(q3, kv3, valid, m_i, l_i, acc3, qk_scale, DOT_PRECISION: tl.constexpr):
-    """_online_step with the latent split into S chunks (DSPLIT): q3 [S, BLOCK_H, DC], keys kv3 [S, BLOCK_N, DC],
-    acc3 [S, BLOCK_H, DC]. A batched dot puts each chunk on its own warps: each computes its chunk's partial
-    scores (summed over the chunks, the one cross-warp step) and its chunk of the output, so no warp holds all of
-    q's operand fragment (128 registers a thread at the bench latent)."""
-    s = tl.sum(_dot(q3, tl.trans(kv3, (0, 2, 1)), DOT_PRECISION), axis=0) * qk_scale  # [BLOCK_H, BLOCK_N]
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    p3 = tl.broadcast_to(cast_rne(p, kv3.dtype)[None, :, :], (kv3.shape[0], p.shape[0], p.shape[1]))
-    acc3 = acc3 * alpha[None, :, None] + _dot(p3, kv3, DOT_PRECISION)
-    return m_new, l_i, acc3
-
-
-@triton.jit
-def _step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, DSPLIT: tl.constexpr):
-    """One tile of keys folded in: _online_step, or _online_step3 for a latent in DSPLIT chunks."""
     if DSPLIT > 1:
-        return _online_step3(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        p3 = tl.broadcast_to(cast_rne(p, kv.dtype)[None, :, :], (DSPLIT, p.shape[0], p.shape[1]))
+        acc = acc * alpha[None, :, None] + _dot(p3, kv, DOT_PRECISION)
     else:
-        return _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        acc = acc * alpha[:, None] + _dot(cast_rne(p, kv.dtype), kv, DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -214,7 +198,7 @@ def _ced_attn_kernel(
     h_mask = heads < H
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
-    if DSPLIT > 1:  # q and the output in the latent's DSPLIT chunks [DSPLIT, BLOCK_H, DC] (_online_step3)
+    if DSPLIT > 1:  # q and the output in the latent's DSPLIT chunks [DSPLIT, BLOCK_H, DC] (_online_step)
         DC: tl.constexpr = BLOCK_D // DSPLIT
         ch3 = tl.arange(0, DSPLIT)[:, None, None] * DC + tl.arange(0, DC)[None, None, :]  # [DSPLIT, 1, DC]
         q = tl.load(q_ptr + t * stride_qt + heads[None, :, None] * stride_qh + ch3,
@@ -260,7 +244,7 @@ def _ced_attn_kernel(
         else:
             kv, valid = _window_tile(kv_ptr, rc_row, rs_row, p_first, p_first + n_off, pos, fresh_lo, fresh_start,
                                      stride_kv, stride_rr, stride_rsr, RING, D // 32, BLOCK_D // 32, DT)
-        m_i, l_i, acc = _step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, DSPLIT)
+        m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, DSPLIT)
 
     if HAS_ENTRIES:  # selected entries: this split's tiles of entry_slots[t]
         # (a dynamic bound: the interpreter, which cannot range over a device value, walks every tile and masks
@@ -277,7 +261,7 @@ def _ced_attn_kernel(
                 valid = slot >= 0
                 if DYN:
                     valid = valid & (i < n_sel)
-                m_i, l_i, acc = _step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, DSPLIT)
+                m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, DSPLIT)
                 slot, nxt, byte, sb = nxt, after, byte_n, sb_n
         else:
             for i in range(SEL_TILES if _INTERP or not DYN else n_sel):
@@ -297,7 +281,7 @@ def _ced_attn_kernel(
                                      BLOCK_D // GROUP, GROUP, E8M0, DT, FAST_FP4)
                     if DSPLIT > 1:
                         kv = _split_d(kv, DSPLIT)
-                m_i, l_i, acc = _step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, DSPLIT)
+                m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, DSPLIT)
 
     pdl_signal(PDL)
     if DSPLIT > 1:  # the chunks back side by side: [BLOCK_H, BLOCK_D]
