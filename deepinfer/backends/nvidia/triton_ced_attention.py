@@ -203,15 +203,14 @@ def _ced_attn_kernel(
         ch3 = tl.arange(0, DSPLIT)[:, None, None] * DC + tl.arange(0, DC)[None, None, :]  # [DSPLIT, 1, DC]
         q = tl.load(q_ptr + t * stride_qt + heads[None, :, None] * stride_qh + ch3,
                     mask=h_mask[None, :, None] & (ch3 < D), other=0.0)
-        acc = tl.zeros([DSPLIT, BLOCK_H, DC], dtype=tl.float32)
     else:
         q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     DT = q.dtype
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros(q.shape, dtype=tl.float32)
 
     # Window: this split's tiles of positions lo .. pos, lo = max(pos - W + 1, cut, 0).
     pos = tl.load(pos_ptr + t)
