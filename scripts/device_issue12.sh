@@ -72,10 +72,8 @@
 #   bash scripts/device_issue12.sh s30a              # Nsight Compute on the 16K prefill chunk's CED attention
 #   bash scripts/device_issue12.sh s30b              # moe_launch_sweep --prefill at 64-row M-blocks (2K / 4K tokens)
 #   bash scripts/device_issue12.sh s30c              # moe_launch_sweep --prefill --fp8 (block-scaled FP8 experts)
-#   bash scripts/device_issue12.sh s30e              # the latent split over warps (dsplit) swept, 16K prefill A/B
-#   bash scripts/device_issue12.sh s30g              # s30e in ~4 min (8 chunks / 8 warps, 4 / 4; one A/B)
-#   bash scripts/device_issue12.sh s30h              # s30g's sweeps alone (~3 min)
-#   bash scripts/device_issue12.sh s30f              # dsplit on the decode launches (batch 1 / 16 / 64)
+#   bash scripts/device_issue12.sh s31a              # the transposed products' GPU tests, swept, 16K prefill A/B
+#   bash scripts/device_issue12.sh s31b              # s31a in ~3 min (64 keys only; one A/B)
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -169,39 +167,38 @@ prefill_ab() {  # s29d / s29e: the cold 16K bounded prefill with knobs "$4" then
   done
 }
 
-dsplit_sweeps() {  # s30e / s30g / s30h: the prefill chunk's launch on raw entries (2048 queries at 16K), one sweep
-  # per grid "SECONDS BLOCK_N WARPS STAGES DSPLIT" (lists joined by _), each with the shipped launch beside it
+raw_sweeps() {  # s31a: the prefill chunk's launch on raw entries (2048 queries at 16K), one sweep per grid
+  # "SECONDS BLOCK_N WARPS STAGES TRANS" (lists joined by _), each with the shipped launch beside it
   local grid
   for grid in "$@"; do
     set -- $grid
     timeout "$1" python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 \
-      --block-n ${2//_/ } --warps $3 --stages ${4//_/ } --split-scale 0 --prefetch 0 --raw 1 --dsplit ${5//_/ } \
-      --out "$OUT/ced_attn_dsplit_$2_w$3.jsonl" 2>&1 | grep -v Warning | tail -1
+      --block-n ${2//_/ } --warps ${3//_/ } --stages ${4//_/ } --split-scale 0 --prefetch 0 --raw 1 \
+      --trans ${5//_/ } --out "$OUT/ced_attn_raw_$2_w$3_t$5.jsonl" 2>&1 | grep -v Warning | tail -1
   done
 }
 
-dsplit_best() {  # the timed rows of $OUT/ced_attn_dsplit*.jsonl, fastest first, on stderr; the fastest of those
-  # within the error bound as RAW_* knobs (none where the shipped launch wins) on stdout
-  cat "$OUT"/ced_attn_dsplit*.jsonl | python3 -c "
+raw_best() {  # the timed rows of $OUT/ced_attn_raw*.jsonl, fastest first, on stderr; the fastest of those within
+  # the error bound as RAW_* knobs (none where the shipped launch wins) on stdout
+  cat "$OUT"/ced_attn_raw*.jsonl | python3 -c "
 import json, re, sys
 timed = [r for r in map(json.loads, sys.stdin) if r.get('chunk', 1) > 1 and 'us' in r]
 for r in sorted(timed, key=lambda r: r['us']):
     print(f\"{r['setting']:<32} {r['us']:9.1f} us  err {r['rel_l2_err']:.1e}{'' if r['ok'] else '  (not ok)'}\",
           file=sys.stderr)
 rows = [r for r in timed if r['ok']]
-m = re.match(r'bn(\d+) w(\d+) s(\d+) x0 p0(?: d(\d+))?', min(rows, key=lambda r: r['us'])['setting']) if rows else None
+m = re.match(r'bn(\d+) w(\d+) s(\d+) x0 p0(?: t(1))?', min(rows, key=lambda r: r['us'])['setting']) if rows else None
 if m:
-    names = ('RAW_BLOCK_N', 'RAW_WARPS', 'RAW_STAGES', 'RAW_DSPLIT')
+    names = ('RAW_BLOCK_N', 'RAW_WARPS', 'RAW_STAGES', 'RAW_TRANS')
     print(' '.join(f'triton_ced_attention.{k}={v}' for k, v in zip(names, m.groups()) if v))
 "
 }
 
-dsplit_ab() {  # s30e / s30g: dsplit_best's knobs, then the 16K bounded prefill as shipped / with them, alternating:
-  # $1 runs in all
+raw_ab() {  # s31a: raw_best's knobs, then the 16K bounded prefill as shipped / with them, alternating: $1 runs in all
   local knobs
-  knobs=$(dsplit_best)
+  knobs=$(raw_best)
   echo "fastest: ${knobs:-none}"
-  [ -n "$knobs" ] && prefill_ab 50 4 dsplit "" "$knobs" "$1"
+  [ -n "$knobs" ] && prefill_ab 50 4 raw "" "$knobs" "$1"
 }
 
 dot_rows_profiles() {  # s26all / s27: the decode profile at 16 / 64 as shipped, then with the tensor-core GEMV up
@@ -752,29 +749,21 @@ s30d)
   # files the MoE launch choice touches (moe-graphs' list): the first GPU run of the wide tiles' shared-memory guard.
   bash "$0" s30a
   bash "$0" moe-graphs ;;
-s30e)
-  # 30th session (~8 min): the latent split over warps (launch key dsplit, _online_step) on a 2048-query prefill
-  # chunk at 16K on raw entries (BLOCK_N 32: 8 warps x 1 / 2 stages x 4 / 8 chunks, 4 warps x 1 / 2 stages x 4
-  # chunks; BLOCK_N 16 / 64 at 8 chunks on 8 warps, 2 stages); then the 16K bounded prefill as shipped / with the
-  # chunk's fastest launch, alternating.
-  dsplit_sweeps "150 32 8 1_2 4_8" "150 32 4 1_2 4" "150 16_64 8 2 8"
-  dsplit_ab 4 ;;
-s30g)
-  # 30th session, s30e at a budget's end (~4 min): the prefill chunk's launch with the latent in 8 chunks on 8 warps
-  # (1 / 2 stages) and 4 chunks on 4 warps, against the shipped one; the 16K bounded prefill as shipped, then with
-  # the fastest (one run each).
-  dsplit_sweeps "120 32 8 1_2 8" "60 32 4 1 4"
-  dsplit_ab 2 ;;
-s30h)
-  # 30th session's last seconds (~3 min): s30g's two sweeps without the prefill A/B.
-  dsplit_sweeps "110 32 8 1_2 8" "50 32 4 1 4"
-  dsplit_best > /dev/null ;;
-s30f)
-  # 30th session (~5 min): the latent split (dsplit 4 / 8) on the decode launches (FP4 entries, batch 1 / 16 / 64 at
-  # 16K, the default split count): ptxas builds the 16- and 64-query launches without their spills with it.
-  timeout 330 python3 benchmarks/ced_attn_sweep.py --batches 1 16 64 --context 16384 --block-n 16 32 --warps 4 8 \
-    --stages 1 --split-scale 1 --prefetch 1 --dsplit 4 8 --out "$OUT/ced_attn_dsplit_decode.jsonl" 2>&1 \
-    | grep -v Warning | tail -4 ;;
+s31a)
+  # 31st session (~6 min): the transposed products (launch key trans: keys / latent on the MMA's M side; warp-group
+  # MMAs from 64 keys on 4 warps) first through the CED GPU tests that draw them, then swept on a 2048-query prefill
+  # chunk at 16K on raw entries (64 keys: 4 / 8 warps x 1-3 stages; 32 / 128 keys: 4 / 8 warps x 1 / 2 stages); then
+  # the 16K bounded prefill as shipped / with the chunk's fastest launch, alternating.
+  timeout -s INT 150 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
+    -k "gpu_sparse_attention and (transposed or bench_shapes)" 2>&1 | tail -3
+  raw_sweeps "150 64 4_8 1_2_3 1" "120 32_128 4_8 1_2 1"
+  raw_ab 4 ;;
+s31b)
+  # 31st session, s31a at a budget's end (~3 min): its tests, the 64-key sweep alone, one A/B run each.
+  timeout -s INT 100 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
+    -k "gpu_sparse_attention and transposed" 2>&1 | tail -3
+  raw_sweeps "100 64 4_8 1_2 1"
+  raw_ab 2 ;;
 s30b)
   # 30th session (~3 min): moe_launch_sweep's large-M grid at 64-row M-blocks (2K and 4K-token prefill chunks of the
   # CED bench MoE: 256 and 512 pairs an expert), which kept the old tiles when WIDE_PREFILL_TILES came in.

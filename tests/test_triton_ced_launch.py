@@ -47,11 +47,11 @@ def test_wide_launch_rule(monkeypatch):
     monkeypatch.setattr(tca, "RAW_WARPS", 8)
     assert tca.wide_launch(1, 16, 512, bf, 128, 512, raw=True) == \
         ({"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, 8)  # (splits: no more than the 8 key tiles of 64)
-    monkeypatch.setattr(tca, "RAW_DSPLIT", 8)  # the latent in 8 chunks: raw launches only
+    monkeypatch.setattr(tca, "RAW_TRANS", 1)  # the transposed products: raw launches only
     assert tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True) == \
-        ({"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "dsplit": 8}, 1)
+        ({"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "trans": 1}, 1)
     assert tca.wide_launch(2048, 16, 512, bf, 128, 512) == prefill[-1]
-    for name, bad in (("RAW_BLOCK_N", 24), ("RAW_WARPS", 3), ("RAW_STAGES", 9), ("RAW_DSPLIT", 3)):  # named early
+    for name, bad in (("RAW_BLOCK_N", 24), ("RAW_WARPS", 3), ("RAW_STAGES", 9), ("RAW_TRANS", 2)):  # named early
         monkeypatch.setattr(tca, name, bad)
         with pytest.raises(ValueError, match=f"{name} must be"):
             tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True)
@@ -86,8 +86,7 @@ def test_bad_launch_overrides_are_refused_naming_the_knob():
                                 (dict(BLOCK_N=24), None, "BLOCK_N must be a power of two"),
                                 (dict(BLOCK_H=8), None, r"BLOCK_H must be a power of two in \[16, 64\]"),
                                 (dict(num_warps=3), None, "num_warps"), (dict(num_stages=0), None, "num_stages"),
-                                (dict(dsplit=3), None, "dsplit must be a power of two"),
-                                (dict(dsplit=8), None, "dsplit=8 leaves latent chunks of 8 channels"),
+                                (dict(trans=2), None, r"trans must be an int in \[0, 1\], got 2"),
                                 (None, 0, r"num_splits must be an int in \[1, 256\], got 0")):
         with pytest.raises(ValueError, match=msg):
             tca.sparse_attention(*args, launch=launch, num_splits=splits, **kw)

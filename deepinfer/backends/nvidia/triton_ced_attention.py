@@ -28,12 +28,11 @@ the tiles up to its last valid one (read on the device, so still capture-safe). 
 mostly -1 (contexts with fewer than K visible entries: the indexer pads its list at the end) then skips them; the
 skipped tiles would have left the state untouched, so the bits are the same.
 
-The launch key "dsplit" splits the latent into that many chunks of BLOCK_D / dsplit channels held as a leading
-tensor dimension (_online_step): the two products become batched dots, which Triton spreads over the warps by
-chunk, so each warp computes its chunk's partial scores (summed over the chunks: one cross-warp reduction a tile)
-and owns its chunk of the output. Without it every warp of a tile holds all of q's operand fragment (128
-registers a thread at a 512-wide latent, spills at 4 warps); the function is the same, the score's float32
-summation order is not.
+The launch key "trans" (1) computes both products transposed (_online_step): scores as keys x heads, the output
+as latent x heads. The keys are then the first product's M side and the latent the second's, so both products
+read the key tile in its own orientation (the heads-first form stores each tile to shared memory twice, once
+transposed, and holds all of q's operand fragment in every warp: 128 registers a thread at the bench latent),
+and from 64 keys a tile on 4 warps the products are Hopper's warp-group MMAs.
 
 Compiled code: the dequantised tiles pass an opaque identity (``triton_fp4.mma_operand``) before the products,
 since Triton 3.6 otherwise widens the MMA operands' kWidth for their 8-bit origin and miscomputes dots with
@@ -85,66 +84,41 @@ DYNAMIC_ENTRIES = False
 RAW_BLOCK_N = 0
 RAW_WARPS = 0
 RAW_STAGES = 0
-# The latent in RAW_DSPLIT chunks on those launches (the launch key "dsplit", _online_step; 0 or 1: whole). From
-# ptxas' sm_90 report at the bench latent (30th session): 8 chunks on 8 warps build without spills (208 registers a
-# thread; 173 at 2 stages, the loads then cp.async into shared memory), the whole latent on 4 warps at 255.
-RAW_DSPLIT = 0
+# The transposed products (the launch key "trans", _online_step) on those launches (0: off). The latent split over
+# warps that came before it lost on the H100 (31st session: 687 us at best against 560 for a prefill chunk).
+RAW_TRANS = 0
 # A launch override's bounds (merge_launch: lo, hi, power of two), shared by sparse_attention's ``launch`` and the
 # RAW_* knobs; BLOCK_D is the latent's own width, added per call.
 _LAUNCH_BOUNDS = {"BLOCK_H": (16, 64, True), "BLOCK_N": (16, 128, True), "num_warps": (1, 16, True),
                   "num_stages": (1, 8, False), "prefetch": (0, 1, False), "dynamic": (0, 1, False),
-                  "dsplit": (1, 16, True)}
+                  "trans": (0, 1, False)}
 
 
 @triton.jit
-def _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, DSPLIT: tl.constexpr = 1):
-    """Fold keys kv [BLOCK_N, BLOCK_D] (valid [BLOCK_N]) into the online softmax of q [BLOCK_H, BLOCK_D]. With the
-    latent in DSPLIT chunks: q [DSPLIT, BLOCK_H, DC], kv [DSPLIT, BLOCK_N, DC], acc [DSPLIT, BLOCK_H, DC]; the
-    products are batched dots, which put each chunk on its own warps: each computes its chunk's partial scores
-    (summed over the chunks, the one cross-warp step) and its chunk of the output, so no warp holds all of q's
-    operand fragment (128 registers a thread at the bench latent)."""
-    if DSPLIT > 1:
-        s = tl.sum(_dot(q, tl.trans(kv, (0, 2, 1)), DOT_PRECISION), axis=0) * qk_scale  # [BLOCK_H, BLOCK_N]
+def _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr, TRANS: tl.constexpr = False):
+    """Fold keys kv [BLOCK_N, BLOCK_D] (valid [BLOCK_N]) into the online softmax of q [BLOCK_H, BLOCK_D] (acc
+    [BLOCK_H, BLOCK_D]). TRANS: the products transposed, q [BLOCK_D, BLOCK_H] and acc [BLOCK_D, BLOCK_H]: the keys
+    are the first product's M side and the latent the second's, so both read the key tile in its own orientation
+    (one shared-memory copy) and Hopper's warp-group MMA takes them from 64 keys a tile."""
+    if TRANS:
+        s = _dot(kv, q, DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_H], log2 units
+        s = tl.where(valid[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep l = acc = 0, no NaN
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha[None, :] + _dot(tl.trans(kv), cast_rne(p, kv.dtype), DOT_PRECISION)
     else:
         s = _dot(q, tl.trans(kv), DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep l = acc = 0, no NaN
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if DSPLIT > 1:
-        p3 = tl.broadcast_to(cast_rne(p, kv.dtype)[None, :, :], (DSPLIT, p.shape[0], p.shape[1]))
-        acc = acc * alpha[None, :, None] + _dot(p3, kv, DOT_PRECISION)
-    else:
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep l = acc = 0, no NaN
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(cast_rne(p, kv.dtype), kv, DOT_PRECISION)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _window_tile3(kv_ptr, rc_row, rs_row, p_first, p, pos, fresh_lo, fresh_start, stride_kv, stride_rr, stride_rsr,
-                  RING, D, ch3, DT: tl.constexpr):
-    """_window_tile's keys as [S, BLOCK_N, DC] chunks (ch3 [S, 1, DC] their channels), loaded in that shape."""
-    valid = p <= pos
-    fresh = valid & (p >= fresh_lo)
-    frow = (fresh_start + p - fresh_lo).to(tl.int64)
-    cm = ch3 < D
-    kv = tl.load(kv_ptr + frow[None, :, None] * stride_kv + ch3, mask=fresh[None, :, None] & cm, other=0.0).to(DT)
-    if p_first < fresh_lo:
-        ring = valid & (p < fresh_lo)
-        slot = (p % RING).to(tl.int64)
-        rmask = ring[None, :, None] & cm
-        c = tl.load(rc_row + slot[None, :, None] * stride_rr + ch3, mask=rmask, other=0)
-        sb = tl.load(rs_row + slot[None, :, None] * stride_rsr + ch3 // 32, mask=rmask, other=0).to(tl.int32)
-        r = mma_operand(e4m3_value(c.to(tl.int32)) * e8m0_value(sb), DT)  # exact product, rounded once
-        kv = tl.where(fresh[None, :, None], kv, r)
-    return kv, valid
-
-
-@triton.jit
-def _split_d(x, S: tl.constexpr):
-    """[R, BLOCK_D] -> [S, R, BLOCK_D // S]: the latent's S chunks (DSPLIT)."""
-    return tl.permute(tl.reshape(x, [x.shape[0], S, x.shape[1] // S]), (1, 0, 2))
 
 
 @triton.jit
@@ -187,7 +161,7 @@ def _ced_attn_kernel(
     WIN_TILES: tl.constexpr, SEL_TILES: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr,
     HAS_ENTRIES: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_FP4: tl.constexpr, UNROPE: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr = False,
-    DYN: tl.constexpr = False, SEL_POW2: tl.constexpr = 1, RAW: tl.constexpr = False, DSPLIT: tl.constexpr = 1,
+    DYN: tl.constexpr = False, SEL_POW2: tl.constexpr = 1, RAW: tl.constexpr = False, TRANS: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
     pdl_start(PDL, True)
@@ -198,11 +172,9 @@ def _ced_attn_kernel(
     h_mask = heads < H
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
-    if DSPLIT > 1:  # q and the output in the latent's DSPLIT chunks [DSPLIT, BLOCK_H, DC] (_online_step)
-        DC: tl.constexpr = BLOCK_D // DSPLIT
-        ch3 = tl.arange(0, DSPLIT)[:, None, None] * DC + tl.arange(0, DC)[None, None, :]  # [DSPLIT, 1, DC]
-        q = tl.load(q_ptr + t * stride_qt + heads[None, :, None] * stride_qh + ch3,
-                    mask=h_mask[None, :, None] & (ch3 < D), other=0.0)
+    if TRANS:  # q and the output transposed, [BLOCK_D, BLOCK_H] (_online_step)
+        q = tl.load(q_ptr + t * stride_qt + heads[None, :] * stride_qh + d[:, None],
+                    mask=h_mask[None, :] & d_mask[:, None], other=0.0)
     else:
         q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
@@ -235,15 +207,36 @@ def _ced_attn_kernel(
         nxt = tl.load(sel_row + e0 + BLOCK_N, mask=e0 + BLOCK_N < lim, other=-1)
         byte, sb = fp4_load(ec_ptr, es_ptr, slot, slot >= 0, stride_ec, stride_es, D // GROUP,
                             BLOCK_D // GROUP, GROUP, FAST_FP4)
-    for i in range(WIN_TILES):
-        p_first = lo + (split * WIN_TILES + i) * BLOCK_N
-        if DSPLIT > 1:
-            kv, valid = _window_tile3(kv_ptr, rc_row, rs_row, p_first, p_first + n_off, pos, fresh_lo,
-                                      fresh_start, stride_kv, stride_rr, stride_rsr, RING, D, ch3, DT)
-        else:
+    if TRANS:  # the tiles that reach below fresh_lo (ring slots) first, then the fresh-only ones as plain row loads,
+        # which the compiler's pipeline copies straight into shared memory like the entry rows (the interpreter,
+        # which cannot range over a device value, walks every tile in both loops and masks the other loop's)
+        # The ring tiles are decoded in registers, 16 keys a step: a whole tile's two register operands spilled.
+        base = lo + split * WIN_TILES * BLOCK_N
+        n_mixed = tl.minimum(tl.maximum((fresh_lo - base + BLOCK_N - 1) // BLOCK_N, 0), WIN_TILES)
+        SUB: tl.constexpr = BLOCK_N // 16
+        r_off = tl.arange(0, 16)
+        for j in range(WIN_TILES * SUB if _INTERP else n_mixed * SUB):
+            p_first = base + j * 16
+            kv, valid = _window_tile(kv_ptr, rc_row, rs_row, p_first, p_first + r_off, pos, fresh_lo, fresh_start,
+                                     stride_kv, stride_rr, stride_rsr, RING, D // 32, BLOCK_D // 32, DT)
+            if _INTERP:
+                valid = valid & (j < n_mixed * SUB)
+            m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, TRANS)
+        for i in range(0 if _INTERP else n_mixed, WIN_TILES):
+            p = base + i * BLOCK_N + n_off
+            valid = p <= pos
+            if _INTERP:
+                valid = valid & (i >= n_mixed)
+            frow = (fresh_start + p - fresh_lo).to(tl.int64)
+            kv = tl.load(kv_ptr + frow[:, None] * stride_kv + d[None, :], mask=valid[:, None] & d_mask[None, :],
+                         other=0.0)
+            m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, TRANS)
+    else:
+        for i in range(WIN_TILES):
+            p_first = lo + (split * WIN_TILES + i) * BLOCK_N
             kv, valid = _window_tile(kv_ptr, rc_row, rs_row, p_first, p_first + n_off, pos, fresh_lo, fresh_start,
                                      stride_kv, stride_rr, stride_rsr, RING, D // 32, BLOCK_D // 32, DT)
-        m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, DSPLIT)
+            m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, TRANS)
 
     if HAS_ENTRIES:  # selected entries: this split's tiles of entry_slots[t]
         # (a dynamic bound: the interpreter, which cannot range over a device value, walks every tile and masks
@@ -255,12 +248,10 @@ def _ced_attn_kernel(
                 byte_n, sb_n = fp4_load(ec_ptr, es_ptr, nxt, nxt >= 0, stride_ec, stride_es, D // GROUP,
                                         BLOCK_D // GROUP, GROUP, FAST_FP4)
                 kv = fp4_decode(byte, sb, GROUP, E8M0, DT, FAST_FP4)
-                if DSPLIT > 1:
-                    kv = _split_d(kv, DSPLIT)
                 valid = slot >= 0
                 if DYN:
                     valid = valid & (i < n_sel)
-                m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, DSPLIT)
+                m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, TRANS)
                 slot, nxt, byte, sb = nxt, after, byte_n, sb_n
         else:
             for i in range(SEL_TILES if _INTERP or not DYN else n_sel):
@@ -269,22 +260,17 @@ def _ced_attn_kernel(
                 valid = slot >= 0
                 if DYN:
                     valid = valid & (i < n_sel)
-                if RAW and DSPLIT > 1:  # bf16 entries [N, D] (exact in float32 too), loaded in DSPLIT chunks
-                    kv = tl.load(ec_ptr + slot[None, :, None] * stride_ec + ch3,
-                                 mask=valid[None, :, None] & (ch3 < D), other=0.0).to(DT)
-                elif RAW:
+                if RAW:
                     kv = tl.load(ec_ptr + slot[:, None] * stride_ec + d[None, :], mask=valid[:, None] & d_mask[None, :],
                                  other=0.0).to(DT)
                 else:
                     kv = fp4_operand(ec_ptr, es_ptr, slot, valid, stride_ec, stride_es, D // GROUP,
                                      BLOCK_D // GROUP, GROUP, E8M0, DT, FAST_FP4)
-                    if DSPLIT > 1:
-                        kv = _split_d(kv, DSPLIT)
-                m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, DSPLIT)
+                m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, TRANS)
 
     pdl_signal(PDL)
-    if DSPLIT > 1:  # the chunks back side by side: [BLOCK_H, BLOCK_D]
-        acc = tl.reshape(tl.permute(acc, (1, 0, 2)), [BLOCK_H, BLOCK_D])
+    if TRANS:
+        acc = tl.trans(acc)  # [BLOCK_H, BLOCK_D]
     if DIRECT:  # one split: add the sink and finish here
         o = finish_softmax(acc, m_i, l_i, sinks_ptr + heads, h_mask, HAS_SINKS)
         tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -411,7 +397,7 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
     8 warps, Triton's default stages: 2380]; every 4-warp BLOCK_N 32 setting beat every 8-warp one there, so the
     decode rule's last regime holds on past 64 queries (one split from 256). Batch-invariant mode never takes this
     (its split count must not follow T). ``raw``: the entries are bf16 rows; RAW_BLOCK_N / RAW_WARPS /
-    RAW_STAGES / RAW_DSPLIT replace the choice's tile, warps and stages, and split the latent, where set."""
+    RAW_STAGES / RAW_TRANS replace the choice's tile, warps and stages, and transpose the products, where set."""
     BLOCK_D = next_pow2(D)
     if INTERPRET or dtype == torch.float32 or BLOCK_D < 512 or T <= 0:
         return None
@@ -426,14 +412,14 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
     stages = 1
     if raw:
         for name, v, key in (("RAW_BLOCK_N", RAW_BLOCK_N, "BLOCK_N"), ("RAW_WARPS", RAW_WARPS, "num_warps"),
-                             ("RAW_STAGES", RAW_STAGES, "num_stages"), ("RAW_DSPLIT", RAW_DSPLIT, "dsplit")):
+                             ("RAW_STAGES", RAW_STAGES, "num_stages"), ("RAW_TRANS", RAW_TRANS, "trans")):
             if v:
                 check_knob("triton_ced_attention", name, v, *_LAUNCH_BOUNDS[key])
         bn, warps, stages = RAW_BLOCK_N or bn, RAW_WARPS or warps, RAW_STAGES or stages
     tiles = max(cdiv(window, bn), cdiv(K, bn), 1)
     launch = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-    if raw and RAW_DSPLIT > 1:
-        launch["dsplit"] = RAW_DSPLIT
+    if raw and RAW_TRANS:
+        launch["trans"] = RAW_TRANS
     return launch, int(max(1, min(cdiv(programs, rows), tiles, most)))
 
 
@@ -518,10 +504,6 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         if num_splits is not None:
             check_knob("sparse_attention", "num_splits", num_splits, 1, 256, False)
     BLOCK_H, BLOCK_N, BLOCK_D = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["BLOCK_D"]
-    dsplit = int(cfg.get("dsplit", 1))
-    if BLOCK_D // dsplit < 16:  # a chunk narrower than one MMA k-step
-        raise ValueError(f"sparse_attention launch: dsplit={dsplit} leaves latent chunks of {BLOCK_D // dsplit} "
-                         f"channels (BLOCK_D={BLOCK_D}); at most {BLOCK_D // 16}")
     num_ht = cdiv(H, BLOCK_H)
     win_tiles, sel_tiles = cdiv(window, BLOCK_N), cdiv(K, BLOCK_N) if has_entries else 0
     S = num_splits if num_splits is not None else choose_splits(T, num_ht, max(win_tiles, sel_tiles), q.device)
@@ -553,7 +535,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         FAST_FP4=has_entries and not raw and fast_entries(q.dtype, cfg), UNROPE=unrope is not None,
         BLOCK_R=block_r, PREFETCH=has_entries and not raw and prefetch_entries(cfg), RAW=raw,
         DYN=has_entries and bool(cfg.get("dynamic", DYNAMIC_ENTRIES)),
-        SEL_POW2=next_pow2(max(1, cdiv(sel_tiles, S) * BLOCK_N)), DSPLIT=dsplit,
+        SEL_POW2=next_pow2(max(1, cdiv(sel_tiles, S) * BLOCK_N)), TRANS=bool(cfg.get("trans", 0)),
         num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
         **launch_kw(q.device),
     )
