@@ -74,6 +74,7 @@
 #   bash scripts/device_issue12.sh s30c              # moe_launch_sweep --prefill --fp8 (block-scaled FP8 experts)
 #   bash scripts/device_issue12.sh s31a              # the transposed products' GPU tests, swept, 16K prefill A/B
 #   bash scripts/device_issue12.sh s31b              # s31a in ~3 min (64 keys only; one A/B)
+#   bash scripts/device_issue12.sh s31c COMMIT       # trans on: CED kernel tests, decode with trans, gpu_bench, ncu
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -764,6 +765,24 @@ s31b)
     -k "gpu_sparse_attention and transposed" 2>&1 | tail -3
   raw_sweeps "100 64 4_8 1_2 1"
   raw_ab 2 ;;
+s31c)
+  # 31st session (~9 min): with the transposed raw launch on by default (RAW_TRANS), the CED kernel GPU tests; the
+  # decode launches (FP4 entries, 16 / 64 queries at 16K) with trans; gpu_bench's 16K prefill; then Nsight Compute
+  # on the prefill chunk's (now transposed) launch.
+  timeout -s INT 150 python3 -m pytest -p no:cacheprovider -q -rfE -x tests/test_triton_ced.py \
+    tests/test_triton_ced_launch.py 2>&1 | tail -15
+  timeout 120 python3 benchmarks/ced_attn_sweep.py --batches 16 64 --context 16384 --block-n 32 64 --warps 4 8 \
+    --stages 1 2 --split-scale 1 --prefetch 0 --trans 1 --out "$OUT/ced_attn_trans_decode.jsonl" 2>&1 \
+    | grep -v Warning | tail -2
+  REPEATS=2 bash "$0" ced-prefill "${1:-?}"
+  command -v ncu >/dev/null || exit 0
+  timeout 150 ncu --clock-control none --kernel-name regex:_ced_attn_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 \
+    --context 16384 --block-n 32 --warps 4 --stages 2 --split-scale 0 --prefetch 0 --raw 1 --trans 1 \
+    --out /tmp/ncu_sweep.jsonl > "$OUT/ncu_ced_attn_trans.txt" 2>&1
+  grep -v Warning "$OUT/ncu_ced_attn_trans.txt" | grep -E "^ +[A-Z]|Stall|stall|Occupancy|Throughput|Registers" \
+    | head -60 ;;
 s30b)
   # 30th session (~3 min): moe_launch_sweep's large-M grid at 64-row M-blocks (2K and 4K-token prefill chunks of the
   # CED bench MoE: 256 and 512 pairs an expert), which kept the old tiles when WIDE_PREFILL_TILES came in.

@@ -37,25 +37,30 @@ def test_wide_launch_rule(monkeypatch):
     assert [p[1] for p in prefill] == [4, 3, 2, 1, 1]  # cdiv(256, T) programs' worth of splits, one from 256
     for args in ((1, 16, 256, bf), (1, 16, 512, torch.float32), (0, 16, 512, bf)):
         assert tca.wide_launch(*args, 128, 512) is None
-    # Raw bf16 entries: the same choice until RAW_BLOCK_N / RAW_WARPS / RAW_STAGES say otherwise, each alone.
+    # Raw bf16 entries: from 32 queries the transposed products on 2 stages (RAW_TRANS), below it the FP4 choice;
+    # RAW_BLOCK_N / RAW_WARPS / RAW_STAGES override the tile, each alone; RAW_TRANS = 0 gives the FP4 choice back.
+    trans = ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "trans": 1}, 1)
+    assert tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True) == trans
+    assert tca.wide_launch(65, 16, 512, bf, 128, 512, raw=True) == (trans[0], 4)
+    assert tca.wide_launch(16, 16, 512, bf, 128, 512, raw=True) == tca.wide_launch(16, 16, 512, bf, 128, 512)
+    monkeypatch.setattr(tca, "RAW_TRANS", 0)
     assert tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True) == prefill[-1]
+    monkeypatch.setattr(tca, "RAW_TRANS", True)
+    assert tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True) == trans
     monkeypatch.setattr(tca, "RAW_STAGES", 3)
     assert tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True) == \
-        ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}, 1)
+        ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "trans": 1}, 1)
     assert tca.wide_launch(2048, 16, 512, bf, 128, 512) == prefill[-1]  # (FP4 entries: untouched)
     monkeypatch.setattr(tca, "RAW_BLOCK_N", 64)
     monkeypatch.setattr(tca, "RAW_WARPS", 8)
     assert tca.wide_launch(1, 16, 512, bf, 128, 512, raw=True) == \
         ({"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, 8)  # (splits: no more than the 8 key tiles of 64)
-    monkeypatch.setattr(tca, "RAW_TRANS", 1)  # the transposed products: raw launches only
-    assert tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True) == \
-        ({"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "trans": 1}, 1)
-    assert tca.wide_launch(2048, 16, 512, bf, 128, 512) == prefill[-1]
     for name, bad in (("RAW_BLOCK_N", 24), ("RAW_WARPS", 3), ("RAW_STAGES", 9), ("RAW_TRANS", 2)):  # named early
+        old = getattr(tca, name)
         monkeypatch.setattr(tca, name, bad)
         with pytest.raises(ValueError, match=f"{name} must be"):
             tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True)
-        monkeypatch.setattr(tca, name, 0)
+        monkeypatch.setattr(tca, name, old)
     monkeypatch.setattr(tca, "INTERPRET", True)
     assert tca.wide_launch(1, 16, 512, bf, 128, 512) is None
 

@@ -77,16 +77,17 @@ PREFETCH_MAX_BYTES = 32  # code bytes a thread holds for the next tile (the sm_9
 # (0 / 1) overrides it per call. Off: on the H100 (25th session) the attention's share of a batch-64 decode step fell
 # only 0.526 -> 0.496 ms and a batch-1 step got 0.013 ms slower.
 DYNAMIC_ENTRIES = False
-# Launches on raw bf16 entries (a prefill's entry table, the default since the 28th session) take wide_launch's FP4
-# choice, except where these are set (0: that choice): BLOCK_N, num_warps, num_stages. The FP4 rule's one stage
-# kept registers for the decoder; loaded rows may pipeline better. For the next sweep (ced_attn_sweep.py --raw 1
-# --stages 1 2 3) and the 16K prefill's A/B (profile_cold_prefill.py --knob triton_ced_attention.RAW_STAGES=2).
+# Launches on raw bf16 entries (a prefill's entry table, the default since the 28th session) take wide_launch's
+# choice, except where these are set (0: that choice): BLOCK_N, num_warps, num_stages (ced_attn_sweep.py --raw 1
+# sweeps them; profile_cold_prefill.py --knob triton_ced_attention.RAW_STAGES=3 times one in the 16K prefill).
 RAW_BLOCK_N = 0
 RAW_WARPS = 0
 RAW_STAGES = 0
-# The transposed products (the launch key "trans", _online_step) on those launches (0: off). The latent split over
-# warps that came before it lost on the H100 (31st session: 687 us at best against 560 for a prefill chunk).
-RAW_TRANS = 0
+# The transposed products (the launch key "trans", _online_step) on raw launches of 32 queries or more, with 2 stages
+# (the key tiles then land in shared memory by cp.async): on the H100 (31st session) a 2048-query chunk at 16K took
+# 486 us against 570, the 16K bounded prefill's attention 22.9 ms against 28.4. 0: off (the RAW_* above still
+# apply). The latent split over warps that came before it lost there (687 us at best).
+RAW_TRANS = 1
 # A launch override's bounds (merge_launch: lo, hi, power of two), shared by sparse_attention's ``launch`` and the
 # RAW_* knobs; BLOCK_D is the latent's own width, added per call.
 _LAUNCH_BOUNDS = {"BLOCK_H": (16, 64, True), "BLOCK_N": (16, 128, True), "num_warps": (1, 16, True),
@@ -397,7 +398,8 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
     8 warps, Triton's default stages: 2380]; every 4-warp BLOCK_N 32 setting beat every 8-warp one there, so the
     decode rule's last regime holds on past 64 queries (one split from 256). Batch-invariant mode never takes this
     (its split count must not follow T). ``raw``: the entries are bf16 rows; RAW_BLOCK_N / RAW_WARPS /
-    RAW_STAGES / RAW_TRANS replace the choice's tile, warps and stages, and transpose the products, where set."""
+    RAW_STAGES replace the choice's tile, warps and stages where set; from 32 queries the choice is the
+    transposed products (RAW_TRANS) on 2 stages (31st session, H100: 486 us against 570 at 2048 queries)."""
     BLOCK_D = next_pow2(D)
     if INTERPRET or dtype == torch.float32 or BLOCK_D < 512 or T <= 0:
         return None
@@ -409,17 +411,21 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
         bn, warps, programs, most = 32, 8, 128, 16
     else:
         bn, warps, programs, most = 32, 4, 256, 16
-    stages = 1
+    stages, trans = 1, False
     if raw:
         for name, v, key in (("RAW_BLOCK_N", RAW_BLOCK_N, "BLOCK_N"), ("RAW_WARPS", RAW_WARPS, "num_warps"),
-                             ("RAW_STAGES", RAW_STAGES, "num_stages"), ("RAW_TRANS", RAW_TRANS, "trans")):
+                             ("RAW_STAGES", RAW_STAGES, "num_stages")):
             if v:
                 check_knob("triton_ced_attention", name, v, *_LAUNCH_BOUNDS[key])
+        check_knob("triton_ced_attention", "RAW_TRANS", int(RAW_TRANS) if isinstance(RAW_TRANS, bool) else RAW_TRANS,
+                   *_LAUNCH_BOUNDS["trans"])
+        if RAW_TRANS and T >= 32:
+            stages, trans = 2, True
         bn, warps, stages = RAW_BLOCK_N or bn, RAW_WARPS or warps, RAW_STAGES or stages
     tiles = max(cdiv(window, bn), cdiv(K, bn), 1)
     launch = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-    if raw and RAW_TRANS:
-        launch["trans"] = RAW_TRANS
+    if trans:
+        launch["trans"] = 1
     return launch, int(max(1, min(cdiv(programs, rows), tiles, most)))
 
 
