@@ -315,9 +315,9 @@ def test_sparse_attention_raw_bf16_entries(rows, W, H, K, fmt, dtype, splits, se
        splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
 def test_sparse_attention_transposed(rows, chunk, W, H, D, K, fmt, dtype, block_n, splits, seed):
     """The transposed products (launch key "trans": keys x heads scores, latent x heads output; the window's ring
-    tiles 16 keys a step, then its fresh-only tiles as row loads) compute the same function: against the reference
-    op, on FP4 or raw bf16 entries, windows reaching into the FP8 ring by any number of keys (up to 40, tiles of
-    16-64), any split count, latents narrower than their power-of-two tile (96), with a prefill chunk of up to 80
+    slots decoded beforehand by _ring_shadow_kernel, then read as rows beside the fresh ones) compute the same
+    function: against the reference op, on FP4 or raw bf16 entries, windows reaching into the FP8 ring by any
+    number of keys (up to 40, tiles of 16-64), any split count, latents narrower than their power-of-two tile (96), with a prefill chunk of up to 80
     queries beside decode-like rows (its later queries' windows fresh rows only). A bad value is refused by name."""
     rows = [*rows, (*chunk, chunk[0])]
     args, kw = attention_case(gen(seed), rows, W, 1, H, D, K, "fp4_e2m1_e4m3" if fmt == "bf16" else fmt, dtype, True)

@@ -88,6 +88,9 @@ RAW_STAGES = 0
 # 486 us against 570, the 16K bounded prefill's attention 22.9 ms against 28.4. 0: off (the RAW_* above still
 # apply). The latent split over warps that came before it lost there (687 us at best).
 RAW_TRANS = 1
+# The transposed launch reads the window's ring slots decoded beforehand, into a copy of the ring in q's dtype
+# (_ring_shadow_kernel; twice the FP8 ring's bytes, freed after the call); over this many bytes it is not chosen.
+RING_SHADOW_MAX_BYTES = 64 << 20
 # A launch override's bounds (merge_launch: lo, hi, power of two), shared by sparse_attention's ``launch`` and the
 # RAW_* knobs; BLOCK_D is the latent's own width, added per call.
 _LAUNCH_BOUNDS = {"BLOCK_H": (16, 64, True), "BLOCK_N": (16, 128, True), "num_warps": (1, 16, True),
@@ -208,29 +211,15 @@ def _ced_attn_kernel(
         nxt = tl.load(sel_row + e0 + BLOCK_N, mask=e0 + BLOCK_N < lim, other=-1)
         byte, sb = fp4_load(ec_ptr, es_ptr, slot, slot >= 0, stride_ec, stride_es, D // GROUP,
                             BLOCK_D // GROUP, GROUP, FAST_FP4)
-    if TRANS:  # the tiles that reach below fresh_lo (ring slots) first, then the fresh-only ones as plain row loads,
-        # which the compiler's pipeline copies straight into shared memory like the entry rows (the interpreter,
-        # which cannot range over a device value, walks every tile in both loops and masks the other loop's)
-        # The ring tiles are decoded in registers, 16 keys a step: a whole tile's two register operands spilled.
-        base = lo + split * WIN_TILES * BLOCK_N
-        n_mixed = tl.minimum(tl.maximum((fresh_lo - base + BLOCK_N - 1) // BLOCK_N, 0), WIN_TILES)
-        SUB: tl.constexpr = BLOCK_N // 16
-        r_off = tl.arange(0, 16)
-        for j in range(WIN_TILES * SUB if _INTERP else n_mixed * SUB):
-            p_first = base + j * 16
-            kv, valid = _window_tile(kv_ptr, rc_row, rs_row, p_first, p_first + r_off, pos, fresh_lo, fresh_start,
-                                     stride_kv, stride_rr, stride_rsr, RING, D // 32, BLOCK_D // 32, DT)
-            if _INTERP:
-                valid = valid & (j < n_mixed * SUB)
-            m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, TRANS)
-        for i in range(0 if _INTERP else n_mixed, WIN_TILES):
-            p = base + i * BLOCK_N + n_off
+    if TRANS:  # window keys as plain row loads, fresh rows or ring slots decoded beforehand (rc_ptr: the ring in q's
+        # dtype, _ring_shadow_kernel): the compiler's pipeline copies them straight into shared memory like entry rows
+        # (decoded here, in registers, the ring tiles' operands spilled registers across the whole kernel)
+        for i in range(WIN_TILES):
+            p = lo + (split * WIN_TILES + i) * BLOCK_N + n_off
             valid = p <= pos
-            if _INTERP:
-                valid = valid & (i >= n_mixed)
-            frow = (fresh_start + p - fresh_lo).to(tl.int64)
-            kv = tl.load(kv_ptr + frow[:, None] * stride_kv + d[None, :], mask=valid[:, None] & d_mask[None, :],
-                         other=0.0)
+            row = tl.where(p >= fresh_lo, kv_ptr + (fresh_start + p - fresh_lo).to(tl.int64) * stride_kv,
+                           rc_row + (p % RING).to(tl.int64) * stride_rr)
+            kv = tl.load(row[:, None] + d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
             m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, TRANS)
     else:
         for i in range(WIN_TILES):
@@ -284,6 +273,33 @@ def _ced_attn_kernel(
         tl.store(mid_m_ptr + ml, m_i, mask=h_mask)
         tl.store(mid_l_ptr + ml, l_i, mask=h_mask)
         tl.store(mid_o_ptr + ml[:, None] * BLOCK_D + d[None, :], acc, mask=h_mask[:, None])
+
+
+@triton.jit
+def _ring_shadow_kernel(rc_ptr, rs_ptr, pos_ptr, flo_ptr, rslot_ptr, sh_ptr, stride_rs, stride_rr, stride_rss,
+                        stride_rsr, stride_shs, stride_shr, D, RING, WINDOW, BLOCK_R: tl.constexpr,
+                        R_TILES: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0):
+    """The ring slots a sequence's window reads in this pass (positions fresh_lo - W + 1 .. fresh_lo - 1) decoded
+    into sh [rings, RING, D] (q's dtype) at the ring's own (row, slot), by the sequence's first query (pos ==
+    fresh_lo: this pass's first position, always one of its queries). Exact: an E4M3 code times a power of two
+    fits bf16. A slot's decoded bits depend on its content only, so any two writers of a slot agree."""
+    pdl_start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t)
+    fresh_lo = tl.load(flo_ptr + t)
+    if pos == fresh_lo:
+        ring_row = tl.load(rslot_ptr + t).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        for i in range(R_TILES):  # (R_TILES * BLOCK_R >= WINDOW - 1)
+            p = fresh_lo - (WINDOW - 1) + i * BLOCK_R + tl.arange(0, BLOCK_R)
+            m = ((p >= 0) & (p < fresh_lo))[:, None] & (d < D)[None, :]
+            slot = (tl.where(p >= 0, p, 0) % RING).to(tl.int64)
+            c = tl.load(rc_ptr + ring_row * stride_rs + slot[:, None] * stride_rr + d[None, :], mask=m, other=0)
+            sb = tl.load(rs_ptr + ring_row * stride_rss + slot[:, None] * stride_rsr + d[None, :] // 32,
+                         mask=m, other=0)
+            v = e4m3_value(c.to(tl.int32)) * e8m0_value(sb.to(tl.int32))
+            tl.store(sh_ptr + ring_row * stride_shs + slot[:, None] * stride_shr + d[None, :],
+                     v.to(sh_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -387,7 +403,7 @@ def launch_config(H: int, D: int, dtype: torch.dtype) -> dict:
 
 
 def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
-                raw: bool = False) -> Optional[tuple]:
+                raw: bool = False, ring_slots: int = 0) -> Optional[tuple]:
     """(launch overrides, splits) for a call of wide latents (BLOCK_D >= 512, bf16 / fp16, compiled), decode or
     prefill, or None (launch_config and choose_splits decide). From benchmarks/ced_attn_sweep.py on the H200 at the
     CED bench config (16 heads x 512, window 128, 512 entries, 16K of context; the old choice in brackets). Decode
@@ -399,7 +415,8 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
     decode rule's last regime holds on past 64 queries (one split from 256). Batch-invariant mode never takes this
     (its split count must not follow T). ``raw``: the entries are bf16 rows; RAW_BLOCK_N / RAW_WARPS /
     RAW_STAGES replace the choice's tile, warps and stages where set; from 32 queries the choice is the
-    transposed products (RAW_TRANS) on 2 stages (31st session, H100: 486 us against 570 at 2048 queries)."""
+    transposed products (RAW_TRANS) on 2 stages (31st session, H100: 486 us against 570 at 2048 queries), where
+    the ring's ``ring_slots`` (all its sequences' slots) decoded fit RING_SHADOW_MAX_BYTES."""
     BLOCK_D = next_pow2(D)
     if INTERPRET or dtype == torch.float32 or BLOCK_D < 512 or T <= 0:
         return None
@@ -419,7 +436,7 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
                 check_knob("triton_ced_attention", name, v, *_LAUNCH_BOUNDS[key])
         check_knob("triton_ced_attention", "RAW_TRANS", int(RAW_TRANS) if isinstance(RAW_TRANS, bool) else RAW_TRANS,
                    *_LAUNCH_BOUNDS["trans"])
-        if RAW_TRANS and T >= 32:
+        if RAW_TRANS and T >= 32 and ring_slots * D * 2 <= RING_SHADOW_MAX_BYTES:
             stages, trans = 2, True
         bn, warps, stages = RAW_BLOCK_N or bn, RAW_WARPS or warps, RAW_STAGES or stages
     tiles = max(cdiv(window, bn), cdiv(K, bn), 1)
@@ -502,7 +519,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         entry_slots = entry_slots.contiguous()
     cfg = launch_config(H, D, q.dtype)
     if launch is None and num_splits is None:  # wide latents: the launch the H200 sweeps chose
-        launch, num_splits = wide_launch(T, H, D, q.dtype, window, K if has_entries else 0, raw) or (None, None)
+        launch, num_splits = wide_launch(T, H, D, q.dtype, window, K if has_entries else 0, raw,
+                                         rc.shape[0] * rc.shape[1]) or (None, None)
         cfg = {**cfg, **(launch or {})}
     else:  # a caller's overrides (tests, benchmarks/ced_attn_sweep.py): checked, the latent tile kept
         cfg = merge_launch("sparse_attention", cfg, launch,
@@ -520,6 +538,15 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         mid_o = torch.empty((T, H, S, BLOCK_D), dtype=torch.float32, device=q.device)
     else:
         mid_m = mid_l = mid_o = out  # unused
+    pos, cut, fresh_lo, fresh_start, ring_slot = (v.contiguous() for v in (pos, cut, fresh_lo, fresh_start, ring_slot))
+    trans = bool(cfg.get("trans", 0))
+    if trans:  # the window's ring slots decoded beforehand, read as rows in q's dtype (_ring_shadow_kernel)
+        shadow = torch.empty(rc.shape, dtype=q.dtype, device=q.device)
+        _ring_shadow_kernel[(T,)](rc, rs, pos, fresh_lo, ring_slot, shadow, rc.stride(0), rc.stride(1), rs.stride(0),
+                                  rs.stride(1), shadow.stride(0), shadow.stride(1), D, rc.shape[1], window,
+                                  BLOCK_R=16, R_TILES=cdiv(window - 1, 16), BLOCK_D=BLOCK_D, num_warps=4,
+                                  **launch_kw(q.device))
+        rc, rs = shadow, shadow  # (rs: unused)
     has_sinks = sinks is not None
     sinks_arg = sinks.contiguous() if has_sinks else q
     cos, sin, stride_cs, half = (*unrope, unrope[0].stride(0), unrope[0].shape[1]) if unrope is not None \
@@ -527,7 +554,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
     block_r = next_pow2(max(1, half))
     _ced_attn_kernel[(T, num_ht, S)](
         q, kv, rc, rs, ec, es, entry_slots, sinks_arg,
-        pos.contiguous(), cut.contiguous(), fresh_lo.contiguous(), fresh_start.contiguous(), ring_slot.contiguous(),
+        pos, cut, fresh_lo, fresh_start, ring_slot,
         cos, sin, out, mid_m, mid_l, mid_o,
         q.stride(0), q.stride(1), kv.stride(0),
         rc.stride(0), rc.stride(1), rs.stride(0), rs.stride(1),
@@ -541,7 +568,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         FAST_FP4=has_entries and not raw and fast_entries(q.dtype, cfg), UNROPE=unrope is not None,
         BLOCK_R=block_r, PREFETCH=has_entries and not raw and prefetch_entries(cfg), RAW=raw,
         DYN=has_entries and bool(cfg.get("dynamic", DYNAMIC_ENTRIES)),
-        SEL_POW2=next_pow2(max(1, cdiv(sel_tiles, S) * BLOCK_N)), TRANS=bool(cfg.get("trans", 0)),
+        SEL_POW2=next_pow2(max(1, cdiv(sel_tiles, S) * BLOCK_N)), TRANS=trans,
         num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
         **launch_kw(q.device),
     )
