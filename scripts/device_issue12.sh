@@ -76,6 +76,7 @@
 #   bash scripts/device_issue12.sh s31b              # s31a in ~3 min (64 keys only; one A/B)
 #   bash scripts/device_issue12.sh s31c COMMIT       # trans on: CED kernel tests, decode with trans, gpu_bench, ncu
 #   bash scripts/device_issue12.sh s31d COMMIT       # trans on the decoded ring: CED kernel tests, sweep, A/B, gpu_bench
+#   bash scripts/device_issue12.sh s31e COMMIT       # the ring decoded in the kernel / beforehand: tests, A/B, gpu_bench
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -794,6 +795,14 @@ s31d)
   raw_sweeps "100 32_64 4_8 2 1"
   raw_best > /dev/null
   prefill_ab 50 4 trans "triton_ced_attention.RAW_TRANS=0" "" 4
+  REPEATS=2 bash "$0" ced-prefill "${1:-?}" ;;
+s31e)
+  # 31st session (~6 min): the transposed launch with the window's ring decoded in the kernel (shipped) or beforehand
+  # (RING_SHADOW): test_triton_ced.py and the launch tests on 8 workers (both drawn), the 16K bounded prefill
+  # alternating the two (two runs each), then gpu_bench's 16K prefill as shipped.
+  timeout -s INT 200 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
+    tests/test_triton_ced_launch.py 2>&1 | tail -6
+  prefill_ab 50 4 shadow "" "triton_ced_attention.RING_SHADOW=1" 4
   REPEATS=2 bash "$0" ced-prefill "${1:-?}" ;;
 s30b)
   # 30th session (~3 min): moe_launch_sweep's large-M grid at 64-row M-blocks (2K and 4K-token prefill chunks of the

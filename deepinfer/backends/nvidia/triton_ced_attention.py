@@ -88,14 +88,18 @@ RAW_STAGES = 0
 # 486 us against 570, the 16K bounded prefill's attention 22.9 ms against 28.4. 0: off (the RAW_* above still
 # apply). The latent split over warps that came before it lost there (687 us at best).
 RAW_TRANS = 1
-# The transposed launch reads the window's ring slots decoded beforehand, into a copy of the ring in q's dtype
-# (_ring_shadow_kernel; twice the FP8 ring's bytes, freed after the call); over this many bytes it is not chosen.
+# The transposed launch with the window's ring slots decoded beforehand into a copy of the ring in q's dtype
+# (_ring_shadow_kernel; twice the FP8 ring's bytes, freed after the call) and read as rows (the launch key "shadow"),
+# where that copy fits RING_SHADOW_MAX_BYTES; else the kernel decodes them, 16 keys a step. ptxas: 215 registers and
+# no spills against 255 and 218 spill stores; yet the first H100 timing, on another machine than the in-kernel
+# decode's, was slower (31st session: the 16K prefill's attention 24.9 against 22.9 ms): off until a same-call A/B.
+RING_SHADOW = False
 RING_SHADOW_MAX_BYTES = 64 << 20
 # A launch override's bounds (merge_launch: lo, hi, power of two), shared by sparse_attention's ``launch`` and the
 # RAW_* knobs; BLOCK_D is the latent's own width, added per call.
 _LAUNCH_BOUNDS = {"BLOCK_H": (16, 64, True), "BLOCK_N": (16, 128, True), "num_warps": (1, 16, True),
                   "num_stages": (1, 8, False), "prefetch": (0, 1, False), "dynamic": (0, 1, False),
-                  "trans": (0, 1, False)}
+                  "trans": (0, 1, False), "shadow": (0, 1, False)}
 
 
 @triton.jit
@@ -166,6 +170,7 @@ def _ced_attn_kernel(
     HAS_ENTRIES: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_FP4: tl.constexpr, UNROPE: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr = False,
     DYN: tl.constexpr = False, SEL_POW2: tl.constexpr = 1, RAW: tl.constexpr = False, TRANS: tl.constexpr = False,
+    SHADOW: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
     pdl_start(PDL, True)
@@ -211,15 +216,38 @@ def _ced_attn_kernel(
         nxt = tl.load(sel_row + e0 + BLOCK_N, mask=e0 + BLOCK_N < lim, other=-1)
         byte, sb = fp4_load(ec_ptr, es_ptr, slot, slot >= 0, stride_ec, stride_es, D // GROUP,
                             BLOCK_D // GROUP, GROUP, FAST_FP4)
-    if TRANS:  # window keys as plain row loads, fresh rows or ring slots decoded beforehand (rc_ptr: the ring in q's
-        # dtype, _ring_shadow_kernel): the compiler's pipeline copies them straight into shared memory like entry rows
-        # (decoded here, in registers, the ring tiles' operands spilled registers across the whole kernel)
+    if TRANS and SHADOW:  # window keys as plain row loads, fresh rows or ring slots decoded beforehand (rc_ptr: the
+        # ring in q's dtype, _ring_shadow_kernel): the compiler's pipeline copies them into shared memory like entries
         for i in range(WIN_TILES):
             p = lo + (split * WIN_TILES + i) * BLOCK_N + n_off
             valid = p <= pos
             row = tl.where(p >= fresh_lo, kv_ptr + (fresh_start + p - fresh_lo).to(tl.int64) * stride_kv,
                            rc_row + (p % RING).to(tl.int64) * stride_rr)
             kv = tl.load(row[:, None] + d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
+            m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, TRANS)
+    elif TRANS:  # the tiles that reach below fresh_lo (ring slots) first, then the fresh-only ones as plain row loads,
+        # which the compiler's pipeline copies straight into shared memory like the entry rows (the interpreter,
+        # which cannot range over a device value, walks every tile in both loops and masks the other loop's).
+        # The ring tiles are decoded in registers, 16 keys a step (a whole tile's two register operands spilled more).
+        base = lo + split * WIN_TILES * BLOCK_N
+        n_mixed = tl.minimum(tl.maximum((fresh_lo - base + BLOCK_N - 1) // BLOCK_N, 0), WIN_TILES)
+        SUB: tl.constexpr = BLOCK_N // 16
+        r_off = tl.arange(0, 16)
+        for j in range(WIN_TILES * SUB if _INTERP else n_mixed * SUB):
+            p_first = base + j * 16
+            kv, valid = _window_tile(kv_ptr, rc_row, rs_row, p_first, p_first + r_off, pos, fresh_lo, fresh_start,
+                                     stride_kv, stride_rr, stride_rsr, RING, D // 32, BLOCK_D // 32, DT)
+            if _INTERP:
+                valid = valid & (j < n_mixed * SUB)
+            m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, TRANS)
+        for i in range(0 if _INTERP else n_mixed, WIN_TILES):
+            p = base + i * BLOCK_N + n_off
+            valid = p <= pos
+            if _INTERP:
+                valid = valid & (i >= n_mixed)
+            frow = (fresh_start + p - fresh_lo).to(tl.int64)
+            kv = tl.load(kv_ptr + frow[:, None] * stride_kv + d[None, :], mask=valid[:, None] & d_mask[None, :],
+                         other=0.0)
             m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, TRANS)
     else:
         for i in range(WIN_TILES):
@@ -403,7 +431,7 @@ def launch_config(H: int, D: int, dtype: torch.dtype) -> dict:
 
 
 def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
-                raw: bool = False, ring_slots: int = 0) -> Optional[tuple]:
+                raw: bool = False) -> Optional[tuple]:
     """(launch overrides, splits) for a call of wide latents (BLOCK_D >= 512, bf16 / fp16, compiled), decode or
     prefill, or None (launch_config and choose_splits decide). From benchmarks/ced_attn_sweep.py on the H200 at the
     CED bench config (16 heads x 512, window 128, 512 entries, 16K of context; the old choice in brackets). Decode
@@ -415,8 +443,7 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
     decode rule's last regime holds on past 64 queries (one split from 256). Batch-invariant mode never takes this
     (its split count must not follow T). ``raw``: the entries are bf16 rows; RAW_BLOCK_N / RAW_WARPS /
     RAW_STAGES replace the choice's tile, warps and stages where set; from 32 queries the choice is the
-    transposed products (RAW_TRANS) on 2 stages (31st session, H100: 486 us against 570 at 2048 queries), where
-    the ring's ``ring_slots`` (all its sequences' slots) decoded fit RING_SHADOW_MAX_BYTES."""
+    transposed products (RAW_TRANS) on 2 stages (31st session, H100: 486 us against 570 at 2048 queries)."""
     BLOCK_D = next_pow2(D)
     if INTERPRET or dtype == torch.float32 or BLOCK_D < 512 or T <= 0:
         return None
@@ -436,7 +463,7 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
                 check_knob("triton_ced_attention", name, v, *_LAUNCH_BOUNDS[key])
         check_knob("triton_ced_attention", "RAW_TRANS", int(RAW_TRANS) if isinstance(RAW_TRANS, bool) else RAW_TRANS,
                    *_LAUNCH_BOUNDS["trans"])
-        if RAW_TRANS and T >= 32 and ring_slots * D * 2 <= RING_SHADOW_MAX_BYTES:
+        if RAW_TRANS and T >= 32:
             stages, trans = 2, True
         bn, warps, stages = RAW_BLOCK_N or bn, RAW_WARPS or warps, RAW_STAGES or stages
     tiles = max(cdiv(window, bn), cdiv(K, bn), 1)
@@ -519,8 +546,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         entry_slots = entry_slots.contiguous()
     cfg = launch_config(H, D, q.dtype)
     if launch is None and num_splits is None:  # wide latents: the launch the H200 sweeps chose
-        launch, num_splits = wide_launch(T, H, D, q.dtype, window, K if has_entries else 0, raw,
-                                         rc.shape[0] * rc.shape[1]) or (None, None)
+        launch, num_splits = wide_launch(T, H, D, q.dtype, window, K if has_entries else 0, raw) or (None, None)
         cfg = {**cfg, **(launch or {})}
     else:  # a caller's overrides (tests, benchmarks/ced_attn_sweep.py): checked, the latent tile kept
         cfg = merge_launch("sparse_attention", cfg, launch,
@@ -540,13 +566,14 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         mid_m = mid_l = mid_o = out  # unused
     pos, cut, fresh_lo, fresh_start, ring_slot = (v.contiguous() for v in (pos, cut, fresh_lo, fresh_start, ring_slot))
     trans = bool(cfg.get("trans", 0))
-    if trans:  # the window's ring slots decoded beforehand, read as rows in q's dtype (_ring_shadow_kernel)
-        shadow = torch.empty(rc.shape, dtype=q.dtype, device=q.device)
-        _ring_shadow_kernel[(T,)](rc, rs, pos, fresh_lo, ring_slot, shadow, rc.stride(0), rc.stride(1), rs.stride(0),
-                                  rs.stride(1), shadow.stride(0), shadow.stride(1), D, rc.shape[1], window,
+    shadow = trans and bool(cfg.get("shadow", RING_SHADOW and rc.numel() * q.element_size() <= RING_SHADOW_MAX_BYTES))
+    if shadow:  # the window's ring slots decoded beforehand, read as rows in q's dtype (_ring_shadow_kernel)
+        sh = torch.empty(rc.shape, dtype=q.dtype, device=q.device)
+        _ring_shadow_kernel[(T,)](rc, rs, pos, fresh_lo, ring_slot, sh, rc.stride(0), rc.stride(1), rs.stride(0),
+                                  rs.stride(1), sh.stride(0), sh.stride(1), D, rc.shape[1], window,
                                   BLOCK_R=16, R_TILES=cdiv(window - 1, 16), BLOCK_D=BLOCK_D, num_warps=4,
                                   **launch_kw(q.device))
-        rc, rs = shadow, shadow  # (rs: unused)
+        rc, rs = sh, sh  # (rs: unused)
     has_sinks = sinks is not None
     sinks_arg = sinks.contiguous() if has_sinks else q
     cos, sin, stride_cs, half = (*unrope, unrope[0].stride(0), unrope[0].shape[1]) if unrope is not None \
@@ -568,7 +595,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         FAST_FP4=has_entries and not raw and fast_entries(q.dtype, cfg), UNROPE=unrope is not None,
         BLOCK_R=block_r, PREFETCH=has_entries and not raw and prefetch_entries(cfg), RAW=raw,
         DYN=has_entries and bool(cfg.get("dynamic", DYNAMIC_ENTRIES)),
-        SEL_POW2=next_pow2(max(1, cdiv(sel_tiles, S) * BLOCK_N)), TRANS=trans,
+        SEL_POW2=next_pow2(max(1, cdiv(sel_tiles, S) * BLOCK_N)), TRANS=trans, SHADOW=shadow,
         num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
         **launch_kw(q.device),
     )
