@@ -75,8 +75,7 @@
 #   bash scripts/device_issue12.sh s31a              # the transposed products' GPU tests, swept, 16K prefill A/B
 #   bash scripts/device_issue12.sh s31b              # s31a in ~3 min (64 keys only; one A/B)
 #   bash scripts/device_issue12.sh s31c COMMIT       # trans on: CED kernel tests, decode with trans, gpu_bench, ncu
-#   bash scripts/device_issue12.sh s31d COMMIT       # trans on the decoded ring: CED kernel tests, sweep, A/B, gpu_bench
-#   bash scripts/device_issue12.sh s31e COMMIT       # the ring decoded in the kernel / beforehand: tests, A/B, gpu_bench
+#   bash scripts/device_issue12.sh s31f              # the CED kernel files and GPU parity on 8 workers (~4 min)
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -785,25 +784,10 @@ s31c)
     --out /tmp/ncu_sweep.jsonl > "$OUT/ncu_ced_attn_trans.txt" 2>&1
   grep -v Warning "$OUT/ncu_ced_attn_trans.txt" | grep -E "^ +[A-Z]|Stall|stall|Occupancy|Throughput|Registers" \
     | head -60 ;;
-s31d)
-  # 31st session (~8 min): the transposed launch reading the ring decoded beforehand (_ring_shadow_kernel; ptxas:
-  # 215 registers, no spills, against 255 and 218 spill stores): test_triton_ced.py and the launch tests on 8
-  # workers, the prefill chunk's launches, the 16K bounded prefill with RAW_TRANS off / on alternating (two each),
-  # then gpu_bench's 16K prefill.
-  timeout -s INT 200 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
-    tests/test_triton_ced_launch.py 2>&1 | tail -6
-  raw_sweeps "100 32_64 4_8 2 1"
-  raw_best > /dev/null
-  prefill_ab 50 4 trans "triton_ced_attention.RAW_TRANS=0" "" 4
-  REPEATS=2 bash "$0" ced-prefill "${1:-?}" ;;
-s31e)
-  # 31st session (~6 min): the transposed launch with the window's ring decoded in the kernel (shipped) or beforehand
-  # (RING_SHADOW): test_triton_ced.py and the launch tests on 8 workers (both drawn), the 16K bounded prefill
-  # alternating the two (two runs each), then gpu_bench's 16K prefill as shipped.
-  timeout -s INT 200 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
-    tests/test_triton_ced_launch.py 2>&1 | tail -6
-  prefill_ab 50 4 shadow "" "triton_ced_attention.RING_SHADOW=1" 4
-  REPEATS=2 bash "$0" ced-prefill "${1:-?}" ;;
+s31f)
+  # 31st session's last call (~4 min): the CED kernel files and GPU parity at the landed commit, on 8 workers.
+  timeout -s INT 240 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
+    tests/test_triton_ced_launch.py tests/test_gpu_parity.py tests/test_triton_ced_fused.py 2>&1 | tail -6 ;;
 s30b)
   # 30th session (~3 min): moe_launch_sweep's large-M grid at 64-row M-blocks (2K and 4K-token prefill chunks of the
   # CED bench MoE: 256 and 512 pairs an expert), which kept the old tiles when WIDE_PREFILL_TILES came in.

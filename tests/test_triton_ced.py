@@ -312,25 +312,24 @@ def test_sparse_attention_raw_bf16_entries(rows, W, H, K, fmt, dtype, splits, se
 @given(rows=ced_attention_rows(2), chunk=st.tuples(st.integers(0, 30), st.integers(1, 80)), W=st.integers(1, 40),
        H=st.integers(1, 3), D=st.sampled_from([32, 64, 96]), K=st.integers(0, 40), fmt=st.sampled_from((*FP4, "bf16")),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), block_n=st.sampled_from([16, 32, 64]),
-       shadow=st.sampled_from([0, 1]), splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
-def test_sparse_attention_transposed(rows, chunk, W, H, D, K, fmt, dtype, block_n, shadow, splits, seed):
+       splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
+def test_sparse_attention_transposed(rows, chunk, W, H, D, K, fmt, dtype, block_n, splits, seed):
     """The transposed products (launch key "trans": keys x heads scores, latent x heads output; the window's ring
-    slots decoded in the kernel 16 keys a step, or with "shadow" beforehand by _ring_shadow_kernel and read as rows
-    beside the fresh ones) compute the same function: against the reference op, on FP4 or raw bf16 entries, windows reaching into the FP8 ring by any
-    number of keys (up to 40, tiles of 16-64), any split count, latents narrower than their power-of-two tile (96), with a prefill chunk of up to 80
+    tiles 16 keys a step, then its fresh-only tiles as row loads) compute the same function: against the reference
+    op, on FP4 or raw bf16 entries, windows reaching into the FP8 ring by any number of keys (up to 40, tiles of
+    16-64), any split count, latents narrower than their power-of-two tile (96), with a prefill chunk of up to 80
     queries beside decode-like rows (its later queries' windows fresh rows only). A bad value is refused by name."""
     rows = [*rows, (*chunk, chunk[0])]
     args, kw = attention_case(gen(seed), rows, W, 1, H, D, K, "fp4_e2m1_e4m3" if fmt == "bf16" else fmt, dtype, True)
     if fmt == "bf16":  # entries no FP4 code holds, as raw bf16 bytes
         args, kw = with_raw_entries(args, kw, (torch.randn(args[3][0].shape[0], D, generator=gen(seed + 1)) * 3)
                                     .to(torch.bfloat16))
-    launch = dict(triton_ced_attention.launch_config(H, D, dtype), BLOCK_N=block_n, trans=1, shadow=shadow)
+    launch = dict(triton_ced_attention.launch_config(H, D, dtype), BLOCK_N=block_n, trans=1)
     launch.pop("BLOCK_D")
     got = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=launch, **kw)
     assert rel_err(got, REF.ced_sparse_attention(*args, **kw)) < (1e-5 if dtype == torch.float32 else 1e-2)
-    for key in ("trans", "shadow"):
-        with pytest.raises(ValueError, match=key):
-            triton_ced_attention.sparse_attention(*args, launch={**launch, key: 2}, **kw)
+    with pytest.raises(ValueError, match="trans"):
+        triton_ced_attention.sparse_attention(*args, launch=dict(launch, trans=2), **kw)
 
 
 @pytest.mark.parametrize("fmt", FP4)
@@ -666,9 +665,8 @@ def test_gpu_sparse_attention_bench_shapes(fmt):
 
 @gpu
 def test_gpu_sparse_attention_transposed_bench_shapes():
-    """The transposed products (launch key trans; the ring decoded in the kernel or beforehand: shadow) compiled at
-    the bench latent on the launches ced_attn_sweep.py times for the raw-entry prefill chunk (64 keys on 4 / 8
-    warps, 1-3 stages: warp-group MMAs; 32 and 128 keys),
+    """The transposed products (launch key trans) compiled at the bench latent on the launches ced_attn_sweep.py
+    times for the raw-entry prefill chunk (64 keys on 4 / 8 warps, 1-3 stages: warp-group MMAs; 32 and 128 keys),
     and on FP4 entries and decode rows: the reference op's values. The chunk's queries read the ring (the first
     W - 1), fresh rows only (the rest), or both."""
     c = bench_config()
@@ -682,9 +680,8 @@ def test_gpu_sparse_attention_transposed_bench_shapes():
         want = REF.ced_sparse_attention(*args, **kw)
         T, K = args[0].shape[0], args[4].shape[1]
         base, splits = triton_ced_attention.wide_launch(T, c.num_heads, c.head_dim, torch.bfloat16, c.n_win, K, raw)
-        for bn, warps, stages, shadow in ((64, 4, 1, 0), (64, 4, 2, 1), (64, 8, 2, 0), (64, 8, 3, 1), (32, 4, 2, 0),
-                                          (32, 4, 2, 1), (128, 8, 1, 0)):
-            launch = dict(base, BLOCK_N=bn, num_warps=warps, num_stages=stages, trans=1, shadow=shadow)
+        for bn, warps, stages in ((64, 4, 1), (64, 4, 2), (64, 8, 2), (64, 8, 3), (32, 4, 2), (128, 8, 1)):
+            launch = dict(base, BLOCK_N=bn, num_warps=warps, num_stages=stages, trans=1)
             out = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=launch, **kw)
             torch.cuda.synchronize()
             assert rel_err(out, want) < 1e-2, (rows[0], raw, launch)
@@ -819,7 +816,7 @@ import torch
 
 assert not tca.INTERPRET
 report = {}
-SASS = ("attn_bf16", "score_bf16", "topk_")
+SASS = ("attn_bf16", "attnT_bf16", "score_bf16", "topk_")
 
 
 def kwidth_hazards(ttgir):
@@ -858,26 +855,31 @@ for dt in ("bf16", "fp32"):
                               "stride_rsr", "stride_ec", "stride_es", "stride_sel", "stride_ot", "stride_oh",
                               "stride_cs", "H", "D", "K", "RING", "NUM_SPLITS", "WINDOW", "HALF"))
             wide = tca.wide_launch(2048, H, D, torch.bfloat16, 128, 512) if dt == "bf16" and direct else None
+            wide_raw = tca.wide_launch(2048, H, D, torch.bfloat16, 128, 512, raw=True) if wide else None
             dyn = dt == "bf16" and D == 512  # the bench decode launches with the entry loop bounded on the device
             for kind, lc in (("", cfg), ("_prefill", dict(cfg, **wide[0]) if wide else None),
                              ("_dyn", dict(cfg, dynamic=1) if dyn else None),
-                             ("_raw", dict(cfg, **wide[0], raw=1) if wide and D == 512 else None)):
+                             ("_raw", dict(cfg, **wide[0], raw=1) if wide and D == 512 else None),
+                             ("T_raw", dict(cfg, **wide_raw[0], raw=1) if wide and D == 512 else None)):
                 if lc is None:
                     continue
                 raw = "raw" in lc  # a prefill on entries decoded to bf16 (entry_fmt "bf16")
                 fast = dt == "bf16" and not raw and tca.fast_entries(torch.bfloat16, lc)
-                compile_(tca._ced_attn_kernel, f"attn_{dt}_D{D}_{'direct' if direct else 'split'}{kind}",
+                # (the transposed raw launch, "attnT_": its ring tiles' loop spills, so the spill rule skips it)
+                name = f"attn{'T' if 'trans' in lc else ''}_{dt}_D{D}_{'direct' if direct else 'split'}" \
+                    f"{kind.lstrip('T')}"
+                compile_(tca._ced_attn_kernel, name,
                          dict(sig, ec_ptr=p if raw else "*u8", es_ptr=p if raw else "*u8"),
                          dict(BLOCK_H=lc["BLOCK_H"], BLOCK_N=lc["BLOCK_N"], BLOCK_D=lc["BLOCK_D"],
                               WIN_TILES=2, SEL_TILES=8, GROUP=16, E8M0=False, HAS_ENTRIES=True, HAS_SINKS=True,
                               DIRECT=direct, DOT_PRECISION="ieee" if dt == "fp32" else "tf32", FAST_FP4=fast,
                               UNROPE=True, BLOCK_R=min(32, D // 4),  # (the engine's: out_proj's RoPE in)
                               PREFETCH=not raw and tca.prefetch_entries(lc), DYN="dynamic" in lc,
-                              SEL_POW2=8 * lc["BLOCK_N"], RAW=raw),
+                              SEL_POW2=8 * lc["BLOCK_N"], RAW=raw, TRANS="trans" in lc),
                          div16=("stride_qt", "stride_qh", "stride_kv", "stride_rs", "stride_rr", "stride_rss",
                                 "stride_ec", "stride_sel", "stride_ot", "stride_oh", "H", "D", "K"),
                          num_warps=lc["num_warps"], **({"num_stages": lc["num_stages"]} if "num_stages" in lc else {}))
-                report[f"attn_{dt}_D{D}_{'direct' if direct else 'split'}{kind}"]["fast"] = fast
+                report[name]["fast"] = fast
     for nh, dh in ((16, 128), (2, 32)):  # the bench indexer; the engine test's
         for Tq in (1, 2048):  # a query a program (decode), several (prefill)
             icfg = tci.launch_config(nh, dh, Tq, torch.bfloat16 if dt == "bf16" else torch.float32)
@@ -919,15 +921,17 @@ print(json.dumps(report))
 def test_ced_kernels_compile_for_hopper():
     """The compiled code path, which CPU CI never runs: every CED kernel compiles for sm_90; bf16 attention (D = 32,
     128, 512; at 512 also with the dynamic entry loop and a prefill's on raw bf16 entries) and indexer scores (dh =
-    32, 128) use the tensor cores without local-memory spills and no MMA operand has a kWidth Triton 3.6
+    32, 128) use the tensor cores without local-memory spills (the transposed raw launch: warp-group MMAs; its
+    ring tiles' loop spills) and no MMA operand has a kWidth Triton 3.6
     miscompiles for its K (see kwidth_hazards); the quantisers use correctly rounded division and keep
     subnormals (no flush-to-zero multiplies)."""
     from pathlib import Path
 
     report = run_compile_script(_COMPILE_SCRIPT, timeout=600, cwd=Path(__file__).resolve().parents[1])
-    # bf16: 10 attention launches (one a prefill's, one a prefill's on raw bf16 entries, two dynamic), 4 score
-    # kernels, 4 (de)quantisers; fp32: 6 + 2 + 4; 4 top-K (the last two bits a pass, stopping early)
-    assert len(report) == 18 + 12 + 4
+    # bf16: 11 attention launches (one a prefill's, two a prefill's on raw bf16 entries: as the FP4 rule and
+    # transposed, two dynamic), 4 score kernels, 4 (de)quantisers; fp32: 6 + 2 + 4; 4 top-K (the last two bits a
+    # pass, stopping early)
+    assert len(report) == 19 + 12 + 4
     hazards = {name: row["kwidth_hazards"] for name, row in report.items() if row["kwidth_hazards"]}
     assert not hazards, f"MMA operands whose kWidth exceeds K / 8 (miscompiled by Triton 3.6): {hazards}"
     for name in [n for n in report if n.startswith(("attn_bf16", "score_bf16"))]:
@@ -941,3 +945,5 @@ def test_ced_kernels_compile_for_hopper():
             assert not row["ftz_mul"] and not row["div_full"], (name, row)
         if name.startswith("topk_") and name.endswith("_1") and row.get("sass") is not None:  # rows in registers
             assert row["sass"].get("STL", 0) == 0, f"{name}: local-memory spills: {row['sass']}"
+        if name.startswith("attnT_") and row.get("sass") is not None:  # the second product on warp-group MMAs
+            assert row["sass"].get("HGMMA", 0) > 0, (name, row["sass"])
