@@ -31,8 +31,12 @@ skipped tiles would have left the state untouched, so the bits are the same.
 The launch key "trans" (1) computes both products transposed (_online_step): scores as keys x heads, the output
 as latent x heads. The keys are then the first product's M side and the latent the second's, so both products
 read the key tile in its own orientation (the heads-first form stores each tile to shared memory twice, once
-transposed, and holds all of q's operand fragment in every warp: 128 registers a thread at the bench latent),
-and from 64 keys a tile on 4 warps the products are Hopper's warp-group MMAs.
+transposed, and holds all of q's operand fragment in every warp: 128 registers a thread at the bench latent);
+the second product (M = the latent) is a Hopper warp-group MMA, and from 64 keys a tile on 4 warps the first too.
+Window tiles of fresh rows and raw entry tiles are plain row loads, which Triton's pipeline (2 stages) copies
+straight into shared memory; the window's tiles that reach the FP8 ring are decoded in registers 16 keys a step,
+in a loop of their own before the fresh-only tiles. wide_launch takes it for raw-entry prefills (RAW_TRANS);
+decode, whose window tiles all come from the ring, keeps the heads-first form, which measured faster there.
 
 Compiled code: the dequantised tiles pass an opaque identity (``triton_fp4.mma_operand``) before the products,
 since Triton 3.6 otherwise widens the MMA operands' kWidth for their 8-bit origin and miscomputes dots with
@@ -100,7 +104,7 @@ def _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.conste
     """Fold keys kv [BLOCK_N, BLOCK_D] (valid [BLOCK_N]) into the online softmax of q [BLOCK_H, BLOCK_D] (acc
     [BLOCK_H, BLOCK_D]). TRANS: the products transposed, q [BLOCK_D, BLOCK_H] and acc [BLOCK_D, BLOCK_H]: the keys
     are the first product's M side and the latent the second's, so both read the key tile in its own orientation
-    (one shared-memory copy) and Hopper's warp-group MMA takes them from 64 keys a tile."""
+    (one shared-memory copy; see the module doc)."""
     if TRANS:
         s = _dot(kv, q, DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_H], log2 units
         s = tl.where(valid[:, None], s, float("-inf"))
