@@ -76,6 +76,7 @@
 #   bash scripts/device_issue12.sh s31b              # s31a in ~3 min (64 keys only; one A/B)
 #   bash scripts/device_issue12.sh s31c COMMIT       # trans on: CED kernel tests, decode with trans, gpu_bench, ncu
 #   bash scripts/device_issue12.sh s31f              # the CED kernel files and GPU parity on 8 workers (~4 min)
+#   bash scripts/device_issue12.sh s31g              # ncu stall reasons on the transposed chunk; 16 / 32 keys x 2 / 3 stages
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -788,6 +789,19 @@ s31f)
   # 31st session's last call (~4 min): the CED kernel files and GPU parity at the landed commit, on 8 workers.
   timeout -s INT 240 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
     tests/test_triton_ced_launch.py tests/test_gpu_parity.py tests/test_triton_ced_fused.py 2>&1 | tail -6 ;;
+s31g)
+  # 31st session's last seconds (~4 min): Nsight Compute's stall reasons and hot instructions on the prefill chunk's
+  # transposed launch (the shipped one), then the chunk at 16 / 32 keys on 2 / 3 stages.
+  command -v ncu >/dev/null || { echo "no ncu on this machine"; exit 0; }
+  timeout 150 ncu --clock-control none --kernel-name regex:_ced_attn_kernel --launch-skip 3 --launch-count 1 \
+    --section WarpStateStats --section SchedulerStats --section InstructionStats --section ComputeWorkloadAnalysis \
+    --section SourceCounters python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 \
+    --block-n 32 --warps 4 --stages 2 --split-scale 0 --prefetch 0 --raw 1 --trans 1 --out /tmp/ncu_sweep.jsonl \
+    > "$OUT/ncu_ced_attn_trans_stalls.txt" 2>&1
+  grep -v Warning "$OUT/ncu_ced_attn_trans_stalls.txt" | grep -E "Stall|stall|Issue|Eligible|Active Warps|Pipe|Executed Ipc" \
+    | head -40
+  raw_sweeps "60 16_32 4 2_3 1"
+  raw_best > /dev/null ;;
 s30b)
   # 30th session (~3 min): moe_launch_sweep's large-M grid at 64-row M-blocks (2K and 4K-token prefill chunks of the
   # CED bench MoE: 256 and 512 pairs an expert), which kept the old tiles when WIDE_PREFILL_TILES came in.
