@@ -312,10 +312,11 @@ def test_sparse_attention_raw_bf16_entries(rows, W, H, K, fmt, dtype, splits, se
 @given(rows=ced_attention_rows(2), chunk=st.tuples(st.integers(0, 30), st.integers(1, 80)), W=st.integers(1, 40),
        H=st.integers(1, 3), D=st.sampled_from([32, 64, 96]), K=st.integers(0, 40), fmt=st.sampled_from((*FP4, "bf16")),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), block_n=st.sampled_from([16, 32, 64]),
-       splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
-def test_sparse_attention_transposed(rows, chunk, W, H, D, K, fmt, dtype, block_n, splits, seed):
+       shadow=st.sampled_from([0, 1]), splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
+def test_sparse_attention_transposed(rows, chunk, W, H, D, K, fmt, dtype, block_n, shadow, splits, seed):
     """The transposed products (launch key "trans": keys x heads scores, latent x heads output; the window's ring
-    tiles 16 keys a step, then its fresh-only tiles as row loads) compute the same function: against the reference
+    tiles decoded in the kernel 16 keys a step, then its fresh-only tiles as row loads, or with "shadow" the ring
+    slots decoded beforehand by _ring_shadow_kernel and read as rows beside the fresh ones) compute the same function: against the reference
     op, on FP4 or raw bf16 entries, windows reaching into the FP8 ring by any number of keys (up to 40, tiles of
     16-64), any split count, latents narrower than their power-of-two tile (96), with a prefill chunk of up to 80
     queries beside decode-like rows (its later queries' windows fresh rows only). A bad value is refused by name."""
@@ -324,12 +325,13 @@ def test_sparse_attention_transposed(rows, chunk, W, H, D, K, fmt, dtype, block_
     if fmt == "bf16":  # entries no FP4 code holds, as raw bf16 bytes
         args, kw = with_raw_entries(args, kw, (torch.randn(args[3][0].shape[0], D, generator=gen(seed + 1)) * 3)
                                     .to(torch.bfloat16))
-    launch = dict(triton_ced_attention.launch_config(H, D, dtype), BLOCK_N=block_n, trans=1)
+    launch = dict(triton_ced_attention.launch_config(H, D, dtype), BLOCK_N=block_n, trans=1, shadow=shadow)
     launch.pop("BLOCK_D")
     got = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=launch, **kw)
     assert rel_err(got, REF.ced_sparse_attention(*args, **kw)) < (1e-5 if dtype == torch.float32 else 1e-2)
-    with pytest.raises(ValueError, match="trans"):
-        triton_ced_attention.sparse_attention(*args, launch=dict(launch, trans=2), **kw)
+    for key, bad in (("trans", 2), ("shadow", 2), ("maxnreg", 300)):
+        with pytest.raises(ValueError, match=key):
+            triton_ced_attention.sparse_attention(*args, launch={**launch, key: bad}, **kw)
 
 
 @pytest.mark.parametrize("fmt", FP4)
@@ -665,8 +667,9 @@ def test_gpu_sparse_attention_bench_shapes(fmt):
 
 @gpu
 def test_gpu_sparse_attention_transposed_bench_shapes():
-    """The transposed products (launch key trans) compiled at the bench latent on the launches ced_attn_sweep.py
-    times for the raw-entry prefill chunk (64 keys on 4 / 8 warps, 1-3 stages: warp-group MMAs; 32 and 128 keys),
+    """The transposed products (launch key trans; the ring decoded in the kernel or beforehand: shadow; registers
+    capped at 168: maxnreg) compiled at the bench latent on the launches ced_attn_sweep.py times for the raw-entry
+    prefill chunk (64 keys on 4 / 8 warps, 1-3 stages: warp-group MMAs; 32 and 128 keys),
     and on FP4 entries and decode rows: the reference op's values. The chunk's queries read the ring (the first
     W - 1), fresh rows only (the rest), or both."""
     c = bench_config()
@@ -680,8 +683,11 @@ def test_gpu_sparse_attention_transposed_bench_shapes():
         want = REF.ced_sparse_attention(*args, **kw)
         T, K = args[0].shape[0], args[4].shape[1]
         base, splits = triton_ced_attention.wide_launch(T, c.num_heads, c.head_dim, torch.bfloat16, c.n_win, K, raw)
-        for bn, warps, stages in ((64, 4, 1), (64, 4, 2), (64, 8, 2), (64, 8, 3), (32, 4, 2), (128, 8, 1)):
-            launch = dict(base, BLOCK_N=bn, num_warps=warps, num_stages=stages, trans=1)
+        for bn, warps, stages, shadow, nreg in ((64, 4, 1, 0, 0), (64, 4, 2, 1, 0), (64, 8, 2, 0, 0), (64, 8, 3, 0, 0),
+                                                (32, 4, 2, 0, 0), (32, 4, 2, 1, 0), (32, 4, 2, 1, 168),
+                                                (32, 4, 2, 0, 168), (128, 8, 1, 0, 0)):
+            launch = dict(base, BLOCK_N=bn, num_warps=warps, num_stages=stages, trans=1, shadow=shadow,
+                          **({"maxnreg": nreg} if nreg else {}))
             out = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=launch, **kw)
             torch.cuda.synchronize()
             assert rel_err(out, want) < 1e-2, (rows[0], raw, launch)

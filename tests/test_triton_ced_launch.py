@@ -55,7 +55,11 @@ def test_wide_launch_rule(monkeypatch):
     monkeypatch.setattr(tca, "RAW_WARPS", 8)
     assert tca.wide_launch(1, 16, 512, bf, 128, 512, raw=True) == \
         ({"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, 8)  # (splits: no more than the 8 key tiles of 64)
-    for name, bad in (("RAW_BLOCK_N", 24), ("RAW_WARPS", 3), ("RAW_STAGES", 9), ("RAW_TRANS", 2)):  # named early
+    monkeypatch.setattr(tca, "RAW_MAXNREG", 168)  # a register cap: raw launches only
+    assert tca.wide_launch(1, 16, 512, bf, 128, 512, raw=True)[0]["maxnreg"] == 168
+    assert "maxnreg" not in tca.wide_launch(1, 16, 512, bf, 128, 512)[0]
+    for name, bad in (("RAW_BLOCK_N", 24), ("RAW_WARPS", 3), ("RAW_STAGES", 9), ("RAW_TRANS", 2),
+                      ("RAW_MAXNREG", 32)):  # named early
         old = getattr(tca, name)
         monkeypatch.setattr(tca, name, bad)
         with pytest.raises(ValueError, match=f"{name} must be"):
