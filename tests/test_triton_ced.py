@@ -332,6 +332,11 @@ def test_sparse_attention_transposed(rows, chunk, W, H, D, K, fmt, dtype, block_
     for key, bad in (("trans", 2), ("shadow", 2), ("maxnreg", 300)):
         with pytest.raises(ValueError, match=key):
             triton_ced_attention.sparse_attention(*args, launch={**launch, key: bad}, **kw)
+    with pytest.MonkeyPatch.context() as mp:  # the module knob too, named
+        mp.setattr(triton_ced_attention, "RING_SHADOW", "yes")
+        with pytest.raises(ValueError, match="RING_SHADOW must be"):
+            triton_ced_attention.sparse_attention(*args, launch={k: v for k, v in launch.items() if k != "shadow"},
+                                                  **kw)
 
 
 @pytest.mark.parametrize("fmt", FP4)

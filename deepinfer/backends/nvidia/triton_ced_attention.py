@@ -436,6 +436,12 @@ def launch_config(H: int, D: int, dtype: torch.dtype) -> dict:
             "BLOCK_N": BLOCK_N, "num_warps": num_warps}
 
 
+def _switch(name: str, v) -> bool:
+    """An on / off module knob (a bool, 0 or 1), else ValueError naming it."""
+    check_knob("triton_ced_attention", name, int(v) if isinstance(v, bool) else v, 0, 1, False)
+    return bool(v)
+
+
 def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
                 raw: bool = False) -> Optional[tuple]:
     """(launch overrides, splits) for a call of wide latents (BLOCK_D >= 512, bf16 / fp16, compiled), decode or
@@ -468,9 +474,7 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
                              ("RAW_STAGES", RAW_STAGES, "num_stages"), ("RAW_MAXNREG", RAW_MAXNREG, "maxnreg")):
             if v:
                 check_knob("triton_ced_attention", name, v, *_LAUNCH_BOUNDS[key])
-        check_knob("triton_ced_attention", "RAW_TRANS", int(RAW_TRANS) if isinstance(RAW_TRANS, bool) else RAW_TRANS,
-                   *_LAUNCH_BOUNDS["trans"])
-        if RAW_TRANS and T >= 32:
+        if _switch("RAW_TRANS", RAW_TRANS) and T >= 32:
             stages, trans = 2, True
         bn, warps, stages = RAW_BLOCK_N or bn, RAW_WARPS or warps, RAW_STAGES or stages
     tiles = max(cdiv(window, bn), cdiv(K, bn), 1)
@@ -575,7 +579,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         mid_m = mid_l = mid_o = out  # unused
     pos, cut, fresh_lo, fresh_start, ring_slot = (v.contiguous() for v in (pos, cut, fresh_lo, fresh_start, ring_slot))
     trans = bool(cfg.get("trans", 0))
-    shadow = trans and bool(cfg.get("shadow", RING_SHADOW and rc.numel() * q.element_size() <= RING_SHADOW_MAX_BYTES))
+    shadow = trans and bool(cfg.get("shadow", _switch("RING_SHADOW", RING_SHADOW)
+                                    and rc.numel() * q.element_size() <= RING_SHADOW_MAX_BYTES))
     if shadow:  # the window's ring slots decoded beforehand, read as rows in q's dtype (_ring_shadow_kernel)
         sh = torch.empty(rc.shape, dtype=q.dtype, device=q.device)
         _ring_shadow_kernel[(T,)](rc, rs, pos, fresh_lo, ring_slot, sh, rc.stride(0), rc.stride(1), rs.stride(0),
