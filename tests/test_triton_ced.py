@@ -871,14 +871,13 @@ for dt in ("bf16", "fp32"):
             for kind, lc in (("", cfg), ("_prefill", dict(cfg, **wide[0]) if wide else None),
                              ("_dyn", dict(cfg, dynamic=1) if dyn else None),
                              ("_raw", dict(cfg, **wide[0], raw=1) if wide and D == 512 else None),
-                             ("T_raw", dict(cfg, **wide_raw[0], raw=1) if wide and D == 512 else None)):
+                             ("_raw", dict(cfg, **wide_raw[0], raw=1) if wide and D == 512 else None)):
                 if lc is None:
                     continue
                 raw = "raw" in lc  # a prefill on entries decoded to bf16 (entry_fmt "bf16")
                 fast = dt == "bf16" and not raw and tca.fast_entries(torch.bfloat16, lc)
                 # (the transposed raw launch, "attnT_": its ring tiles' loop spills, so the spill rule skips it)
-                name = f"attn{'T' if 'trans' in lc else ''}_{dt}_D{D}_{'direct' if direct else 'split'}" \
-                    f"{kind.lstrip('T')}"
+                name = f"attn{'T' if 'trans' in lc else ''}_{dt}_D{D}_{'direct' if direct else 'split'}{kind}"
                 compile_(tca._ced_attn_kernel, name,
                          dict(sig, ec_ptr=p if raw else "*u8", es_ptr=p if raw else "*u8"),
                          dict(BLOCK_H=lc["BLOCK_H"], BLOCK_N=lc["BLOCK_N"], BLOCK_D=lc["BLOCK_D"],

@@ -116,21 +116,19 @@ def _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.conste
     (one shared-memory copy; see the module doc)."""
     if TRANS:
         s = _dot(kv, q, DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_H], log2 units
-        s = tl.where(valid[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep l = acc = 0, no NaN
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha[None, :] + _dot(tl.trans(kv), cast_rne(p, kv.dtype), DOT_PRECISION)
     else:
         s = _dot(q, tl.trans(kv), DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep l = acc = 0, no NaN
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+    KEYS: tl.constexpr = 0 if TRANS else 1  # the axis of s that runs over the keys
+    HEADS: tl.constexpr = 1 - KEYS
+    s = tl.where(tl.expand_dims(valid, HEADS), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=KEYS))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: keep l = acc = 0, no NaN
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - tl.expand_dims(m_use, KEYS))
+    l_i = l_i * alpha + tl.sum(p, axis=KEYS)
+    if TRANS:
+        acc = acc * alpha[None, :] + _dot(tl.trans(kv), cast_rne(p, kv.dtype), DOT_PRECISION)
+    else:
         acc = acc * alpha[:, None] + _dot(cast_rne(p, kv.dtype), kv, DOT_PRECISION)
     return m_new, l_i, acc
 
