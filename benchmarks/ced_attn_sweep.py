@@ -46,8 +46,6 @@ def main(argv=None) -> int:
                     help="1: also each setting on the entries decoded once to bf16 (entry_fmt 'bf16'), 0: FP4")
     ap.add_argument("--trans", type=int, nargs="+", default=[0],
                     help="1: the transposed products (launch key trans: keys / latent on the MMA's M side), 0: not")
-    ap.add_argument("--shadow", type=int, nargs="+", default=[0],
-                    help="with --trans 1: 1 reads the window's ring decoded beforehand (launch key shadow), 0: not")
     ap.add_argument("--maxnreg", type=int, nargs="+", default=[0],
                     help="registers a thread at most (launch key maxnreg; 0: the compiler's choice)")
     ap.add_argument("--reps", type=int, default=30)
@@ -78,16 +76,12 @@ def main(argv=None) -> int:
             if shipped:  # the shipped launch with the other prefetch choice
                 other = int(not tca.prefetch_entries({**cfg0, **shipped[0]}))
                 settings.append((f"default p{other}", dict(shipped[0], prefetch=other), shipped[1]))
-            grid = itertools.product(a.block_n, a.warps, a.stages, a.split_scale, a.prefetch, a.trans, a.shadow,
-                                     a.maxnreg)
-            for bn, nw, ns, sc, pf, tr, sh, nr in grid:
-                if sh and not tr:  # (the shadow is read by the transposed launch only)
-                    continue
+            grid = itertools.product(a.block_n, a.warps, a.stages, a.split_scale, a.prefetch, a.trans, a.maxnreg)
+            for bn, nw, ns, sc, pf, tr, nr in grid:
                 splits = 1 if sc == 0 else max(1, min(32, round(s0 * sc)))
-                name = f"bn{bn} w{nw} s{ns} x{sc:g} p{pf}" + (" t1" if tr else "") + (" h1" if sh else "") \
-                    + (f" r{nr}" if nr else "")
+                name = f"bn{bn} w{nw} s{ns} x{sc:g} p{pf}" + (" t1" if tr else "") + (f" r{nr}" if nr else "")
                 settings.append((name, dict(BLOCK_N=bn, num_warps=nw, num_stages=ns, prefetch=pf,
-                                            **({"trans": 1, "shadow": sh} if tr else {}),
+                                            **({"trans": 1} if tr else {}),
                                             **({"maxnreg": nr} if nr else {})), splits))
             ec, es = first[0][3]
             table = tfp4.dequantize(ec, es, first[1]["entry_fmt"], torch.bfloat16).view(torch.uint8)

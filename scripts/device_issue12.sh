@@ -78,6 +78,7 @@
 #   bash scripts/device_issue12.sh s31f              # the CED kernel files and GPU parity on 8 workers (~4 min)
 #   bash scripts/device_issue12.sh s31g              # ncu stall reasons on the transposed chunk; 16 / 32 keys x 2 / 3 stages
 #   bash scripts/device_issue12.sh s32a              # the transposed chunk with maxnreg 168 / 128, ring in kernel / copied
+#   bash scripts/device_issue12.sh s32b              # CED kernel files + parity at the cap; its neighbours; 16K A/B
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -172,13 +173,14 @@ prefill_ab() {  # s29d / s29e: the cold 16K bounded prefill with knobs "$4" then
 }
 
 raw_sweeps() {  # s31a / s32a: the prefill chunk's launch on raw entries (2048 queries at 16K), one sweep per grid
-  # "SECONDS BLOCK_N WARPS STAGES TRANS SHADOW MAXNREG" (lists joined by _), each with the shipped launch beside it
+  # "SECONDS BLOCK_N WARPS STAGES TRANS MAXNREG" (lists joined by _), each with the shipped launch beside it (until
+  # a4b7116 a SHADOW field came before MAXNREG: the ring copy, removed in the 32nd session)
   local grid
   for grid in "$@"; do
     set -- $grid
     timeout "$1" python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 \
       --block-n ${2//_/ } --warps ${3//_/ } --stages ${4//_/ } --split-scale 0 --prefetch 0 --raw 1 \
-      --trans ${5//_/ } --shadow ${6//_/ } --maxnreg ${7//_/ } --out "$OUT/ced_attn_raw_$2_w$3_t$5_h$6.jsonl" \
+      --trans ${5//_/ } --maxnreg ${6//_/ } --out "$OUT/ced_attn_raw_$2_w$3_s$4_t$5_r$6.jsonl" \
       2>&1 | grep -v Warning | tail -1
   done
 }
@@ -192,11 +194,12 @@ for r in sorted(timed, key=lambda r: r['us']):
     print(f\"{r['setting']:<32} {r['us']:9.1f} us  err {r['rel_l2_err']:.1e}{'' if r['ok'] else '  (not ok)'}\",
           file=sys.stderr)
 rows = [r for r in timed if r['ok']]
-m = re.match(r'bn(\d+) w(\d+) s(\d+) x0 p0(?: t(1))?(?: h(1))?(?: r(\d+))?',
+m = re.match(r'bn(\d+) w(\d+) s(\d+) x0 p0(?: t(1))?(?: r(\d+))?',
              min(rows, key=lambda r: r['us'])['setting']) if rows else None
 if m:
-    names = ('RAW_BLOCK_N', 'RAW_WARPS', 'RAW_STAGES', 'RAW_TRANS', 'RING_SHADOW', 'RAW_MAXNREG')
-    print(' '.join(f'triton_ced_attention.{k}={v}' for k, v in zip(names, m.groups()) if v))
+    names = ('RAW_BLOCK_N', 'RAW_WARPS', 'RAW_STAGES', 'RAW_TRANS', 'RAW_MAXNREG')
+    # (no t1 / r: RAW_TRANS / RAW_MAXNREG 0, since the shipped choice sets both)
+    print(' '.join(f'triton_ced_attention.{k}={v or 0}' for k, v in zip(names, m.groups())))
 "
 }
 
@@ -762,13 +765,13 @@ s31a)
   # the 16K bounded prefill as shipped / with the chunk's fastest launch, alternating.
   timeout -s INT 150 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
     -k "gpu_sparse_attention and (transposed or bench_shapes)" 2>&1 | tail -3
-  raw_sweeps "150 64 4_8 1_2_3 1 0 0" "120 32_128 4_8 1_2 1 0 0"
+  raw_sweeps "150 64 4_8 1_2_3 1 0" "120 32_128 4_8 1_2 1 0"
   raw_ab 4 ;;
 s31b)
   # 31st session, s31a at a budget's end (~3 min): its tests, the 64-key sweep alone, one A/B run each.
   timeout -s INT 100 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
     -k "gpu_sparse_attention and transposed" 2>&1 | tail -3
-  raw_sweeps "100 64 4_8 1_2 1 0 0"
+  raw_sweeps "100 64 4_8 1_2 1 0"
   raw_ab 2 ;;
 s31c)
   # 31st session (~9 min): with the transposed raw launch on by default (RAW_TRANS), the CED kernel GPU tests; the
@@ -803,15 +806,25 @@ s31g)
     > "$OUT/ncu_ced_attn_trans_stalls.txt" 2>&1
   grep -v Warning "$OUT/ncu_ced_attn_trans_stalls.txt" | grep -E "Stall|stall|Issue|Eligible|Active Warps|Pipe|Executed Ipc" \
     | head -40
-  raw_sweeps "60 16_32 4 2_3 1 0 0"
+  raw_sweeps "60 16_32 4 2_3 1 0"
   raw_best > /dev/null ;;
 s32a)
   # For the 32nd session (~7 min): the transposed prefill chunk launch with its registers capped (maxnreg 168: three
   # 4-warp blocks an SM instead of two; ptxas: 14 spill stores with the ring decoded beforehand, 725 without; 128:
   # four), the ring decoded in the kernel / beforehand, against the shipped one; then the 16K bounded prefill as
   # shipped / with the fastest, alternating (two runs each).
-  raw_sweeps "150 32 4 2 1 0_1 0_168_128"
+  raw_sweeps "150 32 4 2 1 0_168_128"  # (at a4b7116: x ring copy off / on)
   raw_ab 4 ;;
+s32b)
+  # 32nd session (~9 min): the CED kernel files and GPU parity with the transposed chunk's registers capped at 168
+  # (the new default), the capped launch's neighbours (16 / 32 / 64 keys x 1-3 stages; 8 warps capped at 128: two
+  # blocks an SM), then the 16K bounded prefill as shipped / with the fastest (as shipped twice where it wins).
+  timeout -s INT 220 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
+    tests/test_triton_ced_launch.py tests/test_gpu_parity.py tests/test_triton_ced_fused.py 2>&1 | tail -6
+  raw_sweeps "80 16_32_64 4 1_2_3 1 168" "50 32_64 8 1_2 1 128"
+  knobs=$(raw_best)
+  echo "fastest: ${knobs:-none (the shipped launch)}"
+  prefill_ab 50 4 raw "" "$knobs" $([ -n "$knobs" ] && echo 4 || echo 2) ;;
 s30b)
   # 30th session (~3 min): moe_launch_sweep's large-M grid at 64-row M-blocks (2K and 4K-token prefill chunks of the
   # CED bench MoE: 256 and 512 pairs an expert), which kept the old tiles when WIDE_PREFILL_TILES came in.

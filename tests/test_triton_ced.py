@@ -312,12 +312,11 @@ def test_sparse_attention_raw_bf16_entries(rows, W, H, K, fmt, dtype, splits, se
 @given(rows=ced_attention_rows(2), chunk=st.tuples(st.integers(0, 30), st.integers(1, 80)), W=st.integers(1, 40),
        H=st.integers(1, 3), D=st.sampled_from([32, 64, 96]), K=st.integers(0, 40), fmt=st.sampled_from((*FP4, "bf16")),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), block_n=st.sampled_from([16, 32, 64]),
-       shadow=st.sampled_from([0, 1]), splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
-def test_sparse_attention_transposed(rows, chunk, W, H, D, K, fmt, dtype, block_n, shadow, splits, seed):
+       splits=st.sampled_from([None, 1, 3]), seed=st.integers(0, 2**16))
+def test_sparse_attention_transposed(rows, chunk, W, H, D, K, fmt, dtype, block_n, splits, seed):
     """The transposed products (launch key "trans": keys x heads scores, latent x heads output; the window's ring
-    tiles decoded in the kernel 16 keys a step, then its fresh-only tiles as row loads, or with "shadow" the ring
-    slots decoded beforehand by _ring_shadow_kernel and read as rows beside the fresh ones) compute the same function: against the reference
-    op, on FP4 or raw bf16 entries, windows reaching into the FP8 ring by any number of keys (up to 40, tiles of
+    tiles decoded in the kernel 16 keys a step, then its fresh-only tiles as row loads) compute the same function:
+    against the reference op, on FP4 or raw bf16 entries, windows reaching into the FP8 ring by any number of keys (up to 40, tiles of
     16-64), any split count, latents narrower than their power-of-two tile (96), with a prefill chunk of up to 80
     queries beside decode-like rows (its later queries' windows fresh rows only). A bad value is refused by name."""
     rows = [*rows, (*chunk, chunk[0])]
@@ -325,18 +324,13 @@ def test_sparse_attention_transposed(rows, chunk, W, H, D, K, fmt, dtype, block_
     if fmt == "bf16":  # entries no FP4 code holds, as raw bf16 bytes
         args, kw = with_raw_entries(args, kw, (torch.randn(args[3][0].shape[0], D, generator=gen(seed + 1)) * 3)
                                     .to(torch.bfloat16))
-    launch = dict(triton_ced_attention.launch_config(H, D, dtype), BLOCK_N=block_n, trans=1, shadow=shadow)
+    launch = dict(triton_ced_attention.launch_config(H, D, dtype), BLOCK_N=block_n, trans=1)
     launch.pop("BLOCK_D")
     got = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=launch, **kw)
     assert rel_err(got, REF.ced_sparse_attention(*args, **kw)) < (1e-5 if dtype == torch.float32 else 1e-2)
-    for key, bad in (("trans", 2), ("shadow", 2), ("maxnreg", 300)):
+    for key, bad in (("trans", 2), ("maxnreg", 300)):
         with pytest.raises(ValueError, match=key):
             triton_ced_attention.sparse_attention(*args, launch={**launch, key: bad}, **kw)
-    with pytest.MonkeyPatch.context() as mp:  # the module knob too, named
-        mp.setattr(triton_ced_attention, "RING_SHADOW", "yes")
-        with pytest.raises(ValueError, match="RING_SHADOW must be"):
-            triton_ced_attention.sparse_attention(*args, launch={k: v for k, v in launch.items() if k != "shadow"},
-                                                  **kw)
 
 
 @pytest.mark.parametrize("fmt", FP4)
@@ -672,8 +666,7 @@ def test_gpu_sparse_attention_bench_shapes(fmt):
 
 @gpu
 def test_gpu_sparse_attention_transposed_bench_shapes():
-    """The transposed products (launch key trans; the ring decoded in the kernel or beforehand: shadow; registers
-    capped at 168: maxnreg) compiled at the bench latent on the launches ced_attn_sweep.py times for the raw-entry
+    """The transposed products (launch key trans; registers capped or not: maxnreg) compiled at the bench latent on the launches ced_attn_sweep.py times for the raw-entry
     prefill chunk (64 keys on 4 / 8 warps, 1-3 stages: warp-group MMAs; 32 and 128 keys),
     and on FP4 entries and decode rows: the reference op's values. The chunk's queries read the ring (the first
     W - 1), fresh rows only (the rest), or both."""
@@ -688,10 +681,10 @@ def test_gpu_sparse_attention_transposed_bench_shapes():
         want = REF.ced_sparse_attention(*args, **kw)
         T, K = args[0].shape[0], args[4].shape[1]
         base, splits = triton_ced_attention.wide_launch(T, c.num_heads, c.head_dim, torch.bfloat16, c.n_win, K, raw)
-        for bn, warps, stages, shadow, nreg in ((64, 4, 1, 0, 0), (64, 4, 2, 1, 0), (64, 8, 2, 0, 0), (64, 8, 3, 0, 0),
-                                                (32, 4, 2, 0, 0), (32, 4, 2, 1, 0), (32, 4, 2, 1, 168),
-                                                (32, 4, 2, 0, 168), (128, 8, 1, 0, 0)):
-            launch = dict(base, BLOCK_N=bn, num_warps=warps, num_stages=stages, trans=1, shadow=shadow,
+        base = {k: v for k, v in base.items() if k != "maxnreg"}
+        for bn, warps, stages, nreg in ((64, 4, 1, 0), (64, 8, 2, 0), (64, 8, 3, 0), (32, 4, 2, 0), (32, 4, 2, 168),
+                                        (32, 4, 3, 168), (32, 4, 2, 128), (128, 8, 1, 0)):
+            launch = dict(base, BLOCK_N=bn, num_warps=warps, num_stages=stages, trans=1,
                           **({"maxnreg": nreg} if nreg else {}))
             out = triton_ced_attention.sparse_attention(*args, num_splits=splits, launch=launch, **kw)
             torch.cuda.synchronize()
@@ -822,7 +815,7 @@ def test_gpu_fp4_quantisers_realistic_shapes():
 _COMPILE_SCRIPT = r'''
 import json, re
 from deepinfer.backends.nvidia import triton_ced_attention as tca, triton_ced_indexer as tci, triton_fp4
-from deepinfer.testing.kernels import compile_sm90, sass_row
+from deepinfer.testing.kernels import compile_sm90, cuobjdump, sass_row
 import torch
 
 assert not tca.INTERPRET
@@ -849,6 +842,9 @@ def compile_(fn, name, sig, const, div16=(), **opts):
     row = dict(smem=k.metadata.shared, div_full="div.full.f32" in ptx, ftz_mul="mul.ftz" in ptx,
                kwidth_hazards=kwidth_hazards(k.asm.get("ttgir", "")))
     # SASS (cuobjdump, ~0.5 s a kernel) only for the rows whose SASS the test reads
+    if "maxnreg" in opts:  # the registers ptxas gave a capped launch (cuobjdump -res-usage: "REG:N")
+        m = re.search(r"REG:(\d+)", cuobjdump(k, "-res-usage") or "")
+        row.update(maxnreg=opts["maxnreg"], regs=int(m.group(1)) if m else None)
     report[name] = sass_row(k, r"\b(HMMA|HGMMA|STL|LDL|LDG\.E\.128)\b", **row) if name.startswith(SASS) else row
 
 
@@ -888,7 +884,8 @@ for dt in ("bf16", "fp32"):
                               SEL_POW2=8 * lc["BLOCK_N"], RAW=raw, TRANS="trans" in lc),
                          div16=("stride_qt", "stride_qh", "stride_kv", "stride_rs", "stride_rr", "stride_rss",
                                 "stride_ec", "stride_sel", "stride_ot", "stride_oh", "H", "D", "K"),
-                         num_warps=lc["num_warps"], **({"num_stages": lc["num_stages"]} if "num_stages" in lc else {}))
+                         num_warps=lc["num_warps"], **({"num_stages": lc["num_stages"]} if "num_stages" in lc else {}),
+                         **({"maxnreg": lc["maxnreg"]} if "maxnreg" in lc else {}))
                 report[name]["fast"] = fast
     for nh, dh in ((16, 128), (2, 32)):  # the bench indexer; the engine test's
         for Tq in (1, 2048):  # a query a program (decode), several (prefill)
@@ -931,8 +928,8 @@ print(json.dumps(report))
 def test_ced_kernels_compile_for_hopper():
     """The compiled code path, which CPU CI never runs: every CED kernel compiles for sm_90; bf16 attention (D = 32,
     128, 512; at 512 also with the dynamic entry loop and a prefill's on raw bf16 entries) and indexer scores (dh =
-    32, 128) use the tensor cores without local-memory spills (the transposed raw launch: warp-group MMAs; its
-    ring tiles' loop spills) and no MMA operand has a kWidth Triton 3.6
+    32, 128) use the tensor cores without local-memory spills (the transposed raw launch: warp-group MMAs within
+    its register cap, RAW_MAXNREG; its ring tiles' loop spills) and no MMA operand has a kWidth Triton 3.6
     miscompiles for its K (see kwidth_hazards); the quantisers use correctly rounded division and keep
     subnormals (no flush-to-zero multiplies)."""
     from pathlib import Path
@@ -957,3 +954,5 @@ def test_ced_kernels_compile_for_hopper():
             assert row["sass"].get("STL", 0) == 0, f"{name}: local-memory spills: {row['sass']}"
         if name.startswith("attnT_") and row.get("sass") is not None:  # the second product on warp-group MMAs
             assert row["sass"].get("HGMMA", 0) > 0, (name, row["sass"])
+        if row.get("regs") is not None:  # a register cap the launch asks for holds (three 4-warp blocks an SM)
+            assert row["regs"] <= row["maxnreg"], (name, row["regs"], row["maxnreg"])

@@ -39,7 +39,8 @@ def test_wide_launch_rule(monkeypatch):
         assert tca.wide_launch(*args, 128, 512) is None
     # Raw bf16 entries: from 32 queries the transposed products on 2 stages (RAW_TRANS), below it the FP4 choice;
     # RAW_BLOCK_N / RAW_WARPS / RAW_STAGES override the tile, each alone; RAW_TRANS = 0 gives the FP4 choice back.
-    trans = ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "trans": 1}, 1)
+    # The transposed choice's registers are capped at RAW_MAXNREG (168: three 4-warp blocks an SM).
+    trans = ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "trans": 1, "maxnreg": 168}, 1)
     assert tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True) == trans
     assert tca.wide_launch(65, 16, 512, bf, 128, 512, raw=True) == (trans[0], 4)
     assert tca.wide_launch(16, 16, 512, bf, 128, 512, raw=True) == tca.wide_launch(16, 16, 512, bf, 128, 512)
@@ -49,15 +50,17 @@ def test_wide_launch_rule(monkeypatch):
     assert tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True) == trans
     monkeypatch.setattr(tca, "RAW_STAGES", 3)
     assert tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True) == \
-        ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "trans": 1}, 1)
+        ({"BLOCK_N": 32, "num_warps": 4, "num_stages": 3, "trans": 1, "maxnreg": 168}, 1)
     assert tca.wide_launch(2048, 16, 512, bf, 128, 512) == prefill[-1]  # (FP4 entries: untouched)
     monkeypatch.setattr(tca, "RAW_BLOCK_N", 64)
     monkeypatch.setattr(tca, "RAW_WARPS", 8)
     assert tca.wide_launch(1, 16, 512, bf, 128, 512, raw=True) == \
         ({"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, 8)  # (splits: no more than the 8 key tiles of 64)
-    monkeypatch.setattr(tca, "RAW_MAXNREG", 168)  # a register cap: raw launches only
-    assert tca.wide_launch(1, 16, 512, bf, 128, 512, raw=True)[0]["maxnreg"] == 168
-    assert "maxnreg" not in tca.wide_launch(1, 16, 512, bf, 128, 512)[0]
+    assert "maxnreg" not in tca.wide_launch(1, 16, 512, bf, 128, 512, raw=True)[0]  # the cap: transposed only
+    monkeypatch.setattr(tca, "RAW_MAXNREG", 128)
+    assert tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True)[0]["maxnreg"] == 128
+    monkeypatch.setattr(tca, "RAW_MAXNREG", 0)  # 0: the compiler's choice
+    assert "maxnreg" not in tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True)[0]
     for name, bad in (("RAW_BLOCK_N", 24), ("RAW_WARPS", 3), ("RAW_STAGES", 9), ("RAW_TRANS", 2),
                       ("RAW_MAXNREG", 32)):  # named early
         old = getattr(tca, name)

@@ -92,20 +92,17 @@ RAW_STAGES = 0
 # 486 us against 570, the 16K bounded prefill's attention 22.9 ms against 28.4. 0: off (the RAW_* above still
 # apply). The latent split over warps that came before it lost there (687 us at best).
 RAW_TRANS = 1
-# The transposed launch with the window's ring slots decoded beforehand into a copy of the ring in q's dtype
-# (_ring_shadow_kernel; twice the FP8 ring's bytes, freed after the call) and read as rows (the launch key "shadow"),
-# where that copy fits RING_SHADOW_MAX_BYTES; else the kernel decodes them, 16 keys a step (that loop spills). Off:
-# built without spills (215 registers against 255) it lost a same-call A/B on the H100 (31st session: the 16K
-# prefill's attention 25.1 against 23.1 ms) at the same two blocks an SM. RAW_MAXNREG caps the registers (the launch
-# key "maxnreg"): at 168 ptxas builds the shadow launch with 14 spill stores, and three blocks fit an SM. Untimed.
-RING_SHADOW = False
-RING_SHADOW_MAX_BYTES = 64 << 20
-RAW_MAXNREG = 0
+# The transposed choice's register cap (the launch key "maxnreg"; 0: the compiler's 255). At 168 three 4-warp blocks
+# fit an SM instead of two; ptxas spills more in the ring tiles' loop, which ~6% of a chunk's queries run. On the H100
+# (32nd session) the 2048-query chunk took 434 us against 484 uncapped (128: 656), the 16K bounded prefill's attention
+# 19.9 ms against 23.0, wall 64.9-65.0 against 68.3-68.6 in one call. A copy of the ring decoded beforehand (read as
+# rows, no spills) lost with the cap as without it (467 us; 31st session: 25.1 ms against 23.1) and was removed.
+RAW_MAXNREG = 168
 # A launch override's bounds (merge_launch: lo, hi, power of two), shared by sparse_attention's ``launch`` and the
 # RAW_* knobs; BLOCK_D is the latent's own width, added per call.
 _LAUNCH_BOUNDS = {"BLOCK_H": (16, 64, True), "BLOCK_N": (16, 128, True), "num_warps": (1, 16, True),
                   "num_stages": (1, 8, False), "prefetch": (0, 1, False), "dynamic": (0, 1, False),
-                  "trans": (0, 1, False), "shadow": (0, 1, False), "maxnreg": (64, 255, False)}
+                  "trans": (0, 1, False), "maxnreg": (64, 255, False)}
 
 
 @triton.jit
@@ -174,7 +171,6 @@ def _ced_attn_kernel(
     HAS_ENTRIES: tl.constexpr, HAS_SINKS: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FAST_FP4: tl.constexpr, UNROPE: tl.constexpr, BLOCK_R: tl.constexpr, PREFETCH: tl.constexpr = False,
     DYN: tl.constexpr = False, SEL_POW2: tl.constexpr = 1, RAW: tl.constexpr = False, TRANS: tl.constexpr = False,
-    SHADOW: tl.constexpr = False,
     PDL: tl.constexpr = 0,
 ):
     pdl_start(PDL, True)
@@ -220,16 +216,7 @@ def _ced_attn_kernel(
         nxt = tl.load(sel_row + e0 + BLOCK_N, mask=e0 + BLOCK_N < lim, other=-1)
         byte, sb = fp4_load(ec_ptr, es_ptr, slot, slot >= 0, stride_ec, stride_es, D // GROUP,
                             BLOCK_D // GROUP, GROUP, FAST_FP4)
-    if TRANS and SHADOW:  # window keys as plain row loads, fresh rows or ring slots decoded beforehand (rc_ptr: the
-        # ring in q's dtype, _ring_shadow_kernel): the compiler's pipeline copies them into shared memory like entries
-        for i in range(WIN_TILES):
-            p = lo + (split * WIN_TILES + i) * BLOCK_N + n_off
-            valid = p <= pos
-            row = tl.where(p >= fresh_lo, kv_ptr + (fresh_start + p - fresh_lo).to(tl.int64) * stride_kv,
-                           rc_row + (p % RING).to(tl.int64) * stride_rr)
-            kv = tl.load(row[:, None] + d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
-            m_i, l_i, acc = _online_step(q, kv, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION, TRANS)
-    elif TRANS:  # the tiles that reach below fresh_lo (ring slots) first, then the fresh-only ones as plain row loads,
+    if TRANS:  # the tiles that reach below fresh_lo (ring slots) first, then the fresh-only ones as plain row loads,
         # which the compiler's pipeline copies straight into shared memory like the entry rows (the interpreter,
         # which cannot range over a device value, walks every tile in both loops and masks the other loop's)
         # The ring tiles are decoded in registers, 16 keys a step: a whole tile's two register operands spilled more.
@@ -305,33 +292,6 @@ def _ced_attn_kernel(
         tl.store(mid_m_ptr + ml, m_i, mask=h_mask)
         tl.store(mid_l_ptr + ml, l_i, mask=h_mask)
         tl.store(mid_o_ptr + ml[:, None] * BLOCK_D + d[None, :], acc, mask=h_mask[:, None])
-
-
-@triton.jit
-def _ring_shadow_kernel(rc_ptr, rs_ptr, pos_ptr, flo_ptr, rslot_ptr, sh_ptr, stride_rs, stride_rr, stride_rss,
-                        stride_rsr, stride_shs, stride_shr, D, RING, WINDOW, BLOCK_R: tl.constexpr,
-                        R_TILES: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = 0):
-    """The ring slots a sequence's window reads in this pass (positions fresh_lo - W + 1 .. fresh_lo - 1) decoded
-    into sh [rings, RING, D] (q's dtype) at the ring's own (row, slot), by the sequence's first query (pos ==
-    fresh_lo: this pass's first position, always one of its queries). Exact: an E4M3 code times a power of two
-    fits bf16. A slot's decoded bits depend on its content only, so any two writers of a slot agree."""
-    pdl_start(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t)
-    fresh_lo = tl.load(flo_ptr + t)
-    if pos == fresh_lo:
-        ring_row = tl.load(rslot_ptr + t).to(tl.int64)
-        d = tl.arange(0, BLOCK_D)
-        for i in range(R_TILES):  # (R_TILES * BLOCK_R >= WINDOW - 1)
-            p = fresh_lo - (WINDOW - 1) + i * BLOCK_R + tl.arange(0, BLOCK_R)
-            m = ((p >= 0) & (p < fresh_lo))[:, None] & (d < D)[None, :]
-            slot = (tl.where(p >= 0, p, 0) % RING).to(tl.int64)
-            c = tl.load(rc_ptr + ring_row * stride_rs + slot[:, None] * stride_rr + d[None, :], mask=m, other=0)
-            sb = tl.load(rs_ptr + ring_row * stride_rss + slot[:, None] * stride_rsr + d[None, :] // 32,
-                         mask=m, other=0)
-            v = e4m3_value(c.to(tl.int32)) * e8m0_value(sb.to(tl.int32))
-            tl.store(sh_ptr + ring_row * stride_shs + slot[:, None] * stride_shr + d[None, :],
-                     v.to(sh_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -452,9 +412,9 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
     8 warps, Triton's default stages: 2380]; every 4-warp BLOCK_N 32 setting beat every 8-warp one there, so the
     decode rule's last regime holds on past 64 queries (one split from 256). Batch-invariant mode never takes this
     (its split count must not follow T). ``raw``: the entries are bf16 rows; RAW_BLOCK_N / RAW_WARPS /
-    RAW_STAGES replace the choice's tile, warps and stages where set (RAW_MAXNREG caps its registers); from 32
-    queries the choice is the transposed products (RAW_TRANS) on 2 stages (31st session, H100: 486 us against 570
-    at 2048 queries)."""
+    RAW_STAGES replace the choice's tile, warps and stages where set; from 32 queries the choice is the transposed
+    products (RAW_TRANS) on 2 stages (31st session, H100: 486 us against 570 at 2048 queries) with registers capped
+    at RAW_MAXNREG (32nd session: 434 us against 484)."""
     BLOCK_D = next_pow2(D)
     if INTERPRET or dtype == torch.float32 or BLOCK_D < 512 or T <= 0:
         return None
@@ -479,8 +439,8 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
     launch = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
     if trans:
         launch["trans"] = 1
-    if raw and RAW_MAXNREG:
-        launch["maxnreg"] = RAW_MAXNREG
+        if RAW_MAXNREG:
+            launch["maxnreg"] = RAW_MAXNREG
     return launch, int(max(1, min(cdiv(programs, rows), tiles, most)))
 
 
@@ -577,15 +537,6 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         mid_m = mid_l = mid_o = out  # unused
     pos, cut, fresh_lo, fresh_start, ring_slot = (v.contiguous() for v in (pos, cut, fresh_lo, fresh_start, ring_slot))
     trans = bool(cfg.get("trans", 0))
-    shadow = trans and bool(cfg.get("shadow", _switch("RING_SHADOW", RING_SHADOW)
-                                    and rc.numel() * q.element_size() <= RING_SHADOW_MAX_BYTES))
-    if shadow:  # the window's ring slots decoded beforehand, read as rows in q's dtype (_ring_shadow_kernel)
-        sh = torch.empty(rc.shape, dtype=q.dtype, device=q.device)
-        _ring_shadow_kernel[(T,)](rc, rs, pos, fresh_lo, ring_slot, sh, rc.stride(0), rc.stride(1), rs.stride(0),
-                                  rs.stride(1), sh.stride(0), sh.stride(1), D, rc.shape[1], window,
-                                  BLOCK_R=16, R_TILES=cdiv(window - 1, 16), BLOCK_D=BLOCK_D, num_warps=4,
-                                  **launch_kw(q.device))
-        rc, rs = sh, sh  # (rs: unused)
     has_sinks = sinks is not None
     sinks_arg = sinks.contiguous() if has_sinks else q
     cos, sin, stride_cs, half = (*unrope, unrope[0].stride(0), unrope[0].shape[1]) if unrope is not None \
@@ -607,7 +558,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: tuple, entries: Op
         FAST_FP4=has_entries and not raw and fast_entries(q.dtype, cfg), UNROPE=unrope is not None,
         BLOCK_R=block_r, PREFETCH=has_entries and not raw and prefetch_entries(cfg), RAW=raw,
         DYN=has_entries and bool(cfg.get("dynamic", DYNAMIC_ENTRIES)),
-        SEL_POW2=next_pow2(max(1, cdiv(sel_tiles, S) * BLOCK_N)), TRANS=trans, SHADOW=shadow,
+        SEL_POW2=next_pow2(max(1, cdiv(sel_tiles, S) * BLOCK_N)), TRANS=trans,
         num_warps=cfg["num_warps"], **({"num_stages": cfg["num_stages"]} if "num_stages" in cfg else {}),
         **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg and not INTERPRET else {}), **launch_kw(q.device),
     )
