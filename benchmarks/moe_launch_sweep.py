@@ -8,7 +8,7 @@ launch_config's choice, at the CED bench config's MoE shape (32 experts, top-4, 
 128 rows, N tiles 64-256, K steps 32-128, 4 or 8 warps, 2-4 stages (a 16K bounded prefill spends ~9.5 ms of its
 75 in these two GEMMs on the H100, ~46% of the bf16 matmul rate). ``--fp8`` takes block-scaled FP8 expert weights
 (128 x 128 scale blocks, as FP8 checkpoints are served) instead of bf16, checked against the weights they dequantize
-to: launch_config's FP8 tiles (w_bytes 1) were never swept at prefill sizes.
+to (the 32nd session's sweep gave FP8 weights at 128-row M-blocks their own tiles, FP8_PREFILL_TILES).
 
 A decode step's routed experts stream nearly every expert's weights once, so each row also reports the weight
 bytes the touched experts hold over the time (TB/s). GEMM 1's knobs are swept with GEMM 2 at launch_config's and

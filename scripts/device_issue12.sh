@@ -79,6 +79,7 @@
 #   bash scripts/device_issue12.sh s31g              # ncu stall reasons on the transposed chunk; 16 / 32 keys x 2 / 3 stages
 #   bash scripts/device_issue12.sh s32a              # the transposed chunk with maxnreg 168 / 128, ring in kernel / copied
 #   bash scripts/device_issue12.sh s32b              # CED kernel files + parity at the cap; its neighbours; 16K A/B
+#   bash scripts/device_issue12.sh s32c              # MoE GPU tests at the new prefill tiles; s30b / s30c's sweeps again
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -825,6 +826,16 @@ s32b)
   knobs=$(raw_best)
   echo "fastest: ${knobs:-none (the shipped launch)}"
   prefill_ab 50 4 raw "" "$knobs" $([ -n "$knobs" ] && echo 4 || echo 2) ;;
+s32c)
+  # 32nd session (~4 min): the MoE GPU tests with the prefill tiles of s30b / s30c's sweeps (bf16 at 64-row M-blocks:
+  # the wide GEMM-1 tile and three GEMM-2 stages; FP8 at 128-row blocks: FP8_PREFILL_TILES), then both sweeps again
+  # with the earlier tiles timed beside the new default ("given" rows).
+  timeout -s INT 150 python3 -m pytest -n 4 --dist loadfile -p no:cacheprovider -q -rfE tests/test_triton_moe.py \
+    tests/test_moe_fp8.py tests/test_triton_moe_pairs.py 2>&1 | tee "$OUT/gpu_tests_moe.log" | tail -4
+  timeout 150 python3 benchmarks/moe_launch_sweep.py --prefill --tokens 2048 4096 \
+    --also '{"BN1": 64, "stages2": 4}' --out "$OUT/moe_launch_prefill_bm64.jsonl" 2>&1 | grep -v Warning | tail -7
+  timeout 150 python3 benchmarks/moe_launch_sweep.py --prefill --fp8 --also '{"BK1": 64, "BN2": 128, "warps2": 8}' \
+    --out "$OUT/moe_launch_prefill_fp8.jsonl" 2>&1 | grep -v Warning | tail -4 ;;
 s30b)
   # 30th session (~3 min): moe_launch_sweep's large-M grid at 64-row M-blocks (2K and 4K-token prefill chunks of the
   # CED bench MoE: 256 and 512 pairs an expert), which kept the old tiles when WIDE_PREFILL_TILES came in.

@@ -118,8 +118,9 @@ def test_launch_overrides_keep_the_result(T, E, k, knobs, seed):
 
 def test_wide_prefill_tiles_only_where_they_were_measured_and_fit(monkeypatch):
     """launch_config's compiled-GPU choice (the interpreter's is fixed): the wide GEMM-1 tile and three GEMM-2
-    stages only at 128-row M-blocks, bf16 weights, WIDE_PREFILL_TILES on and enough shared memory for four stages
-    of the tile (an sm_90's 227 KB, not an A100's ~163 KB); everything else keeps the earlier tiles."""
+    stages only at 64- and 128-row M-blocks, bf16 weights, WIDE_PREFILL_TILES on and enough shared memory for four
+    stages of the tile (an sm_90's 227 KB, not an A100's ~163 KB at 128 rows); FP8 weights at 128-row blocks their
+    own tiles (FP8_PREFILL_TILES), at 64 rows the earlier ones; everything else keeps the earlier tiles."""
     monkeypatch.setattr(triton_moe, "INTERPRET", False)
     cuda = torch.device("cuda", 0)
     monkeypatch.setitem(triton_moe._SMEM, 0, triton_moe.HOPPER_SHARED_MEM)
@@ -127,9 +128,18 @@ def test_wide_prefill_tiles_only_where_they_were_measured_and_fit(monkeypatch):
     wide = prefill()
     assert (wide["BLOCK_M"], wide["BN1"], wide["stages2"]) == (128, 128, 3)
     assert wide["stages1"] == 4  # 4 x 48 KB: what the A100 case below cannot hold
+    chunk = triton_moe.launch_config(4096 * 4, 32, 512, 2048, cuda)  # a 4K-token chunk: 512 pairs an expert
+    assert (chunk["BLOCK_M"], chunk["BN1"], chunk["BK1"], chunk["warps1"], chunk["stages1"], chunk["stages2"]) == \
+        (64, 128, 64, 4, 4, 3)
+    old = dict(BN1=64, BK1=64, BN2=128, warps2=8, stages2=4)
+    fp8 = prefill(w_bytes=1)
+    assert {key: fp8[key] for key in old} == dict(old, BK1=128, BN2=64, warps2=4)
+    assert (fp8["warps1"], fp8["stages1"], fp8["stages2"]) == (8, 4, 4)
+    assert prefill(w_bytes=1, block_m=64)["BN1"] == 64 and prefill(w_bytes=1, block_m=64)["BK1"] == 64, \
+        "FP8 weights at 64-row blocks were not swept"
+    monkeypatch.setattr(triton_moe, "FP8_PREFILL_TILES", False)
+    assert {key: prefill(w_bytes=1)[key] for key in old} == old
     old = dict(BN1=64, stages2=4)
-    assert prefill(w_bytes=1)["BN1"] == 64, "FP8 weights were not swept"
-    assert {key: prefill(block_m=64)[key] for key in old} == old, "64-row blocks keep theirs"
     from deepinfer.backends.nvidia import triton_attention
 
     monkeypatch.setitem(triton_attention._SM_COUNT, 0, 132)  # the decode branch reads the SM count
@@ -139,6 +149,7 @@ def test_wide_prefill_tiles_only_where_they_were_measured_and_fit(monkeypatch):
     monkeypatch.setitem(triton_moe._SMEM, 0, triton_moe.HOPPER_SHARED_MEM)
     monkeypatch.setattr(triton_moe, "WIDE_PREFILL_TILES", False)
     assert {key: prefill()[key] for key in old} == old
+    assert {key: prefill(block_m=64)[key] for key in old} == old
 
 
 @examples(8)
@@ -387,26 +398,38 @@ def test_gpu_qwen3_float32_clamp_and_skewed_routing():
 
 
 @gpu
-@pytest.mark.parametrize("T,skew", [(4096, False), (3001, True)])
-def test_gpu_prefill_sized_m_blocks(T, skew, monkeypatch):
-    """128-row M-blocks (a prefill's mean of over 512 pairs an expert) on the wide tiles of launch_config
-    (WIDE_PREFILL_TILES) and on the earlier ones: both match the reference's routed experts, partial blocks and
-    crowded experts included."""
+@pytest.mark.parametrize("T,skew,fp8,bm", [(4096, False, False, 128), (3001, True, False, 128), (2048, False, False, 64),
+                                          (1501, True, False, 64), (4096, False, True, 128), (3001, True, True, 128)])
+def test_gpu_prefill_sized_m_blocks(T, skew, fp8, bm, monkeypatch):
+    """Prefill-sized M-blocks (64 rows from a mean of 33 pairs an expert, 128 from 513) on launch_config's prefill
+    tiles (bf16 weights: WIDE_PREFILL_TILES, 64 and 128 rows; block-scaled FP8 weights: FP8_PREFILL_TILES) and on
+    the earlier ones: both match the reference's routed experts (on the weights FP8 dequantizes to), partial blocks
+    and crowded experts included."""
     E, k, d, F = 8, 2, 2048, 768
     g = torch.Generator(device=DEV).manual_seed(19)
-    w13 = (torch.randn(E, 2 * F, d, generator=g, device=DEV) * d ** -0.5).bfloat16()
-    w2 = (torch.randn(E, d, F, generator=g, device=DEV) * F ** -0.5).bfloat16()
+    if fp8:
+        w13, s13, ref13 = fp8_weights(torch.Generator().manual_seed(19), E, 2 * F, d)
+        w2, s2, ref2 = fp8_weights(torch.Generator().manual_seed(20), E, d, F)
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    else:
+        w13 = (torch.randn(E, 2 * F, d, generator=g, device=DEV) * d ** -0.5).bfloat16()
+        w2 = (torch.randn(E, d, F, generator=g, device=DEV) * F ** -0.5).bfloat16()
+        scales = {}
     x, weights, ids = _tokens(20, T, E=E, k=k, d=d)
     if skew:
         ids = torch.where(torch.arange(T, device=DEV)[:, None] % 3 == 0, ids % 2, ids)
-    assert triton_moe.launch_config(T * k, E, F, d, DEV)["BLOCK_M"] == 128
-    ref = ref_moe.experts_routed(x, w13, w2, weights, ids)
-    outs = {}
-    for wide in (True, False):
-        monkeypatch.setattr(triton_moe, "WIDE_PREFILL_TILES", wide)
-        assert (triton_moe.launch_config(T * k, E, F, d, DEV)["BN1"] == 128) == wide
-        outs[wide] = triton_moe.fused_experts(x, w13, w2, weights, ids)
-        assert rel_err(outs[wide], ref) < 1e-2, wide
+    w_bytes = w13.element_size()
+    assert triton_moe.launch_config(T * k, E, F, d, DEV, w_bytes=w_bytes)["BLOCK_M"] == bm
+    ref = ref_moe.experts_dense(x.float(), ref13, ref2, weights, ids) if fp8 else \
+        ref_moe.experts_routed(x, w13, w2, weights, ids)
+    outs, cfgs = {}, {}
+    for new in (True, False):
+        monkeypatch.setattr(triton_moe, "WIDE_PREFILL_TILES", new)
+        monkeypatch.setattr(triton_moe, "FP8_PREFILL_TILES", new)
+        cfgs[new] = triton_moe.launch_config(T * k, E, F, d, DEV, w_bytes=w_bytes)
+        outs[new] = triton_moe.fused_experts(x, w13, w2, weights, ids, **scales)
+        assert rel_err(outs[new], ref) < 1e-2, new
+    assert (cfgs[True] != cfgs[False]) == (not fp8 or bm == 128), cfgs  # FP8 at 64 rows: no tiles of its own
     assert rel_err(outs[True], outs[False]) < 1e-2
 
 
@@ -520,7 +543,7 @@ compile_(tm._place_kernel, "place", dict(ids_ptr="*i64", chunk_counts_ptr="*i32"
          starts_ptr="*i32", counts_ptr="*i32", **ints("N", "E", "CHUNK", "NUM_CHUNKS")),
          dict(BLOCK_M=16, S=64, EB=512, RB=8, CHUNK_I=0, NUM_CHUNKS_I=0), num_warps=4)
 for pairs, fp8 in ((8, False), (64 * 8, False), (4096 * 8, False), (128 * 1024, False), (16 * 8, True),
-                   (4096 * 8, True)):
+                   (4096 * 8, True), (128 * 1024, True)):
     cfg = tm.launch_config(pairs, 128, 768, 2048, torch.device("cuda", 0), w_bytes=1 if fp8 else 2)
     BM, w, tag = cfg["BLOCK_M"], ("*fp8e4nv" if fp8 else "*bf16"), f"{'fp8' if fp8 else 'bf16'}_BM{cfg['BLOCK_M']}"
     compile_(tm._gemm1_swiglu_kernel, "gemm1_" + tag,
@@ -564,7 +587,8 @@ def test_kernels_compile_for_hopper():
     launch_config picks for Qwen3-30B-A3B (decode, prefill; bf16 and FP8) without local-memory spills, on
     tensor cores (warpgroup MMAs from BLOCK_M 64), within the H200's 227 KB of shared memory."""
     report = run_compile_script(_COMPILE_SCRIPT)
-    assert {"gemm1_bf16_BM16", "gemm1_bf16_BM64", "gemm1_bf16_BM128", "gemm2_fp8_BM16", "gemm2_fp8_BM64"} <= set(report)
+    assert {"gemm1_bf16_BM16", "gemm1_bf16_BM64", "gemm1_bf16_BM128", "gemm2_fp8_BM16", "gemm2_fp8_BM64",
+            "gemm1_fp8_BM128", "gemm2_fp8_BM128"} <= set(report)
     for pdl in (2, 3):  # every program waits; the signal at the start (2) or after the main loop (3)
         for name in ("pdl_gemm1", "pdl_ksum"):
             row = report.pop(f"{name}_{pdl}")

@@ -317,8 +317,10 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
 SMEM_BUDGET = 200 * 1024  # of the H200's 227 KB per block; Triton keeps (num_stages - 1) stages in flight
 
 
-# The large-M tiles of the 29th session's sweep (launch_config); off: the earlier ones, for A/B runs.
+# The large-M tiles of the 29th (128-row M-blocks) and 32nd (64-row) sessions' sweeps (launch_config); off: the
+# earlier ones, for A/B runs. FP8_PREFILL_TILES: the 32nd session's tiles for FP8 weights at 128-row M-blocks.
 WIDE_PREFILL_TILES = True
+FP8_PREFILL_TILES = True
 _SMEM: dict = {}  # device index -> the shared memory a block may use (Triton's max_shared_mem), cached
 HOPPER_SHARED_MEM = 232448  # an sm_90 block's (227 KB)
 
@@ -350,8 +352,9 @@ def launch_config(num_pairs: int, num_experts: int, F: int, d: int, device: torc
     For sm_90: BLOCK_M 16 (decode, memory bound on the weights) streams weights in 128-wide K steps; the
     GEMM-1 N tile narrows to 32 when few experts are active, so that enough programs stream weights to
     fill the GPU. Larger M-blocks use 64-wide K steps, 128-wide GEMM-2 N tiles (GEMM 1's gate and up
-    tiles make 2 x 64) and 8 warps at BLOCK_M 128, where bf16 weights take 2 x 128 GEMM-1 tiles and three
-    GEMM-2 stages (WIDE_PREFILL_TILES). float32 activations (tests, not serving) use 32-wide
+    tiles make 2 x 64) and 8 warps at BLOCK_M 128; there bf16 weights take 2 x 128 GEMM-1 tiles and three
+    GEMM-2 stages (WIDE_PREFILL_TILES), and FP8 weights at BLOCK_M 128 take 128-deep GEMM-1 K steps and 64-wide
+    GEMM-2 N tiles on 4 warps (FP8_PREFILL_TILES). float32 activations (tests, not serving) use 32-wide
     tiles. Up to four stages, fewer when tiles would overflow shared memory. BLOCK_K divides 128 (FP8
     scale blocks). x_bytes/w_bytes: element sizes of x and of the weights.
     """
@@ -371,18 +374,24 @@ def launch_config(num_pairs: int, num_experts: int, F: int, d: int, device: torc
         cfg = dict(BLOCK_M=BM, BN1=BN1, BK1=128, BN2=64, BK2=128, warps1=4, warps2=4)
     else:
         warps = 8 if BM >= 128 else 4
-        # moe_launch_sweep.py --prefill on the H100 (CED bench MoE, 16K tokens, bf16; 29th session): at 128-row
-        # M-blocks a 128-wide GEMM-1 N tile (2 x 128 of gate and up) and three GEMM-2 stages: 1117 and 1143 against
-        # 1228 us a call each alone, the same bits; in the 16K prefill the MoE 9.52 -> 7.64 ms. FP8 weights and
-        # 64-row blocks were not swept and keep the old tiles.
-        # (their stages of the wide GEMM-1 tile take 192 KB: GPUs with less shared memory keep the old tiles)
+        # moe_launch_sweep.py --prefill on the H100 (CED bench MoE, bf16): a 128-wide GEMM-1 N tile (2 x 128 of gate
+        # and up) and three GEMM-2 stages. 29th session, 128-row M-blocks (16K tokens): 1117 and 1143 against 1228 us
+        # a call each alone, the same bits; in the 16K prefill the MoE 9.52 -> 7.64 ms. 32nd session, 64-row blocks
+        # (2K / 4K tokens): the wide GEMM-1 tile 213.6 / 365.4 against 239.3 / 401.6 us, three GEMM-2 stages
+        # 230.4 / 392.4 (the same bits).
+        # (their stages of the wide GEMM-1 tile take up to 192 KB: GPUs with less shared memory keep the old tiles)
         cfg = dict(BLOCK_M=BM, BN1=64, BK1=64, BN2=128, BK2=64, warps1=warps, warps2=warps)
         wide_bn1 = 128
         wide_stage = _gemm1_stage_bytes(BM, cfg["BK1"], wide_bn1, x_bytes, w_bytes)
-        wide = WIDE_PREFILL_TILES and BM >= 128 and w_bytes == 2 and x_bytes == 2 \
+        wide = WIDE_PREFILL_TILES and w_bytes == 2 and x_bytes == 2 \
             and _stages(wide_stage) * wide_stage <= max_shared_mem(device)
         if wide:
             cfg["BN1"] = wide_bn1
+        elif FP8_PREFILL_TILES and BM >= 128 and w_bytes == 1 and x_bytes == 2:
+            # The same sweep with block-scaled FP8 weights (--fp8, 16K tokens, 32nd session): a 128-deep GEMM-1 K
+            # step (one scale block a step) 1931 against 2092 us a call; GEMM 2 on 64-wide N tiles and 4 warps 1994
+            # (the same bits). 64-row blocks with FP8 weights were not swept and keep the old tiles.
+            cfg.update(BK1=128, BN2=64, warps2=4)
     cfg["stages1"] = _stages(_gemm1_stage_bytes(BM, cfg["BK1"], cfg["BN1"], x_bytes, w_bytes))
     cfg["stages2"] = _stages(BM * cfg["BK2"] * x_bytes + cfg["BK2"] * cfg["BN2"] * w_bytes)
     if wide:
