@@ -835,7 +835,13 @@ s32c)
   timeout 150 python3 benchmarks/moe_launch_sweep.py --prefill --tokens 2048 4096 \
     --also '{"BN1": 64, "stages2": 4}' --out "$OUT/moe_launch_prefill_bm64.jsonl" 2>&1 | grep -v Warning | tail -7
   timeout 150 python3 benchmarks/moe_launch_sweep.py --prefill --fp8 --also '{"BK1": 64, "BN2": 128, "warps2": 8}' \
-    --out "$OUT/moe_launch_prefill_fp8.jsonl" 2>&1 | grep -v Warning | tail -4 ;;
+    --out "$OUT/moe_launch_prefill_fp8.jsonl" 2>&1 | grep -v Warning | tail -4
+  for k in "" triton_moe.WIDE_PREFILL_TILES=0 "" triton_moe.WIDE_PREFILL_TILES=0; do  # a 4K prefill: 64-row blocks
+    n=$((${n:-0} + 1))
+    timeout 40 python3 benchmarks/profile_cold_prefill.py --tokens 4096 --modes bounded --repeats 3 --top 4 \
+      ${k:+--knob $k} --out "$OUT/cold_prefill_4k_moe$n" 2>&1 | grep -v Warning | grep -A5 "^== " \
+      | sed "s/^/[${k:-as shipped}] /" | cut -c 1-150
+  done ;;
 s30b)
   # 30th session (~3 min): moe_launch_sweep's large-M grid at 64-row M-blocks (2K and 4K-token prefill chunks of the
   # CED bench MoE: 256 and 512 pairs an expert), which kept the old tiles when WIDE_PREFILL_TILES came in.
