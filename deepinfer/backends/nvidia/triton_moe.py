@@ -379,7 +379,8 @@ def launch_config(num_pairs: int, num_experts: int, F: int, d: int, device: torc
         # a call each alone, the same bits; in the 16K prefill the MoE 9.52 -> 7.64 ms. 32nd session, 64-row blocks
         # (2K / 4K tokens): the wide GEMM-1 tile 213.6 / 365.4 against 239.3 / 401.6 us, three GEMM-2 stages
         # 230.4 / 392.4 (the same bits).
-        # (their stages of the wide GEMM-1 tile take up to 192 KB: GPUs with less shared memory keep the old tiles)
+        # (four stages of the wide GEMM-1 tile take 160 KB at 64 rows, 192 KB at 128: where a block gets less
+        # shared memory, an A100's ~163 KB at 128 rows, the old tiles stay)
         cfg = dict(BLOCK_M=BM, BN1=64, BK1=64, BN2=128, BK2=64, warps1=warps, warps2=warps)
         wide_bn1 = 128
         wide_stage = _gemm1_stage_bytes(BM, cfg["BK1"], wide_bn1, x_bytes, w_bytes)
