@@ -80,6 +80,7 @@
 #   bash scripts/device_issue12.sh s32a              # the transposed chunk with maxnreg 168 / 128, ring in kernel / copied
 #   bash scripts/device_issue12.sh s32b              # CED kernel files + parity at the cap; its neighbours; 16K A/B
 #   bash scripts/device_issue12.sh s32c              # MoE GPU tests at the new prefill tiles; s30b / s30c's sweeps again
+#   bash scripts/device_issue12.sh s33a              # router logits GPU tests + model files; 16K prefill, tiled logits off / on
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -809,6 +810,14 @@ s31g)
     | head -40
   raw_sweeps "60 16_32 4 2_3 1 0"
   raw_best > /dev/null ;;
+s33a)
+  # For the 33rd session (~8 min, carry .whl312): the router logits kernel's GPU tests and every GPU file that runs
+  # the MoE at prefill sizes since 2e9672a's tiles (model parity, graphs, CED decode, speculation), then the 16K
+  # bounded prefill with the tiled router logits off / on, alternating (ops.CED_ROUTE_LOGITS_TILED).
+  timeout -s INT 200 python3 -m pytest -n 8 --dist loadfile -p no:cacheprovider -q -rfE tests/test_router_logits.py \
+    tests/test_triton_gemv.py tests/test_gpu_parity.py tests/test_cuda_graphs.py tests/test_ced_decode_path.py \
+    tests/test_speculative.py tests/test_route_tail.py 2>&1 | tail -6
+  prefill_ab 50 6 router "" "CED_ROUTE_LOGITS_TILED=1" ;;
 s32a)
   # For the 32nd session (~7 min): the transposed prefill chunk launch with its registers capped (maxnreg 168: three
   # 4-warp blocks an SM instead of two; ptxas: 14 spill stores with the ring decoded beforehand, 725 without; 128:

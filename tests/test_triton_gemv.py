@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
+from deepinfer.testing.compare import assert_same_routing, ced_router_case
 from deepinfer.testing.kernels import DEV, assert_same_bits, capture_graph, examples, gen, gpu, no_host_sync, \
     skip_module_without_kernels
 
@@ -345,9 +346,8 @@ def test_ced_router_logits_take_the_kernel_up_to_their_limit(invariant, monkeypa
     backend = nv.NvidiaOps(DEV)
     backend.batch_invariant = invariant
     g = gen(9)
-    E, d, k = 12, 96, 3
-    gate = torch.randn(E, d, generator=g).to(DEV) * d ** -0.5
-    bias = (torch.randn(E, generator=g) * 0.1).to(DEV)
+    gate, bias = ced_router_case(g, DEV)
+    d, k = gate.shape[1], 3
     for rows in (1, 2, limit, limit + 1, limit + 3, limit + 4):
         x = torch.randn(rows, d, generator=g).to(DEV, torch.bfloat16)
         before = backend.kernel_calls["gemv"], backend.kernel_calls["splitk"]
@@ -355,12 +355,8 @@ def test_ced_router_logits_take_the_kernel_up_to_their_limit(invariant, monkeypa
         took = backend.kernel_calls["gemv"] - before[0], backend.kernel_calls["splitk"] - before[1]
         want = (0, 0) if invariant or rows > limit + 3 else (1, 0) if rows <= limit else (0, 1)
         assert took == want, (rows, invariant, took)
-        rw, rids = ReferenceOps(DEV).ced_moe_route(x, gate, k, bias=bias, scaling=1.5)
-        logits = x.double() @ gate.double().T
-        score = torch.sqrt(torch.nn.functional.softplus(logits)) + bias.double()
-        mine, ref = score.gather(1, ids).sort(1).values, score.gather(1, rids).sort(1).values
-        torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(w.sort(1).values, rw.sort(1).values, rtol=1e-5, atol=1e-6)
+        assert_same_routing(x, gate, bias, (w, ids), ReferenceOps(DEV).ced_moe_route(x, gate, k, bias=bias,
+                                                                                      scaling=1.5))
 
 
 @examples(25)

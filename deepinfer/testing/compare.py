@@ -13,6 +13,8 @@ magnitude of what is compared, and greedy token sequences that may part only at 
   a near-tie differently, and after that the sequences legitimately diverge; anything else is a failure.
   ``assert_greedy_matches`` applies it to a batch; ``hf_greedy`` gives transformers' side (tokens and the
   logits of each step); an engine run's side is its ``logprobs=2`` output.
+- ``assert_same_routing(x, gate, bias, got, want)``: two CED routings of the same rows agree by the float64 scores
+  of what each side chose and by their weights (``ced_router_case`` draws a gate and bias).
 """
 
 from __future__ import annotations
@@ -94,6 +96,24 @@ def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, *, factor:
         f"actual {float(a[row, c]):.9g}, expected {float(b[row, c]):.9g}, |diff| {float(err[row]):.3g} = "
         f"{float(err[row]) / eps(dtype) / max(mag, 1e-300):.1f} eps x the row's max|expected| {mag:.4g}; "
         f"bound {float(bound[row]):.3g} ({factor:g} eps of {dtype} x {mag:.4g})")
+
+
+def ced_router_case(g: torch.Generator, device, E: int = 12, d: int = 96) -> tuple:
+    """A CED router's float32 gate [E, d] (scaled by d^-1/2) and selection bias [E], drawn from ``g``."""
+    gate = torch.randn(E, d, generator=g).to(device) * d ** -0.5
+    return gate, (torch.randn(E, generator=g) * 0.1).to(device)
+
+
+def assert_same_routing(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, got: tuple, want: tuple) -> None:
+    """Two CED routings (weights, ids) of the rows x agree: by the float64 biased sqrt-softplus scores of the
+    experts each side chose (a near tie may pick either expert) and by the chosen weights, never by copying one
+    side's choice into the other."""
+    logits = x.double() @ gate.double().T
+    score = torch.sqrt(torch.nn.functional.softplus(logits)) + bias.double()
+    (w, ids), (rw, rids) = got, want
+    mine, ref = score.gather(1, ids).sort(1).values, score.gather(1, rids).sort(1).values
+    torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w.sort(1).values, rw.sort(1).values, rtol=1e-5, atol=1e-6)
 
 
 def _step_scores(ref_scores, i: int) -> dict:

@@ -19,6 +19,7 @@ from ..base import AttnMetadata
 from ..reference import lowbit
 from ..reference.ops import ReferenceOps
 from . import kernel_choice, triton_act, triton_attention, triton_gemv, triton_kvquant, triton_norm, triton_splitk
+from . import triton_router_logits
 
 INTERPRET = triton_norm.INTERPRET  # the kernels were decorated for the interpreter (decided at import)
 
@@ -54,6 +55,11 @@ CED_ROUTE_LOGITS_GEMV_MAX_ROWS = 8
 # rows, 161 / 54 at 16, 166 / 84 at 32, 171 / 136 at 64; 0 keeps cuBLAS.
 CED_ROUTE_LOGITS_SPLITK_MAX_ROWS = 64
 CED_ROUTE_LOGITS_SPLITK_KNOBS = dict(block_n=32)  # 32 experts: one column tile, more K splits fill the GPU
+# Past that (prefill sizes), the logits in one launch (triton_router_logits: x read once as bf16, the float32 gate as
+# three exact bf16 terms on the tensor cores) instead of x's float32 cast and cuBLAS's float32 GEMM on the CUDA
+# cores (~1.5 ms of the 16K bounded prefill on the H100, 32nd session's profile). Off: untimed (that session's
+# device budget was spent); profile_cold_prefill.py --knob CED_ROUTE_LOGITS_TILED=1 times it.
+CED_ROUTE_LOGITS_TILED = False
 # Epilogues that save a launch a layer each, tested, shipped off: the router on its logits product's last program
 # (triton_ced_route.Tail, the GEMV and split-K logits above), CED's query RoPE on W_q_b's GEMV (Ops.ced_linear_rope),
 # the residual add + FFN norm on W_o_b's last program (Ops.ced_linear_add_rms). The three on against 0d6fa03's path
@@ -444,8 +450,8 @@ class NvidiaOps(ReferenceOps):
     def ced_moe_route(self, x, gate, top_k, *, bias, scaling):
         """cuBLAS's gate GEMV, then the router kernel (up to CED_ROUTE_GEMV_MAX_ROWS tokens: the GEMV in the kernel; up
         to CED_ROUTE_LOGITS_GEMV_MAX_ROWS: triton_gemv's kernel for the logits; then up to
-        CED_ROUTE_LOGITS_SPLITK_MAX_ROWS: triton_splitk's).
-        Batch-invariant mode: always the gate matmul (routed to the invariant kernel) then the router kernel, so a
+        CED_ROUTE_LOGITS_SPLITK_MAX_ROWS: triton_splitk's; past them, with CED_ROUTE_LOGITS_TILED,
+        triton_router_logits). Batch-invariant mode: always the gate matmul (routed to the invariant kernel) then the router kernel, so a
         row's logits do not depend on how many rows the step has."""
         from . import triton_ced_route as tcr
 
@@ -475,6 +481,12 @@ class NvidiaOps(ReferenceOps):
                                                                         **CED_ROUTE_LOGITS_SPLITK_KNOBS),
                                       x, gate, top_k, bias, scaling)
             logits = triton_splitk.linear(x, gate, **CED_ROUTE_LOGITS_SPLITK_KNOBS)
+            return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
+        if CED_ROUTE_LOGITS_TILED and not self.batch_invariant and kernel_device_ok(x, gate) \
+                and triton_router_logits.supports(x, gate) \
+                and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
+            self.kernel_calls["router_logits"] += 1
+            logits = triton_router_logits.logits(x, gate)
             return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
         return super().ced_moe_route(x, gate, top_k, bias=bias, scaling=scaling)
 

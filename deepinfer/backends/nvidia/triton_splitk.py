@@ -57,6 +57,17 @@ COUNTERS = 1 << 16  # column tiles one call may have (a [G, N] of 64-wide tiles:
 
 
 @triton.jit
+def split_bf16x3(w):
+    """A float32 tile as three bf16 tiles whose sum is it exactly (8 + 8 + 8 significant bits, each remainder
+    exact in float32), so three products of a bf16 operand with them give its float32 product's terms."""
+    hi = w.to(tl.bfloat16)
+    r = w - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
 def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, N_TILES,
                    stride_xm, stride_xg, stride_wg, stride_wn, stride_om, stride_og,
                    SPLITS: tl.constexpr, K_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -87,10 +98,7 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, N_TILES,
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
         if SPLIT_W:  # float32 w = hi + mid + lo exactly, each bf16; x is bf16 (exact products)
-            hi = w.to(tl.bfloat16)
-            r = w - hi.to(tl.float32)
-            mid = r.to(tl.bfloat16)
-            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+            hi, mid, lo = split_bf16x3(w)
             acc += _dot(x, tl.trans(hi), "tf32")
             acc += _dot(x, tl.trans(mid), "tf32")
             acc += _dot(x, tl.trans(lo), "tf32")
