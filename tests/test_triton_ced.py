@@ -316,9 +316,10 @@ def test_sparse_attention_raw_bf16_entries(rows, W, H, K, fmt, dtype, splits, se
 def test_sparse_attention_transposed(rows, chunk, W, H, D, K, fmt, dtype, block_n, splits, seed):
     """The transposed products (launch key "trans": keys x heads scores, latent x heads output; the window's ring
     tiles decoded in the kernel 16 keys a step, then its fresh-only tiles as row loads) compute the same function:
-    against the reference op, on FP4 or raw bf16 entries, windows reaching into the FP8 ring by any number of keys (up to 40, tiles of
-    16-64), any split count, latents narrower than their power-of-two tile (96), with a prefill chunk of up to 80
-    queries beside decode-like rows (its later queries' windows fresh rows only). A bad value is refused by name."""
+    against the reference op, on FP4 or raw bf16 entries, windows reaching into the FP8 ring by any number of keys
+    (up to 40, tiles of 16-64), any split count, latents narrower than their power-of-two tile (96), with a prefill
+    chunk of up to 80 queries beside decode-like rows (its later queries' windows fresh rows only). A bad value is
+    refused by name."""
     rows = [*rows, (*chunk, chunk[0])]
     args, kw = attention_case(gen(seed), rows, W, 1, H, D, K, "fp4_e2m1_e4m3" if fmt == "bf16" else fmt, dtype, True)
     if fmt == "bf16":  # entries no FP4 code holds, as raw bf16 bytes
@@ -666,8 +667,9 @@ def test_gpu_sparse_attention_bench_shapes(fmt):
 
 @gpu
 def test_gpu_sparse_attention_transposed_bench_shapes():
-    """The transposed products (launch key trans; registers capped or not: maxnreg) compiled at the bench latent on the launches ced_attn_sweep.py times for the raw-entry
-    prefill chunk (64 keys on 4 / 8 warps, 1-3 stages: warp-group MMAs; 32 and 128 keys),
+    """The transposed products (launch key trans; registers capped or not: maxnreg) compiled at the bench latent on
+    the launches ced_attn_sweep.py times for the raw-entry prefill chunk (64 keys on 4 / 8 warps, 1-3 stages:
+    warp-group MMAs; 32 keys, capped at 168 or 128; 128 keys),
     and on FP4 entries and decode rows: the reference op's values. The chunk's queries read the ring (the first
     W - 1), fresh rows only (the rest), or both."""
     c = bench_config()

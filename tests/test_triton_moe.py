@@ -398,8 +398,9 @@ def test_gpu_qwen3_float32_clamp_and_skewed_routing():
 
 
 @gpu
-@pytest.mark.parametrize("T,skew,fp8,bm", [(4096, False, False, 128), (3001, True, False, 128), (2048, False, False, 64),
-                                          (1501, True, False, 64), (4096, False, True, 128), (3001, True, True, 128)])
+@pytest.mark.parametrize("T,skew,fp8,bm", [(4096, False, False, 128), (3001, True, False, 128),
+                                          (2048, False, False, 64), (1501, True, False, 64),
+                                          (4096, False, True, 128), (3001, True, True, 128)])
 def test_gpu_prefill_sized_m_blocks(T, skew, fp8, bm, monkeypatch):
     """Prefill-sized M-blocks (64 rows from a mean of 33 pairs an expert, 128 from 513) on launch_config's prefill
     tiles (bf16 weights: WIDE_PREFILL_TILES, 64 and 128 rows; block-scaled FP8 weights: FP8_PREFILL_TILES) and on

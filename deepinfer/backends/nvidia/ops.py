@@ -451,8 +451,8 @@ class NvidiaOps(ReferenceOps):
         """cuBLAS's gate GEMV, then the router kernel (up to CED_ROUTE_GEMV_MAX_ROWS tokens: the GEMV in the kernel; up
         to CED_ROUTE_LOGITS_GEMV_MAX_ROWS: triton_gemv's kernel for the logits; then up to
         CED_ROUTE_LOGITS_SPLITK_MAX_ROWS: triton_splitk's; past them, with CED_ROUTE_LOGITS_TILED,
-        triton_router_logits). Batch-invariant mode: always the gate matmul (routed to the invariant kernel) then the router kernel, so a
-        row's logits do not depend on how many rows the step has."""
+        triton_router_logits). Batch-invariant mode: always the gate matmul (routed to the invariant kernel) then
+        the router kernel, so a row's logits do not depend on how many rows the step has."""
         from . import triton_ced_route as tcr
 
         if not self.batch_invariant and x.shape[0] <= CED_ROUTE_GEMV_MAX_ROWS and kernel_device_ok(x, gate, bias) \
