@@ -11,6 +11,7 @@ block table, given the metadata's cu_q/max_q.
 from __future__ import annotations
 
 import collections
+from functools import partial
 from typing import Optional
 
 import torch
@@ -455,39 +456,35 @@ class NvidiaOps(ReferenceOps):
         the router kernel, so a row's logits do not depend on how many rows the step has."""
         from . import triton_ced_route as tcr
 
-        if not self.batch_invariant and x.shape[0] <= CED_ROUTE_GEMV_MAX_ROWS and kernel_device_ok(x, gate, bias) \
-                and tcr.supports_hidden(x, gate, top_k, bias) \
-                and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
+        M = x.shape[0]
+        kernels = not self.batch_invariant and kernel_device_ok(x, gate) \
+            and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad))
+        route = partial(self.moe_route, top_k=top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling,
+                        bias=bias)  # the router kernel on float32 logits
+        if kernels and M <= CED_ROUTE_GEMV_MAX_ROWS and kernel_device_ok(bias) \
+                and tcr.supports_hidden(x, gate, top_k, bias):
             self.kernel_calls["ced_moe_route"] += 1
             return tcr.route_from_hidden(x, gate, top_k, scaling=scaling, bias=bias)
-        dot = x.shape[0] > triton_gemv.MAX_ROWS  # past the CUDA-core kernel's rows, its tensor-core variant
-        if not self.batch_invariant and 0 < x.shape[0] <= CED_ROUTE_LOGITS_GEMV_MAX_ROWS and kernel_device_ok(x, gate) \
-                and gate.dtype == torch.float32 and triton_gemv.supports(x[:, None, :], gate[None], dot) \
-                and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
+        kernels = kernels and gate.dtype == torch.float32
+        dot = M > triton_gemv.MAX_ROWS  # past the CUDA-core kernel's rows, its tensor-core variant
+        if kernels and 0 < M <= CED_ROUTE_LOGITS_GEMV_MAX_ROWS and triton_gemv.supports(x[:, None, :], gate[None], dot):
             self.kernel_calls["gemv"] += 1
-            if CED_ROUTE_TAIL and kernel_device_ok(x, bias) \
+            if CED_ROUTE_TAIL and kernel_device_ok(bias) \
                     and triton_gemv.supports_route(x[:, None, :], gate[None], top_k, bias, dot):
                 return self._route_on(lambda tail: triton_gemv.linear(x, gate, out_dtype=torch.float32, dot=dot,
                                                                       route=tail), x, gate, top_k, bias, scaling)
-            logits = triton_gemv.linear(x, gate, out_dtype=torch.float32, dot=dot)
-            return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
-        if not self.batch_invariant and x.shape[0] <= CED_ROUTE_LOGITS_SPLITK_MAX_ROWS and kernel_device_ok(x, gate) \
-                and gate.dtype == torch.float32 and triton_splitk.supports(x[:, None, :], gate[None]) \
-                and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
+            return route(triton_gemv.linear(x, gate, out_dtype=torch.float32, dot=dot))
+        if kernels and M <= CED_ROUTE_LOGITS_SPLITK_MAX_ROWS and triton_splitk.supports(x[:, None, :], gate[None]):
             self.kernel_calls["splitk"] += 1
-            if CED_ROUTE_TAIL and kernel_device_ok(x, bias) \
+            if CED_ROUTE_TAIL and kernel_device_ok(bias) \
                     and triton_splitk.supports_route(x[:, None, :], gate[None], top_k, bias):
                 return self._route_on(lambda tail: triton_splitk.linear(x, gate, route=tail,
                                                                         **CED_ROUTE_LOGITS_SPLITK_KNOBS),
                                       x, gate, top_k, bias, scaling)
-            logits = triton_splitk.linear(x, gate, **CED_ROUTE_LOGITS_SPLITK_KNOBS)
-            return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
-        if CED_ROUTE_LOGITS_TILED and not self.batch_invariant and kernel_device_ok(x, gate) \
-                and triton_router_logits.supports(x, gate) \
-                and not (torch.is_grad_enabled() and (x.requires_grad or gate.requires_grad)):
+            return route(triton_splitk.linear(x, gate, **CED_ROUTE_LOGITS_SPLITK_KNOBS))
+        if kernels and CED_ROUTE_LOGITS_TILED and triton_router_logits.supports(x, gate):
             self.kernel_calls["router_logits"] += 1
-            logits = triton_router_logits.logits(x, gate)
-            return self.moe_route(logits, top_k, scoring="sqrt_softplus", renormalize=True, scaling=scaling, bias=bias)
+            return route(triton_router_logits.logits(x, gate))
         return super().ced_moe_route(x, gate, top_k, bias=bias, scaling=scaling)
 
     def ced_entry_table(self, entries, fmt, slots, reads, dtype):
