@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from deepinfer.testing.compare import assert_same_routing, ced_router_case
-from deepinfer.testing.kernels import DEV, examples, gen, gpu, skip_module_without_kernels
+from deepinfer.testing.kernels import DEV, bf16x3, examples, gen, gpu, skip_module_without_kernels
 
 skip_module_without_kernels()
 
@@ -19,15 +19,11 @@ from deepinfer.backends.nvidia import triton_router_logits as trl  # noqa: E402
 
 def check(out, x, w):
     """out [M, N] against x.double() @ w.double().T: the kernel sums 3K exact products of x with the gate's three
-    bf16 terms (built here with torch's casts; their sum is w exactly, asserted) in float32, so the bound is K
+    bf16 terms (bf16x3: torch's casts, their sum asserted to be w exactly) in float32, so the bound is K
     float32 roundings of sum |x| (|hi| + |mid| + |lo|) (three terms a step: 3K + 2), plus the smallest subnormal."""
-    hi = w.bfloat16()
-    mid = (w - hi.float()).bfloat16()
-    lo = (w - hi.float() - mid.float()).bfloat16()
-    assert torch.equal(hi.double() + mid.double() + lo.double(), w.double())
     xd = x.double().cpu()
     ref = xd @ w.double().cpu().T
-    mag = xd.abs() @ (hi.double().abs() + mid.double().abs() + lo.double().abs()).cpu().T
+    mag = xd.abs() @ sum(t.double().abs() for t in bf16x3(w)).cpu().T
     bound = (3 * x.shape[1] + 2) * 2.0 ** -24 * mag + 2.0 ** -149
     assert out.shape == ref.shape and out.dtype == torch.float32
     err = (out.double().cpu() - ref).abs()

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 from deepinfer.testing.compare import assert_same_routing, ced_router_case
-from deepinfer.testing.kernels import DEV, assert_same_bits, capture_graph, examples, gen, gpu, no_host_sync, \
-    skip_module_without_kernels
+from deepinfer.testing.kernels import DEV, assert_same_bits, bf16x3, capture_graph, examples, gen, gpu, \
+    no_host_sync, skip_module_without_kernels
 
 skip_module_without_kernels()
 
@@ -384,18 +384,14 @@ def test_split_k_matches_float64(M, G, N, K, dtype, scale, knobs, seed):
        scale=st.sampled_from([1e-3, 1.0, 50.0]), seed=st.integers(0, 2**16))
 def test_split_k_of_a_float32_weight_computes_in_float32(M, N, K, scale, seed):
     """bf16 rows against a float32 weight (CED's router logits) into float32: the kernel splits the weight into
-    three bf16 terms, so its sum runs over 3K exact products. The bound is check's over those 3K terms, built here
-    with torch's casts (their sum is w exactly, asserted); the reference stays x.double() @ w.double()."""
+    three bf16 terms, so its sum runs over 3K exact products. The bound is check's over those 3K terms (bf16x3: torch's
+    casts, their sum asserted to be w exactly); the reference stays x.double() @ w.double()."""
     g = gen(seed)
     x = (torch.randn(M, 1, K, generator=g) * scale).to(DEV, torch.bfloat16)
     w = torch.randn(1, N, K, generator=g).to(DEV) * torch.rand(1, N, K, generator=g).to(DEV) ** 3
     out = tsk.grouped_splitk(x, w)
     assert out.dtype == torch.float32
-    hi = w.bfloat16()
-    mid = (w - hi.float()).bfloat16()
-    lo = (w - hi.float() - mid.float()).bfloat16()
-    assert torch.equal(hi.double() + mid.double() + lo.double(), w.double())
-    check(out, torch.cat([x, x, x], -1).float(), torch.cat([hi, mid, lo], -1).float())
+    check(out, torch.cat([x, x, x], -1).float(), torch.cat(bf16x3(w), -1).float())
 
 
 def test_split_k_plan_fills_the_gpu_within_its_limits():

@@ -4,7 +4,8 @@
   there is no CUDA and the kernels were not built for Triton's interpreter (tests/conftest.py sets
   TRITON_INTERPRET=1 without CUDA, before anything imports triton); ``HAS_CUDA``, ``DEV``, the ``gpu`` skip
   marker and ``examples(n)``, the hypothesis settings of the property tests;
-- data helpers: ``gen`` (seeded CPU generators), ``fp8_weights`` (block-scaled FP8 expert weights), ``rel_err`` (||out - ref|| / ||ref||, NaN-checked),
+- data helpers: ``gen`` (seeded CPU generators), ``fp8_weights`` (block-scaled FP8 expert weights), ``bf16x3`` (a
+  float32 tensor as three exact bf16 terms), ``rel_err`` (||out - ref|| / ||ref||, NaN-checked),
   ``assert_same_bits`` (bit-exact up to NaN payloads) and ``poison_free_memory`` (so an output a kernel leaves
   unwritten shows up as NaN);
 - ``capture_graph``: the warm-up-then-capture dance of the CUDA-graph tests, and ``no_host_sync``;
@@ -66,6 +67,16 @@ def fp8_weights(g: torch.Generator, E: int, rows: int, cols: int, device=DEV) ->
     s = (torch.rand(E, *nb, generator=g) + 0.5).mul(cols ** -0.5 / 64).to(device)
     deq = torch.stack([dequantize_fp8_block(q[e], s[e]) for e in range(E)])
     return q, s, deq
+
+
+def bf16x3(w: torch.Tensor) -> tuple:
+    """A float32 tensor as three bf16 tensors summing to it exactly (asserted), built with torch's casts: the terms
+    the kernels' float32-weight paths multiply (CED's router logits), for their tests' error bounds."""
+    hi = w.bfloat16()
+    mid = (w - hi.float()).bfloat16()
+    lo = (w - hi.float() - mid.float()).bfloat16()
+    assert torch.equal(hi.double() + mid.double() + lo.double(), w.double())
+    return hi, mid, lo
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor, device=None) -> float:
