@@ -160,16 +160,17 @@ table_prefill_ab() {  # 26th session: a cold 16K bounded prefill with its entrie
   done
 }
 
-prefill_ab() {  # s29d / s29e: the cold 16K bounded prefill with knobs "$4" then "$5" (space-separated NAME=VALUE,
-  # "" as shipped), alternating twice (or $6 runs in all); $1 seconds a run, the $2 top kernels, rows to
-  # cold_prefill_16k_$3<run>.jsonl
-  local n=0 k a args runs
+prefill_ab() {  # s29d / s29e: the cold bounded prefill of TOKENS (16384 unless set) with knobs "$4" then "$5"
+  # (space-separated NAME=VALUE, "" as shipped), alternating twice (or $6 runs in all); $1 seconds a run, the $2 top
+  # kernels, rows to cold_prefill_<TOKENS / 1024>k_$3<run>.jsonl
+  local n=0 k a args runs tokens=${TOKENS:-16384}
   runs=("$4" "$5" "$4" "$5")
   for k in "${runs[@]:0:${6:-4}}"; do
     n=$((n + 1)); args=""
     for a in $k; do args="$args --knob $a"; done
-    timeout "$1" python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 3 --top "$2" \
-      $args --out "$OUT/cold_prefill_16k_$3$n" 2>&1 | grep -v Warning | grep -A$(($2 + 1)) "^== " \
+    timeout "$1" python3 benchmarks/profile_cold_prefill.py --tokens "$tokens" --modes bounded --repeats 3 \
+      --top "$2" $args --out "$OUT/cold_prefill_$((tokens / 1024))k_$3$n" 2>&1 | grep -v Warning \
+      | grep -A$(($2 + 1)) "^== " \
       | sed "s/^/[${k:-as shipped}] /" | cut -c 1-150
   done
 }
@@ -205,11 +206,13 @@ if m:
 "
 }
 
-raw_ab() {  # s31a: raw_best's knobs, then the 16K bounded prefill as shipped / with them, alternating: $1 runs in all
+raw_ab() {  # s31a: raw_best's knobs, then the 16K bounded prefill as shipped / with them, alternating: $1 runs in
+  # all; where the shipped launch wins, the prefill as shipped ${2:-0} times
   local knobs
   knobs=$(raw_best)
-  echo "fastest: ${knobs:-none}"
-  [ -n "$knobs" ] && prefill_ab 50 4 raw "" "$knobs" "$1"
+  echo "fastest: ${knobs:-none (the shipped launch)}"
+  if [ -n "$knobs" ]; then prefill_ab 50 4 raw "" "$knobs" "$1"; elif [ "${2:-0}" -gt 0 ]; then
+    prefill_ab 50 4 raw "" "" "$2"; fi
 }
 
 dot_rows_profiles() {  # s26all / s27: the decode profile at 16 / 64 as shipped, then with the tensor-core GEMV up
@@ -832,9 +835,7 @@ s32b)
   timeout -s INT 220 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
     tests/test_triton_ced_launch.py tests/test_gpu_parity.py tests/test_triton_ced_fused.py 2>&1 | tail -6
   raw_sweeps "80 16_32_64 4 1_2_3 1 168" "50 32_64 8 1_2 1 128"
-  knobs=$(raw_best)
-  echo "fastest: ${knobs:-none (the shipped launch)}"
-  prefill_ab 50 4 raw "" "$knobs" $([ -n "$knobs" ] && echo 4 || echo 2) ;;
+  raw_ab 4 2 ;;
 s32c)
   # 32nd session (~4 min): the MoE GPU tests with the prefill tiles of s30b / s30c's sweeps (bf16 at 64-row M-blocks:
   # the wide GEMM-1 tile and three GEMM-2 stages; FP8 at 128-row blocks: FP8_PREFILL_TILES), then both sweeps again
@@ -845,12 +846,7 @@ s32c)
     --also '{"BN1": 64, "stages2": 4}' --out "$OUT/moe_launch_prefill_bm64.jsonl" 2>&1 | grep -v Warning | tail -7
   timeout 150 python3 benchmarks/moe_launch_sweep.py --prefill --fp8 --also '{"BK1": 64, "BN2": 128, "warps2": 8}' \
     --out "$OUT/moe_launch_prefill_fp8.jsonl" 2>&1 | grep -v Warning | tail -4
-  for k in "" triton_moe.WIDE_PREFILL_TILES=0 "" triton_moe.WIDE_PREFILL_TILES=0; do  # a 4K prefill: 64-row blocks
-    n=$((${n:-0} + 1))
-    timeout 40 python3 benchmarks/profile_cold_prefill.py --tokens 4096 --modes bounded --repeats 3 --top 4 \
-      ${k:+--knob $k} --out "$OUT/cold_prefill_4k_moe$n" 2>&1 | grep -v Warning | grep -A5 "^== " \
-      | sed "s/^/[${k:-as shipped}] /" | cut -c 1-150
-  done ;;
+  TOKENS=4096 prefill_ab 40 4 moe "" triton_moe.WIDE_PREFILL_TILES=0 ;;  # a 4K prefill: 64-row blocks
 s30b)
   # 30th session (~3 min): moe_launch_sweep's large-M grid at 64-row M-blocks (2K and 4K-token prefill chunks of the
   # CED bench MoE: 256 and 512 pairs an expert), which kept the old tiles when WIDE_PREFILL_TILES came in.
