@@ -85,8 +85,8 @@ def op_rows(prof, n: int) -> list:
 
 def gaps(prof, least_us: float = 500.0) -> list:
     """The device's idle spans of at least ``least_us`` between the first and the last kernel, each with where the
-    host was when it began (the innermost CPU op running then, with its stack of ops): [start us from the first
-    kernel, length us, host op path]."""
+    host was when it began (the innermost CPU ops running then, and with ``--stack`` the Python frames around
+    them): [start us from the first kernel, length us, host path]."""
     kern = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                   if e.device_type == torch.autograd.DeviceType.CUDA)
     cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
@@ -97,7 +97,7 @@ def gaps(prof, least_us: float = 500.0) -> list:
     for a, b in kern:
         if end is not None and a - end >= least_us:
             live = [e for e in cpu if e.time_range.start <= end <= e.time_range.end]
-            path = " > ".join(e.name[:40] for e in sorted(live, key=lambda e: e.time_range.start)[-4:])
+            path = " > ".join(e.name[:60] for e in sorted(live, key=lambda e: e.time_range.start)[-6:])
             out.append([round(end - first, 1), round(a - end, 1), path])
         end = b if end is None else max(end, b)
     return out
@@ -129,6 +129,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--host", action="store_true", help="also cProfile one prefill (host functions by own time)")
+    ap.add_argument("--stack", action="store_true",
+                    help="record Python frames too, so an idle span names the Python function the host was in")
     ap.add_argument("--ops", action="store_true", help="record input shapes: torch ops by their kernels' device time")
     ap.add_argument("--max-len", type=int, default=None, help="the engine's max_model_len (default: tokens + 16)")
     ap.add_argument("--max-seqs", type=int, default=4, help="the engine's max_num_seqs (gpu_bench's ced phase: 64)")
@@ -169,7 +171,7 @@ def main() -> int:
             model = llm.engine.model
             flops = gpu_bench.ced_prefill_flops(model, model.counters)
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-            with torch.profiler.profile(activities=acts, record_shapes=args.ops) as prof:
+            with torch.profiler.profile(activities=acts, record_shapes=args.ops, with_stack=args.stack) as prof:
                 prof_wall = prefill(llm, prompt)
             kern = kernel_rows(prof)
             busy = sum(r[2] for r in kern) / 1e6

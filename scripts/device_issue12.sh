@@ -81,6 +81,7 @@
 #   bash scripts/device_issue12.sh s32b              # CED kernel files + parity at the cap; its neighbours; 16K A/B
 #   bash scripts/device_issue12.sh s32c              # MoE GPU tests at the new prefill tiles; s30b / s30c's sweeps again
 #   bash scripts/device_issue12.sh s33a              # router logits GPU tests + model files; 16K prefill, tiled logits off / on
+#   bash scripts/device_issue12.sh s33b              # the host's idle spans in a cold 16K / 4K prefill, by Python frame
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -821,6 +822,15 @@ s33a)
     tests/test_triton_gemv.py tests/test_gpu_parity.py tests/test_cuda_graphs.py tests/test_ced_decode_path.py \
     tests/test_speculative.py tests/test_route_tail.py 2>&1 | tail -6
   prefill_ab 50 6 router "" "CED_ROUTE_LOGITS_TILED=1" ;;
+s33b)
+  # 33rd session (~3 min): where the host leaves the device idle in a cold bounded prefill (16K: ~4.3 ms in its
+  # first 7 ms; 4K: a wall twice its GPU busy), with the Python frames recorded (--stack) so each idle span names
+  # the function the host was in, and a cProfile of one more pass (--host; in the .txt under $OUT).
+  for t in 16384 4096; do
+    timeout 150 python3 benchmarks/profile_cold_prefill.py --tokens $t --modes bounded --repeats 2 --top 8 --stack \
+      --host --out "$OUT/cold_prefill_stack_$((t / 1024))k" > "$OUT/cold_prefill_stack_$((t / 1024))k.log" 2>&1
+    grep "^== \|idle\|  at " "$OUT/cold_prefill_stack_$((t / 1024))k.log" | cut -c 1-300 | head -24
+  done ;;
 s32a)
   # For the 32nd session (~7 min): the transposed prefill chunk launch with its registers capped (maxnreg 168: three
   # 4-warp blocks an SM instead of two; ptxas: 14 spill stores with the ring decoded beforehand, 725 without; 128:
