@@ -7,7 +7,8 @@ CED sparse attention, the indexer's scores and its top-K, each over a 2048-query
 - attention (tilelang_vs_triton's ced_case: window 128 + 512 FP4 entries + sink, 16 heads x 512): FP4 entries
   decoded by triton_fp4.fp4_bf16_pair (``fast``) or by the float32 decoder it replaced (``FAST_DECODE`` off);
 - indexer scores (16 heads x 128, MXFP4 keys, the encoder's m = 2: query i sees (i + 1) // 2 entries):
-  BLOCK_Q queries a program (1: one query, as before; launch_config's choice) x the two decoders;
+  BLOCK_Q queries a program (1: one query, as before; launch_config's choice) x the two decoders; then the
+  scores over a decoded key table (triton_ced_scores, TABLE_LAUNCHES: its launch and neighbours);
 - top-K (512 of up to --context // 2 entries): row tiles of 4096 (as before; re-read from L2 by each of the
   33 passes) or one tile of the whole row kept in registers, 8 or 16 warps (these three: the plain search, all
   32 passes); then on the one tile, the threshold search settling one or two bits a pass (TOPK_DIGIT), each
@@ -31,6 +32,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels_gpu import errors, time_calls  # noqa: E402
 from tilelang_vs_triton import ced_case  # noqa: E402
+
+
+TABLE_LAUNCHES = ((8, 64, 8, 2), (8, 128, 8, 2), (8, 64, 4, 2), (8, 64, 8, 3), (4, 64, 4, 2), (16, 64, 8, 2),
+                  (8, 32, 4, 3))
 
 
 def indexer_inputs(chunk: int, context: int, sets: int, fmt: str, g: torch.Generator):
@@ -128,9 +133,15 @@ def main(argv=None) -> int:
         triton_fp4.FAST_DECODE = fast
         for q in sorted({1, bq}):
             run("indexer", f"BLOCK_Q {q}, {'fast' if fast else 'float32'} decoder",
-                lambda *s, _q=q: tci.indexer_topk(*s, k, return_scores=True, launch={"BLOCK_Q": _q}), isets,
-                score_check)
+                lambda *s, _q=q: tci.indexer_topk(*s, k, return_scores=True, launch={"BLOCK_Q": _q}, table=False),
+                isets, score_check)
     triton_fp4.FAST_DECODE = True
+    # The scores over a decoded key table (triton_ced_scores; the table's build inside the time), at its launch
+    # and its neighbours: BLOCK_Q queries, BLOCK_J keys, warps, stages.
+    for bq, bj, warps, stages in TABLE_LAUNCHES if "indexer" in a.kernels else ():
+        run("indexer", f"table, BLOCK_Q {bq}, BLOCK_J {bj}, {warps} warps, {stages} stages",
+            lambda *s, _l=dict(BLOCK_Q=bq, BLOCK_J=bj, num_warps=warps, num_stages=stages):
+            tci.indexer_topk(*s, k, return_scores=True, launch=_l, table=True), isets, score_check)
     scores = [tci.indexer_topk(*s, k, return_scores=True)[1] for s in isets]
     tsets = [(sc, s[7]) for sc, s in zip(scores, isets)]
     want_ids = ref_ids  # (the reference's selection from its own scores)

@@ -64,6 +64,21 @@ def _head_scores(q, w, k, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PREC
 
 
 @triton.jit
+def _query_rows(q_ptr, w_ptr, t0, stride_qt, stride_qh, stride_wt, stride_wh, Tq, NH, DH, BLOCK_Q: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Queries t0 .. t0 + BLOCK_Q - 1 as MMA rows (query r // BLOCK_H, head r % BLOCK_H; zeros past Tq, NH, DH):
+    q [BLOCK_Q * BLOCK_H, BLOCK_D] and the heads' weights w [same rows] in float32."""
+    r = tl.arange(0, BLOCK_Q * BLOCK_H)
+    rt = t0 + r // BLOCK_H
+    h = r % BLOCK_H
+    r_ok = (rt < Tq) & (h < NH)
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + rt[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=r_ok[:, None] & (d < DH)[None, :], other=0.0)
+    return q, to_f32(tl.load(w_ptr + rt * stride_wt + h * stride_wh, mask=r_ok, other=0.0))
+
+
+@triton.jit
 def _key_tile(codes_ptr, scales_ptr, slot, vis, stride_c, stride_s, DH, DT: tl.constexpr, BLOCK_D: tl.constexpr,
               GROUP: tl.constexpr, E8M0: tl.constexpr, FAST: tl.constexpr):
     """The keys of cache rows ``slot`` (masked by vis) as an MMA operand in DT."""
@@ -93,14 +108,8 @@ def _score_kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, slots_ptr, rows_ptr, nvis
     nvis = tl.minimum(tl.load(nvis_ptr + tq, mask=t_ok, other=0), J)  # [BLOCK_Q]
     s = tl.full([BLOCK_Q, BLOCK_J], float("-inf"), dtype=tl.float32)
     if j0 < tl.max(nvis, axis=0):
-        r = tl.arange(0, BLOCK_Q * BLOCK_H)  # MMA rows: query r // BLOCK_H, head r % BLOCK_H
-        rt = t0 + r // BLOCK_H
-        h = r % BLOCK_H
-        r_ok = (rt < Tq) & (h < NH)
-        d = tl.arange(0, BLOCK_D)
-        q = tl.load(q_ptr + rt[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
-                    mask=r_ok[:, None] & (d < DH)[None, :], other=0.0)
-        w = to_f32(tl.load(w_ptr + rt * stride_wt + h * stride_wh, mask=r_ok, other=0.0))
+        q, w = _query_rows(q_ptr, w_ptr, t0, stride_qt, stride_qh, stride_wt, stride_wh, Tq, NH, DH, BLOCK_Q, BLOCK_H,
+                           BLOCK_D)
         rows = tl.load(rows_ptr + tq, mask=t_ok, other=-1)
         row0 = tl.load(rows_ptr + t0)
         if tl.sum((t_ok & (rows != row0)).to(tl.int32), axis=0) == 0:
@@ -295,6 +304,11 @@ def supports(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, scales
     return codes.stride(1) == 1 and scales.stride(1) == 1 and entry_slots.dtype == torch.int64
 
 
+def blocked(Tq: int, dtype: torch.dtype) -> bool:
+    """Whether a call is prefill-sized for the score kernels (several queries a program)."""
+    return Tq >= 64 and (INTERPRET or dtype != torch.float32)
+
+
 def launch_config(nh: int, dh: int, Tq: int = 1, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The score kernel's tiles: BLOCK_Q queries' heads on the MMA's M side (at least 16 rows), BLOCK_J keys per
     program. From 64 queries (prefill, verify) a program takes as many queries as make 64 rows, so a key tile is
@@ -302,8 +316,7 @@ def launch_config(nh: int, dh: int, Tq: int = 1, dtype: torch.dtype = torch.bflo
     decode keeps a query a program, for the grid's width. Compiled float32 keeps one (its FMA product would
     spill at 64 rows); the interpreter takes the 16-bit choice, so CPU tests run the blocked path."""
     BLOCK_H = max(16, next_pow2(nh))
-    blocked = Tq >= 64 and (INTERPRET or dtype != torch.float32)
-    return {"BLOCK_Q": max(1, 64 // BLOCK_H) if blocked else 1, "BLOCK_H": BLOCK_H,
+    return {"BLOCK_Q": max(1, 64 // BLOCK_H) if blocked(Tq, dtype) else 1, "BLOCK_H": BLOCK_H,
             "BLOCK_D": max(32, next_pow2(dh)), "BLOCK_J": 16 if INTERPRET else (64 if dh <= 128 else 32),
             "num_warps": 4}
 
@@ -311,15 +324,16 @@ def launch_config(nh: int, dh: int, Tq: int = 1, dtype: torch.dtype = torch.bflo
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: str,
                  entry_slots: torch.Tensor, q_rows: torch.Tensor, num_visible: torch.Tensor, k: int,
                  allowed: Optional[torch.Tensor] = None, return_scores: bool = False,
-                 launch: Optional[dict] = None):
+                 launch: Optional[dict] = None, table: Optional[bool] = None):
     """CED indexer over FP4 keys in the paged cache.
 
     q [Tq, nh, dh] and weights [Tq, nh] (bf16/fp16/fp32); codes uint8 [N, dh // 2] and scales uint8
     [N, dh // G] the index-key cache in ``fmt`` ("mxfp4" or "fp4_e2m1_e4m3"); entry_slots [R, J] int64 the
     cache row of sequence r's entry j; q_rows [Tq] int64 each query's sequence; num_visible [Tq] entries
     0 .. n-1 are visible; allowed [Tq, J] bool or None narrows them further. Returns (ids [Tq, k] int64
-    ascending, -1 after the last; scores [Tq, J] float32 with -inf past num_visible, or None). ``launch``
-    overrides launch_config's keys (tests and benchmarks/ced_prefill_kernels.py).
+    ascending, -1 after the last; scores [Tq, J] float32 with -inf past num_visible, or None). ``table``: the
+    scores from a decoded key table (triton_ced_scores) or not; None lets triton_ced_scores.wanted decide.
+    ``launch`` overrides the chosen score kernel's launch keys (tests and benchmarks/ced_prefill_kernels.py).
     """
     if not supports(q, weights, codes, scales, fmt, entry_slots):
         raise ValueError(f"indexer_topk: unsupported inputs: q {q.dtype} {tuple(q.shape)}, weights "
@@ -335,6 +349,12 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, sc
     if Tq and J:
         if entry_slots.stride(1) != 1:
             entry_slots = entry_slots.contiguous()
+        from . import triton_ced_scores as tcs  # (it imports this module's _head_scores)
+
+        if tcs.wanted(Tq, entry_slots.shape[0], J, dh, q.dtype, blocked(Tq, q.dtype)) if table is None else table:
+            keys = tcs.key_table(codes, scales, fmt, entry_slots, q.dtype)
+            tcs.scores(q, weights, keys, J, q_rows.contiguous(), num_visible.contiguous(), scores, launch)
+            return topk_select(scores, num_visible, k, allowed), (scores if return_scores else None)
         cfg = launch_config(nh, dh, Tq, q.dtype)
         cfg = merge_launch("indexer_topk", cfg, launch, {
             "BLOCK_Q": (1, 64, True), "BLOCK_H": (cfg["BLOCK_H"], cfg["BLOCK_H"], True),
