@@ -83,6 +83,7 @@
 #   bash scripts/device_issue12.sh s33a              # router logits GPU tests + model files; 16K prefill, tiled logits off / on
 #   bash scripts/device_issue12.sh s33c              # indexer scores over a key table, top-K a byte a pass: tests,
 #                                            # chunk sweeps, 16K prefill with the table off / on
+#   bash scripts/device_issue12.sh s33d              # s33a + s33c in one call, one 16K run per variant
 #   bash scripts/device_issue12.sh s33b              # the host's idle spans in a cold 16K / 4K prefill, by Python frame
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
@@ -824,6 +825,18 @@ s33a)
     tests/test_triton_gemv.py tests/test_gpu_parity.py tests/test_cuda_graphs.py tests/test_ced_decode_path.py \
     tests/test_speculative.py tests/test_route_tail.py 2>&1 | tail -6
   prefill_ab 50 6 router "" "CED_ROUTE_LOGITS_TILED=1" ;;
+s33d)
+  # 33rd session, one call for s33a and s33c (~7 min): the router logits kernel's and the key table's tests, the
+  # indexer / top-K chunk sweeps, then the 16K bounded prefill as shipped, with the tiled router logits, with the
+  # key table (one run each, in that order; s33a / s33c alternate two each).
+  timeout -s INT 100 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_router_logits.py \
+    tests/test_ced_score_table.py 2>&1 | tail -4
+  timeout -s INT 90 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
+    -k "indexer or topk or compile" 2>&1 | tail -4
+  timeout 150 python3 benchmarks/ced_prefill_kernels.py --kernels indexer topk --out "$OUT/ced_prefill_indexer.jsonl" \
+    2>&1 | grep -v Warning | tail -22
+  prefill_ab 50 8 three "" "CED_ROUTE_LOGITS_TILED=1" 2
+  prefill_ab 50 8 three_table "triton_ced_scores.TABLE=1" "" 1 ;;
 s33c)
   # 33rd session (~6 min): the indexer's scores over a decoded key table (triton_ced_scores, off) and the top-K
   # a byte a pass (TOPK_DIGIT 8, off): their tests and the FP4 score kernel's, the 2048-query chunk at 16K against
