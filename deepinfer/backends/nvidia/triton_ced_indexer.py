@@ -14,8 +14,7 @@ Two kernels:
   reads.
 - ``_topk_kernel``, one program per query: a threshold search instead of a sort. Scores are mapped to
   int32 keys with the order of floats (-0.0 folded into +0.0); up to 32 counting passes find, bit by bit from
-  the top, the K-th largest key T (or up to four, a byte a pass, from a 256-bin histogram of the keys still in
-  the bucket found so far: TOPK_DIGIT 8; a row stops early where exactly K keys reach the bits found so far: they
+  the top, the K-th largest key T (a row stops early where exactly K keys reach the bits found so far: they
   are the set; TOPK_EARLY); one more pass writes the entries above T and then the lowest-id entries equal to
   T, in ascending id order, and -1 after the last. Rows up to BLOCK entries (16K) are read once and
   kept in registers; longer rows are re-read per pass (from L2).
