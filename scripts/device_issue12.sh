@@ -81,7 +81,7 @@
 #   bash scripts/device_issue12.sh s32b              # CED kernel files + parity at the cap; its neighbours; 16K A/B
 #   bash scripts/device_issue12.sh s32c              # MoE GPU tests at the new prefill tiles; s30b / s30c's sweeps again
 #   bash scripts/device_issue12.sh s33a              # router logits GPU tests + model files; 16K prefill, tiled logits off / on
-#   bash scripts/device_issue12.sh s33c              # indexer scores over a key table, top-K a byte a pass: tests,
+#   bash scripts/device_issue12.sh s33c              # indexer scores over a key table: tests, the
 #                                            # chunk sweeps, 16K prefill with the table off / on
 #   bash scripts/device_issue12.sh s33d              # s33a + s33c in one call, one 16K run per variant
 #   bash scripts/device_issue12.sh s33b              # the host's idle spans in a cold 16K / 4K prefill, by Python frame
@@ -826,8 +826,8 @@ s33a)
     tests/test_speculative.py tests/test_route_tail.py 2>&1 | tail -6
   prefill_ab 50 6 router "" "CED_ROUTE_LOGITS_TILED=1" ;;
 s33d)
-  # 33rd session, one call for s33a and s33c (~7 min): the router logits kernel's and the key table's tests, the
-  # indexer / top-K chunk sweeps, then the 16K bounded prefill as shipped, with the tiled router logits, with the
+  # 33rd session, one call for s33a and s33c (~7 min; at dba18fd, ran on the H100): the router logits kernel's and
+  # the key table's tests, the indexer / top-K chunk sweeps (then with a byte-a-pass top-K, since removed), then the 16K bounded prefill as shipped, with the tiled router logits, with the
   # key table (one run each, in that order; s33a / s33c alternate two each).
   timeout -s INT 100 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_router_logits.py \
     tests/test_ced_score_table.py 2>&1 | tail -4
@@ -838,13 +838,13 @@ s33d)
   prefill_ab 50 8 three "" "CED_ROUTE_LOGITS_TILED=1" 2
   prefill_ab 50 8 three_table "triton_ced_scores.TABLE=1" "" 1 ;;
 s33c)
-  # 33rd session (~6 min): the indexer's scores over a decoded key table (triton_ced_scores, off) and the top-K
-  # a byte a pass (TOPK_DIGIT 8, off): their tests and the FP4 score kernel's, the 2048-query chunk at 16K against
-  # the shipped kernels (TABLE_LAUNCHES; the top-K variants), then the 16K bounded prefill with TABLE off / on.
+  # 33rd session (~6 min): the indexer's scores over a decoded key table (triton_ced_scores, off): its tests and the
+  # FP4 score kernel's, the 2048-query chunk at 16K against the FP4 kernel over TABLE_LAUNCHES, then the 16K
+  # bounded prefill with TABLE off / on, alternating.
   timeout -s INT 150 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_ced_score_table.py \
     tests/test_triton_ced.py -k "table or indexer or topk" 2>&1 | tail -4
-  timeout 150 python3 benchmarks/ced_prefill_kernels.py --kernels indexer topk --out "$OUT/ced_prefill_indexer.jsonl" \
-    2>&1 | grep -v Warning | tail -22
+  timeout 120 python3 benchmarks/ced_prefill_kernels.py --kernels indexer --out "$OUT/ced_prefill_indexer.jsonl" \
+    2>&1 | grep -v Warning | tail -14
   prefill_ab 50 8 table "" "triton_ced_scores.TABLE=1" ;;
 s33b)
   # 33rd session (~3 min): where the host leaves the device idle in a cold bounded prefill (16K: ~4.3 ms in its

@@ -46,9 +46,8 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEADS = 128
 MAX_HEAD_DIM = 512
-# topk_select's threshold search: bits of the threshold settled a pass (1; 2: three counts packed in one int64
-# reduction; 8: a byte a pass from tl.histogram of the keys in the bucket found so far, untimed), and whether a row
-# stops once exactly K keys reach its prefix. Both leave the set unchanged. On the H100
+# topk_select's threshold search: bits of the threshold settled a pass (1 or 2: three counts packed in one int64
+# reduction), and whether a row stops once exactly K keys reach its prefix. Both leave the set unchanged. On the H100
 # (ced_prefill_kernels.py, a 16K prefill chunk's top-K): 370.6 us shipped, 267.3 with the early stop, 397.6 / 291.8
 # at two bits a pass without / with it; so one bit, early stop on.
 TOPK_DIGIT = 1
@@ -176,21 +175,6 @@ def _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis
 
 
 @triton.jit
-def _digit_histogram(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0, prefix, shift,
-                     HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr):
-    """How many chosen keys whose bits above shift + 8 are prefix's have each value 0 .. 255 in bits shift ..
-    shift + 7 (the unsigned order of key + 2^31): [256] int32."""
-    hist = tl.zeros([256], dtype=tl.int32)
-    for i in range(NUM_TILES):
-        key, valid = _tile_keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i, offs, nvis, key0, valid0,
-                                HAS_ALLOWED, BLOCK, NUM_TILES)
-        u = key.to(tl.int64) + 2147483648
-        match = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-        hist += tl.histogram(((u >> shift) & 255).to(tl.int32), 256, mask=match)
-    return hist
-
-
-@triton.jit
 def _topk_kernel(scores_ptr, nvis_ptr, allowed_ptr, out_ptr, stride_st, stride_at, stride_ot, J, K,
                  HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
                  BLOCK_K: tl.constexpr, NUM_KT: tl.constexpr, DIGIT: tl.constexpr = 1, EARLY: tl.constexpr = False,
@@ -210,32 +194,17 @@ def _topk_kernel(scores_ptr, nvis_ptr, allowed_ptr, out_ptr, stride_st, stride_a
     prefix = tl.full([], 0, dtype=tl.int64)
     cnt = tl.full([], 0, dtype=tl.int64)
     b = tl.full([], 0, dtype=tl.int64)
-    if DIGIT == 8:  # a byte a pass from a histogram of the keys still in the prefix's bucket
-        above = tl.full([], 0, dtype=tl.int64)  # keys above that bucket
-        c = tl.arange(0, 256)
-        while (b < 32) & ((cnt != K) | (not EARLY)):
-            shift = 24 - b
-            hist = _digit_histogram(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0,
-                                    prefix, shift, HAS_ALLOWED, BLOCK, NUM_TILES).to(tl.int64)
-            ge = above + tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys >= prefix | c << shift
-            best = tl.max(tl.where(ge >= K, c, 0), axis=0).to(tl.int64)  # ge falls as c grows
-            n_best = tl.sum(tl.where(c == best, ge, 0), axis=0)
-            cnt = tl.where(n_best >= K, n_best, cnt)
-            above = n_best - tl.sum(tl.where(c == best, hist, 0), axis=0)
-            prefix = prefix | (best << shift)
-            b += 8
-    else:
-        while (b < 32) & ((cnt != K) | (not EARLY)):
-            shift = 32 - DIGIT - b
-            total = _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0,
-                                    prefix, shift, HAS_ALLOWED, BLOCK, NUM_TILES, DIGIT, FIELD)
-            best = tl.full([], 0, dtype=tl.int64)
-            for c in tl.static_range(1, 1 << DIGIT):  # counts fall as c grows: the last one still >= K wins
-                n_c = (total >> (FIELD * (c - 1))) & ((1 << FIELD) - 1)
-                best = tl.where(n_c >= K, c, best)
-                cnt = tl.where(n_c >= K, n_c, cnt)
-            prefix = prefix | (best << shift)
-            b += DIGIT
+    while (b < 32) & ((cnt != K) | (not EARLY)):
+        shift = 32 - DIGIT - b
+        total = _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0, prefix,
+                                shift, HAS_ALLOWED, BLOCK, NUM_TILES, DIGIT, FIELD)
+        best = tl.full([], 0, dtype=tl.int64)
+        for c in tl.static_range(1, 1 << DIGIT):  # counts fall as c grows: the last one still >= K wins
+            n_c = (total >> (FIELD * (c - 1))) & ((1 << FIELD) - 1)
+            best = tl.where(n_c >= K, c, best)
+            cnt = tl.where(n_c >= K, n_c, cnt)
+        prefix = prefix | (best << shift)
+        b += DIGIT
     # INT32_MIN (below every key) when fewer than K may be chosen. Where a row stopped early, the keys at thr are
     # all chosen (ties by budget: exactly K keys reach it), so the set is the full search's.
     thr = (prefix - 2147483648).to(tl.int32)
@@ -286,8 +255,8 @@ def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
     digit = TOPK_DIGIT if digit is None else digit
-    if digit not in (1, 2, 8) or isinstance(digit, bool):
-        raise ValueError(f"digit must be 1, 2 or 8, got {digit!r}")
+    if digit not in (1, 2) or isinstance(digit, bool):
+        raise ValueError(f"digit must be 1 or 2, got {digit!r}")
     Tq, J = scores.shape
     _check_visibility(Tq, J, num_visible, allowed)
     out = torch.empty((Tq, k), dtype=torch.int64, device=scores.device)
@@ -306,7 +275,7 @@ def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
     if num_warps is None:
         num_warps = 4 if block < 2048 else (8 if block <= 8192 else 16)  # 16K: 32 a thread, as 8K on 8 warps
     num_tiles = cdiv(J, block)
-    if J >= 1 << 21 and digit == 2:  # a count no longer fits the packed 21-bit fields
+    if J >= 1 << 21:  # a count no longer fits the packed 21-bit fields
         digit = 1
     block_k = min(next_pow2(k), 16 if INTERPRET else 1024)
     al = allowed.view(torch.uint8) if allowed is not None else scores
