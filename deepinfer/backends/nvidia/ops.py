@@ -58,9 +58,10 @@ CED_ROUTE_LOGITS_SPLITK_MAX_ROWS = 64
 CED_ROUTE_LOGITS_SPLITK_KNOBS = dict(block_n=32)  # 32 experts: one column tile, more K splits fill the GPU
 # Past that (prefill sizes), the logits in one launch (triton_router_logits: x read once as bf16, the float32 gate as
 # three exact bf16 terms on the tensor cores) instead of x's float32 cast and cuBLAS's float32 GEMM on the CUDA
-# cores (~1.5 ms of the 16K bounded prefill on the H100, 32nd session's profile). Off: untimed (that session's
-# device budget was spent); profile_cold_prefill.py --knob CED_ROUTE_LOGITS_TILED=1 times it.
-CED_ROUTE_LOGITS_TILED = False
+# cores (~1.5 ms of the 16K bounded prefill on the H100, 32nd session's profile). On since the 33rd session: the
+# kernel 0.67 ms over 8 calls where the cast and the SIMT GEMM took 0.88 + 0.74 (H100); with the indexer's key
+# table (triton_ced_scores.TABLE) the 16K bounded prefill 71.3 / 70.2 ms against 73.6 / 74.1, alternating.
+CED_ROUTE_LOGITS_TILED = True
 # Epilogues that save a launch a layer each, tested, shipped off: the router on its logits product's last program
 # (triton_ced_route.Tail, the GEMV and split-K logits above), CED's query RoPE on W_q_b's GEMV (Ops.ced_linear_rope),
 # the residual add + FFN norm on W_o_b's last program (Ops.ced_linear_add_rms). The three on against 0d6fa03's path
