@@ -110,6 +110,21 @@ def test_fp4_dequantize_every_byte(fmt, dtype):
     assert torch.isinf(ref).any() == (fmt == "mxfp4")  # |E4M3 scale x E2M1| <= 2688 fits every output dtype
 
 
+@examples(8)
+@given(fmt=st.sampled_from(FP4), n=st.integers(1, 6), picks=st.lists(st.integers(-2, 5), min_size=0, max_size=9),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_fp4_dequantize_gathered_rows(fmt, n, picks, dtype, seed):
+    """dequantize(rows=...): cache rows gathered in the launch, bit for bit the reference's decode of codes[rows]
+    (a negative row decodes row 0), as a slot table's key and entry tables ask for them."""
+    G = triton_fp4.GROUPS[fmt]
+    codes, scales = lowbit.quantize(fp4_values(gen(seed), n, 2 * G, G), fmt)
+    rows = torch.tensor([min(p, n - 1) for p in picks], dtype=torch.long)
+    out = triton_fp4.dequantize(codes.to(DEV), scales.to(DEV), fmt, dtype, rows=rows.to(DEV))
+    r = rows.clamp(min=0)
+    assert out.shape == (len(picks), 2 * G)
+    assert_same_bits(out.cpu(), lowbit.dequantize(codes[r], scales[r], fmt, dtype))
+
+
 def test_fp4_through_ops_and_errors():
     x = fp4_values(gen(5), 4, 64, 32).to(DEV)
     ops = NvidiaOps(DEV)
@@ -126,6 +141,12 @@ def test_fp4_through_ops_and_errors():
     with pytest.raises(ValueError, match="scales"):
         triton_fp4.dequantize(torch.zeros(2, 16, dtype=torch.uint8, device=DEV),
                               torch.zeros(2, 3, dtype=torch.uint8, device=DEV), "mxfp4")
+    c, sc = torch.zeros(2, 16, dtype=torch.uint8, device=DEV), torch.zeros(2, 1, dtype=torch.uint8, device=DEV)
+    for rows in (torch.zeros(3, dtype=torch.int32, device=DEV), torch.zeros(1, 3, dtype=torch.long, device=DEV), [0]):
+        with pytest.raises(ValueError, match="rows must be int64"):
+            triton_fp4.dequantize(c, sc, "mxfp4", rows=rows)
+    with pytest.raises(ValueError, match="N > 0"):
+        triton_fp4.dequantize(c[:0], sc[:0], "mxfp4", rows=torch.zeros(1, dtype=torch.long, device=DEV))
 
 
 # ------------------------------------------------------------------------------------------- sparse attention

@@ -503,8 +503,14 @@ class NvidiaOps(ReferenceOps):
         if R * J == 0 or R * J * ENTRY_TABLE_READS > reads or table_bytes > ENTRY_TABLE_MAX_BYTES:
             return None
         self.kernel_calls["ced_entry_table"] += 1
-        rows = slots.reshape(-1).clamp(min=0)  # (a row with no entry decodes row 0: never read, its index is -1)
-        table = self.dequantize_kv(codes[rows], scales[rows], fmt, torch.bfloat16)
+        rows = slots.reshape(-1)  # (a row with no entry decodes row 0: never read, its index is -1)
+        if kernel_device_ok(codes, scales, rows) and codes.dim() == 2 and rows.dtype == torch.int64 \
+                and triton_fp4.supports_dequantize(codes, scales, fmt, torch.bfloat16):
+            self.kernel_calls["dequantize_kv"] += 1
+            table = triton_fp4.dequantize(codes, scales, fmt, torch.bfloat16, rows=rows)  # gathered in the launch
+        else:
+            rows = rows.clamp(min=0)
+            table = self.dequantize_kv(codes[rows], scales[rows], fmt, torch.bfloat16)
         index = torch.arange(R * J, device=slots.device).view(R, J)
         return table.view(torch.uint8), torch.where(slots >= 0, index, -1)
 

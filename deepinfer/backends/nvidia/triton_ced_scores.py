@@ -142,8 +142,7 @@ def key_table(codes: torch.Tensor, scales: torch.Tensor, fmt: str, entry_slots: 
     slot decodes cache row 0, which no query reads: it is past every visible count)."""
     from .triton_fp4 import dequantize
 
-    rows = entry_slots.reshape(-1).clamp(min=0)
-    return dequantize(codes[rows], scales[rows], fmt, dtype)
+    return dequantize(codes, scales, fmt, dtype, rows=entry_slots.reshape(-1))  # (gathered in the launch)
 
 
 def scores(q: torch.Tensor, weights: torch.Tensor, table: torch.Tensor, J: int, q_rows: torch.Tensor,

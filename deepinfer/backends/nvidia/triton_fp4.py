@@ -25,6 +25,8 @@ kernels, these skip the reference's inf/NaN input check (a host sync).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -268,13 +270,16 @@ def _quant_kernel(x_ptr, codes_ptr, scales_ptr, stride_x, stride_c, stride_s, M,
 @triton.jit
 def _dequant_kernel(codes_ptr, scales_ptr, out_ptr, stride_c, stride_s, stride_o, M, NG,
                     BLOCK_G: tl.constexpr, GROUP: tl.constexpr, E8M0: tl.constexpr, FAST: tl.constexpr,
-                    ROWS: tl.constexpr):
+                    ROWS: tl.constexpr, src_ptr=None, GATHER: tl.constexpr = False):
     row, g, g_mask = row_groups(M, NG, BLOCK_G, ROWS)
     j = tl.arange(0, GROUP // 2)
     byte = g[:, None] * (GROUP // 2) + j[None, :]
     mask = g_mask[:, None]
-    c = tl.load(codes_ptr + row_at(row, stride_c, ROWS) + byte, mask=mask, other=0)
-    sb = tl.load(scales_ptr + row * stride_s + g, mask=g_mask, other=0).to(tl.int32)
+    src = row
+    if GATHER:  # output row i decodes cache row src[i] (row 0 where src[i] < 0)
+        src = tl.maximum(tl.load(src_ptr + row, mask=row < M, other=0), 0)
+    c = tl.load(codes_ptr + row_at(src, stride_c, ROWS) + byte, mask=mask, other=0)
+    sb = tl.load(scales_ptr + src * stride_s + g, mask=g_mask, other=0).to(tl.int32)
     if FAST:  # the attention and indexer kernels' decoder, so the every-byte test holds it to the reference
         if E8M0:
             scale = e8m0_value(sb)
@@ -329,20 +334,29 @@ def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               dtype: torch.dtype = torch.float32, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Inverse of quantize: codes uint8 [..., C // 2], scales uint8 [..., C // G] -> [..., C] in dtype,
-    exactly as reference.lowbit.dequantize."""
+    exactly as reference.lowbit.dequantize. ``rows`` (int64 [n]): only those rows of codes [N, C // 2] /
+    scales [N, C // G], gathered in the same launch -> [n, C]; a negative row decodes row 0 (a slot table's
+    padding, which the caller never reads)."""
     if not supports_dequantize(codes, scales, fmt, dtype):
         raise ValueError(f"codes must be uint8 [..., C // 2] and scales uint8 [..., C // G] of a format in "
                          f"{FORMATS}, dtype one of {SUPPORTED_DTYPES}; got fmt={fmt!r}, codes "
                          f"{codes.dtype} {tuple(codes.shape)}, scales {getattr(scales, 'dtype', None)} "
                          f"{tuple(getattr(scales, 'shape', ()))}, dtype {dtype}")
+    if rows is not None and (codes.dim() != 2 or not torch.is_tensor(rows) or rows.dim() != 1
+                             or rows.dtype != torch.int64 or rows.device != codes.device
+                             or (rows.numel() and not codes.shape[0])):
+        raise ValueError(f"rows must be int64 [n] on the codes' device over codes [N > 0, C // 2], got rows "
+                         f"{getattr(rows, 'dtype', type(rows))} {tuple(getattr(rows, 'shape', ()))}, codes "
+                         f"{tuple(codes.shape)}")
     G = GROUPS[fmt]
     C = 2 * codes.shape[-1]
     NG = C // G
-    out = torch.empty((*codes.shape[:-1], C), dtype=dtype, device=codes.device)
+    lead = tuple(codes.shape[:-1]) if rows is None else (rows.shape[0],)
+    out = torch.empty((*lead, C), dtype=dtype, device=codes.device)
     c2, s2 = as_rows(codes, C // 2), as_rows(scales, NG)
-    M = c2.shape[0]
+    M = out.numel() // C if C else 0
     if M == 0 or NG == 0:
         return out
     o2 = out.view(-1, C)
@@ -350,5 +364,6 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str,
     fast = fast_decode(dtype, BG * G // 2, 1)
     _dequant_kernel[grid](c2, s2, o2, c2.stride(0), s2.stride(0), o2.stride(0), M, NG,
                           BLOCK_G=BG, GROUP=G, E8M0=fmt == "mxfp4", FAST=fast, ROWS=R,
+                          src_ptr=None if rows is None else rows.contiguous(), GATHER=rows is not None,
                           num_warps=1 if fast or BG < 8 else 4)
     return out
