@@ -65,6 +65,10 @@ def test_table_taken_where_wanted(monkeypatch):
     args, _ = indexer_case(gen(5), [6], [70], 2, 32, "mxfp4", torch.bfloat16, False, False)
     ops.ced_indexer_topk(*args, 4)
     assert calls == []
+    monkeypatch.setattr(tcs, "MAX_BYTES", 1 << 30)
+    monkeypatch.setattr(tcs, "MAX_HEAD_DIM", 16)  # index heads wider than the table takes
+    ops.ced_indexer_topk(*args, 4)
+    assert calls == []
 
 
 def test_table_refuses_bad_launch_overrides():

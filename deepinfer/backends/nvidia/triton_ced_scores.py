@@ -3,10 +3,10 @@
 triton_ced_indexer's ``_score_kernel`` is one (query block, key tile) a program: it loads the block's queries,
 finds and decodes one tile of FP4 keys, runs one 64 x BLOCK_J x dh product and stores. At a 16K prefill's
 2048-query chunk that is ~32K programs of one product each, and the FP4 decode is repeated for every 4
-queries; the 16th session timed it at ~815 us a chunk (~42 TFLOP/s). Here a call first decodes each sequence's
-keys once into a [R * J, dh] table in the queries' dtype (FP4 values times their scale are exact in bf16 and
-fp16, so the products are the FP4 path's), then each program keeps its BLOCK_Q queries' heads in registers and
-walks a run of key tiles, plain row loads the pipeline can prefetch (``num_stages``).
+queries: ~424 us of scores a chunk on the H100 (~150 TFLOP/s; this kernel ~220). Here a call first decodes each
+sequence's keys once into a [R * J, dh] table in the queries' dtype (FP4 values times their scale are exact in
+bf16 and fp16, so the products are the FP4 path's), then each program keeps its BLOCK_Q queries' heads in
+registers and walks a run of key tiles, plain row loads the pipeline can prefetch (``num_stages``).
 
 Scores are sum_h w[t, h] * relu(q[t, h] . k[j]) in float32, -inf past each query's visible count, as
 ``_score_kernel`` writes them; a block whose queries span sequences scores each query against its own
@@ -32,14 +32,17 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 TABLE = True
 READS = 8
 MAX_BYTES = 64 << 20
+MAX_HEAD_DIM = 128  # (wider index heads keep the FP4 kernel)
 # Programs a launch aims for, per SM: the key tiles of a query block are split into runs to reach it.
 PROGRAMS_PER_SM = 4
 
 
 def wanted(Tq: int, R: int, J: int, dh: int, dtype: torch.dtype, blocked: bool) -> bool:
-    """Whether a call of Tq queries over R sequences' J entries of dh channels takes the table (TABLE on)."""
+    """Whether a call of Tq queries over R sequences' J entries of dh channels takes the table (TABLE on). Up to
+    MAX_HEAD_DIM channels: 128 MMA rows of queries and two stages of key tiles fit shared memory there."""
     return TABLE and blocked and dtype in (torch.bfloat16, torch.float16) + ((torch.float32,) if INTERPRET else ()) \
-        and R * J > 0 and Tq >= READS * R and R * J * dh * torch.finfo(dtype).bits // 8 <= MAX_BYTES
+        and 0 < dh <= MAX_HEAD_DIM and R * J > 0 and Tq >= READS * R \
+        and R * J * dh * torch.finfo(dtype).bits // 8 <= MAX_BYTES
 
 
 def launch_config(nh: int, dh: int) -> dict:
