@@ -84,7 +84,8 @@
 #   bash scripts/device_issue12.sh s33c              # indexer scores over a key table: tests, the
 #                                            # chunk sweeps, 16K prefill with the table off / on
 #   bash scripts/device_issue12.sh s33d              # s33a + s33c in one call, one 16K run per variant
-#   bash scripts/device_issue12.sh s33b              # the host's idle spans in a cold 16K / 4K prefill, by Python frame
+#   bash scripts/device_issue12.sh s33b              # the host's idle spans in a cold 16K / 4K prefill, by Python frame;
+#                                            # the router logits kernel's launch sweep
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -854,7 +855,10 @@ s33b)
     timeout 150 python3 benchmarks/profile_cold_prefill.py --tokens $t --modes bounded --repeats 2 --top 8 --stack \
       --host --out "$OUT/cold_prefill_stack_$((t / 1024))k" > "$OUT/cold_prefill_stack_$((t / 1024))k.log" 2>&1
     grep "^== \|idle\|  at " "$OUT/cold_prefill_stack_$((t / 1024))k.log" | cut -c 1-300 | head -24
-  done ;;
+  done
+  # Then the router logits kernel's launch (~83 us a 16K call: a third of the copy rate) over its knobs.
+  timeout 150 python3 benchmarks/router_logits_sweep.py --out "$OUT/router_logits_sweep.jsonl" 2>&1 \
+    | grep -v Warning | grep "^|" | sort -t"|" -k2,2n -k4,4n | head -24 ;;
 s32a)
   # For the 32nd session (~7 min): the transposed prefill chunk launch with its registers capped (maxnreg 168: three
   # 4-warp blocks an SM instead of two; ptxas: 14 spill stores with the ring decoded beforehand, 725 without; 128:
