@@ -84,8 +84,8 @@ def test_table_refuses_bad_launch_overrides():
 @pytest.mark.parametrize("fmt", FP4)
 def test_gpu_table_at_the_bench_shape(fmt):
     """A 2048-query prefill chunk of the bench config's indexer (16 heads x 128) ending at 8K, over a sequence of
-    4096 entries in a slot table wider than that (the runs past every visible key store -inf): the table's
-    scores and sets as the reference's, and as the FP4 kernel's."""
+    4096 entries in a slot table wider than that (the runs past every visible key store -inf): the table's scores
+    and sets, and the FP4 kernel's, each as the reference's."""
     from deepinfer.backends.reference import lowbit
 
     g = gen(11)
