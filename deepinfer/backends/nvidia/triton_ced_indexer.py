@@ -321,6 +321,13 @@ def launch_config(nh: int, dh: int, Tq: int = 1, dtype: torch.dtype = torch.bflo
             "num_warps": 4}
 
 
+def launch_bounds(cfg: dict) -> dict:
+    """What a caller's launch override may set on a score kernel's launch ``cfg`` (merge_launch's bounds): the
+    query and key tiles, the warps; the head and channel tiles only at cfg's own (narrower would drop some)."""
+    return {"BLOCK_Q": (1, 64, True), "BLOCK_H": (cfg["BLOCK_H"], cfg["BLOCK_H"], True),
+            "BLOCK_D": (cfg["BLOCK_D"], cfg["BLOCK_D"], True), "BLOCK_J": (16, 256, True), "num_warps": (1, 16, True)}
+
+
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, fmt: str,
                  entry_slots: torch.Tensor, q_rows: torch.Tensor, num_visible: torch.Tensor, k: int,
                  allowed: Optional[torch.Tensor] = None, return_scores: bool = False,
@@ -354,19 +361,17 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, sc
         if tcs.wanted(Tq, entry_slots.shape[0], J, dh, q.dtype, blocked(Tq, q.dtype)) if table is None else table:
             keys = tcs.key_table(codes, scales, fmt, entry_slots, q.dtype)
             tcs.scores(q, weights, keys, J, q_rows.contiguous(), num_visible.contiguous(), scores, launch)
-            return topk_select(scores, num_visible, k, allowed), (scores if return_scores else None)
-        cfg = launch_config(nh, dh, Tq, q.dtype)
-        cfg = merge_launch("indexer_topk", cfg, launch, {
-            "BLOCK_Q": (1, 64, True), "BLOCK_H": (cfg["BLOCK_H"], cfg["BLOCK_H"], True),
-            "BLOCK_D": (cfg["BLOCK_D"], cfg["BLOCK_D"], True), "BLOCK_J": (16, 256, True), "num_warps": (1, 16, True)})
-        BQ, BJ, BD = cfg["BLOCK_Q"], cfg["BLOCK_J"], cfg["BLOCK_D"]
-        _score_kernel[(cdiv(Tq, BQ), cdiv(J, BJ))](
-            q, weights, codes, scales, entry_slots, q_rows.contiguous(), num_visible.contiguous(), scores,
-            q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), codes.stride(0), scales.stride(0),
-            entry_slots.stride(0), scores.stride(0), Tq, nh, dh, J,
-            BLOCK_Q=BQ, BLOCK_H=cfg["BLOCK_H"], BLOCK_D=BD, BLOCK_J=BJ, GROUP=GROUPS[fmt], E8M0=fmt == "mxfp4",
-            FAST=fast_decode(q.dtype, BJ * BD // 2, cfg["num_warps"]),
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
-            **launch_kw(q.device))
+        else:
+            cfg = launch_config(nh, dh, Tq, q.dtype)
+            cfg = merge_launch("indexer_topk", cfg, launch, launch_bounds(cfg))
+            BQ, BJ, BD = cfg["BLOCK_Q"], cfg["BLOCK_J"], cfg["BLOCK_D"]
+            _score_kernel[(cdiv(Tq, BQ), cdiv(J, BJ))](
+                q, weights, codes, scales, entry_slots, q_rows.contiguous(), num_visible.contiguous(), scores,
+                q.stride(0), q.stride(1), weights.stride(0), weights.stride(1), codes.stride(0), scales.stride(0),
+                entry_slots.stride(0), scores.stride(0), Tq, nh, dh, J,
+                BLOCK_Q=BQ, BLOCK_H=cfg["BLOCK_H"], BLOCK_D=BD, BLOCK_J=BJ, GROUP=GROUPS[fmt], E8M0=fmt == "mxfp4",
+                FAST=fast_decode(q.dtype, BJ * BD // 2, cfg["num_warps"]),
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
+                **launch_kw(q.device))
     ids = topk_select(scores, num_visible, k, allowed)
     return ids, (scores if return_scores else None)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .triton_attention import sm_count
-from .triton_ced_indexer import _head_scores, _query_rows
+from .triton_ced_indexer import _head_scores, _query_rows, launch_bounds
 from .triton_pdl import launch_kw, pdl_signal, pdl_start
 from deepinfer.backends.nvidia.host_math import cdiv, merge_launch, next_pow2
 
@@ -153,10 +153,7 @@ def scores(q: torch.Tensor, weights: torch.Tensor, table: torch.Tensor, J: int, 
     """The indexer's [Tq, J] float32 scores into ``out`` from key_table's rows (inputs checked by indexer_topk)."""
     Tq, nh, dh = q.shape
     cfg = launch_config(nh, dh)
-    cfg = merge_launch("indexer_table", cfg, launch, {
-        "BLOCK_Q": (1, 64, True), "BLOCK_H": (cfg["BLOCK_H"], cfg["BLOCK_H"], True),
-        "BLOCK_D": (cfg["BLOCK_D"], cfg["BLOCK_D"], True), "BLOCK_J": (16, 256, True), "num_warps": (1, 16, True),
-        "num_stages": (1, 4, False)})
+    cfg = merge_launch("indexer_table", cfg, launch, dict(launch_bounds(cfg), num_stages=(1, 4, False)))
     BQ, BJ = cfg["BLOCK_Q"], cfg["BLOCK_J"]
     blocks, tiles = cdiv(Tq, BQ), cdiv(J, BJ)
     runs = max(1, min(tiles, cdiv(PROGRAMS_PER_SM * (1 if INTERPRET else sm_count(q.device)), blocks)))
