@@ -81,9 +81,8 @@
 #   bash scripts/device_issue12.sh s32b              # CED kernel files + parity at the cap; its neighbours; 16K A/B
 #   bash scripts/device_issue12.sh s32c              # MoE GPU tests at the new prefill tiles; s30b / s30c's sweeps again
 #   bash scripts/device_issue12.sh s33a              # router logits GPU tests + model files; 16K prefill, tiled logits off / on
-#   bash scripts/device_issue12.sh s33c              # indexer scores over a key table: tests, the
-#                                            # chunk sweeps, 16K prefill with the table off / on
-#   bash scripts/device_issue12.sh s33d              # s33a + s33c in one call, one 16K run per variant
+#   bash scripts/device_issue12.sh s33d              # router logits + key-table tests, indexer / top-K chunk sweeps,
+#                                            # one 16K run per variant
 #   bash scripts/device_issue12.sh s33b              # the host's idle spans in a cold 16K / 4K prefill, by Python frame;
 #                                            # the router logits kernel's launch sweep
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
@@ -827,9 +826,9 @@ s33a)
     tests/test_speculative.py tests/test_route_tail.py 2>&1 | tail -6
   prefill_ab 50 6 router "" "CED_ROUTE_LOGITS_TILED=1" ;;
 s33d)
-  # 33rd session, one call for s33a and s33c (~7 min; at dba18fd, ran on the H100): the router logits kernel's and
-  # the key table's tests, the indexer / top-K chunk sweeps (then with a byte-a-pass top-K, since removed), then the 16K bounded prefill as shipped, with the tiled router logits, with the
-  # key table (one run each, in that order; s33a / s33c alternate two each).
+  # 33rd session (~7 min; ran at dba18fd on the H100): the router logits kernel's and the key table's tests, the
+  # indexer / top-K chunk sweeps (then with a byte-a-pass top-K, since removed), then the 16K bounded prefill as
+  # shipped, with the tiled router logits, with the key table (one run each; the first, compiling, outran its 50 s).
   timeout -s INT 100 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_router_logits.py \
     tests/test_ced_score_table.py 2>&1 | tail -4
   timeout -s INT 90 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_triton_ced.py \
@@ -838,15 +837,6 @@ s33d)
     2>&1 | grep -v Warning | tail -22
   prefill_ab 50 8 three "" "CED_ROUTE_LOGITS_TILED=1" 2
   prefill_ab 50 8 three_table "triton_ced_scores.TABLE=1" "" 1 ;;
-s33c)
-  # 33rd session (~6 min): the indexer's scores over a decoded key table (triton_ced_scores, off): its tests and the
-  # FP4 score kernel's, the 2048-query chunk at 16K against the FP4 kernel over TABLE_LAUNCHES, then the 16K
-  # bounded prefill with TABLE off / on, alternating.
-  timeout -s INT 150 python3 -m pytest -n 8 -p no:cacheprovider -q -rfE tests/test_ced_score_table.py \
-    tests/test_triton_ced.py -k "table or indexer or topk" 2>&1 | tail -4
-  timeout 120 python3 benchmarks/ced_prefill_kernels.py --kernels indexer --out "$OUT/ced_prefill_indexer.jsonl" \
-    2>&1 | grep -v Warning | tail -14
-  prefill_ab 50 8 table "" "triton_ced_scores.TABLE=1" ;;
 s33b)
   # 33rd session (~3 min): where the host leaves the device idle in a cold bounded prefill (16K: ~4.3 ms in its
   # first 7 ms; 4K: a wall twice its GPU busy), with the Python frames recorded (--stack) so each idle span names
