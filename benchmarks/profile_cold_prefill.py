@@ -103,6 +103,45 @@ def gaps(prof, least_us: float = 500.0) -> list:
     return out
 
 
+MARKED = ("forward_engine", "_plan_step", "_on_device", "layer_engine", "compress_full", "_choose_entries")
+
+
+def marked_prefill(llm, prompt) -> tuple:
+    """One more prefill with a host clock reading and a device event at the entry and exit of engine_path's
+    MARKED functions: (wall, [(mark, host ms, device ms)] from the first mark). Where device ms - host ms stays near
+    its first value the device has caught up with the host and waits on it; where it grows the host is ahead."""
+    from deepinfer.models.ced import engine_path as ep
+
+    marks = []
+
+    def mark(name):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append((name, time.perf_counter(), ev))
+
+    def wrap(name, f):
+        def marked(*a, **k):
+            at = {"layer_engine": 1, "compress_full": 1, "_choose_entries": 2}.get(name)  # the layer argument
+            label = name if at is None else f"{'layer' if name == 'layer_engine' else name} {a[at].i}"
+            mark(label + " >")
+            out = f(*a, **k)
+            mark(label + " <")
+            return out
+        return marked
+
+    orig = {n: getattr(ep, n) for n in MARKED}
+    for n, f in orig.items():
+        setattr(ep, n, wrap(n, f))
+    try:
+        wall = prefill(llm, prompt)
+    finally:
+        for n, f in orig.items():
+            setattr(ep, n, f)
+    sync()
+    h0, e0 = marks[0][1], marks[0][2]
+    return wall, [(name, round((t - h0) * 1e3, 3), round(e0.elapsed_time(ev), 3)) for name, t, ev in marks]
+
+
 def host_top(llm, prompt, n: int = 30) -> str:
     """cProfile of one more prefill: the top functions by own time (the host's share of the wall), then by
     cumulative time (where it is spent from the top down)."""
@@ -131,6 +170,8 @@ def main() -> int:
     ap.add_argument("--host", action="store_true", help="also cProfile one prefill (host functions by own time)")
     ap.add_argument("--stack", action="store_true",
                     help="record Python frames too, so an idle span names the Python function the host was in")
+    ap.add_argument("--marks", action="store_true",
+                    help="one more prefill with host / device times at engine_path's layer boundaries (MARKED)")
     ap.add_argument("--ops", action="store_true", help="record input shapes: torch ops by their kernels' device time")
     ap.add_argument("--max-len", type=int, default=None, help="the engine's max_model_len (default: tokens + 16)")
     ap.add_argument("--max-seqs", type=int, default=4, help="the engine's max_num_seqs (gpu_bench's ced phase: 64)")
@@ -199,11 +240,17 @@ def main() -> int:
                     say(f"{name:40s} {shapes[:80]:80s} {n:6d} {t / 1e3:9.2f}")
             if args.host:
                 say(host_top(llm, prompt))
+            marks = []
+            if args.marks and torch.cuda.is_available():
+                mwall, marks = marked_prefill(llm, prompt)
+                say(f"marks (wall {mwall * 1e3:.1f} ms; host ms, device ms, device - host: the host's lead):")
+                for name, h, g in marks:
+                    say(f"  {name:28s} {h:9.3f} {g:9.3f} {g - h:9.3f}")
             rows.append({"bench": "profile_cold_prefill", "mode": mode, "tokens": args.tokens, "knobs": knobs,
                          "wall_s": wall,
                          "walls_s": walls, "busy_s": busy, "launches": launches, "flops": flops,
                          "matmul_flop_per_s": rate, "fraction_of_matmul_rate": flops["flops"] / rate / wall,
-                         "idle_spans": idle, "ops": ops,
+                         "idle_spans": idle, "ops": ops, "marks": marks,
                          "kernels": [[k, n, round(t, 1)] for k, n, t in kern[:60]]})
             del llm, model
             if torch.cuda.is_available():

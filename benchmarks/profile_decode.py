@@ -186,14 +186,17 @@ def top_functions(prof, n_steps: int, k: int = 22) -> list:
 def set_knobs(pairs: list) -> dict:
     """NAME=VALUE pairs -> the nvidia backend's module constants set (ints; bools as 0 / 1): NAME is a constant of
     backends/nvidia/ops.py, or MODULE.NAME one of another backends/nvidia module (triton_gemv.EARLY_W), or
-    backends.MODULE.NAME one of deepinfer/backends (backends.cuda_graph.RESOLVE_IN_GRAPH); unknown names raise."""
+    backends.MODULE.NAME one of deepinfer/backends (backends.cuda_graph.RESOLVE_IN_GRAPH), or any deepinfer module
+    by its dotted path from the package (staging.ON, models.ced.engine_path.INDEX_CHUNK); unknown names raise."""
     import importlib
+    import importlib.util
 
     knobs = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
         mod_name, _, const = name.rpartition(".")
-        path = f"deepinfer.{mod_name}" if mod_name.startswith("backends.") else \
+        top = f"deepinfer.{mod_name.split('.')[0]}" if mod_name else None
+        path = f"deepinfer.{mod_name}" if top and importlib.util.find_spec(top) is not None else \
             f"deepinfer.backends.nvidia.{mod_name or 'ops'}"
         try:
             mod = importlib.import_module(path)

@@ -101,6 +101,14 @@ def hit_step(ced, monkeypatch, fused: bool = True, invariant: bool = False, dtyp
 
     monkeypatch.setattr(engine_path, "forward_engine", forward)
     monkeypatch.setattr(engine_path, "to_device", copy)
+    real_staged = engine_path.staged_copy
+
+    def staged(*a, **k):  # (the step's index lists go through the reused pinned buffers)
+        if got.get("inside"):
+            got["copies"] += 1
+        return real_staged(*a, **k)
+
+    monkeypatch.setattr(engine_path, "staged_copy", staged)
     # The prefix is served on the plain CPU dispatch (the interpreter would take a minute over it): the hit
     # steps compared here all start from the state it leaves.
     llm.generate([first], sp, use_tqdm=False)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ...backends.base import to_device
+from ...staging import staged_copy
 from . import functional as fn
 from .model import model_ops
 
@@ -37,7 +38,7 @@ from .model import model_ops
 def _on_device(lists: list, device) -> list:
     """Host int lists (or numpy arrays) on the device in one copy: [tensor] views of one int64 buffer, one per list."""
     arrays = [_ints(lst) for lst in lists]
-    buf = to_device(torch.from_numpy(np.concatenate(arrays) if arrays else np.zeros(0, np.int64)), torch.long, device)
+    buf = staged_copy(np.concatenate(arrays) if arrays else np.zeros(0, np.int64), device)  # (reused pinned memory)
     out, a = [], 0
     for arr in arrays:
         out.append(buf[a:a + arr.size])
