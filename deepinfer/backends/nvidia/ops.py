@@ -27,12 +27,8 @@ INTERPRET = triton_norm.INTERPRET  # the kernels were decorated for the interpre
 
 def kernel_device_ok(*tensors: torch.Tensor) -> bool:
     """All tensors are where the kernels can run: CUDA, or the CPU under the interpreter."""
-    for t in tensors:
-        if t is None:
-            continue
-        if t.device.type == "cuda":
-            continue
-        if INTERPRET and t.device.type == "cpu":
+    for t in tensors:  # (is_cuda / is_cpu: a tenth of the time of building t.device, ~200 calls a prefill pass)
+        if t is None or t.is_cuda or (INTERPRET and t.is_cpu):
             continue
         return False
     return True
