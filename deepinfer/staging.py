@@ -4,7 +4,8 @@
 lists a step copies. The CED prefill's index lists are one int64 buffer of ~1-2 MB at 16K tokens, and pinning
 that a step cost ~3 ms of host time under cProfile on the H100 (34th session), while the device sat idle waiting
 for the layer after it. A ``Staging`` keeps a few pinned buffers and reuses one whose last copy has run (its
-event says so; checked, never waited on), so a step writes its lists into memory that is already pinned. When
+event says so; checked, never waited on), so a step joins its lists straight into memory that is already pinned
+(np.concatenate's ``out``) instead of into a fresh array that is then copied again. When
 every buffer is still in flight (the device several steps behind), it pins a fresh one as to_device would:
 the copy never waits.
 
@@ -45,22 +46,23 @@ class Staging:
                 return i
         return None
 
-    def copy(self, arr: np.ndarray) -> torch.Tensor:
-        """arr (1-D int64) on the device, copied without blocking the host."""
-        arr = np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)
-        n = arr.size
+    def copy(self, arrays: list) -> torch.Tensor:
+        """The 1-D int64 arrays end to end on the device, copied without blocking the host: joined straight
+        into a pinned buffer (no intermediate array: a fresh multi-MB one costs its page faults)."""
+        arrays = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
+        n = sum(a.size for a in arrays)
         out = torch.empty(n, dtype=torch.long, device=self.device)
         if n == 0:
             return out
         i = self._free_slot(n)
         if i is None:  # every buffer still feeds a queued copy: a one-off pinned buffer, as to_device pins
             self.fresh += 1
-            return out.copy_(torch.from_numpy(arr).pin_memory() if self.pin else torch.from_numpy(arr),
-                             non_blocking=True)
+            host = torch.from_numpy(np.concatenate(arrays))
+            return out.copy_(host.pin_memory() if self.pin else host, non_blocking=True)
         if self.slots[i] is None:  # (first use, or too small: twice the size, so a growing prompt regrows rarely)
             self.slots[i] = (torch.empty(2 * n, dtype=torch.long, pin_memory=self.pin), None)
         buf = self.slots[i][0]
-        buf[:n].numpy()[:] = arr
+        np.concatenate(arrays, out=buf[:n].numpy())
         out.copy_(buf[:n], non_blocking=True)
         ev = self.event()
         ev.record()
@@ -68,14 +70,15 @@ class Staging:
         return out
 
 
-def staged_copy(arr: np.ndarray, device) -> torch.Tensor:
-    """A 1-D int64 numpy array on ``device`` without blocking the host: through this thread's pinned buffers on
-    CUDA (ON), else to_device's fresh pinned copy, or a plain copy off CUDA."""
+def staged_copy(arrays: list, device) -> torch.Tensor:
+    """1-D int64 numpy arrays end to end on ``device`` without blocking the host: through this thread's pinned
+    buffers on CUDA (ON), else joined and copied by to_device (a fresh pinned copy), or a plain copy off CUDA."""
     device = torch.device(device)
     if device.type != "cuda" or not ON:
         from .layout import to_device
 
-        return to_device(torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64)), torch.long, device)
+        joined = np.concatenate(arrays) if len(arrays) else np.zeros(0, np.int64)
+        return to_device(torch.from_numpy(np.ascontiguousarray(joined, dtype=np.int64)), torch.long, device)
     pools = getattr(_local, "pools", None)
     if pools is None:
         pools = _local.pools = {}
@@ -83,4 +86,4 @@ def staged_copy(arr: np.ndarray, device) -> torch.Tensor:
     st = pools.get(key)
     if st is None:
         st = pools[key] = Staging(torch.device("cuda", key))
-    return st.copy(arr)
+    return st.copy(arrays)

@@ -840,21 +840,23 @@ s33d)
   prefill_ab 50 8 three "" "CED_ROUTE_LOGITS_TILED=1" 2
   prefill_ab 50 8 three_table "triton_ced_scores.TABLE=1" "" 1 ;;
 s34a)
-  # 34th session (~5 min): the index-list copy's host time (a fresh pinned tensor against staging.Staging's reused
+  # 34th session (~5 min; the first run compiles, ~60 s): the index-list copy's host time (a fresh pinned tensor against staging.Staging's reused
   # ones), then the 16K bounded prefill with staging off / on alternating (two runs each), the first pair with host /
   # device times at the layer boundaries (--marks), then (FOUR_K=1) the 4K prefill's marks as shipped.
   timeout 90 python3 benchmarks/pinned_upload.py --out "$OUT/pinned_upload.jsonl" 2>&1 | grep -v Warning | tail -24
   n=0
   for k in "staging.ON=0" "" "staging.ON=0" ""; do
     n=$((n + 1)); m=""; [ $n -le 2 ] && m="--marks"
-    timeout 80 python3 benchmarks/profile_cold_prefill.py --tokens 16384 --modes bounded --repeats 3 --top 6 $m \
+    timeout $([ $n -eq 1 ] && echo 170 || echo 80) python3 benchmarks/profile_cold_prefill.py --tokens 16384 \
+      --modes bounded --repeats 3 --top 6 $m \
       ${k:+--knob $k} --out "$OUT/cold_prefill_16k_staging$n" > "$OUT/cold_prefill_16k_staging$n.log" 2>&1
     grep "^== \|^marks\|^  layer\|^  _\|^  forward\|^  compress" "$OUT/cold_prefill_16k_staging$n.log" \
       | sed "s/^/[${k:-as shipped}] /" | cut -c 1-200 | head -48
   done
-  [ -n "$FOUR_K" ] && timeout 80 python3 benchmarks/profile_cold_prefill.py --tokens 4096 --modes bounded --repeats 3 \
+  [ -n "${FOUR_K:-}" ] && timeout 80 python3 benchmarks/profile_cold_prefill.py --tokens 4096 --modes bounded --repeats 3 \
     --top 6 --marks --out "$OUT/cold_prefill_4k_marks" > "$OUT/cold_prefill_4k_marks.log" 2>&1 \
     && grep "^== \|^marks\|^  layer\|^  _\|^  forward\|^  compress" "$OUT/cold_prefill_4k_marks.log" | cut -c 1-200
+  (cd "$OUT" && tar czf s34a_logs.tgz ./*.log ./*.txt && rm -f ./*.log ./*.txt)  # (few files come back a call)
   true ;;
 s33b)
   # 33rd session (~3 min): where the host leaves the device idle in a cold bounded prefill (16K: ~4.3 ms in its

@@ -32,30 +32,30 @@ def make(slots=2):
 
 def test_copies_hold_the_values_and_reuse_a_buffer_only_after_its_copy_ran():
     s, log = make(slots=2)
-    a = s.copy(np.arange(5))
-    b = s.copy(np.arange(10, 13))
+    a = s.copy([np.arange(2), np.arange(2, 5)])  # joined end to end
+    b = s.copy([np.arange(10, 13)])
     assert a.tolist() == list(range(5)) and b.tolist() == [10, 11, 12]
     first = s.slots[0][0].data_ptr()
     # both buffers in flight: a one-off copy, which leaves both untouched
-    c = s.copy(np.array([7, 8]))
+    c = s.copy([np.array([7, 8])])
     assert c.tolist() == [7, 8] and s.fresh == 1
     assert s.slots[0][0][:5].tolist() == list(range(5)) and s.slots[1][0][:3].tolist() == [10, 11, 12]
     log[0].done = True  # the first copy ran: its buffer is reused, not reallocated
-    d = s.copy(np.array([4, 4, 4]))
+    d = s.copy([np.array([4, 4, 4])])
     assert d.tolist() == [4, 4, 4] and s.slots[0][0].data_ptr() == first and s.fresh == 1
 
 
 def test_a_larger_list_regrows_a_free_buffer():
     s, log = make(slots=1)
-    s.copy(np.arange(3))
+    s.copy([np.arange(3)])
     log[-1].done = True
-    out = s.copy(np.arange(100))
+    out = s.copy([np.arange(100)])
     assert out.tolist() == list(range(100)) and s.slots[0][0].numel() >= 100
 
 
 def test_empty_list():
     s, _ = make()
-    assert s.copy(np.zeros(0, np.int64)).shape == (0,)
+    assert s.copy([np.zeros(0, np.int64)]).shape == (0,)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -72,7 +72,7 @@ def test_no_busy_buffer_is_rewritten(steps, slots):
         busy = [(buf.clone(), buf) for buf, ev in (x for x in s.slots if x is not None) if ev is not None
                 and not ev.query()]
         arr = rng.integers(-10**12, 10**12, size=n)
-        assert s.copy(arr).tolist() == arr.tolist()
+        assert s.copy([arr[: n // 2], arr[n // 2:]]).tolist() == arr.tolist()
         for before, buf in busy:
             assert torch.equal(before, buf)
 
@@ -86,9 +86,9 @@ def test_on_device_views_match_the_lists():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned buffers, events)")
 def test_gpu_staged_copy_matches_and_reuses():
     arr = np.arange(1 << 16, dtype=np.int64)
-    a = staging.staged_copy(arr, "cuda")
+    a = staging.staged_copy([arr[:7], arr[7:]], "cuda")
     torch.cuda.synchronize()
-    b = staging.staged_copy(arr[::-1].copy(), "cuda")
+    b = staging.staged_copy([arr[::-1].copy()], "cuda")
     torch.cuda.synchronize()
     assert torch.equal(a.cpu(), torch.from_numpy(arr)) and torch.equal(b.cpu(), torch.from_numpy(arr[::-1].copy()))
     st_ = staging._local.pools[torch.cuda.current_device()]

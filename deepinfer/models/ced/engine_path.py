@@ -38,7 +38,7 @@ from .model import model_ops
 def _on_device(lists: list, device) -> list:
     """Host int lists (or numpy arrays) on the device in one copy: [tensor] views of one int64 buffer, one per list."""
     arrays = [_ints(lst) for lst in lists]
-    buf = staged_copy(np.concatenate(arrays) if arrays else np.zeros(0, np.int64), device)  # (reused pinned memory)
+    buf = staged_copy(arrays, device)  # (joined into reused pinned memory on CUDA)
     out, a = [], 0
     for arr in arrays:
         out.append(buf[a:a + arr.size])
