@@ -87,6 +87,7 @@
 #                                            # the router logits kernel's launch sweep
 #   bash scripts/device_issue12.sh s34a              # pinned upload bench; 16K prefill staging off / on with
 #                                            # layer-boundary marks; the 4K prefill's marks
+#   bash scripts/device_issue12.sh s35a              # the router kernel, several tokens a program: GPU tests, 16K A/B
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -858,6 +859,13 @@ s34a)
     && grep "^== \|^marks\|^  layer\|^  _\|^  forward\|^  compress" "$OUT/cold_prefill_4k_marks.log" | cut -c 1-200
   (cd "$OUT" && tar czf s34a_logs.tgz ./*.log ./*.txt && rm -f ./*.log ./*.txt)  # (few files come back a call)
   true ;;
+s35a)
+  # For the 35th session (~5 min; built in the 34th, not yet run on a GPU): the router kernel with several tokens a
+  # program (triton_ced_route.ROWS_FROM): its GPU tests, then the 16K bounded prefill as shipped / with it from 2048
+  # tokens, alternating (two runs each; the first compiles).
+  timeout -s INT 150 python3 -m pytest -n 4 -p no:cacheprovider -q -rfE tests/test_triton_ced_glue.py \
+    tests/test_route_tail.py 2>&1 | tail -3
+  prefill_ab 90 8 route_rows "" "triton_ced_route.ROWS_FROM=2048" ;;
 s33b)
   # 33rd session (~3 min): where the host leaves the device idle in a cold bounded prefill (16K: ~4.3 ms in its
   # first 7 ms; 4K: a wall twice its GPU busy), with the Python frames recorded (--stack) so each idle span names

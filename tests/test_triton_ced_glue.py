@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from unittest import mock
 
+import pytest
 import torch
 from hypothesis import given, strategies as st
 
 from deepinfer.testing.kernels import (DEV, assert_same_bits, capture_graph, examples, gen, gpu, no_host_sync,
-                                       skip_module_without_kernels)
+                                       run_compile_script, skip_module_without_kernels)
 
 skip_module_without_kernels()
 
@@ -54,6 +55,40 @@ def test_route_matches_reference(T, E, k_frac, has_bias, renorm, scaling, dtype,
     assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (T, k)
     assert torch.equal(ids.cpu(), rids)
     assert ((w.cpu() - rw).abs() <= 8 * 2.0 ** -23 * rw.abs().clamp_min(1e-30)).all()
+
+
+@FAST
+@given(T=st.integers(1, 40), E=st.sampled_from([2, 7, 32, 100]), rows=st.sampled_from([2, 4, 16]),
+       has_bias=st.booleans(), renorm=st.booleans(), ties=st.booleans(), seed=st.integers(0, 2**16))
+def test_route_rows_a_program_are_the_bits_of_one_a_program(T, E, rows, has_bias, renorm, ties, seed):
+    """Several tokens a program (ROWS; T not a multiple of it, padded expert counts, tied logits): the weights and
+    ids of one token a program, bit for bit, and the reference's ids where no scores tie."""
+    g = gen(seed)
+    k = min(E, 4)
+    logits = torch.randn(T, E, generator=g) * 4
+    if ties:
+        logits = logits.round()  # many equal scores: ties go to the lower expert either way
+    logits = logits.to(DEV)
+    bias = (torch.randn(E, generator=g) * 0.1).to(DEV) if has_bias else None
+    w1, ids1 = tcr.route(logits, k, renormalize=renorm, scaling=1.5, bias=bias, rows=1)
+    wr, idsr = tcr.route(logits, k, renormalize=renorm, scaling=1.5, bias=bias, rows=rows)
+    assert torch.equal(ids1, idsr) and torch.equal(w1.view(torch.int32), wr.view(torch.int32))
+    if not ties:  # (torch.topk, the reference's, breaks ties its own way)
+        _, rids = route(logits.cpu(), k, scoring="sqrt_softplus", renormalize=renorm, scaling=1.5,
+                        bias=None if bias is None else bias.cpu())
+        assert torch.equal(idsr.cpu(), rids)
+
+
+def test_route_rows_choice_and_bad_rows(monkeypatch):
+    monkeypatch.setattr(tcr, "ROWS_FROM", 0)
+    assert tcr.rows_per_program(1 << 14, 32) == 1  # off
+    monkeypatch.setattr(tcr, "ROWS_FROM", 2048)
+    assert tcr.rows_per_program(2047, 32) == 1 and tcr.rows_per_program(2048, 32) == tcr.ROWS
+    assert tcr.rows_per_program(1 << 14, 1024) == 1  # at most 1024 logits a program
+    logits = torch.zeros(3, 8, device=DEV)
+    for bad in (0, 3, True, 2.0, 2048):
+        with pytest.raises(ValueError, match="rows must be"):
+            tcr.route(logits, 2, rows=bad)
 
 
 @FAST
@@ -374,3 +409,24 @@ def test_gpu_glue_kernels_at_bench_shapes_replay_in_a_graph():
         assert (a != b).float().mean() <= 0.02
     for a, b in zip(got_ring, ring):
         assert (a != b).float().mean() <= 0.02
+
+
+_ROUTE_COMPILE = r'''
+import json
+from deepinfer.backends.nvidia import triton_ced_route as tcr
+from deepinfer.testing.kernels import compile_sm90, sass_row
+
+sig = dict(logits_ptr="*fp32", gate_ptr="*fp32", bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64", stride_l="i32",
+           stride_g="i32", stride_w="i32", stride_i="i32", E="i32", DIN="i32", scaling="fp32", T="i32")
+k = compile_sm90(tcr._route_kernel, sig,
+                 dict(K=4, BLOCK_E=32, BLOCK_K=4, HAS_BIAS=True, RENORM=True, FROM_HIDDEN=False, BLOCK_D=16, DIN_I=0,
+                      ROWS=tcr.ROWS), ("stride_l", "E", "T"), num_warps=4)
+print(json.dumps(sass_row(k, r"\b(STL|LDL)\b", smem=k.metadata.shared)))
+'''
+
+
+def test_route_rows_a_program_compiles_for_hopper():
+    """The several-tokens launch (ROWS, the bench router's 32 experts, top-4) builds for sm_90 without spills."""
+    row = run_compile_script(_ROUTE_COMPILE)
+    assert row["smem"] <= 227 * 1024, row
+    assert row.get("sass", {}).get("STL", 0) == 0, row

@@ -29,32 +29,46 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 _INTERP = tl.constexpr(INTERPRET)
 MAX_EXPERTS = 1024
 MAX_TOPK = 32
+# Tokens a program where route() gets at least ROWS_FROM of them (0: one a program, as always until a GPU times it;
+# bash scripts/device_issue12.sh s35a): one token a program left a 16K prefill's router latency-bound, 51 us a call
+# for 2 MB of logits on the H100 (34th session: 16K programs of one warp, each a chain of K max-reductions).
+ROWS = 16
+ROWS_FROM = 0
 
 
 @triton.jit
 def _route_kernel(logits_ptr, gate_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, stride_g, stride_w, stride_i, E, DIN,
                   scaling, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                   RENORM: tl.constexpr, FROM_HIDDEN: tl.constexpr, BLOCK_D: tl.constexpr, DIN_I: tl.constexpr,
-                  PDL: tl.constexpr = 0):
+                  PDL: tl.constexpr = 0, ROWS: tl.constexpr = 1, T=1):
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
-    if FROM_HIDDEN:  # logits = x.float() @ gate.T, x [T, DIN] the hidden rows, gate [E, DIN] float32
-        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-        for d0 in range(0, DIN_I if _INTERP else DIN, BLOCK_D):  # (the interpreter takes constexpr bounds)
-            d = d0 + tl.arange(0, BLOCK_D)
-            xd = tl.load(logits_ptr + t * stride_l + d, mask=d < DIN, other=0.0).to(tl.float32)
-            g = tl.load(gate_ptr + e[:, None] * stride_g + d[None, :], mask=ok[:, None] & (d < DIN)[None, :],
-                        other=0.0).to(tl.float32)
-            acc += tl.sum(g * xd[None, :], axis=1)
-        x = acc
+    if ROWS > 1:  # ROWS tokens a program (route_rows is row by row: the same bits as one a program)
+        r = t * ROWS + tl.arange(0, ROWS)[:, None]
+        m = r < T
+        x = tl.load(logits_ptr + r * stride_l + e[None, :], mask=m & ok[None, :], other=0.0).to(tl.float32)
+        w, ids = route_rows(x, bias_ptr, E, scaling, K, BLOCK_E, BLOCK_K, HAS_BIAS, RENORM)
+        kk = tl.arange(0, BLOCK_K)[None, :]
+        tl.store(w_ptr + r * stride_w + kk, w, mask=m & (kk < K))
+        tl.store(ids_ptr + r * stride_i + kk, ids.to(tl.int64), mask=m & (kk < K))
     else:
-        x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=0.0).to(tl.float32)
-    w, ids = route_rows(x[None, :], bias_ptr, E, scaling, K, BLOCK_E, BLOCK_K, HAS_BIAS, RENORM)
-    kk = tl.arange(0, BLOCK_K)[None, :]
-    tl.store(w_ptr + t * stride_w + kk, w, mask=kk < K)
-    tl.store(ids_ptr + t * stride_i + kk, ids.to(tl.int64), mask=kk < K)
+        if FROM_HIDDEN:  # logits = x.float() @ gate.T, x [T, DIN] the hidden rows, gate [E, DIN] float32
+            acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+            for d0 in range(0, DIN_I if _INTERP else DIN, BLOCK_D):  # (the interpreter takes constexpr bounds)
+                d = d0 + tl.arange(0, BLOCK_D)
+                xd = tl.load(logits_ptr + t * stride_l + d, mask=d < DIN, other=0.0).to(tl.float32)
+                g = tl.load(gate_ptr + e[:, None] * stride_g + d[None, :], mask=ok[:, None] & (d < DIN)[None, :],
+                            other=0.0).to(tl.float32)
+                acc += tl.sum(g * xd[None, :], axis=1)
+            x = acc
+        else:
+            x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=0.0).to(tl.float32)
+        w, ids = route_rows(x[None, :], bias_ptr, E, scaling, K, BLOCK_E, BLOCK_K, HAS_BIAS, RENORM)
+        kk = tl.arange(0, BLOCK_K)[None, :]
+        tl.store(w_ptr + t * stride_w + kk, w, mask=kk < K)
+        tl.store(ids_ptr + t * stride_i + kk, ids.to(tl.int64), mask=kk < K)
 
 
 @triton.jit
@@ -134,20 +148,40 @@ def _choice_ok(E: int, top_k, bias) -> bool:
 
 
 def route(logits: torch.Tensor, top_k: int, *, renormalize: bool = True, scaling: float = 1.0,
-          bias: Optional[torch.Tensor] = None):
-    """logits [T, E] -> (weights [T, top_k] float32, ids [T, top_k] int64), ids by descending selection score."""
+          bias: Optional[torch.Tensor] = None, rows: Optional[int] = None):
+    """logits [T, E] -> (weights [T, top_k] float32, ids [T, top_k] int64), ids by descending selection score.
+    ``rows``: tokens a program (a power of two; default per ROWS / ROWS_FROM), the same bits at any."""
     if not supports(logits, top_k, "sqrt_softplus", None, bias):
         raise ValueError(f"route: unsupported inputs: logits {logits.dtype} {tuple(logits.shape)} stride "
                          f"{logits.stride()}, top_k {top_k!r}, bias "
                          f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
-    return _launch(logits, None, top_k, renormalize, scaling, bias)
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 or rows & (rows - 1)
+                             or rows * next_pow2(logits.shape[1]) > 8192):
+        raise ValueError(f"route: rows must be a power of two with rows x experts (padded) <= 8192, got {rows!r}")
+    return _launch(logits, None, top_k, renormalize, scaling, bias, rows)
 
 
-def _launch(rows, gate, top_k, renormalize, scaling, bias):
+def rows_per_program(T: int, E: int) -> int:
+    """route()'s default tokens a program: ROWS (fewer for wide expert counts, at most 1024 logits a program) from
+    ROWS_FROM tokens on, else one."""
+    if not ROWS_FROM or T < ROWS_FROM:
+        return 1
+    return max(1, min(ROWS, 1024 // next_pow2(E)))
+
+
+def _launch(rows, gate, top_k, renormalize, scaling, bias, per: Optional[int] = None):
     T, E = rows.shape[0], (gate if gate is not None else rows).shape[0 if gate is not None else 1]
     w = torch.empty(T, top_k, dtype=torch.float32, device=rows.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=rows.device)
-    if T:
+    per = 1 if gate is not None else (rows_per_program(T, E) if per is None else per)
+    if T and per > 1:
+        BE = next_pow2(E)
+        _route_kernel[(triton.cdiv(T, per),)](
+            rows, rows, bias if bias is not None else rows, w, ids, rows.stride(0), 0, w.stride(0), ids.stride(0),
+            E, rows.shape[1], float(scaling), K=top_k, BLOCK_E=BE, BLOCK_K=next_pow2(top_k),
+            HAS_BIAS=bias is not None, RENORM=bool(renormalize), FROM_HIDDEN=False, BLOCK_D=16, DIN_I=0, ROWS=per,
+            T=T, num_warps=1 if INTERPRET else max(1, min(4, per * BE // 128)), **launch_kw(rows.device))
+    elif T:
         BE = next_pow2(E)
         bd = max(16, min(next_pow2(rows.shape[1]), (1024 if INTERPRET else 8192) // BE))
         _route_kernel[(T,)](rows, gate if gate is not None else rows, bias if bias is not None else rows, w, ids,
