@@ -87,7 +87,8 @@
 #                                            # the router logits kernel's launch sweep
 #   bash scripts/device_issue12.sh s34a              # pinned upload bench; 16K prefill staging off / on with
 #                                            # layer-boundary marks; the 4K prefill's marks
-#   bash scripts/device_issue12.sh s35a              # the router kernel, several tokens a program: GPU tests, 16K A/B
+#   bash scripts/device_issue12.sh s35a              # the router, several tokens a program, and its logits on
+#                                            # 128-deep K steps: GPU tests, 16K A/B
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -861,11 +862,15 @@ s34a)
   true ;;
 s35a)
   # For the 35th session (~5 min; built in the 34th, not yet run on a GPU): the router kernel with several tokens a
-  # program (triton_ced_route.ROWS_FROM): its GPU tests, then the 16K bounded prefill as shipped / with it from 2048
-  # tokens, alternating (two runs each; the first compiles).
+  # program (triton_ced_route.ROWS_FROM) and the router logits on 128-deep K steps (the s33b sweep's fastest): their
+  # GPU tests (the logits' at BLOCK_K 128 too), then the 16K bounded prefill as shipped / with both, alternating (two
+  # runs each; the first compiles); the rows' kernel table gives each one's share (_route_kernel, _logits_kernel).
   timeout -s INT 150 python3 -m pytest -n 4 -p no:cacheprovider -q -rfE tests/test_triton_ced_glue.py \
-    tests/test_route_tail.py 2>&1 | tail -3
-  prefill_ab 90 8 route_rows "" "triton_ced_route.ROWS_FROM=2048" ;;
+    tests/test_route_tail.py tests/test_router_logits.py 2>&1 | tail -3
+  timeout -s INT 60 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from profile_decode import set_knobs; \
+set_knobs(['triton_router_logits.BLOCK_K=128']); import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', \
+'tests/test_router_logits.py']))" 2>&1 | tail -2
+  prefill_ab 90 16 route_rows "" "triton_ced_route.ROWS_FROM=2048 triton_router_logits.BLOCK_K=128" ;;
 s33b)
   # 33rd session (~3 min): where the host leaves the device idle in a cold bounded prefill (16K: ~4.3 ms in its
   # first 7 ms; 4K: a wall twice its GPU busy), with the Python frames recorded (--stack) so each idle span names

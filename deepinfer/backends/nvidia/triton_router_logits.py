@@ -14,6 +14,8 @@ where ``ops.CED_ROUTE_LOGITS_TILED`` is on.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -61,10 +63,15 @@ def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
         and x.device == w.device and x.shape[1] == w.shape[1] and x.stride(1) == 1 and w.stride(1) == 1
 
 
-def logits(x: torch.Tensor, w: torch.Tensor, *, block_m: int = BLOCK_M, block_k: int = BLOCK_K,
-           num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> torch.Tensor:
+def logits(x: torch.Tensor, w: torch.Tensor, *, block_m: Optional[int] = None, block_k: Optional[int] = None,
+           num_warps: Optional[int] = None, num_stages: Optional[int] = None) -> torch.Tensor:
     """x.float() @ w.T in float32 for bf16 x [M, K] and float32 w [N, K] (see the module doc); the keyword knobs
-    are the launch's (tiles powers of two: rows 16-256, K steps 16-256)."""
+    are the launch's (tiles powers of two: rows 16-256, K steps 16-256), the module's BLOCK_M / BLOCK_K / NUM_WARPS /
+    NUM_STAGES where not given (read per call, so a benchmark's --knob reaches them)."""
+    block_m = BLOCK_M if block_m is None else block_m
+    block_k = BLOCK_K if block_k is None else block_k
+    num_warps = NUM_WARPS if num_warps is None else num_warps
+    num_stages = NUM_STAGES if num_stages is None else num_stages
     for name, v, lo, hi, pow2 in (("block_m", block_m, 16, 256, True), ("block_k", block_k, 16, 256, True),
                                   ("num_warps", num_warps, 1, 16, True), ("num_stages", num_stages, 1, 8, False)):
         check_knob("router logits", name, v, lo, hi, pow2)
