@@ -40,7 +40,7 @@ ROWS_FROM = 0
 def _route_kernel(logits_ptr, gate_ptr, bias_ptr, w_ptr, ids_ptr, stride_l, stride_g, stride_w, stride_i, E, DIN,
                   scaling, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                   RENORM: tl.constexpr, FROM_HIDDEN: tl.constexpr, BLOCK_D: tl.constexpr, DIN_I: tl.constexpr,
-                  PDL: tl.constexpr = 0, ROWS: tl.constexpr = 1, T=1):
+                  T=1, ROWS: tl.constexpr = 1, PDL: tl.constexpr = 0):
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
