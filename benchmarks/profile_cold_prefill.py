@@ -104,11 +104,13 @@ def gaps(prof, least_us: float = 500.0) -> list:
 
 
 MARKED = ("forward_engine", "_plan_step", "_on_device", "layer_engine", "compress_full", "_choose_entries")
+ENGINE_MARKED = ("step", "_launch", "_collect_step")  # Engine methods: the step's own host work around the forward
 
 
 def marked_prefill(llm, prompt) -> tuple:
     """One more prefill with a host clock reading and a device event at the entry and exit of engine_path's
-    MARKED functions: (wall, [(mark, host ms, device ms)] from the first mark). Where device ms - host ms stays near
+    MARKED functions and the engine's ENGINE_MARKED methods: (wall, [(mark, host ms, device ms)] from the first
+    mark). Where device ms - host ms stays near
     its first value the device has caught up with the host and waits on it; where it grows the host is ahead."""
     from deepinfer.models.ced import engine_path as ep
 
@@ -132,11 +134,16 @@ def marked_prefill(llm, prompt) -> tuple:
     orig = {n: getattr(ep, n) for n in MARKED}
     for n, f in orig.items():
         setattr(ep, n, wrap(n, f))
+    eng = llm.engine  # and the engine step around the forward (instance attributes, dropped after)
+    for n in ENGINE_MARKED:
+        setattr(eng, n, wrap(f"engine.{n}", getattr(eng, n)))
     try:
         wall = prefill(llm, prompt)
     finally:
         for n, f in orig.items():
             setattr(ep, n, f)
+        for n in ENGINE_MARKED:
+            delattr(eng, n)
     sync()
     h0, e0 = marks[0][1], marks[0][2]
     return wall, [(name, round((t - h0) * 1e3, 3), round(e0.elapsed_time(ev), 3)) for name, t, ev in marks]
