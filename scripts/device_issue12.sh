@@ -169,6 +169,7 @@ table_prefill_ab() {  # 26th session: a cold 16K bounded prefill with its entrie
 }
 
 prefill_ab() {  # s29d / s29e: the cold bounded prefill of TOKENS (16384 unless set) with knobs "$4" then "$5"
+  # (PREFILL_EXTRA: more profile_cold_prefill arguments, e.g. --marks)
   # (space-separated NAME=VALUE, "" as shipped), alternating twice (or $6 runs in all); $1 seconds a run, the $2 top
   # kernels, rows to cold_prefill_<TOKENS / 1024>k_$3<run>.jsonl
   local n=0 k a args runs tokens=${TOKENS:-16384}
@@ -177,7 +178,7 @@ prefill_ab() {  # s29d / s29e: the cold bounded prefill of TOKENS (16384 unless 
     n=$((n + 1)); args=""
     for a in $k; do args="$args --knob $a"; done
     timeout "$1" python3 benchmarks/profile_cold_prefill.py --tokens "$tokens" --modes bounded --repeats 3 \
-      --top "$2" $args --out "$OUT/cold_prefill_$((tokens / 1024))k_$3$n" 2>&1 | grep -v Warning \
+      --top "$2" $args ${PREFILL_EXTRA:-} --out "$OUT/cold_prefill_$((tokens / 1024))k_$3$n" 2>&1 | grep -v Warning \
       | grep -A$(($2 + 1)) "^== " \
       | sed "s/^/[${k:-as shipped}] /" | cut -c 1-150
   done
@@ -870,7 +871,8 @@ s35a)
   timeout -s INT 60 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from profile_decode import set_knobs; \
 set_knobs(['triton_router_logits.BLOCK_K=128']); import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', \
 'tests/test_router_logits.py']))" 2>&1 | tail -2
-  prefill_ab 90 16 route_rows "" "triton_ced_route.ROWS_FROM=2048 triton_router_logits.BLOCK_K=128" ;;
+  PREFILL_EXTRA=--marks prefill_ab 90 16 route_rows "" "triton_ced_route.ROWS_FROM=2048 triton_router_logits.BLOCK_K=128"
+  ;;
 s33b)
   # 33rd session (~3 min): where the host leaves the device idle in a cold bounded prefill (16K: ~4.3 ms in its
   # first 7 ms; 4K: a wall twice its GPU busy), with the Python frames recorded (--stack) so each idle span names
