@@ -169,9 +169,8 @@ table_prefill_ab() {  # 26th session: a cold 16K bounded prefill with its entrie
 }
 
 prefill_ab() {  # s29d / s29e: the cold bounded prefill of TOKENS (16384 unless set) with knobs "$4" then "$5"
-  # (PREFILL_EXTRA: more profile_cold_prefill arguments, e.g. --marks)
   # (space-separated NAME=VALUE, "" as shipped), alternating twice (or $6 runs in all); $1 seconds a run, the $2 top
-  # kernels, rows to cold_prefill_<TOKENS / 1024>k_$3<run>.jsonl
+  # kernels, rows to cold_prefill_<TOKENS / 1024>k_$3<run>.jsonl; PREFILL_EXTRA: more of its arguments (--marks)
   local n=0 k a args runs tokens=${TOKENS:-16384}
   runs=("$4" "$5" "$4" "$5")
   for k in "${runs[@]:0:${6:-4}}"; do
