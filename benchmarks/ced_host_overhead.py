@@ -88,11 +88,13 @@ class Probe:
 
 @contextlib.contextmanager
 def count_copies():
-    """Host-to-device copies of the CED paths' host lists (``to_device`` in engine_path and the cache), counted."""
+    """Host-to-device copies of the CED paths' host lists (``to_device`` in engine_path and the cache, and the
+    step's index lists through ``staged_copy``), counted."""
     from deepinfer.models.ced import cache as ced_cache
 
     seen = [0]
-    saved = [(m, m.to_device) for m in (engine_path, ced_cache)]
+    saved = [(m, n, getattr(m, n)) for m, n in ((engine_path, "to_device"), (engine_path, "staged_copy"),
+                                                (ced_cache, "to_device"))]
 
     def wrap(f):
         def counted(*a, **k):
@@ -100,13 +102,13 @@ def count_copies():
             return f(*a, **k)
         return counted
 
-    for m, f in saved:
-        m.to_device = wrap(f)
+    for m, n, f in saved:
+        setattr(m, n, wrap(f))
     try:
         yield seen
     finally:
-        for m, f in saved:
-            m.to_device = f
+        for m, n, f in saved:
+            setattr(m, n, f)
 
 
 def measure(probe: Probe, run, repeats: int) -> dict:

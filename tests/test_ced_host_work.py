@@ -17,10 +17,11 @@ DEEP = dict(REPLAY_CONFIG, num_layers=10, num_encoder_layers=5,
 def copies_per_prefill(path, monkeypatch) -> int:
     llm = LLM(str(path), num_kv_blocks=32, block_size=4, enable_prefix_caching=False)
     seen = []
-    real = engine_path.to_device
-    monkeypatch.setattr(engine_path, "to_device", lambda *a, **k: seen.append(1) or real(*a, **k))
+    for name in ("to_device", "staged_copy"):  # (the step's index lists go through staged_copy)
+        real = getattr(engine_path, name)
+        monkeypatch.setattr(engine_path, name, lambda *a, _real=real, **k: seen.append(1) or _real(*a, **k))
     llm.generate([list(range(3, 22))], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-    monkeypatch.setattr(engine_path, "to_device", real)
+    monkeypatch.undo()
     return len(seen)
 
 
