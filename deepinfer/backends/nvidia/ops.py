@@ -500,8 +500,8 @@ class NvidiaOps(ReferenceOps):
             return None
         self.kernel_calls["ced_entry_table"] += 1
         rows = slots.reshape(-1)  # (a row with no entry decodes row 0: never read, its index is -1)
-        if kernel_device_ok(codes, scales, rows) and codes.dim() == 2 and rows.dtype == torch.int64 \
-                and triton_fp4.supports_dequantize(codes, scales, fmt, torch.bfloat16):
+        if kernel_device_ok(codes, scales, rows) and triton_fp4.supports_dequantize(codes, scales, fmt,
+                                                                                     torch.bfloat16, rows):
             self.kernel_calls["dequantize_kv"] += 1
             table = triton_fp4.dequantize(codes, scales, fmt, torch.bfloat16, rows=rows)  # gathered in the launch
         else:

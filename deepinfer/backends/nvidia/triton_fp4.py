@@ -298,13 +298,19 @@ def supports_quantize(x: torch.Tensor, fmt: str) -> bool:
     return fmt in GROUPS and x.dim() >= 1 and x.dtype in SUPPORTED_DTYPES and x.shape[-1] % GROUPS[fmt] == 0
 
 
-def supports_dequantize(codes: torch.Tensor, scales, fmt: str, dtype: torch.dtype) -> bool:
+def supports_dequantize(codes: torch.Tensor, scales, fmt: str, dtype: torch.dtype, rows=None) -> bool:
+    """Whether dequantize takes these inputs; with ``rows``, gathering them (int64 [n] on the codes' device over
+    codes [N > 0, C // 2])."""
     if fmt not in GROUPS or scales is None or dtype not in SUPPORTED_DTYPES:
         return False
     if codes.dtype != torch.uint8 or scales.dtype != torch.uint8 or codes.dim() < 1:
         return False
     C = 2 * codes.shape[-1]
-    return C % GROUPS[fmt] == 0 and tuple(scales.shape) == (*codes.shape[:-1], C // GROUPS[fmt])
+    if C % GROUPS[fmt] or tuple(scales.shape) != (*codes.shape[:-1], C // GROUPS[fmt]):
+        return False
+    return rows is None or (codes.dim() == 2 and torch.is_tensor(rows) and rows.dim() == 1
+                            and rows.dtype == torch.int64 and rows.device == codes.device
+                            and not (rows.numel() and not codes.shape[0]))
 
 
 def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,9 +350,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str,
                          f"{FORMATS}, dtype one of {SUPPORTED_DTYPES}; got fmt={fmt!r}, codes "
                          f"{codes.dtype} {tuple(codes.shape)}, scales {getattr(scales, 'dtype', None)} "
                          f"{tuple(getattr(scales, 'shape', ()))}, dtype {dtype}")
-    if rows is not None and (codes.dim() != 2 or not torch.is_tensor(rows) or rows.dim() != 1
-                             or rows.dtype != torch.int64 or rows.device != codes.device
-                             or (rows.numel() and not codes.shape[0])):
+    if not supports_dequantize(codes, scales, fmt, dtype, rows):
         raise ValueError(f"rows must be int64 [n] on the codes' device over codes [N > 0, C // 2], got rows "
                          f"{getattr(rows, 'dtype', type(rows))} {tuple(getattr(rows, 'shape', ()))}, codes "
                          f"{tuple(codes.shape)}")
