@@ -66,7 +66,10 @@ class Staging:
         np.concatenate(arrays, out=buf[:n].numpy())
         out.copy_(buf[:n], non_blocking=True)
         ev = self.event()
-        ev.record()
+        if self.device.type == "cuda":  # on the stream the copy went to (out's device), whatever device is current
+            ev.record(torch.cuda.current_stream(self.device))
+        else:
+            ev.record()
         self.slots[i] = (buf, ev)
         return out
 
