@@ -842,9 +842,10 @@ s33d)
   prefill_ab 50 8 three "" "CED_ROUTE_LOGITS_TILED=1" 2
   prefill_ab 50 8 three_table "triton_ced_scores.TABLE=1" "" 1 ;;
 s34a)
-  # 34th session (~5 min; the first run compiles, ~60 s): the index-list copy's host time (a fresh pinned tensor against staging.Staging's reused
-  # ones), then the 16K bounded prefill with staging off / on alternating (two runs each), the first pair with host /
-  # device times at the layer boundaries (--marks), then (FOUR_K=1) the 4K prefill's marks as shipped.
+  # 34th session (~2-5 min; ran at 8bccf3f and e273c0e): the index-list copy's host time (a fresh pinned tensor
+  # against staging.Staging's reused ones), then the 16K bounded prefill with staging off / on alternating (two runs
+  # each; the first compiles on a fresh machine), the first pair with host / device times at the layer boundaries
+  # (--marks), then (FOUR_K=1) the 4K prefill's marks as shipped.
   timeout 90 python3 benchmarks/pinned_upload.py --out "$OUT/pinned_upload.jsonl" 2>&1 | grep -v Warning | tail -24
   n=0
   for k in "staging.ON=0" "" "staging.ON=0" ""; do
@@ -871,7 +872,7 @@ s35a)
 set_knobs(['triton_router_logits.BLOCK_K=128']); import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', \
 'tests/test_router_logits.py']))" 2>&1 | tail -2
   PREFILL_EXTRA=--marks prefill_ab 90 16 route_rows "" "triton_ced_route.ROWS_FROM=2048 triton_router_logits.BLOCK_K=128"
-  ;;
+  (cd "$OUT" && tar czf s35a_txt.tgz ./*.txt && rm -f ./*.txt) ;;  # (few files come back a call)
 s33b)
   # 33rd session (~3 min): where the host leaves the device idle in a cold bounded prefill (16K: ~4.3 ms in its
   # first 7 ms; 4K: a wall twice its GPU busy), with the Python frames recorded (--stack) so each idle span names
