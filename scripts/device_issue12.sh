@@ -871,7 +871,8 @@ s35a)
   timeout -s INT 60 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from profile_decode import set_knobs; \
 set_knobs(['triton_router_logits.BLOCK_K=128']); import pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', \
 'tests/test_router_logits.py']))" 2>&1 | tail -2
-  PREFILL_EXTRA=--marks prefill_ab 90 16 route_rows "" "triton_ced_route.ROWS_FROM=2048 triton_router_logits.BLOCK_K=128"
+  PREFILL_EXTRA=--marks prefill_ab 90 16 route_rows "" \
+    "triton_ced_route.ROWS_FROM=2048 triton_router_logits.BLOCK_K=128"
   (cd "$OUT" && tar czf s35a_txt.tgz ./*.txt && rm -f ./*.txt) ;;  # (few files come back a call)
 s33b)
   # 33rd session (~3 min): where the host leaves the device idle in a cold bounded prefill (16K: ~4.3 ms in its
