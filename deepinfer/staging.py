@@ -19,6 +19,8 @@ import threading
 import numpy as np
 import torch
 
+from .layout import to_device
+
 SLOTS = 4  # buffers a thread keeps per device: a step uses one; overlap scheduling keeps one step in flight
 ON = True  # off: every copy pins a fresh buffer (to_device's way), for A/B runs
 
@@ -58,8 +60,7 @@ class Staging:
         i = self._free_slot(n)
         if i is None:  # every buffer still feeds a queued copy: a one-off pinned buffer, as to_device pins
             self.fresh += 1
-            host = torch.from_numpy(np.concatenate(arrays))
-            return out.copy_(host.pin_memory() if self.pin else host, non_blocking=True)
+            return joined_copy(arrays, self.device)
         if self.slots[i] is None:  # (first use, or too small: twice the size, so a growing prompt regrows rarely)
             self.slots[i] = (torch.empty(2 * n, dtype=torch.long, pin_memory=self.pin), None)
         buf = self.slots[i][0]
@@ -74,15 +75,18 @@ class Staging:
         return out
 
 
+def joined_copy(arrays: list, device) -> torch.Tensor:
+    """The arrays joined into a fresh array and copied by to_device (a fresh pinned buffer on CUDA)."""
+    joined = np.concatenate(arrays) if len(arrays) else np.zeros(0, np.int64)
+    return to_device(torch.from_numpy(np.ascontiguousarray(joined, dtype=np.int64)), torch.long, device)
+
+
 def staged_copy(arrays: list, device) -> torch.Tensor:
     """1-D int64 numpy arrays end to end on ``device`` without blocking the host: through this thread's pinned
     buffers on CUDA (ON), else joined and copied by to_device (a fresh pinned copy), or a plain copy off CUDA."""
     device = torch.device(device)
     if device.type != "cuda" or not ON or torch.cuda.is_current_stream_capturing():  # (a capture: no event queries)
-        from .layout import to_device
-
-        joined = np.concatenate(arrays) if len(arrays) else np.zeros(0, np.int64)
-        return to_device(torch.from_numpy(np.ascontiguousarray(joined, dtype=np.int64)), torch.long, device)
+        return joined_copy(arrays, device)
     pools = getattr(_local, "pools", None)
     if pools is None:
         pools = _local.pools = {}

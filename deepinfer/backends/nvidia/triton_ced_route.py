@@ -174,15 +174,14 @@ def _launch(rows, gate, top_k, renormalize, scaling, bias, per: Optional[int] = 
     w = torch.empty(T, top_k, dtype=torch.float32, device=rows.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=rows.device)
     per = 1 if gate is not None else (rows_per_program(T, E) if per is None else per)
+    BE = next_pow2(E)
     if T and per > 1:
-        BE = next_pow2(E)
         _route_kernel[(triton.cdiv(T, per),)](
             rows, rows, bias if bias is not None else rows, w, ids, rows.stride(0), 0, w.stride(0), ids.stride(0),
             E, rows.shape[1], float(scaling), K=top_k, BLOCK_E=BE, BLOCK_K=next_pow2(top_k),
             HAS_BIAS=bias is not None, RENORM=bool(renormalize), FROM_HIDDEN=False, BLOCK_D=16, DIN_I=0, ROWS=per,
             T=T, num_warps=1 if INTERPRET else max(1, min(4, per * BE // 128)), **launch_kw(rows.device))
     elif T:
-        BE = next_pow2(E)
         bd = max(16, min(next_pow2(rows.shape[1]), (1024 if INTERPRET else 8192) // BE))
         _route_kernel[(T,)](rows, gate if gate is not None else rows, bias if bias is not None else rows, w, ids,
                             rows.stride(0), gate.stride(0) if gate is not None else 0, w.stride(0), ids.stride(0),

@@ -308,9 +308,13 @@ def supports_dequantize(codes: torch.Tensor, scales, fmt: str, dtype: torch.dtyp
     C = 2 * codes.shape[-1]
     if C % GROUPS[fmt] or tuple(scales.shape) != (*codes.shape[:-1], C // GROUPS[fmt]):
         return False
-    return rows is None or (codes.dim() == 2 and torch.is_tensor(rows) and rows.dim() == 1
-                            and rows.dtype == torch.int64 and rows.device == codes.device
-                            and not (rows.numel() and not codes.shape[0]))
+    return rows is None or _rows_ok(codes, rows)
+
+
+def _rows_ok(codes: torch.Tensor, rows) -> bool:
+    """Whether dequantize can gather ``rows`` of codes: int64 [n] on its device, codes [N > 0, C // 2]."""
+    return codes.dim() == 2 and torch.is_tensor(rows) and rows.dim() == 1 and rows.dtype == torch.int64 \
+        and rows.device == codes.device and not (rows.numel() and not codes.shape[0])
 
 
 def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,7 +354,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: str,
                          f"{FORMATS}, dtype one of {SUPPORTED_DTYPES}; got fmt={fmt!r}, codes "
                          f"{codes.dtype} {tuple(codes.shape)}, scales {getattr(scales, 'dtype', None)} "
                          f"{tuple(getattr(scales, 'shape', ()))}, dtype {dtype}")
-    if not supports_dequantize(codes, scales, fmt, dtype, rows):
+    if rows is not None and not _rows_ok(codes, rows):
         raise ValueError(f"rows must be int64 [n] on the codes' device over codes [N > 0, C // 2], got rows "
                          f"{getattr(rows, 'dtype', type(rows))} {tuple(getattr(rows, 'shape', ()))}, codes "
                          f"{tuple(codes.shape)}")
