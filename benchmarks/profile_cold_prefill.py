@@ -85,8 +85,8 @@ def op_rows(prof, n: int) -> list:
 
 def gaps(prof, least_us: float = 500.0) -> list:
     """The device's idle spans of at least ``least_us`` between the first and the last kernel, each with where the
-    host was when it began (the innermost CPU ops running then, and with ``--stack`` the Python frames around
-    them): [start us from the first kernel, length us, host path]."""
+    host was when it began (the innermost CPU ops running then; pure Python between ops shows as none):
+    [start us from the first kernel, length us, host path]."""
     kern = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                   if e.device_type == torch.autograd.DeviceType.CUDA)
     cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
@@ -176,7 +176,8 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--host", action="store_true", help="also cProfile one prefill (host functions by own time)")
     ap.add_argument("--stack", action="store_true",
-                    help="record Python frames too, so an idle span names the Python function the host was in")
+                    help="record the ops' Python stacks (torch.profiler with_stack); the idle spans still name only "
+                         "the ops live when the device ran dry, often none (34th session): --marks says where")
     ap.add_argument("--marks", action="store_true",
                     help="one more prefill with host / device times at engine_path's layer boundaries (MARKED)")
     ap.add_argument("--ops", action="store_true", help="record input shapes: torch ops by their kernels' device time")
