@@ -887,7 +887,7 @@ s35b)
   timeout 60 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
     --warps 4 --stages 2 --split-scale 0 --prefetch 0 --raw 1 --trans 1 --maxnreg 168 --reps 20 \
     --out "$OUT/ced_attn_s35b_raw.jsonl" 2>&1 | grep -v Warning | tail -1
-  timeout 200 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 64 \
+  timeout 150 python3 benchmarks/ced_attn_sweep.py --batches --prefill-chunk 2048 --context 16384 --block-n 32 \
     --warps 4 8 --stages 1 2 --split-scale 0 --prefetch 0 --raw 0 --trans 1 --maxnreg 0 168 --reps 20 \
     --out "$OUT/ced_attn_s35b_fp4.jsonl" 2>&1 | grep -v Warning | tail -1
   knobs=$(cat "$OUT"/ced_attn_s35b_*.jsonl | python3 -c "
