@@ -68,29 +68,6 @@ def test_wide_launch_rule(monkeypatch):
         with pytest.raises(ValueError, match=f"{name} must be"):
             tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True)
         monkeypatch.setattr(tca, name, old)
-    # FP4 entries read as they are (FP4_TRANS): off, the heads-first choice; on, the raw choice from 32 queries with
-    # the FP4_* knobs first, each alone; never without entries or below 32 queries; a bad value named.
-    monkeypatch.setattr(tca, "RAW_STAGES", 0)
-    monkeypatch.setattr(tca, "RAW_BLOCK_N", 0)
-    monkeypatch.setattr(tca, "RAW_WARPS", 0)
-    monkeypatch.setattr(tca, "RAW_MAXNREG", 168)
-    assert tca.wide_launch(2048, 16, 512, bf, 128, 512) == prefill[-1]
-    monkeypatch.setattr(tca, "FP4_TRANS", 1)
-    assert tca.wide_launch(2048, 16, 512, bf, 128, 512) == trans
-    assert tca.wide_launch(16, 16, 512, bf, 128, 512) == ({"BLOCK_N": 32, "num_warps": 8, "num_stages": 1}, 8)
-    assert tca.wide_launch(2048, 16, 512, bf, 128, 0) == prefill[-1]  # (no entries: the window alone)
-    for name, key, v in (("FP4_BLOCK_N", "BLOCK_N", 64), ("FP4_WARPS", "num_warps", 8), ("FP4_STAGES", "num_stages", 1),
-                         ("FP4_MAXNREG", "maxnreg", 255)):
-        monkeypatch.setattr(tca, name, v)
-        got = tca.wide_launch(2048, 16, 512, bf, 128, 512)[0]
-        assert got == {**trans[0], key: v}, (name, got)
-        assert tca.wide_launch(2048, 16, 512, bf, 128, 512, raw=True) == trans  # (raw entries: untouched)
-        monkeypatch.setattr(tca, name, 0)
-    for name, bad in (("FP4_BLOCK_N", 24), ("FP4_WARPS", 3), ("FP4_STAGES", 9), ("FP4_TRANS", 2), ("FP4_MAXNREG", 32)):
-        monkeypatch.setattr(tca, name, bad)
-        with pytest.raises(ValueError, match=f"{name} must be"):
-            tca.wide_launch(2048, 16, 512, bf, 128, 512)
-        monkeypatch.setattr(tca, name, 1 if name == "FP4_TRANS" else 0)
     monkeypatch.setattr(tca, "INTERPRET", True)
     assert tca.wide_launch(1, 16, 512, bf, 128, 512) is None
 

@@ -98,15 +98,6 @@ RAW_TRANS = 1
 # 19.9 ms against 23.0, wall 64.9-65.0 against 68.3-68.6 in one call. A copy of the ring decoded beforehand (read as
 # rows, no spills) lost with the cap as without it (467 us; 31st session: 25.1 ms against 23.1) and was removed.
 RAW_MAXNREG = 168
-# The same choice for prefills on FP4 entries read as they are (Ops.ced_entry_table off: a quarter of the table's
-# bytes a key, decoded in registers): FP4_TRANS 1 takes the transposed products from 32 queries with these FP4_*
-# launch knobs (0: the RAW_* choice's). Off until a GPU times it (35th session: it builds for sm_90 at the bench
-# latent, BLOCK_N 32 on 8 warps without spills; scripts/device_issue12.sh s35b sweeps it and the 16K pass).
-FP4_TRANS = 0
-FP4_BLOCK_N = 0
-FP4_WARPS = 0
-FP4_STAGES = 0
-FP4_MAXNREG = 0
 # A launch override's bounds (merge_launch: lo, hi, power of two), shared by sparse_attention's ``launch`` and the
 # RAW_* knobs; BLOCK_D is the latent's own width, added per call.
 _LAUNCH_BOUNDS = {"BLOCK_H": (16, 64, True), "BLOCK_N": (16, 128, True), "num_warps": (1, 16, True),
@@ -423,8 +414,7 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
     (its split count must not follow T). ``raw``: the entries are bf16 rows; RAW_BLOCK_N / RAW_WARPS /
     RAW_STAGES replace the choice's tile, warps and stages where set; from 32 queries the choice is the transposed
     products (RAW_TRANS) on 2 stages (31st session, H100: 486 us against 570 at 2048 queries) with registers capped
-    at RAW_MAXNREG (32nd session: 434 us against 484). With FP4_TRANS on, prefills on FP4 entries take the
-    transposed choice too, FP4_* knobs first."""
+    at RAW_MAXNREG (32nd session: 434 us against 484)."""
     BLOCK_D = next_pow2(D)
     if INTERPRET or dtype == torch.float32 or BLOCK_D < 512 or T <= 0:
         return None
@@ -436,29 +426,22 @@ def wide_launch(T: int, H: int, D: int, dtype: torch.dtype, window: int, K: int,
         bn, warps, programs, most = 32, 8, 128, 16
     else:
         bn, warps, programs, most = 32, 4, 256, 16
-    stages, trans, maxnreg = 1, False, 0
-    fp4 = not raw and K > 0 and _switch("FP4_TRANS", FP4_TRANS) and T >= 32
-    if raw or fp4:  # the RAW_* knobs where set (FP4_* first for FP4 entries), else the choice above
-        names = (("BLOCK_N", "BLOCK_N"), ("WARPS", "num_warps"), ("STAGES", "num_stages"), ("MAXNREG", "maxnreg"))
-        knobs = {key: (fp4 and _knob(f"FP4_{n}", key)) or _knob(f"RAW_{n}", key) for n, key in names}
-        if fp4 or (_switch("RAW_TRANS", RAW_TRANS) and T >= 32):
-            stages, trans, maxnreg = 2, True, knobs["maxnreg"]
-        bn, warps, stages = knobs["BLOCK_N"] or bn, knobs["num_warps"] or warps, knobs["num_stages"] or stages
+    stages, trans = 1, False
+    if raw:
+        for name, v, key in (("RAW_BLOCK_N", RAW_BLOCK_N, "BLOCK_N"), ("RAW_WARPS", RAW_WARPS, "num_warps"),
+                             ("RAW_STAGES", RAW_STAGES, "num_stages"), ("RAW_MAXNREG", RAW_MAXNREG, "maxnreg")):
+            if v:
+                check_knob("triton_ced_attention", name, v, *_LAUNCH_BOUNDS[key])
+        if _switch("RAW_TRANS", RAW_TRANS) and T >= 32:
+            stages, trans = 2, True
+        bn, warps, stages = RAW_BLOCK_N or bn, RAW_WARPS or warps, RAW_STAGES or stages
     tiles = max(cdiv(window, bn), cdiv(K, bn), 1)
     launch = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
     if trans:
         launch["trans"] = 1
-        if maxnreg:
-            launch["maxnreg"] = maxnreg
+        if RAW_MAXNREG:
+            launch["maxnreg"] = RAW_MAXNREG
     return launch, int(max(1, min(cdiv(programs, rows), tiles, most)))
-
-
-def _knob(name: str, key: str) -> int:
-    """A launch knob of this module (RAW_* / FP4_*) read now, checked against its launch key's bounds (0: unset)."""
-    v = globals()[name]
-    if v:
-        check_knob("triton_ced_attention", name, v, *_LAUNCH_BOUNDS[key])
-    return v
 
 
 def fast_entries(dtype: torch.dtype, cfg: dict) -> bool:
