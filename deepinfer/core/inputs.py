@@ -18,6 +18,15 @@ from ..layout import host_tensor
 from .state import window_cuts
 
 
+def stream_ids(ids: list, batch, device) -> torch.Tensor:
+    """The step's token ids [T] on ``device``; pending references (< 0) resolved from the batch's future there.
+    (Through numpy, and the sign check on the tensor: a 16K prompt's list took 1.5 + 0.33 ms by torch.tensor and
+    min().)"""
+    host = host_tensor(ids, torch.long)
+    out = to_device(host, torch.long, device)
+    return resolve_future(out, batch.future) if ids and int(host.min()) < 0 else out
+
+
 def build_inputs(batch, rows: list, block_size: int, device, num_decodes: int = 0) -> tuple:
     """rows: indices into batch.seqs, in stream order. Returns (input_ids [T], AttnMetadata, query_start
     list [R+1]). ``num_decodes``: how many leading rows hold exactly one query (a dispatch hint)."""
@@ -61,11 +70,7 @@ def build_inputs(batch, rows: list, block_size: int, device, num_decodes: int = 
                         write_floors=[s.num_cached_tokens for s in seqs], state_rows=dev([s.state_slot for s in seqs]),
                         replay_rows=dev([window_cuts(s)[0] for s in seqs]),
                         swa_cut_rows=dev([window_cuts(s)[1] for s in seqs]))
-    host_ids = host_tensor(ids, torch.long)
-    ids_t = dev(host_ids)
-    if ids and int(host_ids.min()) < 0:
-        ids_t = resolve_future(ids_t, batch.future)
-    return ids_t, meta, qstart
+    return stream_ids(ids, batch, device), meta, qstart
 
 
 def device_inputs(batch, rows: list, block_size: int, tables, num_decodes: int = 0) -> tuple:
@@ -106,11 +111,7 @@ def device_inputs(batch, rows: list, block_size: int, tables, num_decodes: int =
                         enc_restored=[getattr(s, "swa_restore", None) is not None for s in seqs],
                         write_floors=[s.num_cached_tokens for s in seqs], state_rows=slots_t,
                         replay_rows=tables.cuts[0, slots_t], swa_cut_rows=tables.cuts[1, slots_t])
-    host_ids = host_tensor(ids, torch.long)
-    ids_t = to_device(host_ids, torch.long, device)
-    if ids and int(host_ids.min()) < 0:
-        ids_t = resolve_future(ids_t, batch.future)
-    return ids_t, meta, qstart
+    return stream_ids(ids, batch, device), meta, qstart
 
 
 @attrs.define(eq=False)
