@@ -66,6 +66,33 @@ def test_lookup_leaves_at_least_the_tokens_it_is_told():
     assert len(cache.lookup(_Seq(list(range(7))), 6)) == 3
 
 
+@settings(max_examples=60, deadline=None)
+@given(n_cached=st.integers(0, 12), n_tokens=st.integers(0, 60), bs=st.integers(1, 4), diverge=st.integers(0, 60),
+       max_tokens=st.integers(0, 70))
+def test_lookup_hashes_only_as_far_as_it_walks(n_cached, n_tokens, bs, diverge, max_tokens):
+    """A lookup finds the same blocks as against fully hashed sequences, having hashed at most about twice the
+    blocks it found (plus the one that missed), never past its limit; commit then hashes the rest, each hash that
+    of block_hashes over the whole prompt (computed here separately)."""
+    pool = BlockPool(128)
+    cache = PrefixCache(pool, block_size=bs)
+    old = _Seq(list(range(n_cached * bs)))
+    old.block_table = pool.allocate(n_cached)
+    cache.commit(old, n_cached * bs)
+    tokens = [t if i < diverge else 1000 + t for i, t in enumerate(range(n_tokens))]
+    s = _Seq(tokens)
+    hit = cache.lookup(s, max_tokens)
+    limit = min(n_tokens, max_tokens) // bs
+    want = 0
+    full = block_hashes(b"r", tokens, bs)
+    while want < min(limit, n_cached) and full[want] in cache.block_of:
+        want += 1
+    assert hit == old.block_table[:want]
+    assert len(s.block_hashes) <= min(limit, max(2 * want, want + 1)) and s.block_hashes == full[:len(s.block_hashes)]
+    s.block_table = hit + pool.allocate(len(tokens) // bs - len(hit))
+    cache.commit(s, len(tokens))
+    assert s.block_hashes == full
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The engine.
 

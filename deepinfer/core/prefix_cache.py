@@ -98,6 +98,20 @@ def block_hashes(root: bytes, tokens, block_size: int, have: Optional[list] = No
     return out
 
 
+def hashes_upto(seq, block_size: int, n: int) -> list:
+    """seq.block_hashes with at least its first n full blocks' hashes computed (fewer where the tokens end first).
+    A lookup walks only as far as the cache holds the prefix, so a cold prompt hashes one block before its step
+    and the rest at commit, once its forward is queued (16K tokens: ~1.5 ms of host time off the step's start)."""
+    if len(seq.block_hashes) < n:
+        block_hashes(seq.cache_root, seq.token_ids, block_size, seq.block_hashes, upto=n * block_size)
+    return seq.block_hashes
+
+
+def walk_upto(i: int, limit: int) -> int:
+    """How many blocks to hash when a walk reaches block i: twice as far as it got (a long hit hashes O(hit))."""
+    return min(limit, max(i + 1, 2 * i))
+
+
 class PrefixCache:
     def __init__(self, pool: BlockPool, block_size: int, mover=None, disk_write_through: bool = True):
         """mover: core.kv_offload.BlockMover over the host/disk tiers, or None (device memory only);
@@ -124,10 +138,13 @@ class PrefixCache:
         Blocks in device memory are taken as they are; where the device has none, the run goes on in the
         slower tiers: runs of blocks found there (as few entries as cover the next hashes) come back into
         freshly allocated blocks, all of them with one batched copy per cache view."""
-        hashes = block_hashes(seq.cache_root, seq.token_ids, self.block_size, seq.block_hashes)
-        limit = min(len(hashes), max_tokens // self.block_size)
+        bs = self.block_size
+        limit = min(len(seq.token_ids), max_tokens) // bs
+        hashes = seq.block_hashes  # computed as far as the walk goes (hashes_upto)
         hit, loaded, pieces, i = [], [], [], 0
         while i < limit:
+            if i >= len(hashes):
+                hashes_upto(seq, bs, walk_upto(i, limit))
             b = self.block_of.get(hashes[i])
             if b is not None:
                 self.pool.revive(b)
@@ -136,6 +153,7 @@ class PrefixCache:
                 continue
             if self.mover is None:
                 break
+            hashes_upto(seq, bs, limit)  # the tiers are asked for the whole rest
             got = self.mover.fetch(hashes[i:limit], stop=self.block_of.__contains__)
             n = min(sum(c for _, _, c in got), self.pool.num_free)
             if n == 0:

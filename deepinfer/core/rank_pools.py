@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .kv_cache import BlockPool, blocks_needed
-from .prefix_cache import PrefixCache, block_hashes
+from .prefix_cache import PrefixCache, walk_upto, hashes_upto
 
 
 # A sequence goes to the rank holding its prefix unless that rank runs this many more sequences than the least
@@ -149,12 +149,16 @@ class RankPrefixCache:
     def cached_blocks(self, seq, max_tokens: int) -> list:
         """[D] how many leading blocks of seq's prefix (of at most ``max_tokens`` tokens) each rank's cache holds;
         no owner is added."""
-        hashes = block_hashes(seq.cache_root, seq.token_ids, self.block_size, seq.block_hashes)
-        limit = min(len(hashes), max_tokens // self.block_size)
+        limit = min(len(seq.token_ids), max_tokens) // self.block_size
+        hashes = seq.block_hashes  # computed as far as the longest run goes (hashes_upto)
         out = []
         for c in self.caches:
             n = 0
-            while n < limit and hashes[n] in c.block_of:
+            while n < limit:
+                if n >= len(hashes):
+                    hashes_upto(seq, self.block_size, walk_upto(n, limit))
+                if hashes[n] not in c.block_of:
+                    break
                 n += 1
             out.append(n)
         return out
