@@ -189,7 +189,7 @@ def _radix_prefix(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, 
     bins = tl.arange(0, NB)
     prefix = tl.full([], 0, dtype=tl.int64)
     need = tl.full([], 0, dtype=tl.int32) + K  # keys still wanted among those sharing the prefix
-    go = need > 0
+    go = nvis > K  # a row of at most K visible entries takes all it may choose: prefix 0, no pass
     b = tl.full([], 0, dtype=tl.int32)
     while (b < 32) & go:
         shift = 32 - DIGIT - b
@@ -239,7 +239,8 @@ def _topk_kernel(scores_ptr, nvis_ptr, allowed_ptr, out_ptr, stride_st, stride_a
     else:
         FIELD: tl.constexpr = 21 if DIGIT > 1 else 63
         prefix = tl.full([], 0, dtype=tl.int64)
-        cnt = tl.full([], 0, dtype=tl.int64)
+        # A row of at most K visible entries takes all it may choose: prefix 0, no pass (with EARLY).
+        cnt = tl.where(nvis <= K, K, 0).to(tl.int64)
         b = tl.full([], 0, dtype=tl.int64)
         while (b < 32) & ((cnt != K) | (not EARLY)):
             shift = 32 - DIGIT - b
