@@ -59,12 +59,14 @@ def check_tail(product, x, gate, k, bias, scaling):
     logits = product(x, gate, route=tail)
     ref_logits, rw, rids = two_launches(product, x, gate, k, bias, scaling)
     assert_same_bits(logits, ref_logits)
-    assert_same_bits(tail.w, rw) and torch.equal(tail.ids, rids)
+    assert_same_bits(tail.w, rw)
+    assert torch.equal(tail.ids, rids)
     oracle_check(x, gate, bias, k, scaling, tail.w, tail.ids)
     assert int(triton_tickets.counter("route", x.device).item()) == 0
     again = tcr.Tail(x.shape[0], gate.shape[0], k, device=x.device, bias=bias, scaling=scaling)
     product(x, gate, route=again)
-    assert_same_bits(again.w, tail.w) and torch.equal(again.ids, tail.ids)
+    assert_same_bits(again.w, tail.w)
+    assert torch.equal(again.ids, tail.ids)
 
 
 @examples(12)
@@ -129,7 +131,8 @@ def test_ops_take_the_tail_for_the_router_logits(monkeypatch):
         rw, rids = off.ced_moe_route(x, gate, 3, bias=bias, scaling=1.5)
         monkeypatch.setattr(nv, "CED_ROUTE_TAIL", True)
         assert off.kernel_calls["route_tail"] == 0 and off.kernel_calls["moe_route"] == 1
-        assert_same_bits(w, rw) and torch.equal(ids, rids)
+        assert_same_bits(w, rw)
+        assert torch.equal(ids, rids)
         oracle_check(x, gate, bias, 3, 1.5, w, ids)
 
 

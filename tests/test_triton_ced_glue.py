@@ -138,6 +138,65 @@ def test_add_rms_norm_matches_add_then_rms(T, N, dtype, extra, seed):
 
 
 @FAST
+@given(T=st.integers(0, 4), N=st.sampled_from([1, 16, 100, 256]), k=st.integers(1, 8), dtype=st.sampled_from(DTYPES),
+       extra=st.booleans(), seed=st.integers(0, 2**16))
+def test_add_rms_norm_adds_pair_rows_as_the_k_sum_then_the_add(T, N, k, dtype, extra, seed):
+    """A MoE's pair rows [T * k, N] in place of the residual (ksum = k): the bits of triton_moe.k_sum's [T, N] then
+    the plain add + norm, and the k rows' float32 sum in pair order (written here), rounded once, as the term."""
+    from deepinfer.backends.nvidia import triton_moe
+
+    g = gen(seed)
+    x = (torch.randn(T, N, generator=g) * 4).to(dtype).to(DEV)
+    pairs = (torch.randn(T * k, N, generator=g) * torch.rand(T * k, 1, generator=g) * 3).to(dtype).to(DEV)
+    e = torch.randn(T, N, generator=g).to(dtype).to(DEV) if extra else None
+    w = (1 + 0.1 * torch.randn(N, generator=g)).to(DEV)
+    h, out = tcf.add_rms_norm(x, pairs, w, 1e-6, e, ksum=k)
+    wh, wout = tcf.add_rms_norm(x, triton_moe.k_sum(pairs, T, k, {}), w, 1e-6, e)
+    assert_same_bits(h, wh)
+    assert_same_bits(out, wout)
+    acc = torch.zeros(T, N, dtype=torch.float32, device=DEV)
+    for j in range(k):  # in pair order, one float32 add at a time
+        acc = acc + pairs.view(T, k, N)[:, j].float()
+    term = acc.to(dtype) if e is None else (acc.to(dtype) + e)
+    assert_same_bits(h, x + term)
+
+
+def test_pair_sum_contract_and_dispatch():
+    """PairSum: shape / dtype of its sum, value taken once, bad pair counts refused; NvidiaOps adds it in the add +
+    RMSNorm kernel where it can and takes its value for the reference otherwise (mixed dtypes, batch-invariant)."""
+    from deepinfer.pair_sum import PairSum, dense
+
+    g = gen(4)
+    pairs = torch.randn(6, 40, generator=g).bfloat16().to(DEV)
+    calls = []
+    ps = PairSum(pairs, 3, lambda p, k: calls.append(k) or p.view(-1, k, 40).float().sum(1).to(p.dtype))
+    assert ps.shape == (2, 40) and ps.dtype == torch.bfloat16 and ps.device == pairs.device
+    assert dense(ps) is ps.value() and calls == [3] and dense(pairs) is pairs
+    for bad in ((pairs, 4), (pairs, 0), (pairs[0], 1)):
+        with pytest.raises(ValueError, match="PairSum: pairs must be"):
+            PairSum(*bad, lambda p, k: p)
+    ops = NvidiaOps(DEV)
+    h, w = torch.randn(2, 40, generator=g).bfloat16().to(DEV), (1 + 0.1 * torch.randn(40, generator=g)).to(DEV)
+    got = ops.ced_add_rms_norm(h, PairSum(pairs, 3, lambda p, k: pytest.fail("the kernel adds the rows")), w, 1e-6)
+    assert ops.kernel_calls["ced_add_rms_norm_pairs"] == 1
+    from deepinfer.backends.nvidia import triton_moe
+
+    want = ops.ced_add_rms_norm(h, triton_moe.k_sum(pairs, 2, 3, {}), w, 1e-6)
+    assert_same_bits(got[0], want[0])
+    assert_same_bits(got[1], want[1])
+    taken = []
+    ps = PairSum(pairs.float(), 3, lambda p, k: taken.append(k) or triton_moe.k_sum(p, 2, k, {}))
+    ops.ced_add_rms_norm(h, ps, w, 1e-6)  # float32 rows beside a bf16 x: the reference, on the rows' sum
+    assert taken == [3] and ops.kernel_calls["ced_add_rms_norm_pairs"] == 1
+    ops.batch_invariant = True
+    taken.clear()
+    ps = PairSum(pairs, 3, lambda p, k: taken.append(k) or triton_moe.k_sum(p, 2, k, {}))
+    got_h, _ = ops.ced_add_rms_norm(h, ps, w, 1e-6)
+    assert taken == [3]
+    assert_same_bits(got_h, h + ps.value())
+
+
+@FAST
 @given(T=st.integers(0, 4), F=st.sampled_from([1, 16, 40, 1500]), dtype=st.sampled_from(DTYPES),
        limit=st.sampled_from([0.5, 10.0]), seed=st.integers(0, 2**16))
 def test_swiglu_matches_clamped_silu_times_up(T, F, dtype, limit, seed):
@@ -224,7 +283,8 @@ def test_ops_dispatch_count_and_fall_back():
     assert ops.kernel_calls["moe_route"] == 1
     for other in (dict(scoring="softmax"), dict(scoring="sqrt_softplus", n_group=4, topk_group=2)):
         a, b = ops.moe_route(logits, 2, **other), ref.moe_route(logits, 2, **other)
-        assert_same_bits(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert_same_bits(a[0], b[0])
+        assert torch.equal(a[1], b[1])
     assert ops.kernel_calls["moe_route"] == 1
 
     x, gate = torch.randn(3, 40, generator=g).to(DEV), torch.randn(16, 40, generator=g).to(DEV)
@@ -282,7 +342,8 @@ def test_batch_invariant_ops_run_the_composition_a_mixed_step_runs():
     got = ops.ced_moe_route(x, gate, 3, bias=bias, scaling=1.5)
     want = ops.moe_route(torch.nn.functional.linear(x, gate), 3, scoring="sqrt_softplus", renormalize=True,
                          scaling=1.5, bias=bias)
-    assert_same_bits(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert_same_bits(got[0], want[0])
+    assert torch.equal(got[1], want[1])
     y, w, pos, slot, ring, _ = swa_case(4, 2, 64, 16, torch.bfloat16)
     kv = ops.ced_swa_kv(y, w, 1e-6, pos, 16, 10000.0, "fp8_e4m3_pow2", True, ring, slot)
     assert_same_bits(kv, fn.fake(fn.apply_rope(fn.rms(y, w, 1e-6, ops=ops), pos, 16, 10000.0, ops=ops),

@@ -16,8 +16,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from deepinfer.testing.kernels import (DEV, capture_graph, examples, fp8_weights, gen, gpu, no_host_sync,
-                                       poison_free_memory, rel_err, run_compile_script, skip_module_without_kernels)
+from deepinfer.testing.kernels import (DEV, assert_same_bits, capture_graph, examples, fp8_weights, gen, gpu,
+                                       no_host_sync, poison_free_memory, rel_err, run_compile_script,
+                                       skip_module_without_kernels)
 
 skip_module_without_kernels()
 
@@ -321,6 +322,31 @@ def test_ops_fp8_experts_match_the_reference_op(T, E, k, d, F, dtype, impl, seed
     assert out.dtype == dtype and rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def test_moe_experts_pairs_is_the_fused_kernel_before_its_k_sum(monkeypatch):
+    """NvidiaOps.moe_experts_pairs: where moe_experts takes the fused kernel with its k-sum kernel, a PairSum whose
+    value is moe_experts' result bit for bit; None where moe_experts would take the pair kernels or the reference,
+    with PDL_CHAIN or MOE_KSUM_IN_NORM off, or in batch-invariant mode."""
+    from deepinfer.backends.nvidia import ops as nv
+    from deepinfer.pair_sum import PairSum
+
+    monkeypatch.setattr(triton_moe, "PDL_CHAIN", True)
+    x, w13, w2, weights, ids = make_case(gen(8), 9, 4, 2, 24, 20)
+    ops = NvidiaOps(DEV)
+    got = ops.moe_experts_pairs(x, w13, w2, weights, ids, clamp=0.5)
+    assert isinstance(got, PairSum) and got.k == 2 and got.pairs.shape == (18, 24)
+    assert ops.kernel_calls["fused_moe"] == 1
+    assert_same_bits(got.value(), ops.moe_experts(x, w13, w2, weights, ids, clamp=0.5))
+    few = [t[:2] for t in (x, weights, ids)]  # 4 pairs: the pair kernels
+    assert nv.MOE_PAIRS_MAX >= 4 and ops.moe_experts_pairs(few[0], w13, w2, few[1], few[2]) is None
+    assert ops.moe_experts_pairs(x.double(), w13.double(), w2.double(), weights, ids) is None  # the reference
+    for module, knob in ((triton_moe, "PDL_CHAIN"), (nv, "MOE_KSUM_IN_NORM")):
+        with monkeypatch.context() as m:
+            m.setattr(module, knob, False)
+            assert ops.moe_experts_pairs(x, w13, w2, weights, ids) is None, knob
+    ops.batch_invariant = True
+    assert ops.moe_experts_pairs(x, w13, w2, weights, ids) is None
+
+
 def test_moe_layer_runs_the_kernel():
     """The model's MoE block reaches the kernel through ops.moe_experts."""
     from deepinfer.models.moe import MoEBlock
@@ -517,6 +543,35 @@ def test_gpu_pdl_chain_same_bits_in_every_mode(monkeypatch):
     for mode in (1, 2, 3):
         assert torch.equal(outs[mode], outs[0]), mode
     assert rel_err(outs[0], ref_moe.experts_routed(x, w13, w2, weights, ids)) < 1e-2
+
+
+@gpu
+def test_gpu_ced_same_bits_with_the_k_sum_in_the_norm(tmp_path, monkeypatch):
+    """MOE_KSUM_IN_NORM moves the fused MoE's k-sum into the next add + RMSNorm kernel: CED prefill (fused MoE) and
+    greedy decoding with log-probabilities are identical bit for bit with it on and off, and on, the norm adds the
+    pair rows."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.backends.nvidia import ops as nv
+    from deepinfer.testing.ced import build_ced_checkpoint
+    from test_ced_decode_path import GPU_CFG
+
+    build_ced_checkpoint(tmp_path, seed=12, **GPU_CFG)
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 26)]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    results, calls = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(nv, "MOE_KSUM_IN_NORM", on)
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", num_kv_blocks=96, block_size=4, backend="nvidia",
+                  enforce_eager=False)
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        calls[on] = llm.engine.ops.kernel_calls["ced_add_rms_norm_pairs"]
+        results[on] = [(list(o.outputs[0].token_ids),
+                        [sorted((t, lp.logprob) for t, lp in d.items()) for d in o.outputs[0].logprobs])
+                       for o in outs]
+        del llm
+        torch.cuda.empty_cache()
+    assert calls[False] == 0 and calls[True] > 0
+    assert results[True] == results[False]
 
 
 # ------------------------------------------------------------------------------------------- compiled path

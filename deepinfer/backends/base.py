@@ -110,6 +110,14 @@ class Ops:
         shared expert apart (the default; their sum is the same function)."""
         return None
 
+    def moe_experts_pairs(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                          ids: torch.Tensor, *, clamp: Optional[float] = None, w13_scale: Optional[torch.Tensor] = None,
+                          w2_scale: Optional[torch.Tensor] = None):
+        """moe_experts("routed") as a pair_sum.PairSum, each token's k weighted expert rows not yet added, where the
+        backend's ced_add_rms_norm adds them itself (saving the [T, d] sum's round trip); None elsewhere (the
+        default): the caller runs moe_experts. ``PairSum.value()`` is moe_experts' result, bit for bit."""
+        return None
+
     def sample(self, logits: torch.Tensor, batch, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         raise NotImplementedError
 

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ...pair_sum import PairSum
 from ..base import AttnMetadata
 from ..reference import lowbit
 from ..reference.ops import ReferenceOps
@@ -92,6 +93,9 @@ MOE_PAIRS_MAX_FP8 = 0
 # (pairs) and a cold prefill (fused_experts, shared apart) parted by a bf16 rounding. The kernel now rounds as the
 # unfused path does (triton_moe_pairs' module doc), bit-equal to it but for float32 sums' order.
 MOE_SHARED_ON_PAIRS = True
+# The fused MoE's k-sum taken by the next add + RMSNorm kernel (moe_experts_pairs, pair_sum.PairSum): the same bits,
+# one [T, d] write and read a layer fewer (a 16K prefill's 8 encoder layers: ~128 MB each) and one launch.
+MOE_KSUM_IN_NORM = True
 # Projections (ops.linear, grouped_linear) of up to this many rows run triton_gemv's GEMV kernel instead of cuBLAS.
 # benchmarks/gemv_bench.py at the CED bench config's 9 projections on the H200, a step's total (13th session: at one
 # row faster at all 9 shapes, 3.4 against cuBLAS's 13.2 us at 1024 x 2048); 14th session, shipped knobs, cuBLAS /
@@ -245,21 +249,45 @@ class NvidiaOps(ReferenceOps):
         from . import triton_moe  # imported on first use, like the reference's moe module
 
         scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
-        most = MOE_PAIRS_MAX_FP8 if w13_scale is not None else MOE_PAIRS_MAX
-        if impl == "routed" and not self.batch_invariant and ids.numel() <= most \
-                and kernel_device_ok(x, w13, w2, weights, ids, w13_scale, w2_scale):
+        kernel = self._moe_kernel(x, w13, w2, weights, ids, impl, scales)
+        if kernel == "pairs":
             from . import triton_moe_pairs
 
-            if triton_moe_pairs.supports(x, w13, w2, weights, ids, **scales):
-                self.kernel_calls["moe_pairs"] += 1
-                return triton_moe_pairs.pair_experts(x, w13, w2, weights, ids, clamp=clamp, **scales)
-        if impl == "routed" and kernel_device_ok(x, w13, w2, weights, ids, w13_scale, w2_scale) \
-                and triton_moe.supports(x, w13, w2, weights, ids, **scales):
+            self.kernel_calls["moe_pairs"] += 1
+            return triton_moe_pairs.pair_experts(x, w13, w2, weights, ids, clamp=clamp, **scales)
+        if kernel == "fused":
             self.kernel_calls["fused_moe"] += 1
             # Batch-invariant: one M-block size (and so one K step) whatever the number of tokens.
             block_m = INVARIANT_MOE_BLOCK_M if self.batch_invariant else None
             return triton_moe.fused_experts(x, w13, w2, weights, ids, clamp=clamp, block_m=block_m, **scales)
         return super().moe_experts(x, w13, w2, weights, ids, clamp=clamp, impl=impl, **scales)
+
+    def _moe_kernel(self, x, w13, w2, weights, ids, impl, scales) -> Optional[str]:
+        """Which kernel moe_experts takes: "pairs" (the two-launch pair kernels), "fused" or None (reference)."""
+        from . import triton_moe
+
+        if impl != "routed" or not kernel_device_ok(x, w13, w2, weights, ids, *scales.values()):
+            return None
+        most = MOE_PAIRS_MAX_FP8 if scales["w13_scale"] is not None else MOE_PAIRS_MAX
+        if not self.batch_invariant and ids.numel() <= most:
+            from . import triton_moe_pairs
+
+            if triton_moe_pairs.supports(x, w13, w2, weights, ids, **scales):
+                return "pairs"
+        return "fused" if triton_moe.supports(x, w13, w2, weights, ids, **scales) else None
+
+    def moe_experts_pairs(self, x, w13, w2, weights, ids, *, clamp=None, w13_scale=None, w2_scale=None):
+        """Where moe_experts takes the fused MoE with its k-sum kernel (triton_moe.PDL_CHAIN) and MOE_KSUM_IN_NORM
+        is on: its pair rows, left for ced_add_rms_norm's kernel to add (pair_sum.PairSum). None elsewhere."""
+        from . import triton_moe
+
+        scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
+        if not MOE_KSUM_IN_NORM or self.batch_invariant or not triton_moe.PDL_CHAIN \
+                or (torch.is_grad_enabled() and any(t.requires_grad for t in (x, w13, w2))) \
+                or self._moe_kernel(x, w13, w2, weights, ids, "routed", scales) != "fused":
+            return None
+        self.kernel_calls["fused_moe"] += 1
+        return triton_moe.fused_experts(x, w13, w2, weights, ids, clamp=clamp, pair_sum=True, **scales)
 
     def moe_experts_shared(self, x, w13, w2, weights, ids, shared_w13, shared_w2, *, clamp=None, w13_scale=None,
                            w2_scale=None):
@@ -425,8 +453,16 @@ class NvidiaOps(ReferenceOps):
         return super().ced_swa_kv(y, weight, eps, pos, rope_dim, theta, fmt, fake, ring, ring_slot)
 
     def ced_add_rms_norm(self, x, residual, weight, eps, extra=None):
+        """residual may be a pair_sum.PairSum (moe_experts_pairs): the kernel adds its pair rows itself."""
         from . import triton_ced_fused as tcf
 
+        if isinstance(residual, PairSum):
+            if not self.batch_invariant and kernel_device_ok(x, residual.pairs, weight) \
+                    and tcf.supports_add_rms(x, residual.pairs, weight, extra, residual.k) \
+                    and not (torch.is_grad_enabled() and x.requires_grad):
+                self.kernel_calls["ced_add_rms_norm_pairs"] += 1
+                return tcf.add_rms_norm(x, residual.pairs, weight, eps, extra, ksum=residual.k)
+            residual = residual.value()
         ts = (x, residual, weight) + ((extra,) if extra is not None else ())
         if self.batch_invariant:  # the adds then ced_rms_norm, as a mixed step's path (finish, then the norm)
             h = x + (residual if extra is None else residual + extra)

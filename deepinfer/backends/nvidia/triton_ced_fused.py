@@ -39,6 +39,7 @@ if not INTERPRET:
     from triton.language.extra import libdevice
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_BLOCK = 65536  # widest row (rms) / non-rotated part (rope) kept in one program
+MAX_KSUM = 16  # pair rows a token add_rms_norm adds in place of a residual row (an unrolled loop)
 
 
 @triton.jit
@@ -136,13 +137,20 @@ def _ced_rms_kernel(x_ptr, w_ptr, o_ptr, stride_x, stride_o, N, eps, BLOCK: tl.c
 
 @triton.jit
 def _ced_add_rms_kernel(x_ptr, r_ptr, e_ptr, w_ptr, h_ptr, o_ptr, stride_x, stride_r, stride_e, stride_h, stride_o, N,
-                        eps, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr, PDL: tl.constexpr = 0):
+                        eps, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr, KSUM: tl.constexpr = 1,
+                        PDL: tl.constexpr = 0):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     DT = h_ptr.dtype.element_ty
-    add = to_f32(tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0))
+    if KSUM > 1:  # r: KSUM rows a token (a MoE's pairs), summed in pair order in float32 and rounded once (k_sum)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(KSUM):
+            acc += to_f32(tl.load(r_ptr + (row * KSUM + j) * stride_r + cols, mask=mask, other=0.0))
+        add = to_f32(cast_rne(acc, DT))
+    else:
+        add = to_f32(tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0))
     if HAS_EXTRA:  # (r + e) rounded first, as torch adds them
         add = to_f32(cast_rne(add + to_f32(tl.load(e_ptr + row * stride_e + cols, mask=mask, other=0.0)), DT))
     h = cast_rne(to_f32(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)) + add, DT)
@@ -257,21 +265,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def supports_add_rms(x, residual, weight, extra=None) -> bool:
+def supports_add_rms(x, residual, weight, extra=None, ksum: int = 1) -> bool:
+    if not supports_rms(x, weight) or x.dim() != 2 or isinstance(ksum, bool) or not isinstance(ksum, int) \
+            or not 1 <= ksum <= MAX_KSUM or residual.shape != (x.shape[0] * ksum, x.shape[1]):
+        return False
     ts = (x, residual) + ((extra,) if extra is not None else ())
-    return supports_rms(x, weight) and x.dim() == 2 and all(
-        t.shape == x.shape and t.dtype == x.dtype and (t.stride(-1) == 1 or x.shape[-1] == 1 or not x.numel())
-        for t in ts)
+    return all(t.dtype == x.dtype and (t.stride(-1) == 1 or x.shape[-1] == 1 or not x.numel()) for t in ts) \
+        and (extra is None or extra.shape == x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 extra: Optional[torch.Tensor] = None):
+                 extra: Optional[torch.Tensor] = None, ksum: int = 1):
     """h = x + (residual + extra) (each sum rounded to x's dtype, as torch adds them) and CED's RMSNorm of h:
-    x, residual, extra [T, N] of one dtype -> (h, rms(h)) [T, N], one launch."""
-    if not supports_add_rms(x, residual, weight, extra):
+    x, residual, extra [T, N] of one dtype -> (h, rms(h)) [T, N], one launch. ``ksum`` > 1: residual is [T * ksum, N],
+    a MoE's pair rows (pair_sum.PairSum), and its term is each token's rows summed in pair order in float32 and
+    rounded once, as triton_moe.k_sum takes it."""
+    if not supports_add_rms(x, residual, weight, extra, ksum):
         raise ValueError(f"add_rms_norm: unsupported x {x.dtype} {tuple(x.shape)}, residual {residual.dtype} "
                          f"{tuple(residual.shape)}, extra {None if extra is None else tuple(extra.shape)}, "
-                         f"weight {weight.dtype} {tuple(weight.shape)}")
+                         f"weight {weight.dtype} {tuple(weight.shape)}, ksum {ksum!r}")
     T, N = x.shape
     h, out = torch.empty_like(x), torch.empty_like(x)
     if T:
@@ -280,7 +292,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         w = weight if weight.is_contiguous() else weight.contiguous()
         _ced_add_rms_kernel[(T,)](x, residual, e, w, h, out, x.stride(0), residual.stride(0), e.stride(0),
                                   h.stride(0), out.stride(0), N, float(eps), BLOCK=BLOCK, HAS_EXTRA=extra is not None,
-                                  num_warps=1 if INTERPRET else min(16, max(1, BLOCK // 512)),
+                                  KSUM=ksum, num_warps=1 if INTERPRET else min(16, max(1, BLOCK // 512)),
                                   enable_fp_fusion=False, **launch_kw(x.device))
     return h, out
 

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...pair_sum import PairSum
 from ..reference.moe import FP8, SCALE_BLOCK, _check_experts, check_scales
 from .triton_attention import sm_count
 from .triton_norm import cast_rne, to_f32
@@ -472,7 +473,7 @@ _LAUNCH_BOUNDS = {**{f"{k}{g}": (16, 256, True) for k in ("BN", "BK") for g in (
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   *, clamp: Optional[float] = None, w13_scale: Optional[torch.Tensor] = None,
                   w2_scale: Optional[torch.Tensor] = None, block_m: Optional[int] = None,
-                  launch: Optional[dict] = None) -> torch.Tensor:
+                  launch: Optional[dict] = None, pair_sum: bool = False):
     """SwiGLU experts mixed by routing weights, as reference.moe.experts_routed, with no host sync.
 
     x [T, d] (bf16/fp16/fp32); w13 [E, 2F, d] and w2 [E, d, F] in x's dtype, or float8_e4m3fn with
@@ -480,7 +481,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     weights [T, k] (float32); ids [T, k] int64/int32. clamp: DeepSeek-V4's SwiGLU clamp. block_m
     overrides the M-block rows (tests); ``launch`` overrides launch_config's other keys (BN1, BK1, warps1,
     stages1, BN2, BK2, warps2, stages2: benchmarks/moe_launch_sweep.py times them). Ids are not range-checked
-    (that would sync): a pair with an id outside [0, E) contributes zero. Returns [T, d] in x's dtype.
+    (that would sync): a pair with an id outside [0, E) contributes zero. Returns [T, d] in x's dtype; with
+    ``pair_sum`` (and PDL_CHAIN) a pair_sum.PairSum of the [T * k, d] weighted rows instead, whose value is k_sum's.
     """
     _check_experts(x, w13, w2, weights, ids, clamp)
     check_scales(w13, w2, w13_scale, w2_scale)
@@ -539,5 +541,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         num_warps=cfg["warps2"], num_stages=cfg["stages2"], **pdl,
     )
     if PDL_CHAIN:
+        if pair_sum:
+            return PairSum(out_pairs, k, lambda p, kk: k_sum(p, T, kk, pdl))
         return k_sum(out_pairs, T, k, pdl)
     return out_pairs.view(T, k, d).sum(dim=1)  # deterministic k-sum, float32 accumulation

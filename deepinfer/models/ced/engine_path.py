@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ...backends.base import to_device
+from ...pair_sum import dense
 from ...staging import staged_copy
 from . import functional as fn
 from .model import model_ops
@@ -510,7 +511,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None,
                                      sinks=layer.sink, scale=c.head_dim ** -0.5,
                                      unrope=P.rope_angles(c))  # (out_proj's inverse RoPE, in the op)
         h, xf = layer.out_proj_add_rms(o, P.pos, h, unrotated=True)
-        routed, shared, ids = layer.moe_parts(xf)
+        routed, shared, ids = layer.moe_parts(xf, pairs=True)  # (the routed rows may be left for add_rms to add)
         # (a padded verify batch's padding is routed too, but is no load)
         model.record_expert_load(layer.i, ids, *(() if P.real is None else (P.real,)))
         pending = (routed, shared)
@@ -549,7 +550,7 @@ def finish(h, pending):
     """h plus a deferred MoE output (``layer_engine``'s pending), added as the MoE then the residual add it."""
     if pending is None:
         return h
-    routed, shared = pending
+    routed, shared = dense(pending[0]), pending[1]
     return h + (routed if shared is None else routed + shared)
 
 

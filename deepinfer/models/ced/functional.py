@@ -10,6 +10,7 @@ import torch
 
 from ...backends.reference import lowbit
 from ...device_consts import device_const
+from ...pair_sum import PairSum, dense
 
 
 def _fused(ops, name: str, *ts: torch.Tensor):
@@ -76,10 +77,12 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float, ops=None) -> torch.Tensor:
 
 def add_rms(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, ops=None, extra=None):
     """h = x + residual (+ extra, added to residual first) and rms(h): the residual add and the next norm, one
-    kernel (``ops.ced_add_rms_norm``) where the ops offer it (CUDA); the torch formulas otherwise."""
-    kernel = _fused(ops, "ced_add_rms_norm", x, residual, w)
+    kernel (``ops.ced_add_rms_norm``) where the ops offer it (CUDA); the torch formulas otherwise. residual may be
+    a pair_sum.PairSum (a MoE's rows not yet added: the kernel adds them, the formulas take its value)."""
+    kernel = _fused(ops, "ced_add_rms_norm", x, residual.pairs if isinstance(residual, PairSum) else residual, w)
     if kernel is not None:
         return kernel(x, residual, w, eps, extra)
+    residual = dense(residual)
     h = x + (residual if extra is None else residual + extra)
     return h, rms(h, w, eps)
 

@@ -255,20 +255,25 @@ class CEDLayer(nn.Module):
         routed, shared, ids = self.moe_parts(x)
         return (routed if shared is None else routed + shared), ids
 
-    def moe_parts(self, x):
+    def moe_parts(self, x, pairs: bool = False):
         """x [T, d] (normed) -> (routed experts [T, d], shared expert [T, d] or None, chosen ids [T, k]), through the
         owning model's backend ops (``ops_of``); where the backend runs both in one op (``moe_experts_shared``) the
         first is their sum and the second None. Sqrt-softplus scores, top-k on score + gate_bias, renormalised
         weights times the routed scaling factor; SwiGLU experts clamped at swiglu_limit, FP8 with their block
-        scales when the loader kept them FP8 (models/quant.py). No host sync where the ops have none (nvidia)."""
+        scales when the loader kept them FP8 (models/quant.py). No host sync where the ops have none (nvidia).
+        ``pairs``: the routed part may come as a pair_sum.PairSum (``moe_experts_pairs``), for a caller that adds
+        it through functional.add_rms or takes pair_sum.dense of it."""
         c, ops = self.c, ops_of(self, x.device)
         gate, bias = self._router_f32()
         weights, ids = ops.ced_moe_route(x, gate, c.num_experts_per_tok, bias=bias, scaling=c.routed_scaling_factor)
-        if self.shared_w13 is not None and type(self).routed_experts is CEDLayer.routed_experts:
+        own = type(self).routed_experts is CEDLayer.routed_experts  # (not an expert-parallel layer's own)
+        if self.shared_w13 is not None and own:
             both = self._experts_and_shared(x, weights, ids, ops)  # one op where the backend fuses them
             if both is not None:
                 return both, None, ids
-        y = self.routed_experts(x, weights, ids)
+        y = self._routed_pairs(x, weights, ids, ops) if pairs and own else None
+        if y is None:
+            y = self.routed_experts(x, weights, ids)
         shared = None
         if self.shared_w13 is not None:  # (ced_swiglu: the clamped SwiGLU, one kernel on CUDA)
             shared = self._linear(ops.ced_swiglu(self._linear(x, self.shared_w13), c.swiglu_limit), self.shared_w2)
@@ -283,6 +288,15 @@ class CEDLayer(nn.Module):
             ids = self.placement.physical_ids(ids)
         return ops.moe_experts_shared(x, self.w13, self.w2, weights, ids, self.shared_w13, self.shared_w2,
                                       clamp=self.c.swiglu_limit, **fp8_scales(self))
+
+    def _routed_pairs(self, x, weights, ids, ops):
+        """routed_experts as the backend's moe_experts_pairs (a PairSum), or None where it offers none."""
+        from ..quant import fp8_scales
+
+        if self.placement is not None:
+            ids = self.placement.physical_ids(ids)
+        return ops.moe_experts_pairs(x, self.w13, self.w2, weights, ids, clamp=self.c.swiglu_limit,
+                                     **fp8_scales(self))
 
     def routed_experts(self, x, weights, ids):
         """The routed experts' weighted sum [T, d] of x [T, d] routed to ids [T, k] with weights [T, k] (expert
