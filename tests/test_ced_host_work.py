@@ -46,3 +46,20 @@ def test_router_float32_weights_follow_the_parameters(tmp_path):
     layer.gate.requires_grad_(True)
     g3, _ = layer._router_f32()  # under autograd: a fresh cast that carries the gradient
     assert g3.requires_grad
+
+
+def test_host_before_forward_bench_writes_its_row(tmp_path):
+    """benchmarks/host_before_forward.py (its layers stubbed, so it runs in seconds): one row, the time to the
+    forward inside the whole generate's."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "rows.jsonl"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "host_before_forward.py"), "--tokens", "256",
+                    "--repeats", "2", "--label", "t", "--out", str(out)], check=True, capture_output=True, timeout=300)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["tokens"] == 256 and row["label"] == "t"
+    assert 0 < row["to_forward_ms"] < row["generate_ms"]
