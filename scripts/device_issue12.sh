@@ -879,20 +879,19 @@ set_knobs(['triton_router_logits.BLOCK_K=128']); import pytest; sys.exit(pytest.
     "triton_ced_route.ROWS_FROM=2048 triton_router_logits.BLOCK_K=128"
   (cd "$OUT" && tar czf s35a_txt.tgz ./*.txt && rm -f ./*.txt) ;;  # (few files come back a call)
 s36a)
-  # 36th session (~8 min): the top-K's threshold search a radix digit at a time (a histogram of the next 4 / 8 bits
+  # 36th session (~6 min): the top-K's threshold search a radix digit at a time (a histogram of the next 4 / 8 bits
   # a pass, triton_ced_indexer digit 4 / 8; the shipped search settles one bit a count) and the MoE's k-sum in the
   # next add + RMSNorm (ops.MOE_KSUM_IN_NORM, on): their GPU tests and the top-K sm_90 compile test,
   # ced_prefill_kernels' top-K variants (a 2048-query chunk over 8K entries), then the 16K bounded prefill with the
-  # k-sum apart / as shipped (alternating, --marks: the host's share on this machine), then as shipped / with
-  # TOPK_DIGIT=8.
+  # k-sum apart / as shipped (--marks: the host's share on this machine), then with TOPK_DIGIT=8 (one run each).
   timeout -s INT 200 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_ced.py -k "topk or compile" \
     2>&1 | tail -3
   timeout -s INT 120 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_ced_glue.py \
     tests/test_triton_moe.py -k "pair or k_sum or pdl_chain or add_rms" 2>&1 | tail -3
   timeout 150 python3 benchmarks/ced_prefill_kernels.py --kernels topk --out "$OUT/ced_topk_s36a.jsonl" 2>&1 \
     | grep -v Warning | tail -14
-  PREFILL_EXTRA=--marks prefill_ab 90 14 ksum "MOE_KSUM_IN_NORM=0" ""
-  prefill_ab 90 14 topk "" "triton_ced_indexer.TOPK_DIGIT=8" 2
+  PREFILL_EXTRA=--marks prefill_ab 90 14 ksum "MOE_KSUM_IN_NORM=0" "" 2
+  prefill_ab 90 14 topk "triton_ced_indexer.TOPK_DIGIT=8" "" 1
   (cd "$OUT" && tar czf s36a_txt.tgz ./*.txt 2>/dev/null && rm -f ./*.txt) ;;
 s35b)
   # 35th session (~2 min): the CED attention's prefill chunk (2048 queries at 16K) on FP4 entries decoded in
