@@ -49,7 +49,10 @@ MAX_HEAD_DIM = 512
 # topk_select's threshold search: bits of the threshold settled a pass (1 or 2: three counts packed in one int64
 # reduction), and whether a row stops once exactly K keys reach its prefix. Both leave the set unchanged. On the H100
 # (ced_prefill_kernels.py, a 16K prefill chunk's top-K): 370.6 us shipped, 267.3 with the early stop, 397.6 / 291.8
-# at two bits a pass without / with it; so one bit, early stop on.
+# at two bits a pass without / with it; so one bit, early stop on. A radix digit of 4 / 8 bits a pass from a histogram
+# (tl.histogram; 36th session, s36a on the H100) took 293.4 / 354.7 us against 251.6 for the shipped search (whose
+# count now sums in int32 and skips rows of at most K visible entries): the ballots a bin cost more than the passes
+# they save; removed.
 TOPK_DIGIT = 1
 TOPK_EARLY = True
 
@@ -179,45 +182,6 @@ def _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis
 
 
 @triton.jit
-def _radix_prefix(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0, K,
-                  HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr, DIGIT: tl.constexpr,
-                  EARLY: tl.constexpr):
-    """The threshold search DIGIT (4 or 8) bits a pass: a histogram of the next digit of the chosen keys that share
-    the bits found so far; the digit taken is the largest whose suffix count still reaches the keys wanted. Returns
-    the prefix in the unsigned order of key + 2^31 (0 when fewer than K keys may be chosen), as the bit search."""
-    NB: tl.constexpr = 1 << DIGIT
-    bins = tl.arange(0, NB)
-    prefix = tl.full([], 0, dtype=tl.int64)
-    need = tl.full([], 0, dtype=tl.int32) + K  # keys still wanted among those sharing the prefix
-    go = nvis > K  # a row of at most K visible entries takes all it may choose: prefix 0, no pass
-    b = tl.full([], 0, dtype=tl.int32)
-    while (b < 32) & go:
-        shift = 32 - DIGIT - b
-        # The bits settled so far, as a uint32 mask (none at the first pass: 2^32 - 1 << 32 truncates to 0).
-        high = (((tl.full([], -1, dtype=tl.int64) << (shift + DIGIT)) & 0xFFFFFFFF)).to(tl.uint32)
-        want = prefix.to(tl.uint32)
-        hist = tl.zeros([NB], dtype=tl.int32)
-        for i in range(NUM_TILES):
-            key, valid = _tile_keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i, offs, nvis, key0, valid0,
-                                    HAS_ALLOWED, BLOCK, NUM_TILES)
-            u = key.to(tl.uint32, bitcast=True) ^ 0x80000000
-            digit = ((u >> shift.to(tl.uint32)) & (NB - 1)).to(tl.int32)
-            hist += tl.histogram(digit, NB, mask=valid & ((u & high) == want))
-        suffix = tl.cumsum(hist, 0, reverse=True)  # keys whose digit is >= each bin
-        d = tl.max(tl.where(suffix >= need, bins, 0), axis=0)
-        s_d = tl.sum(tl.where(bins == d, suffix, 0), axis=0)
-        h_d = tl.sum(tl.where(bins == d, hist, 0), axis=0)
-        found = s_d >= need  # false only at the first pass, when fewer than K keys may be chosen at all
-        need = tl.where(found, need - (s_d - h_d), need)
-        prefix = tl.where(found, prefix | (d.to(tl.int64) << shift), prefix)
-        # Stop where none could be chosen, or (EARLY) where every key in digit d's bucket is wanted: the keys >=
-        # prefix are then exactly K (the bit search's early stop).
-        go = found & ((h_d != need) | (not EARLY))
-        b += DIGIT
-    return prefix
-
-
-@triton.jit
 def _topk_kernel(scores_ptr, nvis_ptr, allowed_ptr, out_ptr, stride_st, stride_at, stride_ot, J, K,
                  HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
                  BLOCK_K: tl.constexpr, NUM_KT: tl.constexpr, DIGIT: tl.constexpr = 1, EARLY: tl.constexpr = False,
@@ -233,26 +197,22 @@ def _topk_kernel(scores_ptr, nvis_ptr, allowed_ptr, out_ptr, stride_st, stride_a
     # The K-th largest key, DIGIT bits a pass from the top, in the unsigned order of key + 2^31: prefix is the
     # largest value whose count of keys >= it is still >= K. cnt is that count where a pass found it (0: unknown);
     # with EARLY a row stops as soon as it is exactly K, since the keys >= prefix are then the chosen set.
-    if DIGIT >= 4:  # a histogram of the next digit a pass
-        prefix = _radix_prefix(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0, K,
-                               HAS_ALLOWED, BLOCK, NUM_TILES, DIGIT, EARLY)
-    else:
-        FIELD: tl.constexpr = 21 if DIGIT > 1 else 63
-        prefix = tl.full([], 0, dtype=tl.int64)
-        # A row of at most K visible entries takes all it may choose: prefix 0, no pass (with EARLY).
-        cnt = tl.where(nvis <= K, K, 0).to(tl.int64)
-        b = tl.full([], 0, dtype=tl.int64)
-        while (b < 32) & ((cnt != K) | (not EARLY)):
-            shift = 32 - DIGIT - b
-            total = _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0,
-                                    prefix, shift, HAS_ALLOWED, BLOCK, NUM_TILES, DIGIT, FIELD)
-            best = tl.full([], 0, dtype=tl.int64)
-            for c in tl.static_range(1, 1 << DIGIT):  # counts fall as c grows: the last one still >= K wins
-                n_c = (total >> (FIELD * (c - 1))) & ((1 << FIELD) - 1)
-                best = tl.where(n_c >= K, c, best)
-                cnt = tl.where(n_c >= K, n_c, cnt)
-            prefix = prefix | (best << shift)
-            b += DIGIT
+    FIELD: tl.constexpr = 21 if DIGIT > 1 else 63
+    prefix = tl.full([], 0, dtype=tl.int64)
+    # A row of at most K visible entries takes all it may choose: prefix 0, no pass (with EARLY).
+    cnt = tl.where(nvis <= K, K, 0).to(tl.int64)
+    b = tl.full([], 0, dtype=tl.int64)
+    while (b < 32) & ((cnt != K) | (not EARLY)):
+        shift = 32 - DIGIT - b
+        total = _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0, prefix,
+                                shift, HAS_ALLOWED, BLOCK, NUM_TILES, DIGIT, FIELD)
+        best = tl.full([], 0, dtype=tl.int64)
+        for c in tl.static_range(1, 1 << DIGIT):  # counts fall as c grows: the last one still >= K wins
+            n_c = (total >> (FIELD * (c - 1))) & ((1 << FIELD) - 1)
+            best = tl.where(n_c >= K, c, best)
+            cnt = tl.where(n_c >= K, n_c, cnt)
+        prefix = prefix | (best << shift)
+        b += DIGIT
     # INT32_MIN (below every key) when fewer than K may be chosen. Where a row stopped early, the keys at thr are
     # all chosen (ties by budget: exactly K keys reach it), so the set is the full search's.
     thr = (prefix - 2147483648).to(tl.int32)
@@ -303,8 +263,8 @@ def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
     digit = TOPK_DIGIT if digit is None else digit
-    if digit not in (1, 2, 4, 8) or isinstance(digit, bool):
-        raise ValueError(f"digit must be 1, 2, 4 or 8, got {digit!r}")
+    if digit not in (1, 2) or isinstance(digit, bool):
+        raise ValueError(f"digit must be 1 or 2, got {digit!r}")
     Tq, J = scores.shape
     _check_visibility(Tq, J, num_visible, allowed)
     out = torch.empty((Tq, k), dtype=torch.int64, device=scores.device)
@@ -323,7 +283,7 @@ def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
     if num_warps is None:
         num_warps = 4 if block < 2048 else (8 if block <= 8192 else 16)  # 16K: 32 a thread, as 8K on 8 warps
     num_tiles = cdiv(J, block)
-    if J >= 1 << 21 and digit == 2:  # a count no longer fits the packed 21-bit fields
+    if J >= 1 << 21:  # a count no longer fits the packed 21-bit fields
         digit = 1
     block_k = min(next_pow2(k), 16 if INTERPRET else 1024)
     al = allowed.view(torch.uint8) if allowed is not None else scores
