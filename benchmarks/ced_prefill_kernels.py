@@ -12,8 +12,8 @@ CED sparse attention, the indexer's scores and its top-K, each over a 2048-query
 - top-K (512 of up to --context // 2 entries): row tiles of 4096 (as before; re-read from L2 by each of the
   33 passes) or one tile of the whole row kept in registers, 8 or 16 warps (these three: the plain search, all
   32 passes); then on the one tile, the threshold search settling one or two bits a pass (TOPK_DIGIT), each
-  without and with the early stop (TOPK_EARLY; one bit with it is the default), one bit on 4 warps
-  (TOPK_SEARCHES).
+  without and with the early stop (TOPK_EARLY; one bit with it is the default), one bit on 4 warps, the ties'
+  prefix sum only where needed (TOPK_LAZY_TIES) and the interpolation search (TOPK_SEARCH 1) (TOPK_SEARCHES).
 --kernels picks which of the three run (all by default).
 Each variant is checked against the reference op on the first input set (attention: relative L2 error under
 1e-2; scores: relative L2 under 1e-4; top-K: the same sets as the reference's selection from the same scores)
@@ -67,9 +67,12 @@ def same_sets(ids: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a == b).all(dim=1).float().mean())
 
 
-# The threshold search's variants on the one tile: (bits a pass, early stop, warps or None for topk_select's). A
-# radix digit of 4 / 8 bits a pass from a histogram lost here (36th session: 293 / 355 us against 252) and is gone.
-TOPK_SEARCHES = ((1, True, None), (2, False, None), (2, True, None), (1, True, 4))
+# The threshold search's variants on the one tile: (bits a pass, early stop, warps or None for topk_select's, search
+# 0 bits / 1 interpolation, lazy ties). A radix digit of 4 / 8 bits a pass from a histogram lost here (36th session:
+# 293 / 355 us against 252) and is gone.
+TOPK_SEARCHES = ((1, True, None, 0, False), (2, False, None, 0, False), (2, True, None, 0, False),
+                 (1, True, 4, 0, False), (1, True, None, 0, True), (1, True, None, 1, False), (1, True, None, 1, True),
+                 (1, True, 4, 1, True))
 
 
 def main(argv=None) -> int:
@@ -157,11 +160,11 @@ def main(argv=None) -> int:
         run("topk", f"{'tiles of 4096' if block < row else 'one tile'}, {warps} warps",
             lambda sc, nv, _b=block, _w=warps: tci.topk_select(sc, nv, k, block=_b, num_warps=_w, digit=1,
                                                                early=False), tsets, same)
-    for digit, early, warps in TOPK_SEARCHES if "topk" in a.kernels else ():
-        run("topk", f"one tile, {warps or 'default'} warps, {digit} bit{'s' * (digit > 1)} a pass"
-            f"{', early stop' * early}",
-            lambda sc, nv, _d=digit, _e=early, _w=warps: tci.topk_select(sc, nv, k, digit=_d, early=_e,
-                                                                         num_warps=_w), tsets, same)
+    for digit, early, warps, search, lazy in TOPK_SEARCHES if "topk" in a.kernels else ():
+        how = "interpolation" if search else f"{digit} bit{'s' * (digit > 1)} a pass"
+        run("topk", f"one tile, {warps or 'default'} warps, {how}{', early stop' * early}{', lazy ties' * lazy}",
+            lambda sc, nv, _d=digit, _e=early, _w=warps, _s=search, _z=lazy: tci.topk_select(
+                sc, nv, k, digit=_d, early=_e, num_warps=_w, search=_s, lazy_ties=_z), tsets, same)
     with open(a.out, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

@@ -93,6 +93,8 @@
 #                                            # shipped raw-table launch (ced_attn_sweep)
 #   bash scripts/device_issue12.sh s36a              # top-K a radix digit a pass (histogram), the k-sum in the
 #                                            # norm: GPU tests, top-K variants, 16K prefill A/Bs (--marks)
+#   bash scripts/device_issue12.sh s37a              # top-K by interpolation, lazy ties: GPU tests, variants,
+#                                            # 16K prefill A/B
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -893,6 +895,16 @@ s36a)
   PREFILL_EXTRA=--marks prefill_ab 90 14 ksum "MOE_KSUM_IN_NORM=0" "" 2
   prefill_ab 90 14 topk "triton_ced_indexer.TOPK_DIGIT=8" "" 1
   (cd "$OUT" && tar czf s36a_txt.tgz ./*.txt 2>/dev/null && rm -f ./*.txt) ;;
+s37a)
+  # For the 37th session (~6 min; built in the 36th after the device budget ran out, off): the top-K's interpolation
+  # search (triton_ced_indexer.TOPK_SEARCH 1) and lazy ties (TOPK_LAZY_TIES): their GPU tests and the sm_90 compile
+  # test, ced_prefill_kernels' top-K variants, then the 16K bounded prefill as shipped / with both (one run each).
+  timeout -s INT 200 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_ced.py -k "topk or compile" \
+    2>&1 | tail -3
+  timeout 150 python3 benchmarks/ced_prefill_kernels.py --kernels topk --out "$OUT/ced_topk_s37a.jsonl" 2>&1 \
+    | grep -v Warning | tail -12
+  prefill_ab 90 14 topk "" "triton_ced_indexer.TOPK_SEARCH=1 triton_ced_indexer.TOPK_LAZY_TIES=1" 2
+  (cd "$OUT" && tar czf s37a_txt.tgz ./*.txt 2>/dev/null && rm -f ./*.txt) ;;
 s35b)
   # 35th session (~2 min): the CED attention's prefill chunk (2048 queries at 16K) on FP4 entries decoded in
   # registers with the transposed products (launch key trans on FP4 entries: a quarter of the bf16 table's bytes a

@@ -514,19 +514,21 @@ def test_indexer_refuses_bad_launch_overrides():
 def test_topk_select_exact_ties(Tq, J, k, levels, with_allowed, block, seed):
     """Scores from a handful of values (many exact ties, -0.0 next to +0.0, -inf): the same set as
     select_topk, ties going to the lower id, whether the row fits one tile or spans several; an entry
-    scored -inf is never chosen. The search settling one or two bits a pass, stopping early or not."""
-    for digit, early in ((1, False), (2, True), (1, True)):
-        topk_ties_case(Tq, J, k, levels, with_allowed, block, seed, digit, early)
+    scored -inf is never chosen. The search settling one or two bits a pass or interpolating (search 1), stopping
+    early or not, the ties' prefix sum taken always or only where some are left out (lazy_ties)."""
+    for digit, early, search, lazy in ((1, False, 0, False), (2, True, 0, True), (1, True, 0, False),
+                                       (1, True, 1, True), (1, False, 1, False)):
+        topk_ties_case(Tq, J, k, levels, with_allowed, block, seed, digit, early, search=search, lazy_ties=lazy)
 
 
 @examples(10)
 @given(Tq=st.integers(1, 3), J=st.integers(1, 300), k=st.integers(1, 64), spread=st.floats(1e-3, 1e3),
        with_allowed=st.booleans(), block=st.sampled_from([None, 64]), digit=st.sampled_from([1, 2]),
-       early=st.booleans(), seed=st.integers(0, 2**16))
-def test_topk_select_continuous_scores(Tq, J, k, spread, with_allowed, block, digit, early, seed):
+       early=st.booleans(), search=st.sampled_from([0, 1]), lazy=st.booleans(), seed=st.integers(0, 2**16))
+def test_topk_select_continuous_scores(Tq, J, k, spread, with_allowed, block, digit, early, search, lazy, seed):
     """Scores spread over many binades (few ties: the early stop, where exactly K keys reach the search's
     prefix, happens well before the last bit): the same set as select_topk in every search variant."""
-    topk_ties_case(Tq, J, k, 0, with_allowed, block, seed, digit, early, spread)
+    topk_ties_case(Tq, J, k, 0, with_allowed, block, seed, digit, early, spread, search=search, lazy_ties=lazy)
 
 
 def test_topk_select_rows_at_and_just_past_k():
@@ -544,14 +546,16 @@ def test_topk_select_rows_at_and_just_past_k():
             if allowed is not None:
                 ok &= allowed
             ref = fn.select_topk(scores, ok, k)
-            for digit, early in ((1, False), (1, True), (2, True)):
-                ids = triton_ced_indexer.topk_select(scores, nvis, k, allowed, digit=digit, early=early)
+            for digit, early, search in ((1, False, 0), (1, True, 0), (2, True, 0), (1, True, 1), (1, False, 1)):
+                ids = triton_ced_indexer.topk_select(scores, nvis, k, allowed, digit=digit, early=early,
+                                                     search=search, lazy_ties=search == 1)
                 for t in range(5):
                     mine, theirs = ids[t][ids[t] >= 0], ref[t][ref[t] >= 0]
                     assert sorted(mine.tolist()) == sorted(theirs.tolist()) == mine.tolist(), (k, t, digit, early)
 
 
-def topk_ties_case(Tq, J, k, levels, with_allowed, block, seed, digit, early, spread=None):
+def topk_ties_case(Tq, J, k, levels, with_allowed, block, seed, digit, early, spread=None, search=0,
+                   lazy_ties=False):
     from deepinfer.models.ced import functional as fn
 
     g = gen(seed)
@@ -562,7 +566,8 @@ def topk_ties_case(Tq, J, k, levels, with_allowed, block, seed, digit, early, sp
         scores = (torch.randn(Tq, J, generator=g) * torch.exp(torch.randn(Tq, J, generator=g) * 3) * spread).to(DEV)
     nvis = torch.randint(0, J + 1, (Tq,), generator=g).to(DEV)
     allowed = (torch.rand(Tq, J, generator=g) < 0.6).to(DEV) if with_allowed else None
-    ids = triton_ced_indexer.topk_select(scores, nvis, k, allowed, block=block, digit=digit, early=early)
+    ids = triton_ced_indexer.topk_select(scores, nvis, k, allowed, block=block, digit=digit, early=early,
+                                         search=search, lazy_ties=lazy_ties)
     ok = torch.arange(J, device=DEV)[None, :] < nvis[:, None]
     if allowed is not None:
         ok &= allowed
@@ -582,9 +587,9 @@ def test_topk_select_never_minus_inf():
     nvis = torch.tensor([4, 4], device=DEV)
     want = [[0, 2, -1, -1], [-1] * 4]
     for block in (None, 2):
-        for digit, early in ((1, False), (2, True), (1, True)):
-            assert triton_ced_indexer.topk_select(scores, nvis, 4, block=block, digit=digit,
-                                                  early=early).tolist() == want
+        for digit, early, search in ((1, False, 0), (2, True, 0), (1, True, 0), (1, True, 1), (1, False, 1)):
+            assert triton_ced_indexer.topk_select(scores, nvis, 4, block=block, digit=digit, early=early,
+                                                  search=search, lazy_ties=search == 1).tolist() == want
     ref = fn.select_topk(scores, torch.ones_like(scores, dtype=torch.bool), 4)
     assert ref.tolist() == [[2, 0, -1, -1], [-1] * 4]  # by descending score there
 
@@ -603,6 +608,8 @@ def test_indexer_errors_and_empty():
         triton_ced_indexer.topk_select(torch.zeros(3, 5, device=DEV), nvis, 0)
     with pytest.raises(ValueError, match="digit must be 1 or 2, got 3"):
         triton_ced_indexer.topk_select(torch.zeros(3, 5, device=DEV), nvis, 2, digit=3)
+    with pytest.raises(ValueError, match=r"search must be 0 \(bits\) or 1 \(interpolation\), got 2"):
+        triton_ced_indexer.topk_select(torch.zeros(3, 5, device=DEV), nvis, 2, search=2)
     with pytest.raises(ValueError, match="unsupported"):
         triton_ced_indexer.indexer_topk(q, w, codes, scales, "fp8_e4m3_pow2", slots, q_rows, nvis, 3)
     # No complete entry yet (J = 0): every id is -1, as the reference.
@@ -960,12 +967,13 @@ for dt in ("bf16", "fp32"):
                       **ints("stride_c", "stride_s", "stride_o", "M", "NG")),
                  dict(BLOCK_G=16, GROUP=G, E8M0=fmt == "mxfp4", FAST=fast, ROWS=1), num_warps=1 if fast else 4)
         report[f"dequant_{fmt}_{dt}"]["fast"] = fast
-for block, tiles, warps, digit in ((4096, 1, 8, 1), (4096, 4, 8, 1), (16384, 1, 16, 1), (8192, 1, 8, 2)):
-    compile_(tci._topk_kernel, f"topk_{block}_{tiles}_{digit}",  # (topk_select's widest row tile third)
+for block, tiles, warps, digit, search in ((4096, 1, 8, 1, 0), (4096, 4, 8, 1, 0), (16384, 1, 16, 1, 0),
+                                           (8192, 1, 8, 2, 0), (8192, 1, 8, 1, 1)):
+    compile_(tci._topk_kernel, f"topk_{block}_{tiles}_{digit}_{search}",  # (the widest row tile third)
              dict(scores_ptr="*fp32", nvis_ptr="*i64", allowed_ptr="*u8", out_ptr="*i64",
                   **ints("stride_st", "stride_at", "stride_ot", "J", "K")),
              dict(HAS_ALLOWED=True, BLOCK=block, NUM_TILES=tiles, BLOCK_K=512, NUM_KT=1, DIGIT=digit,
-                  EARLY=digit == 2), num_warps=warps)
+                  EARLY=digit == 2 or search == 1, SEARCH=search, LAZY_TIES=search == 1), num_warps=warps)
 print(json.dumps(report))
 '''
 
@@ -981,9 +989,9 @@ def test_ced_kernels_compile_for_hopper():
 
     report = run_compile_script(_COMPILE_SCRIPT, timeout=600, cwd=Path(__file__).resolve().parents[1])
     # bf16: 11 attention launches (one a prefill's, two a prefill's on raw bf16 entries: as the FP4 rule and
-    # transposed, two dynamic), 4 score kernels, 4 (de)quantisers; fp32: 6 + 2 + 4; 4 top-K (the last two bits a
-    # pass, stopping early)
-    assert len(report) == 19 + 12 + 4
+    # transposed, two dynamic), 4 score kernels, 4 (de)quantisers; fp32: 6 + 2 + 4; 5 top-K (the fourth two bits a
+    # pass, stopping early; the last the interpolation search with the lazy ties)
+    assert len(report) == 19 + 12 + 5
     hazards = {name: row["kwidth_hazards"] for name, row in report.items() if row["kwidth_hazards"]}
     assert not hazards, f"MMA operands whose kWidth exceeds K / 8 (miscompiled by Triton 3.6): {hazards}"
     for name in [n for n in report if n.startswith(("attn_bf16", "score_bf16"))]:

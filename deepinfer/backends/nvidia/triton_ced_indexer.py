@@ -55,6 +55,13 @@ MAX_HEAD_DIM = 512
 # they save; removed.
 TOPK_DIGIT = 1
 TOPK_EARLY = True
+# Two more choices, both off until timed (they leave the set unchanged): TOPK_SEARCH 1 finds the threshold by
+# interpolation in the scores (Illinois' regula falsi on the count of keys >= a probe, a bisection wherever two
+# probes did not halve the bracket; ~12 counts a row of 8K on smooth scores against ~19 bit by bit, simulated),
+# after one pass for the row's extremes; TOPK_LAZY_TIES skips the ties' prefix sum where every key at the threshold
+# is taken (always after an early stop).
+TOPK_SEARCH = 0
+TOPK_LAZY_TIES = False
 
 
 @triton.jit
@@ -182,10 +189,76 @@ def _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis
 
 
 @triton.jit
+def _key_value(k):
+    """The float32 score of int32 keys (the inverse of _keys' order-preserving map)."""
+    return tl.where(k < 0, k ^ 0x7FFFFFFF, k).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _value_key(v):
+    b = v.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def _interp_threshold(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0, K,
+                      HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr, EARLY: tl.constexpr):
+    """The threshold key by interpolation (TOPK_SEARCH 1): a bracket lo < hi of keys with count(>= lo) >= K >
+    count(>= hi), from the row's extremes; each probe interpolates the scores between lo and hi - 1 for K + 1/2 keys
+    above it (Illinois: an end kept twice has its count pulled halfway to the target), or bisects the keys where the
+    bracket did not halve over the last two probes or the scores are not finite. Ends where the bracket is one key
+    (lo is then the K-th largest key) or, with EARLY, where a probe has exactly K keys at or above it. INT32_MIN where
+    at most K keys may be chosen (all are), as the bit search."""
+    n = tl.full([], 0, dtype=tl.int32)
+    kmin = tl.full([], 2147483647, dtype=tl.int32)
+    kmax = tl.full([], -2147483648, dtype=tl.int32)
+    for i in range(NUM_TILES):
+        key, valid = _tile_keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i, offs, nvis, key0, valid0,
+                                HAS_ALLOWED, BLOCK, NUM_TILES)
+        n += tl.sum(valid.to(tl.int32), axis=0)
+        kmin = tl.minimum(kmin, tl.min(tl.where(valid, key, 2147483647), axis=0))
+        kmax = tl.maximum(kmax, tl.max(tl.where(valid, key, -2147483648), axis=0))
+    lo = kmin.to(tl.int64)
+    hi = kmax.to(tl.int64) + 1
+    c_lo = n.to(tl.float32)
+    c_hi = tl.full([], 0.0, dtype=tl.float32)
+    target = K + 0.5
+    side = tl.full([], 0, dtype=tl.int32)
+    w1 = tl.full([], 1 << 40, dtype=tl.int64)  # the bracket's width one and two probes ago
+    w2 = w1
+    go = (n > K) & (nvis > K)
+    while go & (hi - lo > 1):
+        lv = _key_value(lo.to(tl.int32))
+        hv = _key_value((hi - 1).to(tl.int32))
+        v = lv + (c_lo - target) / (c_lo - c_hi) * (hv - lv)
+        finite = tl.abs(v) < float("inf")  # (false for NaN too)
+        p = tl.where(finite, _value_key(tl.where(finite, v, 0.0)).to(tl.int64), lo)
+        p = tl.where((~finite) | (hi - lo > w2 // 2), lo + (hi - lo) // 2, p)
+        p = tl.minimum(tl.maximum(p, lo + 1), hi - 1)
+        w2 = w1
+        w1 = hi - lo
+        c = tl.full([], 0, dtype=tl.int32)
+        for i in range(NUM_TILES):
+            key, valid = _tile_keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i, offs, nvis, key0, valid0,
+                                    HAS_ALLOWED, BLOCK, NUM_TILES)
+            c += tl.sum(((key >= p.to(tl.int32)) & valid).to(tl.int32), axis=0)
+        up = c >= K
+        c_hi = tl.where(up & (side == 1), target + (c_hi - target) * 0.5, c_hi)
+        c_lo = tl.where((not up) & (side == -1), target + (c_lo - target) * 0.5, c_lo)
+        lo = tl.where(up, p, lo)
+        c_lo = tl.where(up, c.to(tl.float32), c_lo)
+        hi = tl.where(up, hi, p)
+        c_hi = tl.where(up, c_hi, c.to(tl.float32))
+        side = tl.where(up, 1, -1)
+        go = (c != K) | (not EARLY)
+    return tl.where((n > K) & (nvis > K), lo, -2147483648).to(tl.int32)
+
+
+@triton.jit
 def _topk_kernel(scores_ptr, nvis_ptr, allowed_ptr, out_ptr, stride_st, stride_at, stride_ot, J, K,
                  HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
                  BLOCK_K: tl.constexpr, NUM_KT: tl.constexpr, DIGIT: tl.constexpr = 1, EARLY: tl.constexpr = False,
-                 PDL: tl.constexpr = 0):
+                 SEARCH: tl.constexpr = 0, LAZY_TIES: tl.constexpr = False, PDL: tl.constexpr = 0):
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     nvis = tl.minimum(tl.load(nvis_ptr + t), J)
@@ -197,32 +270,40 @@ def _topk_kernel(scores_ptr, nvis_ptr, allowed_ptr, out_ptr, stride_st, stride_a
     # The K-th largest key, DIGIT bits a pass from the top, in the unsigned order of key + 2^31: prefix is the
     # largest value whose count of keys >= it is still >= K. cnt is that count where a pass found it (0: unknown);
     # with EARLY a row stops as soon as it is exactly K, since the keys >= prefix are then the chosen set.
-    FIELD: tl.constexpr = 21 if DIGIT > 1 else 63
-    prefix = tl.full([], 0, dtype=tl.int64)
-    # A row of at most K visible entries takes all it may choose: prefix 0, no pass (with EARLY).
-    cnt = tl.where(nvis <= K, K, 0).to(tl.int64)
-    b = tl.full([], 0, dtype=tl.int64)
-    while (b < 32) & ((cnt != K) | (not EARLY)):
-        shift = 32 - DIGIT - b
-        total = _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0, prefix,
-                                shift, HAS_ALLOWED, BLOCK, NUM_TILES, DIGIT, FIELD)
-        best = tl.full([], 0, dtype=tl.int64)
-        for c in tl.static_range(1, 1 << DIGIT):  # counts fall as c grows: the last one still >= K wins
-            n_c = (total >> (FIELD * (c - 1))) & ((1 << FIELD) - 1)
-            best = tl.where(n_c >= K, c, best)
-            cnt = tl.where(n_c >= K, n_c, cnt)
-        prefix = prefix | (best << shift)
-        b += DIGIT
-    # INT32_MIN (below every key) when fewer than K may be chosen. Where a row stopped early, the keys at thr are
-    # all chosen (ties by budget: exactly K keys reach it), so the set is the full search's.
-    thr = (prefix - 2147483648).to(tl.int32)
+    if SEARCH == 1:
+        thr = _interp_threshold(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0, K,
+                                HAS_ALLOWED, BLOCK, NUM_TILES, EARLY)
+    else:
+        FIELD: tl.constexpr = 21 if DIGIT > 1 else 63
+        prefix = tl.full([], 0, dtype=tl.int64)
+        # A row of at most K visible entries takes all it may choose: prefix 0, no pass (with EARLY).
+        cnt = tl.where(nvis <= K, K, 0).to(tl.int64)
+        b = tl.full([], 0, dtype=tl.int64)
+        while (b < 32) & ((cnt != K) | (not EARLY)):
+            shift = 32 - DIGIT - b
+            total = _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0,
+                                    prefix, shift, HAS_ALLOWED, BLOCK, NUM_TILES, DIGIT, FIELD)
+            best = tl.full([], 0, dtype=tl.int64)
+            for c in tl.static_range(1, 1 << DIGIT):  # counts fall as c grows: the last one still >= K wins
+                n_c = (total >> (FIELD * (c - 1))) & ((1 << FIELD) - 1)
+                best = tl.where(n_c >= K, c, best)
+                cnt = tl.where(n_c >= K, n_c, cnt)
+            prefix = prefix | (best << shift)
+            b += DIGIT
+        # INT32_MIN (below every key) when fewer than K may be chosen. Where a row stopped early, the keys at thr
+        # are all chosen (ties by budget: exactly K keys reach it), so the set is the full search's.
+        thr = (prefix - 2147483648).to(tl.int32)
     # Entries above the threshold, then ties at it by ascending id while the budget lasts.
     above = tl.full([], 0, dtype=tl.int32)
+    n_eq = tl.full([], 0, dtype=tl.int32)
     for i in range(NUM_TILES):
         key, valid = _tile_keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i, offs, nvis, key0, valid0,
                                 HAS_ALLOWED, BLOCK, NUM_TILES)
         above += tl.sum(((key > thr) & valid).to(tl.int32), axis=0)
+        if LAZY_TIES:
+            n_eq += tl.sum(((key == thr) & valid).to(tl.int32), axis=0)
     budget = K - above
+    every_tie = LAZY_TIES & (n_eq <= budget)  # all keys at thr are taken: no prefix sum of the ties
     taken = tl.full([], 0, dtype=tl.int32)
     ties = tl.full([], 0, dtype=tl.int32)
     for i in range(NUM_TILES):
@@ -230,7 +311,10 @@ def _topk_kernel(scores_ptr, nvis_ptr, allowed_ptr, out_ptr, stride_st, stride_a
         key, valid = _tile_keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i, offs, nvis, key0, valid0,
                                 HAS_ALLOWED, BLOCK, NUM_TILES)
         eq = (valid & (key == thr)).to(tl.int32)
-        take = (valid & (key > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, axis=0) <= budget))
+        if every_tie:
+            take = valid & (key >= thr)
+        else:
+            take = (valid & (key > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, axis=0) <= budget))
         at = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
         tl.store(out_ptr + t * stride_ot + at, j.to(tl.int64), mask=take)
         taken += tl.sum(take.to(tl.int32), axis=0)
@@ -254,10 +338,12 @@ def _check_visibility(Tq: int, J: int, num_visible, allowed) -> None:
 def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
                 allowed: Optional[torch.Tensor] = None, block: Optional[int] = None,
                 num_warps: Optional[int] = None, digit: Optional[int] = None,
-                early: Optional[bool] = None) -> torch.Tensor:
+                early: Optional[bool] = None, search: Optional[int] = None,
+                lazy_ties: Optional[bool] = None) -> torch.Tensor:
     """Top-k entry ids per row of scores [Tq, J] float32 among entries j < num_visible[t] (and allowed[t, j])
     scored above -inf: [Tq, k] int64 in ascending id order, -1 after the last. The same set as select_topk
-    (ties to the lower id). digit / early: the search's TOPK_DIGIT / TOPK_EARLY for this call."""
+    (ties to the lower id). digit / early / search / lazy_ties: TOPK_DIGIT / TOPK_EARLY / TOPK_SEARCH /
+    TOPK_LAZY_TIES for this call."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be float32 [Tq, J], got {scores.dtype} {tuple(scores.shape)}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -265,6 +351,9 @@ def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
     digit = TOPK_DIGIT if digit is None else digit
     if digit not in (1, 2) or isinstance(digit, bool):
         raise ValueError(f"digit must be 1 or 2, got {digit!r}")
+    search = TOPK_SEARCH if search is None else search
+    if search not in (0, 1) or isinstance(search, bool):
+        raise ValueError(f"search must be 0 (bits) or 1 (interpolation), got {search!r}")
     Tq, J = scores.shape
     _check_visibility(Tq, J, num_visible, allowed)
     out = torch.empty((Tq, k), dtype=torch.int64, device=scores.device)
@@ -291,6 +380,7 @@ def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
                         al.stride(0) if allowed is not None else 0, out.stride(0), J, k,
                         HAS_ALLOWED=allowed is not None, BLOCK=block, NUM_TILES=num_tiles, BLOCK_K=block_k,
                         NUM_KT=cdiv(k, block_k), DIGIT=digit, EARLY=TOPK_EARLY if early is None else bool(early),
+                        SEARCH=search, LAZY_TIES=TOPK_LAZY_TIES if lazy_ties is None else bool(lazy_ties),
                         num_warps=num_warps, **launch_kw(scores.device))
     return out
 
