@@ -56,12 +56,16 @@ MAX_HEAD_DIM = 512
 TOPK_DIGIT = 1
 TOPK_EARLY = True
 # Two more choices, both off until timed (they leave the set unchanged): TOPK_SEARCH 1 finds the threshold by
-# interpolation in the scores (Illinois' regula falsi on the count of keys >= a probe, a bisection wherever two
-# probes did not halve the bracket; ~12 counts a row of 8K on smooth scores against ~19 bit by bit, simulated),
-# after one pass for the row's extremes; TOPK_LAZY_TIES skips the ties' prefix sum where every key at the threshold
-# is taken (always after an early stop).
+# interpolation in the scores (Illinois' regula falsi on the count of keys >= a probe, then bisection; after one pass
+# for the row's extremes); TOPK_LAZY_TIES skips the ties' prefix sum where every key at the threshold is taken
+# (always after an early stop).
 TOPK_SEARCH = 0
 TOPK_LAZY_TIES = False
+# Interpolation probes before the search bisects (a Python simulation of this search, 40 rows each: 8K normal or
+# relu-sum scores 11-13 counts a row against the bit search's ~19; lognormal ~17 against ~16; a row of 8 distinct
+# values 9 against 32; at 2K of 8 values 34 against 32. A bisection guard on the key bracket's width bisected too
+# early, 20-27 counts at 8K).
+INTERP_PROBES = tl.constexpr(24)
 
 
 @triton.jit
@@ -205,10 +209,10 @@ def _interp_threshold(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nv
                       HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr, EARLY: tl.constexpr):
     """The threshold key by interpolation (TOPK_SEARCH 1): a bracket lo < hi of keys with count(>= lo) >= K >
     count(>= hi), from the row's extremes; each probe interpolates the scores between lo and hi - 1 for K + 1/2 keys
-    above it (Illinois: an end kept twice has its count pulled halfway to the target), or bisects the keys where the
-    bracket did not halve over the last two probes or the scores are not finite. Ends where the bracket is one key
-    (lo is then the K-th largest key) or, with EARLY, where a probe has exactly K keys at or above it. INT32_MIN where
-    at most K keys may be chosen (all are), as the bit search."""
+    above it (Illinois: an end kept twice has its count pulled halfway to the target), or bisects the keys once
+    INTERP_PROBES probes have run (so at most INTERP_PROBES + 32) or where the scores are not finite. Ends where the
+    bracket is one key (lo is then the K-th largest key) or, with EARLY, where a probe has exactly K keys at or above
+    it. INT32_MIN where at most K keys may be chosen (all are), as the bit search."""
     n = tl.full([], 0, dtype=tl.int32)
     kmin = tl.full([], 2147483647, dtype=tl.int32)
     kmax = tl.full([], -2147483648, dtype=tl.int32)
@@ -224,8 +228,7 @@ def _interp_threshold(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nv
     c_hi = tl.full([], 0.0, dtype=tl.float32)
     target = K + 0.5
     side = tl.full([], 0, dtype=tl.int32)
-    w1 = tl.full([], 1 << 40, dtype=tl.int64)  # the bracket's width one and two probes ago
-    w2 = w1
+    probes = tl.full([], 0, dtype=tl.int32)
     go = (n > K) & (nvis > K)
     while go & (hi - lo > 1):
         lv = _key_value(lo.to(tl.int32))
@@ -233,10 +236,9 @@ def _interp_threshold(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nv
         v = lv + (c_lo - target) / (c_lo - c_hi) * (hv - lv)
         finite = tl.abs(v) < float("inf")  # (false for NaN too)
         p = tl.where(finite, _value_key(tl.where(finite, v, 0.0)).to(tl.int64), lo)
-        p = tl.where((~finite) | (hi - lo > w2 // 2), lo + (hi - lo) // 2, p)
+        p = tl.where((~finite) | (probes >= INTERP_PROBES), lo + (hi - lo) // 2, p)
         p = tl.minimum(tl.maximum(p, lo + 1), hi - 1)
-        w2 = w1
-        w1 = hi - lo
+        probes += 1
         c = tl.full([], 0, dtype=tl.int32)
         for i in range(NUM_TILES):
             key, valid = _tile_keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i, offs, nvis, key0, valid0,
