@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .kv_cache import BlockPool, blocks_needed
-from .prefix_cache import PrefixCache, walk_upto, hashes_upto
+from .prefix_cache import PrefixCache, hashes_upto, walk_upto
 
 
 # A sequence goes to the rank holding its prefix unless that rank runs this many more sequences than the least
