@@ -107,9 +107,12 @@ def hashes_upto(seq, block_size: int, n: int) -> list:
     return seq.block_hashes
 
 
-def walk_upto(i: int, limit: int) -> int:
-    """How many blocks to hash when a walk reaches block i: twice as far as it got (a long hit hashes O(hit))."""
-    return min(limit, max(i + 1, 2 * i))
+def hash_at(seq, block_size: int, i: int, limit: int) -> bytes:
+    """The hash of seq's block i (< limit) for a walk over its prefix: where it is not computed yet, the blocks up to
+    twice as far as the walk got are hashed (so a hit of n blocks hashes O(n), never past ``limit``)."""
+    if i >= len(seq.block_hashes):
+        hashes_upto(seq, block_size, min(limit, max(i + 1, 2 * i)))
+    return seq.block_hashes[i]
 
 
 class PrefixCache:
@@ -140,12 +143,10 @@ class PrefixCache:
         freshly allocated blocks, all of them with one batched copy per cache view."""
         bs = self.block_size
         limit = min(len(seq.token_ids), max_tokens) // bs
-        hashes = seq.block_hashes  # computed as far as the walk goes (hashes_upto)
+        hashes = seq.block_hashes  # computed as far as the walk goes (hash_at)
         hit, loaded, pieces, i = [], [], [], 0
         while i < limit:
-            if i >= len(hashes):
-                hashes_upto(seq, bs, walk_upto(i, limit))
-            b = self.block_of.get(hashes[i])
+            b = self.block_of.get(hash_at(seq, bs, i, limit))
             if b is not None:
                 self.pool.revive(b)
                 hit.append(b)

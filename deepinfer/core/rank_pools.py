@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .kv_cache import BlockPool, blocks_needed
-from .prefix_cache import PrefixCache, hashes_upto, walk_upto
+from .prefix_cache import PrefixCache, hash_at
 
 
 # A sequence goes to the rank holding its prefix unless that rank runs this many more sequences than the least
@@ -150,15 +150,10 @@ class RankPrefixCache:
         """[D] how many leading blocks of seq's prefix (of at most ``max_tokens`` tokens) each rank's cache holds;
         no owner is added."""
         limit = min(len(seq.token_ids), max_tokens) // self.block_size
-        hashes = seq.block_hashes  # computed as far as the longest run goes (hashes_upto)
         out = []
         for c in self.caches:
             n = 0
-            while n < limit:
-                if n >= len(hashes):
-                    hashes_upto(seq, self.block_size, walk_upto(n, limit))
-                if hashes[n] not in c.block_of:
-                    break
+            while n < limit and hash_at(seq, self.block_size, n, limit) in c.block_of:
                 n += 1
             out.append(n)
         return out

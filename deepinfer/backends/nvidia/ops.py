@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ...pair_sum import PairSum
+from ...pair_sum import PairSum, dense
 from ..base import AttnMetadata
 from ..reference import lowbit
 from ..reference.ops import ReferenceOps
@@ -456,21 +456,17 @@ class NvidiaOps(ReferenceOps):
         """residual may be a pair_sum.PairSum (moe_experts_pairs): the kernel adds its pair rows itself."""
         from . import triton_ced_fused as tcf
 
-        if isinstance(residual, PairSum):
-            if not self.batch_invariant and kernel_device_ok(x, residual.pairs, weight) \
-                    and tcf.supports_add_rms(x, residual.pairs, weight, extra, residual.k) \
-                    and not (torch.is_grad_enabled() and x.requires_grad):
-                self.kernel_calls["ced_add_rms_norm_pairs"] += 1
-                return tcf.add_rms_norm(x, residual.pairs, weight, eps, extra, ksum=residual.k)
-            residual = residual.value()
-        ts = (x, residual, weight) + ((extra,) if extra is not None else ())
+        pairs = isinstance(residual, PairSum)
+        rows, ksum = (residual.pairs, residual.k) if pairs else (residual, 1)
+        ts = (x, rows, weight) + ((extra,) if extra is not None else ())
+        if not self.batch_invariant and kernel_device_ok(*ts) and tcf.supports_add_rms(x, rows, weight, extra, ksum) \
+                and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)):
+            self.kernel_calls["ced_add_rms_norm_pairs" if pairs else "ced_add_rms_norm"] += 1
+            return tcf.add_rms_norm(x, rows, weight, eps, extra, ksum=ksum)
+        residual = dense(residual)
         if self.batch_invariant:  # the adds then ced_rms_norm, as a mixed step's path (finish, then the norm)
             h = x + (residual if extra is None else residual + extra)
             return h, self.ced_rms_norm(h, weight, eps)
-        if kernel_device_ok(*ts) and tcf.supports_add_rms(x, residual, weight, extra) \
-                and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)):
-            self.kernel_calls["ced_add_rms_norm"] += 1
-            return tcf.add_rms_norm(x, residual, weight, eps, extra)
         return super().ced_add_rms_norm(x, residual, weight, eps, extra)
 
     def ced_swiglu(self, gu, limit):

@@ -176,20 +176,32 @@ def _count_at_least(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis
                     FIELD: tl.constexpr):
     """For each next digit value c = 1 .. 2^DIGIT - 1: how many chosen keys are >= prefix | c << shift (in the
     unsigned order of key + 2^31), packed into one int64, FIELD bits a count: one reduction a pass."""
+    if DIGIT == 1:  # one count: summed in int32 (half the reduction's shuffles of an int64)
+        ck = ((prefix | (tl.full([], 1, dtype=tl.int64) << shift)) - 2147483648).to(tl.int32)
+        return _count_ge(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0, ck,
+                         HAS_ALLOWED, BLOCK, NUM_TILES).to(tl.int64)
     total = tl.full([], 0, dtype=tl.int64)
     for i in range(NUM_TILES):
         key, valid = _tile_keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i, offs, nvis, key0, valid0,
                                 HAS_ALLOWED, BLOCK, NUM_TILES)
-        if DIGIT == 1:  # one count: summed in int32 (half the reduction's shuffles of an int64)
-            ck = ((prefix | (tl.full([], 1, dtype=tl.int64) << shift)) - 2147483648).to(tl.int32)
-            total += tl.sum(((key >= ck) & valid).to(tl.int32), axis=0).to(tl.int64)
-        else:
-            packed = tl.zeros([BLOCK], dtype=tl.int64)
-            for c in tl.static_range(1, 1 << DIGIT):
-                ck = ((prefix | (tl.full([], c, dtype=tl.int64) << shift)) - 2147483648).to(tl.int32)
-                packed += ((key >= ck) & valid).to(tl.int64) << (FIELD * (c - 1))
-            total += tl.sum(packed, axis=0)
+        packed = tl.zeros([BLOCK], dtype=tl.int64)
+        for c in tl.static_range(1, 1 << DIGIT):
+            ck = ((prefix | (tl.full([], c, dtype=tl.int64) << shift)) - 2147483648).to(tl.int32)
+            packed += ((key >= ck) & valid).to(tl.int64) << (FIELD * (c - 1))
+        total += tl.sum(packed, axis=0)
     return total
+
+
+@triton.jit
+def _count_ge(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0, ck,
+              HAS_ALLOWED: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr):
+    """How many chosen keys of the row are >= ck (int32)."""
+    c = tl.full([], 0, dtype=tl.int32)
+    for i in range(NUM_TILES):
+        key, valid = _tile_keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i, offs, nvis, key0, valid0,
+                                HAS_ALLOWED, BLOCK, NUM_TILES)
+        c += tl.sum(((key >= ck) & valid).to(tl.int32), axis=0)
+    return c
 
 
 @triton.jit
@@ -239,11 +251,8 @@ def _interp_threshold(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nv
         p = tl.where((~finite) | (probes >= INTERP_PROBES), lo + (hi - lo) // 2, p)
         p = tl.minimum(tl.maximum(p, lo + 1), hi - 1)
         probes += 1
-        c = tl.full([], 0, dtype=tl.int32)
-        for i in range(NUM_TILES):
-            key, valid = _tile_keys(scores_ptr, allowed_ptr, t, stride_st, stride_at, i, offs, nvis, key0, valid0,
-                                    HAS_ALLOWED, BLOCK, NUM_TILES)
-            c += tl.sum(((key >= p.to(tl.int32)) & valid).to(tl.int32), axis=0)
+        c = _count_ge(scores_ptr, allowed_ptr, t, stride_st, stride_at, offs, nvis, key0, valid0, p.to(tl.int32),
+                      HAS_ALLOWED, BLOCK, NUM_TILES)
         up = c >= K
         c_hi = tl.where(up & (side == 1), target + (c_hi - target) * 0.5, c_hi)
         c_lo = tl.where((not up) & (side == -1), target + (c_lo - target) * 0.5, c_lo)
@@ -305,7 +314,9 @@ def _topk_kernel(scores_ptr, nvis_ptr, allowed_ptr, out_ptr, stride_st, stride_a
         if LAZY_TIES:
             n_eq += tl.sum(((key == thr) & valid).to(tl.int32), axis=0)
     budget = K - above
-    every_tie = LAZY_TIES & (n_eq <= budget)  # all keys at thr are taken: no prefix sum of the ties
+    every_tie = False  # (a compile-time False unless LAZY_TIES: the shipped launch has no branch here)
+    if LAZY_TIES:
+        every_tie = n_eq <= budget  # all keys at thr are taken: no prefix sum of the ties
     taken = tl.full([], 0, dtype=tl.int32)
     ties = tl.full([], 0, dtype=tl.int32)
     for i in range(NUM_TILES):

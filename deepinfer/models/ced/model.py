@@ -284,19 +284,19 @@ class CEDLayer(nn.Module):
         them (an expert-parallel layer's own routed_experts never comes here)."""
         from ..quant import fp8_scales
 
-        if self.placement is not None:
-            ids = self.placement.physical_ids(ids)
-        return ops.moe_experts_shared(x, self.w13, self.w2, weights, ids, self.shared_w13, self.shared_w2,
-                                      clamp=self.c.swiglu_limit, **fp8_scales(self))
+        return ops.moe_experts_shared(x, self.w13, self.w2, weights, self._physical_ids(ids), self.shared_w13,
+                                      self.shared_w2, clamp=self.c.swiglu_limit, **fp8_scales(self))
+
+    def _physical_ids(self, ids):
+        """Under EPLB each logical choice goes to one of its replicas' slots (``placement``); else ids as they are."""
+        return ids if self.placement is None else self.placement.physical_ids(ids)
 
     def _routed_pairs(self, x, weights, ids, ops):
         """routed_experts as the backend's moe_experts_pairs (a PairSum), or None where it offers none."""
         from ..quant import fp8_scales
 
-        if self.placement is not None:
-            ids = self.placement.physical_ids(ids)
-        return ops.moe_experts_pairs(x, self.w13, self.w2, weights, ids, clamp=self.c.swiglu_limit,
-                                     **fp8_scales(self))
+        return ops.moe_experts_pairs(x, self.w13, self.w2, weights, self._physical_ids(ids),
+                                     clamp=self.c.swiglu_limit, **fp8_scales(self))
 
     def routed_experts(self, x, weights, ids):
         """The routed experts' weighted sum [T, d] of x [T, d] routed to ids [T, k] with weights [T, k] (expert
@@ -304,10 +304,8 @@ class CEDLayer(nn.Module):
         choice goes to one of its replicas' slots; the load stays recorded per logical expert (``moe_parts``'s ids)."""
         from ..quant import fp8_scales
 
-        if self.placement is not None:
-            ids = self.placement.physical_ids(ids)
-        return ops_of(self, x.device).moe_experts(x, self.w13, self.w2, weights, ids, clamp=self.c.swiglu_limit,
-                                                  impl="routed", **fp8_scales(self))
+        return ops_of(self, x.device).moe_experts(x, self.w13, self.w2, weights, self._physical_ids(ids),
+                                                  clamp=self.c.swiglu_limit, impl="routed", **fp8_scales(self))
 
 
 def model_ops(model) -> "Ops":
