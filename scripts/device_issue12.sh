@@ -95,6 +95,8 @@
 #                                            # norm: GPU tests, top-K variants, 16K prefill A/Bs (--marks)
 #   bash scripts/device_issue12.sh s37a              # top-K by interpolation, lazy ties: GPU tests, variants,
 #                                            # 16K prefill A/B
+#   bash scripts/device_issue12.sh s37b COMMIT       # the top-K's new defaults: its GPU tests and the compile test,
+#                                            # then ced-bench COMMIT (the issue's figures)
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -905,6 +907,12 @@ s37a)
     | grep -v Warning | tail -12
   prefill_ab 90 14 topk "" "triton_ced_indexer.TOPK_SEARCH=1 triton_ced_indexer.TOPK_LAZY_TIES=1" 2
   (cd "$OUT" && tar czf s37a_txt.tgz ./*.txt 2>/dev/null && rm -f ./*.txt) ;;
+s37b)
+  # 37th session (~6 min): the interpolation search and lazy ties on 4 warps as shipped (the s37a A/B's winner):
+  # the top-K GPU tests and the sm_90 compile test, then the issue's figures (ced-bench COMMIT).
+  timeout -s INT 200 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_ced.py -k "topk or compile" \
+    2>&1 | tail -3
+  bash "$0" ced-bench "${1:-?}" ;;
 s35b)
   # 35th session (~2 min): the CED attention's prefill chunk (2048 queries at 16K) on FP4 entries decoded in
   # registers with the transposed products (launch key trans on FP4 entries: a quarter of the bf16 table's bytes a

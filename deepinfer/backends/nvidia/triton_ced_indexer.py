@@ -13,11 +13,13 @@ Two kernels:
   (4 bytes per entry against the 68 bytes of a key at dh = 128), which the decoder's candidate pool also
   reads.
 - ``_topk_kernel``, one program per query: a threshold search instead of a sort. Scores are mapped to
-  int32 keys with the order of floats (-0.0 folded into +0.0); up to 32 counting passes find, bit by bit from
-  the top, the K-th largest key T (a row stops early where exactly K keys reach the bits found so far: they
-  are the set; TOPK_EARLY); one more pass writes the entries above T and then the lowest-id entries equal to
-  T, in ascending id order, and -1 after the last. Rows up to BLOCK entries (16K) are read once and
-  kept in registers; longer rows are re-read per pass (from L2).
+  int32 keys with the order of floats (-0.0 folded into +0.0); counting passes find the K-th largest key T,
+  by interpolation between the counts of a shrinking bracket of keys (TOPK_SEARCH 1, the default; bisection
+  after INTERP_PROBES probes) or bit by bit from the top (TOPK_SEARCH 0, at most 32 passes); either stops early
+  where exactly K keys reach a probe (they are the set; TOPK_EARLY). One more pass writes the entries above T
+  and then the lowest-id entries equal to T (a prefix sum of the ties only where some must be left out:
+  TOPK_LAZY_TIES), in ascending id order, and -1 after the last. Rows up to BLOCK entries (16K) are read
+  once and kept in registers; longer rows are re-read per pass (from L2).
 
 So the selected set is exactly the reference's for the same scores. Scores computed here differ from the
 reference's float32 einsum in the last bits (summation order), so the set can differ where two entries'
@@ -55,12 +57,14 @@ MAX_HEAD_DIM = 512
 # they save; removed.
 TOPK_DIGIT = 1
 TOPK_EARLY = True
-# Two more choices, both off until timed (they leave the set unchanged): TOPK_SEARCH 1 finds the threshold by
-# interpolation in the scores (Illinois' regula falsi on the count of keys >= a probe, then bisection; after one pass
-# for the row's extremes); TOPK_LAZY_TIES skips the ties' prefix sum where every key at the threshold is taken
-# (always after an early stop).
-TOPK_SEARCH = 0
-TOPK_LAZY_TIES = False
+# Two more choices (they leave the set unchanged): TOPK_SEARCH 1 finds the threshold by interpolation in the scores
+# (Illinois' regula falsi on the count of keys >= a probe, then bisection; after one pass for the row's extremes);
+# TOPK_LAZY_TIES skips the ties' prefix sum where every key at the threshold is taken (always after an early stop).
+# On the H100 (37th session, s37a; a 2048-query chunk over 8K entries): bit search 251.9 us, lazy ties 229.3,
+# interpolation 226.0, both 204.2, both on 4 warps 167.5; the 16K bounded prefill's top-K 4.22 -> 3.44 ms with both
+# (8 warps). Both on, rows up to 8K entries on 4 warps (topk_select).
+TOPK_SEARCH = 1
+TOPK_LAZY_TIES = True
 # Interpolation probes before the search bisects. benchmarks/topk_search_sim.py (a numpy port of both searches, 40
 # rows each, K = 512): 8K normal or relu-sum scores 11.5 / 11.4 counts a row against the bit search's 18.3 / 19.0;
 # lognormal 17.4 against 16.5; 8 distinct values 9 against 32 (at 2K: 32.2 against 30.9). A guard that bisected
@@ -383,7 +387,9 @@ def topk_select(scores: torch.Tensor, num_visible: torch.Tensor, k: int,
         # 16K prefill's 2048-query chunk over 8192 entries took 335 us in one tile against 727 in two of 4096.
         block = 32 if INTERPRET else min(16384, max(128, next_pow2(J)))
     if num_warps is None:
-        num_warps = 4 if block < 2048 else (8 if block <= 8192 else 16)  # 16K: 32 a thread, as 8K on 8 warps
+        # 4 warps up to 8K (64 keys a thread: 37th session, H100, an 8K row's chunk 167.5 us against 204.2 on 8 warps
+        # with the interpolation search and lazy ties), 8 for 16K (64 a thread again)
+        num_warps = 4 if block <= 8192 else 8
     num_tiles = cdiv(J, block)
     if J >= 1 << 21:  # a count no longer fits the packed 21-bit fields
         digit = 1
