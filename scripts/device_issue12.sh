@@ -95,8 +95,8 @@
 #                                            # norm: GPU tests, top-K variants, 16K prefill A/Bs (--marks)
 #   bash scripts/device_issue12.sh s37a              # top-K by interpolation, lazy ties: GPU tests, variants,
 #                                            # 16K prefill A/B
-#   bash scripts/device_issue12.sh s37b COMMIT       # the top-K's new defaults: its GPU tests and the compile test,
-#                                            # then ced-bench COMMIT (the issue's figures)
+#   bash scripts/device_issue12.sh s37b              # the top-K's new defaults: its GPU tests and the compile test;
+#                                            # the 16K prefill with the plans laid out before / after the SWA layers
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -909,10 +909,13 @@ s37a)
   (cd "$OUT" && tar czf s37a_txt.tgz ./*.txt 2>/dev/null && rm -f ./*.txt) ;;
 s37b)
   # 37th session (~6 min): the interpolation search and lazy ties on 4 warps as shipped (the s37a A/B's winner):
-  # the top-K GPU tests and the sm_90 compile test, then the issue's figures (ced-bench COMMIT).
+  # the top-K GPU tests and the sm_90 compile test; then the 16K bounded prefill with the compression plans laid out
+  # before the first layer (PLAN_AFTER_SWA=0, as until 1ae6c45) / once the SWA-only layers are queued (shipped),
+  # alternating, --marks.
   timeout -s INT 200 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_ced.py -k "topk or compile" \
     2>&1 | tail -3
-  bash "$0" ced-bench "${1:-?}" ;;
+  PREFILL_EXTRA=--marks prefill_ab 80 8 plan "models.ced.engine_path.PLAN_AFTER_SWA=0" "" 4
+  (cd "$OUT" && tar czf s37b_txt.tgz ./*.txt 2>/dev/null && rm -f ./*.txt) ;;
 s35b)
   # 35th session (~2 min): the CED attention's prefill chunk (2048 queries at 16K) on FP4 entries decoded in
   # registers with the transposed products (launch key trans on FP4 entries: a quarter of the bf16 table's bytes a

@@ -1,8 +1,9 @@
 """Host work of a CED prefill step (engine_path.forward_engine) on the nvidia backend's CUDA dispatch, run on the CPU
 under Triton's interpreter with the dispatch CUDA tensors get (deepinfer.testing.ced.as_on_cuda: CEDLayer._kernels
 returns the ops). A prefix hit whose encoder state the encoder-SWA pool restores:
-- its index lists reach the device in one host-to-device copy (engine_path.Upload), and it runs no op that
-  would wait for the device on CUDA (a scalar read, nonzero, boolean-mask indexing, unique);
+- its index lists reach the device in two host-to-device copies (engine_path.Upload: the passes' before the
+  first layer, the compression plans' once the SWA-only first layer is queued), and it runs no op that would
+  wait for the device on CUDA (a scalar read, nonzero, boolean-mask indexing, unique);
 - its SWA keys run the decode step's one-kernel op (before attention with the ring writes on the scratch slot,
   after it with the real ones), its compression the fused compress-write, its residual adds ride on the norms'
   kernel; and it leaves the rings, the encoder outputs and the paged entries as the composition leaves them,
@@ -129,9 +130,10 @@ def fused_hit(ced):
         return hit_step(ced, mp)
 
 
-def test_a_hit_step_copies_once_and_never_waits(fused_hit):
+def test_a_hit_step_copies_twice_and_never_waits(fused_hit):
     got = fused_hit
-    assert got["copies"] == 1, got["copies"]
+    assert REPLAY_CONFIG["layer_modes"][0] == "swa"  # (the plans' copy comes once that layer is queued)
+    assert got["copies"] == 2, got["copies"]
     assert not got["syncs"], dict(got["syncs"])
     L, E = REPLAY_CONFIG["num_layers"], REPLAY_CONFIG["num_encoder_layers"]
     calls = got["calls"]
@@ -159,13 +161,19 @@ def test_the_fused_prefill_leaves_the_composition_state(ced, fused_hit, monkeypa
 def test_batch_invariant_prefill_runs_the_composition(ced, monkeypatch):
     got = hit_step(ced, monkeypatch, invariant=True)
     calls = got["calls"]
-    assert got["copies"] == 1 and not got["syncs"]
+    assert got["copies"] == 2 and not got["syncs"]
     assert not any(calls[k] for k in ("ced_swa_kv", "ced_add_rms_norm", "ced_compress_write")), dict(calls)
 
 
-def test_upload_refuses_a_list_after_the_copy():
+def test_upload_copies_what_was_added_since_its_last_copy(monkeypatch):
+    copies = []
+    real = engine_path._on_device
+    monkeypatch.setattr(engine_path, "_on_device", lambda lists, device: copies.append(len(lists)) or real(lists, device))
     up = engine_path.Upload("cpu")
     i = up.add([1, 2], [3])
-    assert up.get(i + 1).tolist() == [3] and up.get(i).tolist() == [1, 2]
-    with pytest.raises(RuntimeError, match="after the step's lists were copied"):
-        up.add([4])
+    assert up.get(i + 1).tolist() == [3] and up.get(i).tolist() == [1, 2] and copies == [2]
+    j = up.add([4], [], [5, 6, 7])
+    assert j == 2 and up.get(i).tolist() == [1, 2] and copies == [2]  # (nothing copied before it is read)
+    assert up.get(j + 2).tolist() == [5, 6, 7] and copies == [2, 3]
+    assert up.get(j).tolist() == [4] and up.get(j + 1).tolist() == [] and up.get(i + 1).tolist() == [3]
+    assert copies == [2, 3]

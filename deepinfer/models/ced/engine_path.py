@@ -36,6 +36,11 @@ from . import functional as fn
 from .model import model_ops
 
 
+# forward_engine lays the compression plans out (_plan_step) once the SWA-only layers before the first full layer are
+# queued, so the device runs them while the host plans (False: before the first layer, for A/B runs).
+PLAN_AFTER_SWA = True
+
+
 def _on_device(lists: list, device) -> list:
     """Host int lists (or numpy arrays) on the device in one copy: [tensor] views of one int64 buffer, one per list."""
     arrays = [_ints(lst) for lst in lists]
@@ -62,24 +67,24 @@ def _ints(xs) -> np.ndarray:
 
 
 class Upload:
-    """The step's host index lists on the device in one host-to-device copy. While forward_engine lays the
-    step out (its passes, every compression ratio's plan, the entry rows), each piece ``add``s its lists; the
-    first ``get`` copies them all at once (one pinned int64 buffer, ``_on_device``) and hands out [len] views.
-    An ``add`` after that copy is a bug in the layout (it would need a second copy) and raises."""
+    """The step's host index lists on the device in few host-to-device copies. While forward_engine lays the
+    step out (its passes, every compression ratio's plan, the entry rows), each piece ``add``s its lists; a
+    ``get`` copies every list added since the last copy at once (one pinned int64 buffer, ``_on_device``) and
+    hands out [len] views. forward_engine lays the passes out first and the compression plans once the SWA-only
+    layers it starts with are queued (``_plan_step``), so a prefill takes two copies and the device has work while
+    the host plans."""
 
     def __init__(self, device):
-        self.device, self.lists, self.views = device, [], None
+        self.device, self.lists, self.views = device, [], []
 
     def add(self, *lists) -> int:
         """Register lists; returns the index of the first (the others follow it)."""
-        if self.views is not None:
-            raise RuntimeError("Upload.add after the step's lists were copied: lay the whole step out first")
         self.lists += lists
         return len(self.lists) - len(lists)
 
     def get(self, i: int) -> torch.Tensor:
-        if self.views is None:
-            self.views = _on_device(self.lists, self.device)
+        if i >= len(self.views):  # every list added since the last copy, in one copy
+            self.views += _on_device(self.lists[len(self.views):], self.device)
         return self.views[i]
 
 
@@ -564,8 +569,9 @@ def _rings(cache, score: bool):
 
 
 def forward_engine(model, input_ids, meta, cache):
-    """input_ids [T] the step's tokens (rows' chunks in order) -> hidden [T, d]. One host-to-device copy for
-    the whole step's index lists (``Upload``: the passes, the compression plans, the entry rows); each
+    """input_ids [T] the step's tokens (rows' chunks in order) -> hidden [T, d]. The step's index lists reach
+    the device in two host-to-device copies (``Upload``): the passes' before the first layer, the compression
+    plans and entry rows' (``_plan_step``) once the SWA-only layers before the first full one are queued; each
     layer's MoE output rides on the next layer's norm (``layer_engine``'s defer), as in a decode step."""
     c = model.config
     device = input_ids.device
@@ -593,12 +599,17 @@ def forward_engine(model, input_ids, meta, cache):
     if scoring or any(e > a for e, a in zip(score_ends, meta.starts)):
         sc = Pass(meta, list(meta.starts), score_ends, device, cut=[0] * len(meta.starts), score=True, up=up,
                   ring=_rings(cache, True))
-    _plan_step(model, meta, cache, device, up)
     h = model.embed(input_ids)  # [T, d]
     ctx: dict = {}
     pending = None  # each layer's MoE output, added by the next layer's norm op (layer_engine's defer)
+    planned = False
     for layer in model.layers[: c.num_encoder_layers]:
+        if not planned and (layer.mode != "swa" or not PLAN_AFTER_SWA):  # (the SWA-only layers before it are queued: the device has work)
+            _plan_step(model, meta, cache, device, up)
+            planned = True
         h, pending = layer_engine(model, layer, h, enc, None, cache, ctx, stats, pending, defer=True)
+    if not planned:
+        _plan_step(model, meta, cache, device, up)
     h = h_enc = finish(h, pending)
     if cache.henc is not None:
         _keep_encoder_outputs(enc, h_enc, cache)
