@@ -97,6 +97,7 @@
 #                                            # 16K prefill A/B
 #   bash scripts/device_issue12.sh s37b              # the top-K's new defaults: its GPU tests and the compile test;
 #                                            # the 16K prefill with the plans laid out before / after the SWA layers
+#   bash scripts/device_issue12.sh s37c              # s37b's A/B alone (~4.5 min)
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -916,6 +917,10 @@ s37b)
     2>&1 | tail -3
   PREFILL_EXTRA=--marks prefill_ab 80 8 plan "models.ced.engine_path.PLAN_AFTER_SWA=0" "" 4
   (cd "$OUT" && tar czf s37b_txt.tgz ./*.txt 2>/dev/null && rm -f ./*.txt) ;;
+s37c)
+  # s37b's prefill A/B alone (the device budget left after refused starts), two runs each alternating.
+  PREFILL_EXTRA=--marks prefill_ab 75 8 plan "models.ced.engine_path.PLAN_AFTER_SWA=0" "" 4
+  (cd "$OUT" && tar czf s37c_txt.tgz ./*.txt 2>/dev/null && rm -f ./*.txt) ;;
 s35b)
   # 35th session (~2 min): the CED attention's prefill chunk (2048 queries at 16K) on FP4 entries decoded in
   # registers with the transposed products (launch key trans on FP4 entries: a quarter of the bf16 table's bytes a
