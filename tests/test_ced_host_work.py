@@ -63,3 +63,4 @@ def test_host_before_forward_bench_writes_its_row(tmp_path):
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["tokens"] == 256 and row["label"] == "t"
     assert 0 < row["to_forward_ms"] < row["generate_ms"]
+    assert 0 < row["passes_ms"] < row["generate_ms"] and 0 < row["plan_ms"] < row["generate_ms"]
