@@ -98,6 +98,9 @@
 #   bash scripts/device_issue12.sh s37b              # the top-K's new defaults: its GPU tests and the compile test;
 #                                            # the 16K prefill with the plans laid out before / after the SWA layers
 #   bash scripts/device_issue12.sh s37c              # s37b's A/B alone (~4.5 min)
+#   bash scripts/device_issue12.sh s38a              # the 37th session's untimed changes: their GPU tests, the 16K
+#                                            # prefill A/B of the plans' place, the decode profile with finish's
+#                                            # one launch off / on (~8 min)
 #   bash scripts/device_issue12.sh s30d              # s30a, then moe-graphs (the MoE launch guard's first GPU run)
 #   bash scripts/device_issue12.sh s26b              # gemv_bench's dot rows at 8-64; CED attention's splits at 256
 #                                            # tokens of context
@@ -917,6 +920,20 @@ s37b)
     2>&1 | tail -3
   PREFILL_EXTRA=--marks prefill_ab 80 8 plan "models.ced.engine_path.PLAN_AFTER_SWA=0" "" 4
   (cd "$OUT" && tar czf s37b_txt.tgz ./*.txt 2>/dev/null && rm -f ./*.txt) ;;
+s38a)
+  # For the 38th session (~8 min): the 37th's changes, built after its device budget ran out. The top-K tests at
+  # its new defaults (4 warps), the add_moe / prefill-step / glue tests, the sm_90 compile test; the 16K bounded
+  # prefill with PLAN_AFTER_SWA off / on (alternating, --marks); the decode profile at 1 / 16 / 64 with finish's
+  # one launch (FINISH_ONE_LAUNCH) off / on.
+  timeout -s INT 240 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_ced.py tests/test_triton_ced_glue.py \
+    -k "topk or compile or add_moe or pair_sum or add_rms" 2>&1 | tail -3
+  PREFILL_EXTRA=--marks prefill_ab 75 8 plan "models.ced.engine_path.PLAN_AFTER_SWA=0" "" 4
+  for k in "models.ced.engine_path.FINISH_ONE_LAUNCH=0" ""; do
+    timeout 100 python3 benchmarks/profile_decode.py --shape ced-bench --batches 1 16 64 --steps 16 \
+      ${k:+--knob $k} --out "$OUT/profile_ced_finish.jsonl" 2>&1 | grep "== batch" | sed "s/^/[${k:-as shipped}] /" \
+      | cut -c 1-140
+  done
+  (cd "$OUT" && tar czf s38a_txt.tgz ./*.txt 2>/dev/null && rm -f ./*.txt) ;;
 s37c)
   # s37b's prefill A/B alone (the device budget left after refused starts), two runs each alternating.
   PREFILL_EXTRA=--marks prefill_ab 75 8 plan "models.ced.engine_path.PLAN_AFTER_SWA=0" "" 4

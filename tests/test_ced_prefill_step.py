@@ -142,6 +142,7 @@ def test_a_hit_step_copies_twice_and_never_waits(fused_hit):
     # (each layer's MoE output added by the next layer's norm kernel: every layer but the encoder's and
     # the decoder's last)
     assert calls["ced_add_rms_norm"] == L + (E - 1) + (L - E - 1), dict(calls)
+    assert calls["ced_add"] + calls["ced_add_pairs"] == 2, dict(calls)  # finish: the encoder's and the decoder's
 
 
 def test_the_fused_prefill_leaves_the_composition_state(ced, fused_hit, monkeypatch):
@@ -162,7 +163,8 @@ def test_batch_invariant_prefill_runs_the_composition(ced, monkeypatch):
     got = hit_step(ced, monkeypatch, invariant=True)
     calls = got["calls"]
     assert got["copies"] == 2 and not got["syncs"]
-    assert not any(calls[k] for k in ("ced_swa_kv", "ced_add_rms_norm", "ced_compress_write")), dict(calls)
+    assert not any(calls[k] for k in ("ced_swa_kv", "ced_add_rms_norm", "ced_compress_write", "ced_add",
+                                      "ced_add_pairs")), dict(calls)
 
 
 def test_upload_copies_what_was_added_since_its_last_copy(monkeypatch):

@@ -161,6 +161,53 @@ def test_add_rms_norm_adds_pair_rows_as_the_k_sum_then_the_add(T, N, k, dtype, e
     assert_same_bits(h, x + term)
 
 
+@FAST
+@given(T=st.integers(0, 4), N=st.sampled_from([1, 16, 100, 256]), k=st.integers(1, 5), dtype=st.sampled_from(DTYPES),
+       extra=st.booleans(), seed=st.integers(0, 2**16))
+def test_add_moe_is_the_torch_adds(T, N, k, dtype, extra, seed):
+    """add_moe (engine_path.finish's one launch): x + (residual + extra) with torch's roundings, bit for bit; with
+    pair rows (k > 1) the residual is their float32 sum in pair order (written here), rounded once."""
+    g = gen(seed)
+    x = (torch.randn(T, N, generator=g) * 4).to(dtype).to(DEV)
+    pairs = (torch.randn(T * k, N, generator=g) * torch.rand(T * k, 1, generator=g) * 3).to(dtype).to(DEV)
+    e = torch.randn(T, N, generator=g).to(dtype).to(DEV) if extra else None
+    acc = torch.zeros(T, N, dtype=torch.float32, device=DEV)
+    for j in range(k):
+        acc = acc + pairs.view(T, k, N)[:, j].float()
+    r = acc.to(dtype)
+    want = x + (r if e is None else r + e)
+    assert_same_bits(tcf.add_moe(x, pairs, e, ksum=k), want)
+    if k == 1:
+        assert_same_bits(tcf.add_moe(x, pairs, e), want)
+
+
+def test_add_moe_dispatch_and_refusals():
+    """NvidiaOps.ced_add: the kernel for plain rows and a PairSum's rows (never taking its value), the torch adds
+    for mixed dtypes and in batch-invariant mode (the same bits); add_moe refuses shapes it does not take."""
+    from deepinfer.backends.nvidia import triton_moe
+    from deepinfer.pair_sum import PairSum
+
+    g = gen(9)
+    ops = NvidiaOps(DEV)
+    h = torch.randn(2, 40, generator=g).bfloat16().to(DEV)
+    pairs = torch.randn(6, 40, generator=g).bfloat16().to(DEV)
+    sh = torch.randn(2, 40, generator=g).bfloat16().to(DEV)
+    got = ops.ced_add(h, PairSum(pairs, 3, lambda p, k: pytest.fail("the kernel adds the rows")), sh)
+    assert ops.kernel_calls["ced_add_pairs"] == 1
+    summed = triton_moe.k_sum(pairs, 2, 3, {})
+    assert_same_bits(got, h + (summed + sh))
+    assert_same_bits(ops.ced_add(h, summed), h + summed) and ops.kernel_calls["ced_add"] == 1
+    assert_same_bits(ops.ced_add(h, summed.float()), h + summed.float())  # mixed dtypes: torch's promotion
+    assert ops.kernel_calls["ced_add"] == 1
+    ops.batch_invariant = True
+    assert_same_bits(ops.ced_add(h, summed, sh), h + (summed + sh)) and ops.kernel_calls["ced_add"] == 1
+    for bad in ((h, pairs), (h, summed[:, :8]), (h[0], summed[0])):
+        assert not tcf.supports_add(*bad)
+        with pytest.raises(ValueError, match="add_moe: unsupported"):
+            tcf.add_moe(*bad)
+    assert not tcf.supports_add(h, pairs, ksum=4) and tcf.supports_add(h, pairs, ksum=3)
+
+
 def test_pair_sum_contract_and_dispatch():
     """PairSum: shape / dtype of its sum, value taken once, bad pair counts refused; NvidiaOps adds it in the add +
     RMSNorm kernel where it can and takes its value for the reference otherwise (mixed dtypes, batch-invariant)."""

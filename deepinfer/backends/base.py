@@ -188,6 +188,11 @@ class Ops:
         of h (models/ced/functional.py rms) -> (h, normed h)."""
         raise NotImplementedError
 
+    def ced_add(self, x: torch.Tensor, residual, extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """h = x + residual (+ extra: x + (residual + extra)), each sum rounded to x's dtype: a deferred MoE output
+        added to the residual stream where no norm follows. residual may be a pair_sum.PairSum."""
+        raise NotImplementedError
+
     def ced_swiglu(self, gu: torch.Tensor, limit: float) -> torch.Tensor:
         """gu [T, 2F] (gate, up) -> silu(gate.clamp(max=limit)) * up.clamp(-limit, limit) [T, F]: the CED shared
         expert's activation."""

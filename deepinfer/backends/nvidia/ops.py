@@ -469,6 +469,20 @@ class NvidiaOps(ReferenceOps):
             return h, self.ced_rms_norm(h, weight, eps)
         return super().ced_add_rms_norm(x, residual, weight, eps, extra)
 
+    def ced_add(self, x, residual, extra=None):
+        """residual may be a pair_sum.PairSum: the kernel adds its pair rows itself. Batch-invariant mode keeps the
+        torch adds (its composition, as ced_add_rms_norm's)."""
+        from . import triton_ced_fused as tcf
+
+        pairs = isinstance(residual, PairSum)
+        rows, ksum = (residual.pairs, residual.k) if pairs else (residual, 1)
+        ts = (x, rows) + ((extra,) if extra is not None else ())
+        if not self.batch_invariant and kernel_device_ok(*ts) and tcf.supports_add(x, rows, extra, ksum) \
+                and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)):
+            self.kernel_calls["ced_add_pairs" if pairs else "ced_add"] += 1
+            return tcf.add_moe(x, rows, extra, ksum=ksum)
+        return super().ced_add(x, residual, extra)
+
     def ced_swiglu(self, gu, limit):
         from . import triton_ced_fused as tcf
 

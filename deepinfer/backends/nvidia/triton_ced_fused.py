@@ -138,7 +138,7 @@ def _ced_rms_kernel(x_ptr, w_ptr, o_ptr, stride_x, stride_o, N, eps, BLOCK: tl.c
 @triton.jit
 def _ced_add_rms_kernel(x_ptr, r_ptr, e_ptr, w_ptr, h_ptr, o_ptr, stride_x, stride_r, stride_e, stride_h, stride_o, N,
                         eps, BLOCK: tl.constexpr, HAS_EXTRA: tl.constexpr, KSUM: tl.constexpr = 1,
-                        PDL: tl.constexpr = 0):
+                        NORM: tl.constexpr = True, PDL: tl.constexpr = 0):
     pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -155,7 +155,9 @@ def _ced_add_rms_kernel(x_ptr, r_ptr, e_ptr, w_ptr, h_ptr, o_ptr, stride_x, stri
         add = to_f32(cast_rne(add + to_f32(tl.load(e_ptr + row * stride_e + cols, mask=mask, other=0.0)), DT))
     h = cast_rne(to_f32(tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)) + add, DT)
     tl.store(h_ptr + row * stride_h + cols, h, mask=mask)
-    tl.store(o_ptr + row * stride_o + cols, cast_rne(_rms_row(to_f32(h), w_ptr, cols, mask, N, eps), DT), mask=mask)
+    if NORM:  # (off: the residual add alone, add_moe)
+        tl.store(o_ptr + row * stride_o + cols, cast_rne(_rms_row(to_f32(h), w_ptr, cols, mask, N, eps), DT),
+                 mask=mask)
 
 
 @triton.jit
@@ -266,11 +268,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def supports_add_rms(x, residual, weight, extra=None, ksum: int = 1) -> bool:
-    if not supports_rms(x, weight) or x.dim() != 2 or isinstance(ksum, bool) or not isinstance(ksum, int) \
-            or not 1 <= ksum <= MAX_KSUM or residual.shape != (x.shape[0] * ksum, x.shape[1]):
+    return supports_rms(x, weight) and supports_add(x, residual, extra, ksum)
+
+
+def supports_add(x, residual, extra=None, ksum: int = 1) -> bool:
+    """Whether add_moe (and add_rms_norm's adds) run these inputs: [T, N] rows of one dtype, unit column stride,
+    residual [T * ksum, N]."""
+    if x.dim() != 2 or x.dtype not in SUPPORTED_DTYPES or not 0 < x.shape[1] or next_pow2(x.shape[1]) > MAX_BLOCK:
+        return False
+    if isinstance(ksum, bool) or not isinstance(ksum, int) or not 1 <= ksum <= MAX_KSUM \
+            or residual.shape != (x.shape[0] * ksum, x.shape[1]):
         return False
     ts = (x, residual) + ((extra,) if extra is not None else ())
-    return all(t.dtype == x.dtype and (t.stride(-1) == 1 or x.shape[-1] == 1 or not x.numel()) for t in ts) \
+    return all(t.dtype == x.dtype and t.device == x.device and (t.stride(-1) == 1 or x.shape[-1] == 1
+                                                               or not x.numel()) for t in ts) \
         and (extra is None or extra.shape == x.shape)
 
 
@@ -295,6 +306,27 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                                   KSUM=ksum, num_warps=1 if INTERPRET else min(16, max(1, BLOCK // 512)),
                                   enable_fp_fusion=False, **launch_kw(x.device))
     return h, out
+
+
+def add_moe(x: torch.Tensor, residual: torch.Tensor, extra: Optional[torch.Tensor] = None,
+            ksum: int = 1) -> torch.Tensor:
+    """h = x + (residual + extra), each sum rounded to x's dtype as torch adds them, in one launch: a deferred MoE
+    output added to the residual stream where no norm follows (engine_path.finish). ``ksum`` > 1: residual is a
+    MoE's pair rows [T * ksum, N], summed as add_rms_norm sums them. _ced_add_rms_kernel with its norm off."""
+    if not supports_add(x, residual, extra, ksum):
+        raise ValueError(f"add_moe: unsupported x {x.dtype} {tuple(x.shape)}, residual {residual.dtype} "
+                         f"{tuple(residual.shape)}, extra {None if extra is None else tuple(extra.shape)}, "
+                         f"ksum {ksum!r}")
+    T, N = x.shape
+    h = torch.empty_like(x)
+    if T:
+        e = extra if extra is not None else residual
+        BLOCK = next_pow2(N)
+        _ced_add_rms_kernel[(T,)](x, residual, e, h, h, h, x.stride(0), residual.stride(0), e.stride(0),
+                                  h.stride(0), h.stride(0), N, 0.0, BLOCK=BLOCK, HAS_EXTRA=extra is not None,
+                                  KSUM=ksum, NORM=False, num_warps=1 if INTERPRET else min(16, max(1, BLOCK // 512)),
+                                  enable_fp_fusion=False, **launch_kw(x.device))
+    return h
 
 
 def supports_swiglu(gu: torch.Tensor) -> bool:

@@ -148,6 +148,12 @@ class ReferenceOps(Ops):
 
         return fn.add_rms(x, residual, weight, eps, extra=extra)  # (no ops: the torch formulas)
 
+    def ced_add(self, x, residual, extra=None):
+        from ...pair_sum import dense
+
+        residual = dense(residual)
+        return x + (residual if extra is None else residual + extra)
+
     def ced_swiglu(self, gu, limit):
         g, u = gu.chunk(2, dim=-1)
         return torch.nn.functional.silu(g.clamp(max=limit)) * u.clamp(-limit, limit)

@@ -30,12 +30,14 @@ import numpy as np
 import torch
 
 from ...backends.base import to_device
-from ...pair_sum import dense
 from ...staging import staged_copy
 from . import functional as fn
 from .model import model_ops
 
 
+# finish adds the last layer's deferred MoE output in one launch where the ops offer it (Ops.ced_add); False: the
+# torch adds, for A/B runs (the same bits).
+FINISH_ONE_LAUNCH = True
 # forward_engine lays the compression plans out (_plan_step) once the SWA-only layers before the first full layer are
 # queued, so the device runs them while the host plans (False: before the first layer, for A/B runs).
 PLAN_AFTER_SWA = True
@@ -526,7 +528,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None,
     else:
         pending = None
     P.write_ring(layer, kv, cache, ops)
-    return (h, pending) if defer else finish(h, pending)
+    return (h, pending) if defer else finish(h, pending, kernels)
 
 
 def compress_full(model, layer, P, src, x, cache, ctx) -> None:
@@ -546,17 +548,17 @@ def decoder_layers(model, h, P, h_enc, cache, ctx, stats) -> tuple:
     for layer in model.layers[c.num_encoder_layers:]:
         h, pending = layer_engine(model, layer, h, P, h_enc, cache, ctx, stats, pending, defer=True)
         if layer.i >= c.num_layers - getattr(model, "capture_last", 0):
-            h, pending = finish(h, pending), None
+            h, pending = finish(h, pending, layer._kernels(h)), None
             kept.append(h)
-    return finish(h, pending), kept
+    return finish(h, pending, model.layers[-1]._kernels(h)), kept
 
 
-def finish(h, pending):
-    """h plus a deferred MoE output (``layer_engine``'s pending), added as the MoE then the residual add it."""
+def finish(h, pending, kernels=None):
+    """h plus a deferred MoE output (``layer_engine``'s pending), added as the MoE then the residual add it: one
+    kernel where ``kernels`` (a layer's ``_kernels(h)``: the ops on CUDA) offers it (fn.add_moe)."""
     if pending is None:
         return h
-    routed, shared = dense(pending[0]), pending[1]
-    return h + (routed if shared is None else routed + shared)
+    return fn.add_moe(h, pending[0], kernels if FINISH_ONE_LAUNCH else None, extra=pending[1])
 
 
 def _rings(cache, score: bool):
@@ -610,7 +612,7 @@ def forward_engine(model, input_ids, meta, cache):
         h, pending = layer_engine(model, layer, h, enc, None, cache, ctx, stats, pending, defer=True)
     if not planned:
         _plan_step(model, meta, cache, device, up)
-    h = h_enc = finish(h, pending)
+    h = h_enc = finish(h, pending, model.layers[0]._kernels(h))
     if cache.henc is not None:
         _keep_encoder_outputs(enc, h_enc, cache)
     hd = h_enc[dec.tok.clamp(min=0)]
@@ -635,5 +637,5 @@ def forward_engine(model, input_ids, meta, cache):
         pending = None
         for layer in model.layers[c.num_encoder_layers:]:
             hs, pending = layer_engine(model, layer, hs, sc, h_enc, cache, sctx, stats, pending, defer=True)
-        out[sc.tok] = finish(hs, pending)
+        out[sc.tok] = finish(hs, pending, model.layers[-1]._kernels(hs))
     return out

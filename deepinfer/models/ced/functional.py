@@ -87,6 +87,17 @@ def add_rms(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
     return h, rms(h, w, eps)
 
 
+def add_moe(x: torch.Tensor, residual, ops=None, extra=None) -> torch.Tensor:
+    """h = x + residual (+ extra, added to residual first): a deferred MoE output added where no norm follows, one
+    kernel (``ops.ced_add``) where the ops offer it (CUDA); the torch formula otherwise. residual may be a
+    pair_sum.PairSum."""
+    kernel = _fused(ops, "ced_add", x, residual.pairs if isinstance(residual, PairSum) else residual)
+    if kernel is not None:
+        return kernel(x, residual, extra)
+    residual = dense(residual)
+    return x + (residual if extra is None else residual + extra)
+
+
 def group_weights(z: torch.Tensor, m: int) -> torch.Tensor:
     """z: [G*m, C] gate logits -> per-channel softmax weights over each group of m tokens, [G, m, C]."""
     return torch.softmax(z.float().reshape(-1, m, z.shape[-1]), dim=1)
