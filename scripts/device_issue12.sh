@@ -95,9 +95,6 @@
 #                                            # norm: GPU tests, top-K variants, 16K prefill A/Bs (--marks)
 #   bash scripts/device_issue12.sh s37a              # top-K by interpolation, lazy ties: GPU tests, variants,
 #                                            # 16K prefill A/B
-#   bash scripts/device_issue12.sh s37b              # the top-K's new defaults: its GPU tests and the compile test;
-#                                            # the 16K prefill with the plans laid out before / after the SWA layers
-#   bash scripts/device_issue12.sh s37c              # s37b's A/B alone (~4.5 min)
 #   bash scripts/device_issue12.sh s38a              # the 37th session's untimed changes: their GPU tests, the 16K
 #                                            # prefill A/B of the plans' place, the decode profile with finish's
 #                                            # one launch off / on (~8 min)
@@ -911,15 +908,6 @@ s37a)
     | grep -v Warning | tail -12
   prefill_ab 90 14 topk "" "triton_ced_indexer.TOPK_SEARCH=1 triton_ced_indexer.TOPK_LAZY_TIES=1" 2
   (cd "$OUT" && tar czf s37a_txt.tgz ./*.txt 2>/dev/null && rm -f ./*.txt) ;;
-s37b)
-  # 37th session (~6 min): the interpolation search and lazy ties on 4 warps as shipped (the s37a A/B's winner):
-  # the top-K GPU tests and the sm_90 compile test; then the 16K bounded prefill with the compression plans laid out
-  # before the first layer (PLAN_AFTER_SWA=0, as until 1ae6c45) / once the SWA-only layers are queued (shipped),
-  # alternating, --marks.
-  timeout -s INT 200 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_triton_ced.py -k "topk or compile" \
-    2>&1 | tail -3
-  PREFILL_EXTRA=--marks prefill_ab 80 8 plan "models.ced.engine_path.PLAN_AFTER_SWA=0" "" 4
-  (cd "$OUT" && tar czf s37b_txt.tgz ./*.txt 2>/dev/null && rm -f ./*.txt) ;;
 s38a)
   # For the 38th session (~8 min): the 37th's changes, built after its device budget ran out. The top-K tests at
   # its new defaults (4 warps), the add_moe / prefill-step / glue tests, the sm_90 compile test; the 16K bounded
@@ -934,10 +922,6 @@ s38a)
       | cut -c 1-140
   done
   (cd "$OUT" && tar czf s38a_txt.tgz ./*.txt 2>/dev/null && rm -f ./*.txt) ;;
-s37c)
-  # s37b's prefill A/B alone (the device budget left after refused starts), two runs each alternating.
-  PREFILL_EXTRA=--marks prefill_ab 75 8 plan "models.ced.engine_path.PLAN_AFTER_SWA=0" "" 4
-  (cd "$OUT" && tar czf s37c_txt.tgz ./*.txt 2>/dev/null && rm -f ./*.txt) ;;
 s35b)
   # 35th session (~2 min): the CED attention's prefill chunk (2048 queries at 16K) on FP4 entries decoded in
   # registers with the transposed products (launch key trans on FP4 entries: a quarter of the bf16 table's bytes a

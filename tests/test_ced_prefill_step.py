@@ -170,7 +170,8 @@ def test_batch_invariant_prefill_runs_the_composition(ced, monkeypatch):
 def test_upload_copies_what_was_added_since_its_last_copy(monkeypatch):
     copies = []
     real = engine_path._on_device
-    monkeypatch.setattr(engine_path, "_on_device", lambda lists, device: copies.append(len(lists)) or real(lists, device))
+    monkeypatch.setattr(engine_path, "_on_device",
+                        lambda lists, device: copies.append(len(lists)) or real(lists, device))
     up = engine_path.Upload("cpu")
     i = up.add([1, 2], [3])
     assert up.get(i + 1).tolist() == [3] and up.get(i).tolist() == [1, 2] and copies == [2]

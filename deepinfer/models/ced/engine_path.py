@@ -606,8 +606,8 @@ def forward_engine(model, input_ids, meta, cache):
     pending = None  # each layer's MoE output, added by the next layer's norm op (layer_engine's defer)
     planned = False
     for layer in model.layers[: c.num_encoder_layers]:
-        if not planned and (layer.mode != "swa" or not PLAN_AFTER_SWA):  # (the SWA-only layers before it are queued: the device has work)
-            _plan_step(model, meta, cache, device, up)
+        if not planned and (layer.mode != "swa" or not PLAN_AFTER_SWA):
+            _plan_step(model, meta, cache, device, up)  # (the SWA-only layers before this one are queued)
             planned = True
         h, pending = layer_engine(model, layer, h, enc, None, cache, ctx, stats, pending, defer=True)
     if not planned:
