@@ -579,6 +579,37 @@ def topk_ties_case(Tq, J, k, levels, with_allowed, block, seed, digit, early, sp
         assert mine.numel() == min(k, int((ok[t] & (scores[t] != float("-inf"))).sum()))
 
 
+@examples(10)
+@given(Tq=st.integers(1, 3), J=st.integers(2, 200), k=st.integers(1, 48), share=st.floats(0.0, 1.0),
+       with_allowed=st.booleans(), seed=st.integers(0, 2**16))
+def test_topk_select_extreme_scores(Tq, J, k, share, with_allowed, seed):
+    """Scores mixing the float range's ends with ordinary ones: +inf, the largest finite magnitudes, subnormals, signed
+    zeros, -inf (``share`` of them extreme). The interpolation's probes between such ends are not finite or not
+    representable, so it must fall back to bisecting keys; every search variant picks select_topk's set."""
+    g = gen(seed)
+    ends = torch.tensor([float("inf"), 3.4028235e38, -3.4028235e38, 1e-45, -1e-45, 1.2e-38, 0.0, -0.0,
+                         float("-inf")])
+    scores = torch.randn(Tq, J, generator=g) * torch.exp(torch.randn(Tq, J, generator=g) * 4)
+    pick = torch.rand(Tq, J, generator=g) < share
+    scores[pick] = ends[torch.randint(0, len(ends), (int(pick.sum()),), generator=g)]
+    scores = scores.to(DEV)
+    nvis = torch.randint(0, J + 1, (Tq,), generator=g).to(DEV)
+    allowed = (torch.rand(Tq, J, generator=g) < 0.7).to(DEV) if with_allowed else None
+    from deepinfer.models.ced import functional as fn
+
+    ok = torch.arange(J, device=DEV)[None, :] < nvis[:, None]
+    if allowed is not None:
+        ok &= allowed
+    ref = fn.select_topk(scores, ok, k)
+    for digit, early, search, lazy in ((1, True, 0, False), (2, True, 0, False), (1, True, 1, True),
+                                       (1, False, 1, False)):
+        ids = triton_ced_indexer.topk_select(scores, nvis, k, allowed, digit=digit, early=early, search=search,
+                                             lazy_ties=lazy)
+        for t in range(Tq):
+            mine, theirs = ids[t][ids[t] >= 0], ref[t][ref[t] >= 0]
+            assert sorted(mine.tolist()) == sorted(theirs.tolist()) == mine.tolist(), (t, digit, early, search)
+
+
 def test_topk_select_never_minus_inf():
     """A visible -inf entry is not chosen even where no masked entry precedes it, by either side."""
     from deepinfer.models.ced import functional as fn
