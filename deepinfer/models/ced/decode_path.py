@@ -42,7 +42,9 @@ class DecodePass(engine_path.Shared):
 
     score = False
 
-    def __init__(self, meta, cut: torch.Tensor, starts: list, cache, ops):
+    def __init__(self, meta, cut: torch.Tensor, starts: list, cache, ops, like: "DecodePass" = None):
+        """``like``: a pass of the same step (the encoder's, for the decoder's), whose per-token layout, the same
+        for every pass of the step but for the cut, this one takes instead of building it again."""
         self.meta = meta
         self.ops = ops  # the model's backend ops (model_ops): the index plans and the compressor's cache writes
         self.n = meta.positions.shape[0]
@@ -51,6 +53,11 @@ class DecodePass(engine_path.Shared):
         self._kept = {}
         self.Q = Q = max(1, meta.max_q)
         self.real = None  # [n] bool: the token is real (None: every token is, a decode step)
+        if like is not None:
+            for name in ("tok", "rows_t", "lstart_t", "lo_t", "real", "ring_slot"):
+                setattr(self, name, getattr(like, name))
+            self.cut_t = cut if meta.q_nums is None else cut[self.rows_t]
+            return
         if meta.q_nums is None:  # decode: one token a row
             self.rows_t = torch.arange(self.n, device=self.pos.device)
             self.tok = self.lstart_t = self.rows_t
@@ -122,7 +129,7 @@ def _forward_decode(model, input_ids, meta, cache):
     enc_cut = meta.swa_cut_rows if meta.swa_cut_rows is not None else torch.zeros_like(meta.positions)
     ops = model_ops(model)
     enc = DecodePass(meta, enc_cut, starts, cache, ops)
-    dec = DecodePass(meta, meta.replay_rows, starts, cache, ops)
+    dec = DecodePass(meta, meta.replay_rows, starts, cache, ops, like=enc)
     dec.share_rope_angles(enc, c)  # (both passes' queries are at meta.positions)
     h = model.embed(input_ids)
     ctx: dict = {}

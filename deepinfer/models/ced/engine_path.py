@@ -128,7 +128,7 @@ class Shared:
 
     def visible(self, m: int) -> torch.Tensor:
         """[n] entries of ratio m each query sees: entry j is visible from position (j + 1) m - 1 on."""
-        return self._once(("visible", m), lambda: (self.pos + 1) // m)
+        return self._once(("visible", m), lambda: self.pos + 1 if m == 1 else (self.pos + 1) // m)
 
     def rope_angles(self, c):
         """(cos, sin) [n, R/2] float32 of the queries' rotary angles (functional.rope_cos_sin), once per pass:
