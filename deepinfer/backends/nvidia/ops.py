@@ -465,7 +465,7 @@ class NvidiaOps(ReferenceOps):
             return tcf.add_rms_norm(x, rows, weight, eps, extra, ksum=ksum)
         residual = dense(residual)
         if self.batch_invariant:  # the adds then ced_rms_norm, as a mixed step's path (finish, then the norm)
-            h = x + (residual if extra is None else residual + extra)
+            h = super().ced_add(x, residual, extra)
             return h, self.ced_rms_norm(h, weight, eps)
         return super().ced_add_rms_norm(x, residual, weight, eps, extra)
 

@@ -149,10 +149,9 @@ class ReferenceOps(Ops):
         return fn.add_rms(x, residual, weight, eps, extra=extra)  # (no ops: the torch formulas)
 
     def ced_add(self, x, residual, extra=None):
-        from ...pair_sum import dense
+        from ...models.ced import functional as fn
 
-        residual = dense(residual)
-        return x + (residual if extra is None else residual + extra)
+        return fn.add_moe(x, residual, extra=extra)  # (no ops: the torch formula)
 
     def ced_swiglu(self, gu, limit):
         g, u = gu.chunk(2, dim=-1)

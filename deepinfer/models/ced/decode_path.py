@@ -136,7 +136,7 @@ def _forward_decode(model, input_ids, meta, cache):
     pending = None  # each layer's MoE output, added by the next layer's norm op (layer_engine's defer)
     for layer in model.layers[: c.num_encoder_layers]:
         h, pending = engine_path.layer_engine(model, layer, h, enc, None, cache, ctx, stats, pending, defer=True)
-    h = h_enc = engine_path.finish(h, pending, layer._kernels(h))
+    h = h_enc = engine_path.finish(h, pending, model)
     if cache.henc is not None:  # an encoder-SWA pool snapshots these (core/swa_pool.py)
         cache.henc[enc.ring_slot, enc.pos % cache.henc.shape[1]] = h_enc.to(cache.henc.dtype)
     kept = []
@@ -144,9 +144,9 @@ def _forward_decode(model, input_ids, meta, cache):
     for layer in model.layers[c.num_encoder_layers:]:
         h, pending = engine_path.layer_engine(model, layer, h, dec, h_enc, cache, ctx, stats, pending, defer=True)
         if layer.i >= c.num_layers - getattr(model, "capture_last", 0):
-            h, pending = engine_path.finish(h, pending, layer._kernels(h)), None
+            h, pending = engine_path.finish(h, pending, model), None
             kept.append(h)
-    h = engine_path.finish(h, pending, model.layers[-1]._kernels(h))
+    h = engine_path.finish(h, pending, model)
     if kept:  # the last capture_last decoder layers' outputs, per row (a DSpark drafter reads them)
         model.captured_hidden = torch.cat(kept, dim=-1)
     return h

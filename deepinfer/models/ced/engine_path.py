@@ -528,7 +528,7 @@ def layer_engine(model, layer, h, P: Pass, src, cache, ctx, stats, pending=None,
     else:
         pending = None
     P.write_ring(layer, kv, cache, ops)
-    return (h, pending) if defer else finish(h, pending, kernels)
+    return (h, pending) if defer else finish(h, pending, model)
 
 
 def compress_full(model, layer, P, src, x, cache, ctx) -> None:
@@ -548,17 +548,18 @@ def decoder_layers(model, h, P, h_enc, cache, ctx, stats) -> tuple:
     for layer in model.layers[c.num_encoder_layers:]:
         h, pending = layer_engine(model, layer, h, P, h_enc, cache, ctx, stats, pending, defer=True)
         if layer.i >= c.num_layers - getattr(model, "capture_last", 0):
-            h, pending = finish(h, pending, layer._kernels(h)), None
+            h, pending = finish(h, pending, model), None
             kept.append(h)
-    return finish(h, pending, model.layers[-1]._kernels(h)), kept
+    return finish(h, pending, model), kept
 
 
-def finish(h, pending, kernels=None):
+def finish(h, pending, model):
     """h plus a deferred MoE output (``layer_engine``'s pending), added as the MoE then the residual add it: one
-    kernel where ``kernels`` (a layer's ``_kernels(h)``: the ops on CUDA) offers it (fn.add_moe)."""
+    kernel where the model's ops offer it on h's device (fn.add_moe; CEDLayer._kernels, as every layer's ops)."""
     if pending is None:
         return h
-    return fn.add_moe(h, pending[0], kernels if FINISH_ONE_LAUNCH else None, extra=pending[1])
+    kernels = model.layers[0]._kernels(h) if FINISH_ONE_LAUNCH else None
+    return fn.add_moe(h, pending[0], kernels, extra=pending[1])
 
 
 def _rings(cache, score: bool):
@@ -612,7 +613,7 @@ def forward_engine(model, input_ids, meta, cache):
         h, pending = layer_engine(model, layer, h, enc, None, cache, ctx, stats, pending, defer=True)
     if not planned:
         _plan_step(model, meta, cache, device, up)
-    h = h_enc = finish(h, pending, model.layers[0]._kernels(h))
+    h = h_enc = finish(h, pending, model)
     if cache.henc is not None:
         _keep_encoder_outputs(enc, h_enc, cache)
     hd = h_enc[dec.tok.clamp(min=0)]
@@ -637,5 +638,5 @@ def forward_engine(model, input_ids, meta, cache):
         pending = None
         for layer in model.layers[c.num_encoder_layers:]:
             hs, pending = layer_engine(model, layer, hs, sc, h_enc, cache, sctx, stats, pending, defer=True)
-        out[sc.tok] = finish(hs, pending, model.layers[-1]._kernels(hs))
+        out[sc.tok] = finish(hs, pending, model)
     return out

@@ -82,8 +82,7 @@ def add_rms(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
     kernel = _fused(ops, "ced_add_rms_norm", x, residual.pairs if isinstance(residual, PairSum) else residual, w)
     if kernel is not None:
         return kernel(x, residual, w, eps, extra)
-    residual = dense(residual)
-    h = x + (residual if extra is None else residual + extra)
+    h = add_moe(x, residual, extra=extra)
     return h, rms(h, w, eps)
 
 
