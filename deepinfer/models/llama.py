@@ -6,6 +6,8 @@ with q/k/v and gate/up fused on load (one matmul each instead of three/two).
 
 from __future__ import annotations
 
+import logging
+
 import attrs
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,8 @@ from torch import nn
 from .base import CausalLM, hf_get
 from .rope import RotaryEmbedding, rope_parameters
 from .weights import FusedCheckpoint
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -68,8 +72,27 @@ class LlamaConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or attn_bias, o_bias=attn_bias and arch != "Qwen2ForCausalLM",
             mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=arch == "Qwen3ForCausalLM",
-            windows=windows, rope=rope_parameters(hf, head_dim),
+            windows=windows, rope=_full_head_rope(hf, head_dim, arch),
         )
+
+
+def _full_head_rope(hf: dict, head_dim: int, arch: str) -> dict:
+    """rope_parameters over the whole head: transformers' Llama-family attention rotates every channel and its
+    default RoPE ignores partial_rotary_factor (Phi, GLM, NeoX-style models honour it; they are not served here),
+    so the factor is dropped, with a warning, rather than rotating fewer channels than transformers does."""
+    key = "partial_rotary_factor"
+
+    def drop(d):
+        return {k: drop(v) if isinstance(v, dict) else v for k, v in d.items() if k != key}
+
+    def has(d):
+        return isinstance(d, dict) and (d.get(key) not in (None, 1, 1.0) or any(has(v) for v in d.values()))
+
+    if has(hf):
+        log.warning("deepinfer: %s config.json sets %s; this architecture rotates the whole head in transformers, "
+                    "so it is ignored", arch, key)
+        hf = drop(hf)
+    return rope_parameters(hf, head_dim)
 
 
 class RMSNorm(nn.Module):

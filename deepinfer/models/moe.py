@@ -188,6 +188,15 @@ class MoEBlock(nn.Module):
             and parts[2] in _EXPERT_PARTS[self.naming]
         return self.fp8_experts and (expert or local_name in (_FUSED_GATE_UP, _FUSED_DOWN))
 
+    def _zero_width_shared(self, local_name: str, tensor: torch.Tensor) -> bool:
+        """A tensor of the shared expert this block does not have because its width is 0 (n_shared_experts 0,
+        shared_expert_intermediate_size 0): its empty projections, or the gate of its zero output."""
+        if self.shared_size:
+            return False
+        s = _SHARED[self.naming]
+        empty = tensor.numel() == 0 and local_name in (f"{s}.{p}_proj.weight" for p in ("gate", "up", "down"))
+        return empty or local_name == "shared_expert_gate.weight"
+
     def load_checkpoint_tensor(self, local_name: str, tensor: torch.Tensor, full_name: Optional[str] = None) -> None:
         """Copy one checkpoint tensor (name relative to this block) into our weights."""
         full_name = full_name or local_name
@@ -200,6 +209,8 @@ class MoEBlock(nn.Module):
             dst = getattr(self, pname).data
         else:
             slot = self._slots().get(local_name)
+            if slot is None and self._zero_width_shared(local_name, tensor):
+                return  # transformers writes a shared expert of width 0 (and its gate): it adds exactly 0
             if slot is None:
                 raise WeightError(f"checkpoint tensor {full_name!r} is not a weight of this MoE block "
                                   f"({self.num_experts} experts, naming {self.naming!r}"

@@ -58,6 +58,9 @@ class _MoELlama(MoEModel, LlamaForCausalLM):
                             naming=self.NAMING, checkpoint_prefix=f"model.layers.{layer}.{self.BLOCK_NAME}",
                             expert_load=load, impl=impl, **block_kw)
 
+        types = None if hf_config.get("layer_types") is not None else self.layer_types(hf_config, n_layers)
+        if types is not None:  # the MoE architecture's own sliding rule, in the base's terms
+            hf_config = {**hf_config, "layer_types": types}
         super().__init__(hf_config, ops, arch=self.BASE, mlp_factory=mlp_factory)
         self.arch = self.ARCH
         self.moe_layers = moe_layers
@@ -74,6 +77,12 @@ class _MoELlama(MoEModel, LlamaForCausalLM):
 
     def block_kwargs(self, hf: dict) -> dict:
         raise NotImplementedError
+
+    @staticmethod
+    def layer_types(hf: dict, n_layers: int):
+        """Which layers slide when config.json has no ``layer_types``, where this architecture's rule differs from
+        its base's (transformers' configuration_*.py); None: the base's rule (llama.LlamaConfig.from_hf)."""
+        return None
 
     # Engine hooks.
     def forward_full(self, input_ids):
@@ -124,6 +133,14 @@ class Qwen2MoeForCausalLM(_MoELlama):
         return dict(expert_size=hf["moe_intermediate_size"], scoring="softmax",
                     renormalize=bool(hf.get("norm_topk_prob", False)), shared_size=shared, shared_gate=shared > 0)
 
+    @staticmethod
+    def layer_types(hf: dict, n_layers: int):
+        # transformers 5 (configuration_qwen2_moe.py) fills layer_types with every other layer below
+        # max_window_layers, not Qwen2's "from max_window_layers on".
+        use = bool(hf.get("use_sliding_window", False)) and hf.get("sliding_window") is not None
+        mwl = hf.get("max_window_layers", n_layers)
+        return ["sliding_attention" if use and (i + 1) % 2 and i < mwl else "full_attention" for i in range(n_layers)]
+
 
 class Qwen3MoeForCausalLM(_MoELlama):
     ARCH, BASE = "Qwen3MoeForCausalLM", "Qwen3ForCausalLM"
@@ -131,6 +148,12 @@ class Qwen3MoeForCausalLM(_MoELlama):
     def block_kwargs(self, hf: dict) -> dict:
         return dict(expert_size=hf["moe_intermediate_size"], scoring="softmax",
                     renormalize=bool(hf.get("norm_topk_prob", False)))
+
+    @staticmethod
+    def layer_types(hf: dict, n_layers: int):
+        # transformers' Qwen3-MoE has no max_window_layers: with use_sliding_window every layer slides.
+        use = bool(hf.get("use_sliding_window", False)) and hf.get("sliding_window") is not None
+        return ["sliding_attention" if use else "full_attention"] * n_layers
 
 
 MODELS = {cls.ARCH: cls for cls in (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)}

@@ -16,7 +16,9 @@ once, for the longest context the scaling is meant for (``seq_len = original_max
 
     base' = theta * (factor * factor - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
 
-which is exactly HF's formula evaluated at that sequence length.
+which is HF's formula evaluated at that sequence length. So logits match transformers' only for a sequence of
+that length: below max_position_embeddings transformers keeps the unscaled base (the difference is deliberate,
+the price of a cache of rotated keys).
 """
 
 from __future__ import annotations

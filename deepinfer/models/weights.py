@@ -55,7 +55,7 @@ class FusedCheckpoint:
                 if name.startswith("lm_head.") and self.lm_head is None:
                     continue  # tied checkpoint that still stores the head
                 raise WeightError(f"checkpoint tensor {name!r} does not belong to {self.arch} "
-                                  f"(config: {self.config.num_layers} layers)")
+                                  f"(config: {self.config.num_layers} layers{_dense_hint(self, name)})")
             p = params[target]
             if idx is None:
                 dst = p.data
@@ -99,3 +99,15 @@ class FusedCheckpoint:
             else:
                 out[pname] = p.data.contiguous()
         return out
+
+
+def _dense_hint(model, name: str) -> str:
+    """Where an expert tensor names a layer the config makes dense: say which layers are MoE (a checkpoint written
+    under another rule, e.g. transformers ignoring DeepSeek's moe_layer_freq)."""
+    parts = name.split(".")
+    moe = getattr(model, "moe_layers", None)
+    if moe is None or len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit() \
+            or not any(k in parts[4] for k in ("expert", "gate")):
+        return ""
+    layer = int(parts[2])
+    return "" if layer in moe else f"; layer {layer} is dense under it, the MoE layers are {list(moe)}"
