@@ -126,6 +126,27 @@ def test_bad_requests_fail_alone(llm):
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks  # nothing leaked
 
 
+def test_extreme_sampling_values_fail_alone_or_sample_sanely(llm):
+    """top_k past int64 (once an overflow that failed the whole step) keeps every token; a logits processor that
+    returns NaN, +inf or nothing finite fails its request alone (NaN probabilities would pick token 0); {"prompt":
+    ""} is an empty prompt. The greedy batch-mate's tokens are those it gets alone."""
+    good = gen(llm, ["def g():"])[0].outputs[0].token_ids
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
+    alone = gen(llm, ["x = 1"], seeded)[0].outputs[0].token_ids
+    nan = SamplingParams(max_tokens=4, logits_processors=[lambda out, lg: lg * float("nan")])
+    inf = SamplingParams(max_tokens=4, logits_processors=[lambda out, lg: lg.fill_(float("inf"))])
+    none_left = SamplingParams(max_tokens=4, logits_processors=[lambda out, lg: torch.full_like(lg, float("-inf"))])
+    huge_k = SamplingParams(max_tokens=12, temperature=0.8, seed=3, top_k=2**63, ignore_eos=True)
+    outs = gen(llm, ["def g():", "a", "b", "c", {"prompt": ""}, "x = 1"],
+               [GREEDY, nan, inf, none_left, GREEDY, huge_k])
+    assert outs[0].outputs[0].token_ids == good
+    for o in outs[1:4]:
+        assert o.outputs[0].finish_reason == "error" and "NaN or +inf, or with no finite entry" in o.error
+    assert outs[4].error and "non-empty string" in outs[4].error
+    assert outs[5].error is None and outs[5].outputs[0].token_ids == alone  # top_k beyond V: no top-k at all
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+
+
 def test_bad_argument_types_raise_clearly(llm):
     with pytest.raises(TypeError, match="prompts must be"):
         gen(llm, 123)

@@ -19,6 +19,13 @@ BAD = [
     ("allowed_token_ids", ["a"]), ("bad_words", [""]), ("bad_words", ["  "]), ("bad_words", [3]),
     ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 1.5),
     ("logits_processors", [3]),
+    # Finite or nonzero as Python floats, but not as the sampler's float32 (1e39 -> inf, 1e-50 -> 0).
+    ("temperature", 1e39), ("top_p", 1e-50), ("repetition_penalty", 1e-50), ("logit_bias", {5: 1e39}),
+    # Bools are not numbers here, and a dict or bytes is not a list of stop strings.
+    ("temperature", True), ("top_p", True), ("min_p", False), ("max_tokens", True), ("min_tokens", True),
+    ("presence_penalty", True), ("repetition_penalty", True), ("logit_bias", {5: True}),
+    ("stop", {"a": 1}), ("stop", b"x"), ("skip_special_tokens", "no"), ("include_stop_str_in_output", 0),
+    ("structured_outputs", {"jsonn": {}}),
 ]
 
 
@@ -56,3 +63,11 @@ def test_completion_seeds_of_nearby_seeds_do_not_overlap():
     assert len(set(derived)) == len(derived) and not set(derived) & set(seeds)
     assert all(0 <= d < 2**63 for d in derived)
     assert completion_seed(2**64 - 1, 3) == completion_seed(-1, 3)  # torch's seeds are taken mod 2**64
+
+
+def test_float32_edges_that_stay_valid():
+    """The largest float32-finite temperature, the smallest float32-nonzero top_p, and top_k past int64."""
+    assert SamplingParams(temperature=3.4e38).temperature == 3.4e38
+    assert SamplingParams(top_p=1e-40).top_p == 1e-40  # a float32 subnormal: still > 0 on the device
+    assert SamplingParams(logit_bias={5: -1e6}).logit_bias == {5: -1e6}
+    assert SamplingParams(top_k=2**70).effective_top_k == 2**31 - 1  # keeps every token of any vocabulary

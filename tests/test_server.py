@@ -335,14 +335,34 @@ def _post(server, path, body, key=KEY, raw=None):
     ("/v1/responses", {"model": MODEL, "input": 5}, 400, "input"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**6]}, 400, "prompt"),
     ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": HI, "n": 2}, 400, None),
+    # Wrong inner types are the request's fault (400 naming the field), not the server's (500).
+    ("/v1/chat/completions", {"model": MODEL, "messages": HI + [{"role": "assistant", "content": "",
+                                                                  "tool_calls": 5}] + HI}, 400,
+     "messages[1].tool_calls"),
+    ("/v1/responses", {"model": MODEL, "input": [{"type": "reasoning", "content": [{"text": 5}]},
+                                                 {"role": "user", "content": "hi"}]}, 400, "input[0].content"),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400, "messages[0].content[0].text"),
+    ("/v1/messages/count_tokens", {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400, "messages[0].content[0].text"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    # A template is code the server runs: a request cannot bring its own.
+    ("/v1/chat/completions", {"model": MODEL, "messages": HI,
+                              "chat_template_kwargs": {"chat_template": "{{ 'x' * 9 }}"}}, 400,
+     "chat_template_kwargs.chat_template"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HI, "chat_template_kwargs": 5}, 400,
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 4,
+                              "structured_outputs": {"regex": "[^\\s\\S]"}}, 400, None),
 ])
 def test_bad_requests_openai_shape(server, path, body, status, param):
     r = _post(server, path, body)
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert err["message"] and err["type"] and (param is None or err["param"] == param)
-    if path == "/v1/messages":
-        assert r.json()["type"] == "error"
+    if path.startswith("/v1/messages"):  # Anthropic's shape: no param field, the message names it
+        assert r.json()["type"] == "error" and err["type"] and (param is None or param in err["message"])
+    else:
+        assert err["message"] and err["type"] and (param is None or err["param"] == param)
 
 
 def test_bad_requests_anthropic_shape_and_auth(server, ant):
@@ -356,6 +376,11 @@ def test_bad_requests_anthropic_shape_and_auth(server, ant):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = _post(server, "/v1/chat/completions", None, raw=b"[1, 2")
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    # top_k past int64 keeps every token (it once overflowed the sampler's tensors and failed the whole step).
+    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": HI, "top_k": 2**63, "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+    r = _post(server, "/v1/chat/completions", None, raw=b"[" * 50000 + b"]" * 50000)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
     r = _post(server, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": HI}, key="wrong")
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": HI}, key=None)

@@ -192,6 +192,15 @@ def test_bad_grammars_fail_alone_among_good_ones(llm, caplog):
     assert "Regex parsing error" in again[0].outputs[0].error and set(again[1].outputs[0].text) == {"z"}
 
 
+def test_an_unsatisfiable_grammar_fails_alone_naming_it(llm):
+    """A regex no string matches leaves no token allowed: the request fails saying so (it was once reported as
+    the model's non-finite logits), and its neighbour is untouched."""
+    alone = llm.generate(PROMPTS[:1], [sp(max_tokens=6)], use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate(PROMPTS[:2], [sp(max_tokens=6), sp(SO(regex="[^\\s\\S]"), max_tokens=6)], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone and outs[0].error is None
+    assert outs[1].outputs[0].finish_reason == "error" and "grammar admits no token" in outs[1].error
+
+
 def test_grammar_completion_ends_the_request(llm):
     out = llm.generate([PROMPTS[0]], sp(SO(choice=["done"]), max_tokens=100), use_tqdm=False)[0].outputs[0]
     assert (out.text, out.finish_reason) == ("done", "stop")

@@ -372,10 +372,10 @@ class Engine:
                 if seq.swa_restore is not None:
                     self.swa_pool.restore(seq)  # in stream order before the forward that reads it
         sample_seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
-        sampling = self.sampling_state.batch(sample_seqs)  # gathered from the slots on the device
-        state = StepState(batch, sampling, self.kv_cache)
         stages, k = self.stages["step"][:self._n_device_stages], self._n_before_known
         try:
+            sampling = self.sampling_state.batch(sample_seqs)  # gathered from the slots on the device
+            state = StepState(batch, sampling, self.kv_cache)
             failed = self._run_stages(stages[:k], state)
             if prev is not None and k < len(stages) and any(s.pending and s.params.structured_outputs is not None
                                                             for s in sample_seqs):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json as _json
 import math
+import struct
 from typing import Optional, Union
 
 import attrs
@@ -40,11 +41,23 @@ def completion_seed(seed: int, index: int) -> int:
     return _splitmix64(_splitmix64(seed & _M64) ^ index) >> 1
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+MIN_REPETITION_PENALTY = 1e-6
+MAX_LOGIT_BIAS = 1e6
+
+
+def _f32(v: float) -> float:
+    """v as float32 holds it (the sampler's dtype): 1e-50 becomes 0."""
+    return struct.unpack("f", struct.pack("f", v))[0] if abs(v) <= FLOAT32_MAX else math.copysign(math.inf, v)
+
+
 def _as_tuple(v) -> tuple:
     if v is None:
         return ()
     if isinstance(v, (str, int)) or callable(v):
         return (v,)
+    if isinstance(v, (dict, bytes, bytearray)):  # (a dict's keys, a bytes' ints: not what the caller meant)
+        return (v,)  # left whole for the validator to name
     return tuple(v)
 
 
@@ -83,7 +96,11 @@ def _so_check(cond: bool, field: str, value, why: str) -> None:
 
 
 def _structured(v):
-    return StructuredOutputsParams(**v) if isinstance(v, dict) else v
+    if isinstance(v, dict):
+        unknown = sorted(set(v) - {f.name for f in attrs.fields(StructuredOutputsParams)}, key=str)
+        _check(not unknown, "structured_outputs", v, f"has unknown field(s) {unknown}")
+        return StructuredOutputsParams(**v)
+    return v
 
 
 def _list_as_tuple(v):
@@ -201,40 +218,49 @@ class SamplingParams:
     _bad_words_token_ids: tuple = attrs.field(default=(), alias="_bad_words_token_ids", repr=False)
 
     def __attrs_post_init__(self) -> None:
-        num = (int, float)
-        _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1, "n", self.n, "must be an int >= 1")
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        def num(v) -> bool:  # a real number (not a bool); the sampler holds these as float32
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        _check(integer(self.n) and self.n >= 1, "n", self.n, "must be an int >= 1")
+        _check(self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "must be None or an int >= 1")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be an int >= 0")
+        _check(integer(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be an int >= 0")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                    f"must be <= max_tokens ({self.max_tokens})")
-        _check(isinstance(self.temperature, num) and self.temperature >= 0 and self.temperature == self.temperature
-               and self.temperature != float("inf"), "temperature", self.temperature, "must be a finite number >= 0")
-        _check(isinstance(self.top_p, num) and 0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
-        _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= -1,
+        _check(num(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX, "temperature", self.temperature,
+               "must be a finite number >= 0 (finite in float32: at most 3.4e38)")
+        _check(num(self.top_p) and 0 < self.top_p <= 1 and _f32(self.top_p) > 0, "top_p", self.top_p,
+               "must be in (0, 1] (and nonzero in float32: at least 1.4e-45)")
+        _check(integer(self.top_k) and self.top_k >= -1,
                "top_k", self.top_k, "must be an int: -1 or 0 (disabled) or >= 1")
-        _check(isinstance(self.min_p, num) and 0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
+        _check(num(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
         _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
                                      and -2**63 <= self.seed < 2**64),
                "seed", self.seed, "must be None or an int in [-2**63, 2**64)")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "must be non-empty strings")
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "must be non-negative ints")
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be a bool")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             _check(v is None or _is_id(v), name, v, "must be None or an int >= 0 (at most LLM(max_logprobs=...))")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            _check(isinstance(v, num) and -2 <= v <= 2, name, v, "must be in [-2, 2]")
-        _check(isinstance(self.repetition_penalty, num) and 0 < self.repetition_penalty <= 10,
-               "repetition_penalty", self.repetition_penalty, "must be in (0, 10]")
+            _check(num(v) and -2 <= v <= 2, name, v, "must be in [-2, 2]")
+        # A positive logit is divided by it: below 1e-6 a float32 logit could overflow to inf.
+        _check(num(self.repetition_penalty) and MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10,
+               "repetition_penalty", self.repetition_penalty, f"must be in [{MIN_REPETITION_PENALTY:g}, 10]")
         bias = self.logit_bias
         _check(bias is None or (isinstance(bias, dict) and all(_is_id(t) for t in bias)
-                                and all(isinstance(b, num) and not isinstance(b, bool) and math.isfinite(b)
-                                        for b in bias.values())),
-               "logit_bias", bias, "must be None or a dict {token id (int >= 0): finite number}")
+                                and all(num(b) and abs(b) <= MAX_LOGIT_BIAS for b in bias.values())),
+               "logit_bias", bias, f"must be None or a dict {{token id (int >= 0): number in [-{MAX_LOGIT_BIAS:g}, "
+               f"{MAX_LOGIT_BIAS:g}]}} (OpenAI's API allows [-100, 100]; larger would overflow float32 logits "
+               "once divided by a temperature)")
         allowed = self.allowed_token_ids
         _check(allowed is None or (allowed and all(_is_id(t) for t in allowed)), "allowed_token_ids", allowed,
                "must be None or a non-empty list of token ids (ints >= 0)")
@@ -257,7 +283,8 @@ class SamplingParams:
 
     @property
     def effective_top_k(self) -> int:
-        return 0 if self.top_k in (-1, 0) else self.top_k
+        """0 (disabled) or k, capped where it already keeps every token of any vocabulary (int32 range)."""
+        return 0 if self.top_k in (-1, 0) else min(self.top_k, 2**31 - 1)
 
     @property
     def needs_penalties(self) -> bool:

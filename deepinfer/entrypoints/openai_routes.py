@@ -97,13 +97,14 @@ def add_routes(app, srv) -> None:
         vocab = engine.engine.model.vocab_size
         preps = []
         for i, p in enumerate(prompts):
-            if isinstance(p, str):
+            if isinstance(p, str) and p:  # (an empty prompt is refused, as LLM.generate refuses it)
                 ids, text = srv.encode_prompt(p), p
             elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                                                    for t in p):
                 ids, text = list(p), None
             else:
-                raise ApiError(400, f"prompt[{i}] must be a string or a non-empty list of token ids in [0, {vocab})",
+                raise ApiError(400, f"prompt[{i}] must be a non-empty string or a non-empty list of token ids in "
+                                    f"[0, {vocab})",
                                param="prompt", kind="bad_field")
             srv.check_prompt_len(len(ids), "prompt")
             params = sampling_params(body, len(ids), srv.limits, default_max_tokens=16, logprobs=lp,

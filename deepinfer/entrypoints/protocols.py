@@ -253,7 +253,12 @@ def chat_conversation(body: dict) -> Conversation:
         msg = Message(role, text_of(m.get("content"), f"{p}.content"))
         if role == "assistant":
             msg.reasoning = m.get("reasoning_content") or m.get("reasoning")
-            for j, tc in enumerate(m.get("tool_calls") or []):
+            if msg.reasoning is not None and not isinstance(msg.reasoning, str):
+                raise ConversionError(f"{p}.reasoning_content must be a string", f"{p}.reasoning_content")
+            calls = m.get("tool_calls") or []
+            if not isinstance(calls, list):
+                raise ConversionError(f"{p}.tool_calls must be a list", f"{p}.tool_calls")
+            for j, tc in enumerate(calls):
                 fn = tc.get("function") if isinstance(tc, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise ConversionError(f"{p}.tool_calls[{j}] needs function.name", f"{p}.tool_calls[{j}]")
@@ -308,8 +313,11 @@ def responses_conversation(body: dict) -> Conversation:
             conv.messages.append(Message("tool", out if isinstance(out, str) else text_of(out, f"{p}.output"),
                                          tool_call_id=item.get("call_id")))
         elif kind == "reasoning":
-            text = "".join(c.get("text", "") for c in item.get("content") or item.get("summary") or []
-                           if isinstance(c, dict))
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list) or not all(isinstance(c, dict) and isinstance(c.get("text", ""), str)
+                                                      for c in parts):
+                raise ConversionError(f"{p}.content must be a list of {{\"text\": string}} parts", f"{p}.content")
+            text = "".join(c.get("text", "") for c in parts)
             conv.messages.append(Message("assistant", "", reasoning=text))
         else:
             raise ConversionError(f"{p}.type={kind!r} is not supported: message, function_call, "
@@ -388,9 +396,9 @@ def anthropic_conversation(body: dict) -> Conversation:
             q = f"{p}.content[{j}]"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
-                texts.append(block.get("text", ""))
+                texts.append(_block_str(block, "text", q))
             elif kind == "thinking" and m["role"] == "assistant":
-                msg.reasoning = (msg.reasoning or "") + block.get("thinking", "")
+                msg.reasoning = (msg.reasoning or "") + _block_str(block, "thinking", q)
             elif kind == "redacted_thinking":
                 continue
             elif kind == "tool_use" and m["role"] == "assistant":
@@ -426,3 +434,11 @@ def param_of(message: str) -> Optional[str]:
     """The field a SamplingParams / StructuredOutputsParams error names."""
     m = _FIELD.match(message)
     return m.group(1) if m else None
+
+
+def _block_str(block: dict, key: str, where: str) -> str:
+    """An Anthropic content block's text field, which must be a string."""
+    v = block.get(key, "")
+    if not isinstance(v, str):
+        raise ConversionError(f"{where}.{key} must be a string", f"{where}.{key}")
+    return v

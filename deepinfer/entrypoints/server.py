@@ -133,6 +133,8 @@ class Server:
             body = json.loads(b"".join(chunks) or b"null")
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}", kind="malformed") from None
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply to parse", kind="malformed") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object", kind="malformed")
         return body
@@ -163,7 +165,13 @@ class Server:
         plan, forced = tool_plan(conv.tools, choice, self.tool_parser)
         if forced is not None and structured is not None:
             raise ConversionError("a forced tool_choice cannot be combined with response_format", "tool_choice")
-        kwargs = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else None
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ConversionError("chat_template_kwargs must be an object", "chat_template_kwargs")
+        if kwargs and "chat_template" in kwargs:  # a template is code the server runs: its operator picks it
+            raise ConversionError("chat_template_kwargs.chat_template: a request cannot supply its own chat template "
+                                  "(the server's is the checkpoint's, or --chat-template)",
+                                  "chat_template_kwargs.chat_template")
         text = render(self.tokenizer, conv, self.settings.chat_template, kwargs)
         ids = self.encode_prompt(text, add_special_tokens=False)
         self.check_prompt_len(len(ids))

@@ -43,6 +43,9 @@ from ..layout import to_device
 from ..structured import GrammarCompilers, SeqGrammar, check_json_schema, compiler_message
 from ..structured.compiler import describe
 
+_NO_TOKEN = ("structured outputs: the grammar admits no token after {} accepted token(s): it cannot be satisfied "
+             "(an empty regex, choice or schema)")
+
 
 @attrs.define(eq=False)
 class _Request:
@@ -189,6 +192,8 @@ class GrammarStage(Stage):
             device = state.logits.device
             for r, g, d in spec:
                 masks = self._verify_masks(g, d)
+                if not bool(masks[0].any()):
+                    failed[rows[r]] = _NO_TOKEN.format(g.num_accepted)
                 at = torch.arange(offsets[r], offsets[r] + len(d), device=device)
                 self.ops.apply_token_bitmask(state.draft_logits, to_device(masks[:-1], torch.int32, device), at)
                 self.ops.apply_token_bitmask(state.logits, to_device(masks[-1:], torch.int32, device),
@@ -202,6 +207,8 @@ class GrammarStage(Stage):
             for k, (_, g) in enumerate(work):
                 if g.terminated:
                     g.fill(bitmask, k)
+            for k in (~bitmask[:len(work)].any(dim=1)).nonzero().flatten().tolist():  # (a host tensor)
+                failed[rows[work[k][0]]] = _NO_TOKEN.format(work[k][1].num_accepted)
             device = state.logits.device
             self.ops.apply_token_bitmask(state.logits, to_device(bitmask[:len(work)], torch.int32, device),
                                          to_device([r for r, _ in work], torch.int64, device))

@@ -24,7 +24,10 @@ class TokenizeStage(Stage):
             if "prompt_token_ids" in p:
                 ids = p["prompt_token_ids"]
             elif "prompt" in p:
-                ids = self.tokenizer.encode(p["prompt"])
+                text = p["prompt"]
+                if not isinstance(text, str) or not text:
+                    raise ValueError(f"prompt dict's 'prompt' must be a non-empty string, got {text!r:.40}")
+                ids = self.tokenizer.encode(text)
             else:
                 raise ValueError("prompt dict needs 'prompt_token_ids' or 'prompt'")
         elif isinstance(p, str):

@@ -51,7 +51,9 @@ class SeqGrammar:
             t = int(t)
             if not self.terminated and not self.matcher.accept_token(t):
                 raise GrammarViolation(f"token {t} ({self.compiler.token_bytes(t)!r}) does not continue the grammar "
-                                       f"after {self.num_accepted} accepted token(s)")
+                                       f"after {self.num_accepted} accepted token(s); if the sampling parameters "
+                                       "(min_tokens, allowed_token_ids, bad_words, a logits processor) remove every "
+                                       "token the grammar allows there, the two ask for incompatible outputs")
             self.num_accepted += 1
 
     def catch_up(self, output_token_ids) -> None:

@@ -20,8 +20,9 @@ def apply_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     """SamplingParams.logits_processors, row by row in Python (vLLM v0's per-request callables): each gets the
     row's output token ids (and its prompt ids first, if it takes three arguments) and its logits [V], and
     returns new logits [V]. logits: [S, V] float32; returns a new tensor (the input itself when no row has any).
-    A row whose processor raises, or returns anything but a [V] tensor, keeps its logits and is recorded in
-    batch.processor_errors, for the sample stage to fail that request alone."""
+    A row whose processor raises, or returns anything but a [V] tensor, or logits with NaN or +inf or no finite
+    entry, keeps its logits and is recorded in batch.processor_errors, for the sample stage to fail that request
+    alone."""
     if batch.processors is None:
         return logits
     logits = logits.clone()
@@ -36,6 +37,9 @@ def apply_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
                 if not isinstance(row, torch.Tensor) or row.shape != logits[i].shape:
                     raise ValueError(f"{fn!r} returned {getattr(row, 'shape', type(row).__name__)}, not a tensor "
                                      f"of shape {tuple(logits[i].shape)}")
+            # NaN, +inf or no finite logit left would sample a meaningless token (NaN probabilities pick id 0).
+            if bool(row.isnan().any()) or bool((row == float("inf")).any()) or not bool(row.isfinite().any()):
+                raise ValueError("returned logits with NaN or +inf, or with no finite entry (every token removed)")
         except Exception as exc:  # the user's code: its request fails, the batch goes on
             batch.processor_errors[i] = f"SamplingParams.logits_processors: {type(exc).__name__}: {exc}"
             continue
