@@ -192,6 +192,23 @@ def test_bad_grammars_fail_alone_among_good_ones(llm, caplog):
     assert "Regex parsing error" in again[0].outputs[0].error and set(again[1].outputs[0].text) == {"z"}
 
 
+def test_bounded_strings_stay_json_when_the_model_pushes_control_characters(llm):
+    """The README's schema (a name of at most 20 characters) with the tab token pushed up: xgrammar's own bounded
+    string would let raw tabs in (invalid JSON); the repaired grammar escapes or refuses them."""
+    tab = llm.tokenizer.encode("\t", add_special_tokens=False)
+    assert len(tab) == 1
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"]}
+    params = [sp(SO(json=schema, disable_any_whitespace=True), temperature=t, max_tokens=64, seed=i,
+                 logit_bias={tab[0]: 20.0}) for i, t in enumerate((0.0, 1.0, 1.5))]
+    for o in llm.generate(PROMPTS[:3], params, use_tqdm=False):
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", c
+        value = json.loads(c.text)
+        assert len(value["name"]) <= 20 and 0 <= value["age"] <= 150
+
+
 def test_an_unsatisfiable_grammar_fails_alone_naming_it(llm):
     """A regex no string matches leaves no token allowed: the request fails saying so (it was once reported as
     the model's non-finite logits), and its neighbour is untouched."""

@@ -5,6 +5,7 @@ backed by a probe showing that xgrammar 0.2.9 indeed accepts output that violate
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -87,15 +88,33 @@ WEAKENED = [
     ("oneOf", {"oneOf": [{"type": "integer"}, {"type": "number"}]}, "1", "/"),
     ("required", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]},
      '{"a": 1}', "/"),
+    # Keywords xgrammar enforces alone, dropping what is beside them.
+    ("enum", {"type": "integer", "enum": [1, 50], "maximum": 10}, "50", "/"),
+    ("enum", {"type": "integer", "enum": [1, 2.5]}, "2.5", "/"),
+    ("const", {"type": "integer", "const": "x"}, '"x"', "/"),
+    ("anyOf", {"type": "string", "anyOf": [{"maxLength": 2}, {"pattern": "^a+$"}]}, "85", "/"),
+    ("allOf", {"type": "integer", "maximum": 100, "allOf": [{"maximum": 5}]}, "85", "/"),
+    ("$ref", {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "minLength": 5}, None, "/"),
+    ("pattern", {"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, '"abcdef"', "/"),
+    ("format", {"type": "string", "format": "date-time", "maxLength": 10}, '"2024-01-01T00:00:00Z"', "/"),
+    # Would produce no JSON at all, or JSON that does not parse (see test_xgrammar_writes_invalid_json_for_these).
+    ("anyOf", {"anyOf": []}, None, "/"),
+    ("oneOf", {"type": "object", "properties": {"a": {"oneOf": []}}}, None, "/properties/a"),
+    ("pattern", {"type": "string", "pattern": '^a"b$'}, None, "/"),
+    ("pattern", {"type": "string", "pattern": "^a\\\\b$"}, None, "/"),
+    ("pattern", {"type": "string", "pattern": "^a[\t ]b$"}, None, "/"),
+    ("$ref", {"$ref": "http://example.com/s.json"}, None, "/"),
 ]
 
 
 @pytest.mark.parametrize("keyword, schema, violating, where", WEAKENED)
 def test_weakened_features_are_refused_naming_the_keyword(keyword, schema, violating, where):
-    with pytest.raises(ValueError, match=rf"structured_outputs\.json: '{keyword}' at {where} is not supported"):
+    with pytest.raises(ValueError, match=rf"structured_outputs\.json: '{re.escape(keyword)}' at {where} is not "
+                                         "supported"):
         check_json_schema(schema)
     nested = {"type": "object", "properties": {"x/y": {"type": "array", "items": schema}}, "required": ["x/y"]}
-    assert unsupported_feature(nested)[:2] == (keyword, "/properties/x~1y/items")
+    inner = "" if where == "/" else where
+    assert unsupported_feature(nested)[:2] == (keyword, "/properties/x~1y/items" + inner)
 
 
 @pytest.mark.parametrize("keyword, schema, violating, where", WEAKENED)
@@ -131,6 +150,39 @@ def xgr_compiler():
     {"allOf": [{"type": "integer"}]},
     {"type": "object", "properties": {"contains": {"type": "string", "title": "format"}}, "required": ["contains"]},
     {"type": "object", "properties": {"a": {"enum": [{"not": 1}]}}},  # data under enum is not a schema
+    {"type": "string", "enum": ["a", "b"]}, {"type": ["string", "null"], "enum": ["a", None]},  # a type they all have
+    {"type": "integer", "enum": [1, 2.0]}, {"const": 3, "title": "three"},
+    {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "X"},  # pydantic's Optional
+    {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "description": "annotations beside a $ref"},
+    {"allOf": [{"$ref": "#/$defs/a"}], "$defs": {"a": {"type": "integer"}}},
+    {"type": "string", "pattern": "^[ -~]+$"}, {"type": "string", "pattern": '^[^"\\\\]+$'},  # classes are safe
+    {"type": "string", "pattern": "^\\d{3}-.+$"}, {"type": "string", "minLength": 1, "maxLength": 5},
+    {"type": "object", "properties": {"next": {"$ref": "#"}}},  # recursion
 ])
 def test_supported_features_pass(schema):
     check_json_schema(schema)
+
+
+def test_a_ref_target_is_checked_wherever_it_points():
+    """xgrammar follows a $ref to any JSON pointer, not only into $defs: the target's keywords are checked."""
+    schema = {"x": {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}, "$ref": "#/x"}
+    assert unsupported_feature(schema) == ("uniqueItems", "/x", "xgrammar does not enforce it")
+    assert unsupported_feature({"a~b": {"not": {}}, "$ref": "#/a~0b"})[:2] == ("not", "/a~0b")
+
+
+@pytest.mark.parametrize("schema, raw", [
+    ({"anyOf": []}, ""),
+    ({"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]}, '{"a": }'),
+    ({"type": "string", "pattern": '^a"b$'}, '"a"b"'),
+    ({"type": "string", "pattern": "^a\\tb$"}, '"a\tb"'),
+])
+def test_xgrammar_writes_invalid_json_for_these(schema, raw, xgr_compiler):
+    """The probe behind the refusals whose output would not even parse: xgrammar accepts this text."""
+    import xgrammar as xgr
+
+    with pytest.raises(ValueError):
+        json.loads(raw)
+    m = xgr.GrammarMatcher(xgr_compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
+    assert m.accept_string(raw) and m.is_completed()
+    with pytest.raises(ValueError, match="is not supported"):
+        check_json_schema(schema)

@@ -26,6 +26,8 @@ import re
 import threading
 from typing import Any, Optional
 
+from .json_grammar import repaired_ebnf
+
 INSTALL = "pip install 'deepinfer[structured]'"
 CACHE_SIZE = 512  # compiled grammars kept per tokenizer
 
@@ -156,8 +158,9 @@ class Compiler:
     def _compile(self, key: tuple):
         kind, text, compact = key
         c = self._compiler
-        if kind == "json":
-            return c.compile_json_schema(text, any_whitespace=not compact)
+        if kind == "json":  # (bounded strings through their repaired grammar: json_grammar.py)
+            ebnf = repaired_ebnf(self._xgr, text, any_whitespace=not compact)
+            return c.compile_json_schema(text, any_whitespace=not compact) if ebnf is None else c.compile_grammar(ebnf)
         if kind == "json_object":
             return c.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=not compact)
         if kind == "regex":

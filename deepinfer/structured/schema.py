@@ -9,6 +9,7 @@ holds the probes: for every keyword refused here, xgrammar accepts an instance t
 
 from __future__ import annotations
 
+import re._parser as _sre  # (Python's own regex parser: to find what a pattern spells literally)
 from typing import Any, Iterator
 
 # String formats xgrammar 0.2.9 enforces; any other `format` value is ignored by it.
@@ -59,6 +60,92 @@ def _subschemas(schema: dict, where: str) -> Iterator[tuple]:
                     yield sub, f"{where}/{k}/{_escape(str(name))}"
 
 
+# Keywords that constrain an instance (the rest are annotations: title, description, default, $defs, ...).
+_CONSTRAINTS = frozenset({
+    "type", "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+    "minLength", "maxLength", "pattern", "format", "items", "prefixItems", "additionalItems", "minItems",
+    "maxItems", "uniqueItems", "contains", "minContains", "maxContains", "properties", "required",
+    "additionalProperties", "patternProperties", "propertyNames", "minProperties", "maxProperties",
+    "dependentRequired", "dependentSchemas", "dependencies", "anyOf", "oneOf", "allOf", "not", "if", "then", "else",
+    "$ref", "unevaluatedItems", "unevaluatedProperties"})
+# Keywords xgrammar enforces alone: next to one of them it drops every other constraint.
+_ALONE = ("enum", "const", "anyOf", "oneOf", "allOf", "$ref")
+_PY_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "null": (type(None),),
+             "object": (dict,), "array": (list,)}
+
+
+def _is_type(value, name: str) -> bool:
+    if isinstance(value, bool) and name != "boolean":
+        return False
+    if name == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, _PY_TYPES.get(name, ()))
+
+
+def _alone_problem(schema: dict):
+    """(keyword, why) where an enum / const / anyOf / oneOf / allOf / $ref has sibling constraints xgrammar would
+    drop (a "type" every enum or const value has is kept: it says nothing more)."""
+    for k in _ALONE:
+        if k not in schema:
+            continue
+        others = sorted(c for c in schema if c in _CONSTRAINTS and c != k)
+        if k in ("enum", "const") and others == ["type"]:
+            values = schema[k] if k == "enum" and isinstance(schema[k], list) else [schema.get(k)]
+            types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+            bad = [v for v in values if not any(_is_type(v, t) for t in types if isinstance(t, str))]
+            if not bad:
+                continue
+            return k, f"value {bad[0]!r} is not of type {schema['type']!r} (xgrammar would allow it)"
+        if others:
+            return k, (f"xgrammar enforces {k!r} alone and would ignore the keywords beside it ({', '.join(others)}); "
+                       "move them inside, or fold them into it")
+    for k in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(k), list) and not schema[k]:
+            return k, "is an empty list (JSON Schema needs at least one subschema; xgrammar would allow no value)"
+    ref = schema.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and (ref == "#" or ref.startswith("#/"))):
+        return "$ref", f"{ref!r} is not a reference inside this schema ('#' or '#/...'); remote ones are not fetched"
+    return None
+
+
+_UNSAFE = frozenset(range(0x20)) | {ord('"'), ord("\\")}
+
+
+def _pattern_problem(pattern) -> Any:
+    """Why xgrammar would write invalid JSON for this string pattern, or None: it emits a character the pattern
+    names literally (a quote, a backslash, a control character) raw inside the string, unescaped. (Classes,
+    ranges and '.' are safe: it leaves those characters out of them.)"""
+    if not isinstance(pattern, str):
+        return None
+    try:
+        tree = _sre.parse(pattern)
+    except Exception:  # noqa: BLE001 - not Python's syntax: xgrammar reports its own errors
+        return None
+    stack = [tree]
+    while stack:
+        items = stack.pop()
+        for op, arg in items:
+            name = str(op)
+            if name == "LITERAL" and arg in _UNSAFE:
+                return f"names {chr(arg)!r} literally, which xgrammar writes into the string unescaped"
+            if name == "IN":
+                if any(str(o) == "NEGATE" for o, _ in arg):
+                    continue
+                for o, a in arg:
+                    if (str(o) == "LITERAL" and a in _UNSAFE) or (str(o) == "RANGE" and (a[0] in _UNSAFE or a[1] in _UNSAFE)):
+                        c = a if str(o) == "LITERAL" else (a[0] if a[0] in _UNSAFE else a[1])
+                        return f"names {chr(c)!r} literally, which xgrammar writes into the string unescaped"
+            elif name == "SUBPATTERN":
+                stack.append(arg[-1])
+            elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                stack.append(arg[-1])
+            elif name == "BRANCH":
+                stack.extend(arg[1])
+            elif name in ("ASSERT", "ASSERT_NOT"):
+                stack.append(arg[1])
+    return None
+
+
 def _single_type(schema: Any):
     t = schema.get("type") if isinstance(schema, dict) else None
     return t if isinstance(t, str) else None
@@ -76,6 +163,16 @@ def _problem(schema: dict) -> tuple:
                                   "it would ignore this one")
     if schema.get("uniqueItems") is True:
         return "uniqueItems", "xgrammar does not enforce it"
+    alone = _alone_problem(schema)
+    if alone is not None:
+        return alone
+    bounded = [k for k in ("minLength", "maxLength") if k in schema]
+    for k in ("pattern", "format"):
+        if k in schema and bounded:
+            return k, f"xgrammar ignores {bounded[0]!r} beside {k!r} (it would allow any length)"
+    why = _pattern_problem(schema.get("pattern"))
+    if why is not None:
+        return "pattern", why
     fmt = schema.get("format")
     if fmt is not None and not (schema.get("type") in (None, "string") and fmt in SUPPORTED_FORMATS):
         return "format", (f"xgrammar does not enforce format {fmt!r}"
@@ -100,17 +197,39 @@ def _problem(schema: dict) -> tuple:
     return None
 
 
+def _resolve(root: Any, ref: str):
+    """The subschema a local $ref ('#' or '#/a/b', JSON-pointer escapes) points to, or None."""
+    node = root
+    for part in ref[2:].split("/") if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
 def unsupported_feature(schema: Any):
-    """(keyword, JSON pointer, why) of the first feature xgrammar would silently weaken, or None."""
-    stack = [(schema, "")]
+    """(keyword, JSON pointer, why) of the first feature xgrammar would silently weaken, or None. A local $ref's
+    target is checked too, wherever it points (xgrammar follows any JSON pointer)."""
+    stack, seen = [(schema, "")], set()
     while stack:
         node, where = stack.pop()
-        if not isinstance(node, dict):
+        if not isinstance(node, dict) or id(node) in seen:
             continue
+        seen.add(id(node))
         found = _problem(node)
         if found is not None:
             return found[0], where or "/", found[1]
-        stack.extend(reversed(list(_subschemas(node, where))))
+        subs = list(_subschemas(node, where))
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            target = _resolve(schema, ref)
+            if target is not None:
+                subs.append((target, ref[1:] or "/"))
+        stack.extend(reversed(subs))
     return None
 
 
