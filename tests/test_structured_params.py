@@ -186,3 +186,38 @@ def test_xgrammar_writes_invalid_json_for_these(schema, raw, xgr_compiler):
     assert m.accept_string(raw) and m.is_completed()
     with pytest.raises(ValueError, match="is not supported"):
         check_json_schema(schema)
+
+
+def test_the_time_limit_counts_from_the_start_of_compilation():
+    """A grammar queued behind others for a compile thread is not timed out by the queue: its limit starts when
+    its compilation does (constrain._result); one that compiles past the limit still times out."""
+    import concurrent.futures
+    import threading
+    import time
+
+    from deepinfer.stages.constrain import _result
+
+    queued = concurrent.futures.Future()
+
+    def run_late():  # starts after the admission deadline below has passed, then finishes quickly
+        time.sleep(0.3)
+        queued.set_running_or_notify_cancel()
+        queued.started_at = time.monotonic()
+        queued.set_result("grammar")
+
+    threading.Thread(target=run_late, daemon=True).start()
+    assert _result(queued, deadline=time.monotonic() + 0.05, limit=30.0) == "grammar"
+    slow = concurrent.futures.Future()
+    slow.set_running_or_notify_cancel()
+    slow.started_at = time.monotonic()
+    with pytest.raises(concurrent.futures.TimeoutError):
+        _result(slow, deadline=time.monotonic() + 0.05, limit=0.1)
+    assert _result(_done("cached"), deadline=time.monotonic() - 1, limit=0.0) == "cached"  # done: no wait
+
+
+def _done(value):
+    import concurrent.futures
+
+    f = concurrent.futures.Future()
+    f.set_result(value)
+    return f

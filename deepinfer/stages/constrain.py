@@ -43,6 +43,21 @@ from ..layout import to_device
 from ..structured import GrammarCompilers, SeqGrammar, check_json_schema, compiler_message
 from ..structured.compiler import describe
 
+def _result(fut, deadline: float, limit: float):
+    """The compiled grammar, waiting until ``deadline`` (admission + the limit) or, for a grammar that waited
+    behind others for a compile thread, until ``limit`` after its compilation started (the limit is on a
+    grammar's compile time: a burst of schemas must not time out in the queue). Raises TimeoutError."""
+    while True:
+        started = getattr(fut, "started_at", None)
+        if fut.done() or started is not None:
+            end = deadline if started is None else max(deadline, started + limit)
+            return fut.result(timeout=max(end - time.monotonic(), 0.0))
+        try:  # queued: poll until it starts (or is done)
+            return fut.result(timeout=0.05)
+        except concurrent.futures.TimeoutError:
+            continue
+
+
 _NO_TOKEN = ("structured outputs: the grammar admits no token after {} accepted token(s): it cannot be satisfied "
              "(an empty regex, choice or schema)")
 
@@ -130,7 +145,7 @@ class GrammarStage(Stage):
             return None
         if req.compiled is None:
             try:
-                req.compiled = req.future.result(timeout=max(req.deadline - time.monotonic(), 0.0))
+                req.compiled = _result(req.future, req.deadline, self.time_limit)
             except concurrent.futures.TimeoutError:
                 raise GrammarFailure(f"structured outputs: {describe(req.spec)} did not compile within "
                                      f"structured_outputs_timeout_s={self.time_limit:g} s") from None

@@ -24,6 +24,7 @@ import os
 import queue
 import re
 import threading
+import time
 from typing import Any, Optional
 
 from .json_grammar import repaired_ebnf
@@ -118,6 +119,7 @@ class _Workers:
             fut, fn, args = self._jobs.get()
             if not fut.set_running_or_notify_cancel():
                 continue
+            fut.started_at = time.monotonic()  # (a time limit counts from here, not from the queue: constrain.py)
             try:
                 fut.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - the compiler's error belongs to its request
