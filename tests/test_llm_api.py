@@ -177,6 +177,22 @@ def test_chat_uses_template(llm):
     text = llm.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert out.prompt_token_ids == llm.tokenizer.encode(text)
     assert len(llm.chat([msgs, msgs], GREEDY, use_tqdm=False)) == 2
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    joined = llm.chat([{"role": "user", "content": "h\ni"}], GREEDY, use_tqdm=False)[0]
+    assert llm.chat(parts, GREEDY, use_tqdm=False)[0].prompt_token_ids == joined.prompt_token_ids
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "wizard", "content": "hi"}], r"messages\[0\]\.role='wizard' is invalid"),
+    ([{"content": "hi"}], r"messages\[0\]\.role=None is invalid"),
+    ([{"role": "user"}], r"messages\[0\] needs 'content'"),
+    ([{"role": "user", "content": 5}], r"messages\[0\]\.content must be a string"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "only text parts"),
+    ([[{"role": "user", "content": "hi"}], []], r"messages\[1\] must be a non-empty list"),
+])
+def test_chat_names_a_bad_message(llm, messages, match):
+    with pytest.raises(ValueError, match=match):
+        llm.chat(messages, GREEDY, use_tqdm=False)
 
 
 def test_tqdm_default_on(llm, capsys):

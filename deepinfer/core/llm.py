@@ -287,10 +287,14 @@ class LLM:
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: Optional[str] = None,
              add_generation_prompt: bool = True) -> list:
         """messages: one conversation (list of {role, content}) or a list of them."""
+        if not isinstance(messages, (list, tuple)):
+            raise TypeError(f"messages must be a list of {{role, content}} dicts (or a list of such lists), got "
+                            f"{type(messages).__name__}")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         kw = {"chat_template": chat_template} if chat_template else {}
         prompts = []
-        for conv in convs:
+        for c, conv in enumerate(convs):
+            conv = _chat_messages(conv, f"messages[{c}]" if len(convs) > 1 else "messages")
             text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                       **kw)
             prompts.append({"prompt_token_ids": self.tokenizer.encode(text), "prompt": text})  # prompt: for outputs
@@ -343,3 +347,32 @@ class LLM:
         if load is None:
             raise ValueError(f"{type(self.engine.model).__name__} has no experts; expert load needs an MoE model")
         load.dump_jsonl(path, {"model": str(self.model_path), **extra})
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _chat_messages(conv, where: str) -> list:
+    """A conversation checked for the chat template: dicts with a known role and a string content (a list of
+    {"type": "text", "text": ...} parts is joined with newlines, as vLLM does); ValueError naming the message."""
+    if not isinstance(conv, (list, tuple)) or not conv:
+        raise ValueError(f"{where} must be a non-empty list of {{role, content}} dicts")
+    out = []
+    for i, m in enumerate(conv):
+        at = f"{where}[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{at} must be a dict with 'role' and 'content', got {type(m).__name__}")
+        if m.get("role") not in CHAT_ROLES:
+            raise ValueError(f"{at}.role={m.get('role')!r} is invalid: expected one of {', '.join(CHAT_ROLES)}")
+        content = m.get("content")
+        if isinstance(content, (list, tuple)):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ValueError(f"{at}.content: only text parts ({{'type': 'text', 'text': str}}) are supported")
+            m = {**m, "content": "\n".join(p["text"] for p in content)}
+        elif content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise ValueError(f"{at} needs 'content' (a string)")
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(f"{at}.content must be a string or a list of text parts, got {type(content).__name__}")
+        out.append(m)
+    return out
