@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from .conversation import render
 from .protocols import anthropic_conversation, anthropic_tool_choice
-from .server import ApiError, Prepared, anthropic_error
+from .server import ApiError, Prepared, anthropic_error, bool_field
 from .streaming import block_stream, final_blocks, sse
 
 
@@ -24,8 +24,12 @@ def add_routes(app, srv) -> None:
             raise ApiError(400, "max_tokens: a required integer field", param="max_tokens", kind="bad_field")
         if body.get("n") not in (None, 1):
             raise ApiError(400, "n is not a Messages field (one completion per request)", param="n", kind="bad_field")
+        stops = body.get("stop_sequences")
+        if stops is not None and not (isinstance(stops, list) and all(isinstance(x, str) and x for x in stops)):
+            raise ApiError(400, "stop_sequences must be a list of non-empty strings", param="stop_sequences",
+                           kind="bad_field")
         conv = anthropic_conversation(body)
-        return srv.prepare_chat(conv, {**body, "stop": body.get("stop_sequences")},
+        return srv.prepare_chat(conv, {**body, "stop": stops},
                                 anthropic_tool_choice(body.get("tool_choice")), None, max_tokens_keys=("max_tokens",),
                                 max_temperature=1.0)
 
@@ -42,7 +46,7 @@ def add_routes(app, srv) -> None:
         body = await srv.read_json(request)
         srv.check_model(body)
         prep = anthropic_prep(body)
-        stream = body.get("stream") is True
+        stream = bool_field(body, "stream")
         mid = f"msg_{uuid.uuid4().hex[:24]}"
         first, agen, timer = await srv.run(request, prep, stream)
 

@@ -14,7 +14,7 @@ from .conversation import new_call_id
 from .parsers import StreamDiffer, parse_output
 from .protocols import (ToolPlan, chat_conversation, openai_tool_choice, response_format, responses_conversation,
                         sampling_params)
-from .server import ApiError, Prepared, drain, engine_error, openai_error
+from .server import ApiError, Prepared, bool_field, drain, engine_error, openai_error, stream_flags
 from .streaming import block_stream, final_blocks, merge_outputs, sse, stop_hold
 
 
@@ -110,9 +110,7 @@ def add_routes(app, srv) -> None:
             params = sampling_params(body, len(ids), srv.limits, default_max_tokens=16, logprobs=lp,
                                      structured=structured)
             preps.append(Prepared(ids, text, params, ToolPlan(), None))
-        stream = body.get("stream") is True
-        include_usage = stream and isinstance(body.get("stream_options"), dict) and \
-            body["stream_options"].get("include_usage") is True
+        stream, include_usage = stream_flags(body)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         started = await srv.run_all(request, preps, stream)  # all submitted at once: the engine batches them
         n = preps[0].params.n
@@ -195,9 +193,7 @@ def add_routes(app, srv) -> None:
         prep = srv.prepare_chat(conv, body, openai_tool_choice(body.get("tool_choice")), structured,
                                 max_tokens_keys=("max_completion_tokens", "max_tokens"),
                                 logprobs=(top or 0) if lp else None)
-        stream = body.get("stream") is True
-        include_usage = stream and isinstance(body.get("stream_options"), dict) and \
-            body["stream_options"].get("include_usage") is True
+        stream, include_usage = stream_flags(body)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         first, agen, timer = await srv.run(request, prep, stream)
         top = top or 0
@@ -303,7 +299,7 @@ def add_routes(app, srv) -> None:
             raise ApiError(400, "n is not a Responses field", param="n", kind="bad_field")
         prep = srv.prepare_chat(conv, body, openai_tool_choice(body.get("tool_choice")), structured,
                                 max_tokens_keys=("max_output_tokens",))
-        stream = body.get("stream") is True
+        stream = bool_field(body, "stream")
         rid, created = f"resp_{uuid.uuid4().hex}", int(time.time())
         first, agen, timer = await srv.run(request, prep, stream)
 

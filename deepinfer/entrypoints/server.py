@@ -61,6 +61,26 @@ class ServerSettings:
     json_compact: bool = False  # response_format JSON without free whitespace (--disable-any-whitespace)
 
 
+def bool_field(body: dict, key: str, default: bool = False, name: Optional[str] = None) -> bool:
+    """A boolean field of a request body (absent or null: the default); anything but a bool is a 400 naming
+    it (``name``: its path, when the body is a nested object)."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        name = name or key
+        raise ApiError(400, f"{name}={v!r} is invalid: must be true or false", param=name, kind="bad_field")
+    return v
+
+
+def stream_flags(body: dict) -> tuple:
+    """(stream, include_usage) of a request; stream_options must be an object when given."""
+    stream, opts = bool_field(body, "stream"), body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options", kind="bad_field")
+    return stream, stream and bool_field(opts or {}, "include_usage", name="stream_options.include_usage")
+
+
 def openai_error(e: ApiError) -> dict:
     return {"error": {"message": e.message, "type": OPENAI_TYPES.get(e.status, "invalid_request_error"),
                       "param": e.param, "code": e.code or e.status}}
@@ -324,7 +344,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings, registry=None) -> Fast
             text = render(srv.tokenizer, conv, settings.chat_template)
             ids = srv.encode_prompt(text, add_special_tokens=False)
         elif isinstance(body.get("prompt"), str):
-            ids = srv.encode_prompt(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is True)
+            ids = srv.encode_prompt(body["prompt"], add_special_tokens=bool_field(body, "add_special_tokens", True))
         else:
             raise ApiError(400, "tokenize needs prompt (a string) or messages", param="prompt", kind="bad_field")
         out = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
