@@ -143,6 +143,12 @@ def test_extreme_sampling_values_fail_alone_or_sample_sanely(llm):
     for o in outs[1:4]:
         assert o.outputs[0].finish_reason == "error" and "NaN or +inf, or with no finite entry" in o.error
     assert outs[4].error and "non-empty string" in outs[4].error
+    import numpy as np
+
+    as_numpy = gen(llm, [list(np.array(llm.tokenizer.encode("def g():")))])[0]  # numpy ints are ids too
+    assert as_numpy.error is None and as_numpy.outputs[0].token_ids == good
+    for bad, why in (({"prompt_token_ids": 5}, "must be a list of token ids"), ("a\ud800b", "could not be tokenized")):
+        assert why in gen(llm, [bad])[0].error
     assert outs[5].error is None and outs[5].outputs[0].token_ids == alone  # top_k beyond V: no top-k at all
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
 
