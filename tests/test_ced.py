@@ -729,6 +729,27 @@ def test_inconsistent_layer_modes_fail_at_load(good_checkpoint, tmp_path, modes,
     assert why in str(info.value)
 
 
+@pytest.mark.parametrize("field,value,why", [
+    ("out_groups", 0, "must be an int >= 1"), ("num_heads", 0, "must be an int >= 1"),
+    ("n_shared_experts", -1, "must be an int >= 0"), ("head_dim", 48, "scale group of swa_kv_format"),
+    ("index_head_dim", 16, "scale group of index_k_format"),
+])
+def test_config_widths_are_checked_naming_the_field(field, value, why):
+    """Widths a layer divides by, or a cache quantizes in groups of, fail in the config, not deep in the model."""
+    with pytest.raises(CEDConfigError, match=rf"{field}={value} is invalid: .*{why}"):
+        CEDConfig(**{field: value})
+    CEDConfig(head_dim=48, rope_dim=16, global_kv_format="bf16", swa_kv_format="fp32")  # raw formats: any width
+
+
+def test_fake_quant_off_is_refused_by_the_engine(good_checkpoint, tmp_path):
+    """fake_quant=False is forward_full's option: the engine's caches hold quantized KV, so its fresh keys would
+    disagree with its cached ones (a prompt's output would depend on its chunking)."""
+    src, cfg = good_checkpoint
+    path = write_variant(src, tmp_path / "nofq", config=dict(cfg.to_hf(), fake_quant=False))
+    with pytest.raises(ValueError, match="fake_quant=False is the full-sequence path's option"):
+        LLM(path)
+
+
 def test_missing_wrong_shape_and_foreign_tensors_fail_at_load(good_checkpoint, tmp_path):
     src, cfg = good_checkpoint
     weights = load_file(str(src / "model.safetensors"))

@@ -605,3 +605,12 @@ def test_comparison_accepts_only_near_ties(tmp_path):
         r.stored_x[key] = [x + 0.01 * x.abs().amax(-1, keepdim=True) for x in r.stored_x[key]]
 
     rejected(moved, "not a rounding tie")
+
+
+def test_oracle_runs_a_sequence_shorter_than_a_compression_group(tmp_path):
+    """Fewer tokens than a full layer's ratio m: no complete group, no entry (it once failed reshaping none)."""
+    build_ced_checkpoint(tmp_path, seed=0, num_layers=2, num_encoder_layers=1, layer_modes=("full", "full"),
+                         encoder_ratio=4, hidden_size=32, head_dim=32, rope_dim=8, q_lora_rank=32, out_group_dim=32,
+                         moe_intermediate_size=32)
+    run = CEDOracle(*load_ced_checkpoint(tmp_path))([5, 6, 7], replay_start=0, fake_quant=True)
+    assert torch.isfinite(run.logits).all() and run.logits.shape[0] == 3

@@ -391,9 +391,9 @@ class CEDOracle:
         xs = xs[: J * m]
         v, ik = xs @ W[p + "wkv"].T, xs @ W[p + "wik"].T
         if m > 1:
-            def pool(val, gate):  # channel-wise softmax over each group's m tokens
-                z = (xs @ gate.T).reshape(J, m, -1)
-                return (torch.softmax(z, dim=1) * val.reshape(J, m, -1)).sum(1)
+            def pool(val, gate):  # channel-wise softmax over each group's m tokens (J may be 0: explicit widths)
+                z = (xs @ gate.T).reshape(J, m, gate.shape[0])
+                return (torch.softmax(z, dim=1) * val.reshape(J, m, val.shape[-1])).sum(1)
 
             v, ik = pool(v, W[p + "wz"]), pool(ik, W[p + "wzi"])
         jpos = torch.arange(J) * m

@@ -61,6 +61,11 @@ def _check_fmt(fmt: str) -> None:
         raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
 
 
+def group_size(fmt: str) -> int:
+    """Channels that share one scale in ``fmt`` (1: raw formats); a row's channel count must be a multiple."""
+    return _GROUP[fmt]
+
+
 def _check_channels(C: int, fmt: str) -> None:
     g = _GROUP[fmt]
     if C < 0 or C % g != 0:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import attrs
 
+from ...backends.reference.lowbit import group_size
+
 MODES = ("swa", "full", "reindex", "reuse")
 KV_FORMATS = ("fp4_e2m1_e4m3", "mxfp4", "fp8_e4m3_pow2", "bf16", "fp32")
 ARCH = "CEDForCausalLM"
@@ -64,6 +66,13 @@ class CEDConfig:
     replay_mode: str = "bounded"  # bounded: decoder prefill over the last n_win prompt tokens; exact: all of them
 
     def __attrs_post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "q_lora_rank", "out_groups",
+                     "out_group_dim", "index_heads", "index_head_dim", "n_routed_experts", "moe_intermediate_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                _err(name, v, "must be an int >= 1")
+        if not isinstance(self.n_shared_experts, int) or self.n_shared_experts < 0:
+            _err("n_shared_experts", self.n_shared_experts, "must be an int >= 0")
         L, E = self.num_layers, self.num_encoder_layers
         if not 1 <= E < L:
             _err("num_encoder_layers", E, f"must be in [1, num_layers={L})")
@@ -102,6 +111,12 @@ class CEDConfig:
         for name in ("global_kv_format", "index_k_format", "swa_kv_format"):
             if getattr(self, name) not in KV_FORMATS:
                 _err(name, getattr(self, name), f"expected one of {KV_FORMATS}")
+        for dim, fmt in (("head_dim", "global_kv_format"), ("head_dim", "swa_kv_format"),
+                         ("index_head_dim", "index_k_format")):
+            g = group_size(getattr(self, fmt))
+            if getattr(self, dim) % g:
+                _err(dim, getattr(self, dim), f"must be a multiple of {g}, the scale group of {fmt}="
+                     f"{getattr(self, fmt)!r} (its cache rows are quantized in groups of {g} channels)")
 
     @property
     def decoder_start(self) -> int:

@@ -360,6 +360,10 @@ class CEDEngineMixin:
     def allocate_kv_cache(self, num_slots, dtype, device, block_size: int = 16, max_seqs: int = 1):
         from .cache import CEDCache
 
+        if not self.config.fake_quant:  # the caches hold quantized KV: fresh keys must be rounded as they are
+            raise ValueError("CED config fake_quant=False is the full-sequence path's option (forward_full); the "
+                             "engine's caches hold quantized KV, so fresh and cached keys would disagree and the "
+                             "output would depend on how a prompt is chunked")
         return CEDCache(self.config, num_slots // block_size, block_size, max_seqs, dtype, device,
                         keep_encoder_outputs=getattr(self, "keep_encoder_outputs", False))
 
