@@ -43,6 +43,30 @@ class RequestOutput:
 
 
 # Logprob tensors -> the per-token {token_id: Logprob} dicts users read (host side, only when asked).
+def partial_prefix_len(text: str, tags) -> int:
+    """Length of the longest tail of text that is a proper prefix of one of tags (a stop string, a tool tag):
+    what a stream withholds until it knows whether the tag follows."""
+    best = 0
+    for tag in tags:
+        for k in range(min(len(tag) - 1, len(text)), best, -1):
+            if text.endswith(tag[:k]):
+                best = k
+                break
+    return best
+
+
+def held_for_stream(out: "RequestOutput", stops) -> "RequestOutput":
+    """A streamed output with each unfinished completion's tail that may begin one of ``stops`` held back (as vLLM
+    streams): a later output never takes back text an earlier one showed."""
+    if not stops or out.finished:
+        return out
+    held = []
+    for c in out.outputs:
+        k = 0 if c.finished() else partial_prefix_len(c.text, stops)
+        held.append(attrs.evolve(c, text=c.text[:len(c.text) - k]) if k else c)
+    return attrs.evolve(out, outputs=held)
+
+
 def decode_token_text(tokenizer, tid: int):
     if tokenizer is None:
         return None

@@ -177,6 +177,20 @@ def test_stream_yields_growing_text(llm):
                                                                                  ignore_eos=True))[0].outputs[0].token_ids
 
 
+@pytest.mark.parametrize("cut", [(5, 8), (3, 9), (10, 12)])
+def test_stream_never_shows_text_a_stop_string_takes_back(llm, cut):
+    """With a stop string, a streamed text that ends in the stop's first characters holds them back: every
+    streamed text is a prefix of the final one (it once showed a stop's start, then dropped it)."""
+    p = "The quick brown fox"
+    full = gen(llm, [p], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].outputs[0].text
+    stop = full[cut[0]:cut[1]]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+    texts = [o.outputs[0].text for o in llm.stream(p, params)]
+    final = gen(llm, [p], params)[0].outputs[0].text
+    assert texts[-1] == final and stop not in final
+    assert all(final.startswith(t) for t in texts), (stop, texts)
+
+
 def test_chat_uses_template(llm):
     msgs = [{"role": "user", "content": "hi"}]
     out = llm.chat(msgs, GREEDY, use_tqdm=False)[0]

@@ -50,6 +50,23 @@ def test_seeded_sampled_request_is_the_same_beside_rows_with_longer_drafts(spec_
     assert both == alone
 
 
+def test_a_seeded_first_token_does_not_depend_on_how_the_prompt_was_chunked(spec_llama):
+    """A prompt's last chunk is one token or more depending on the step budget and the batch; drafting there drew
+    a seeded request's first token through acceptance instead of plain sampling. Now only decoding rows draft, so
+    its tokens are the same at any budget and beside a one-token neighbour."""
+    prompt = [(i * 37) % 500 + 5 for i in range(64)] + [5]  # 65 tokens, the last one seen before (n-gram hit)
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 1}
+    runs = []
+    for budget in (4096, 32, 33):  # 33: alone 33 + 32 tokens; beside a 1-token prompt 32 + 32 + 1
+        llm = LLM(spec_llama, max_model_len=256, speculative_config=ngram, max_num_batched_tokens=budget,
+                  enable_prefix_caching=False)
+        runs.append(llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids)
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    runs.append(llm.generate([[9], prompt], [greedy, seeded], use_tqdm=False)[1].outputs[0].token_ids)
+    assert all(r == runs[0] for r in runs), runs
+
+
 def test_unknown_method_names_the_key_and_the_draft_stages(spec_llama):
     with pytest.raises(ValueError, match=r"speculative_config method='nope': unknown stage 'nope'; "
                                          r"registered draft stages: .*ngram"):

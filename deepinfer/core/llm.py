@@ -17,6 +17,7 @@ from .prefix_cache import checkpoint_identity
 from .swa_pool import wanted as swa_pool_wanted
 from .engine import Engine
 from .graph import Pipeline
+from ..outputs import held_for_stream
 from .params import SamplingParams
 from .plugins import get_registry
 from .vllm_compat import drop_vllm_keywords
@@ -257,6 +258,7 @@ class LLM:
         """
         (rid,) = self._add([prompt], sampling_params, stream=True)
         self._streams[rid] = None
+        stops = (sampling_params or self.get_default_sampling_params()).stop
         try:
             while True:
                 out = self._streams.get(rid)
@@ -264,7 +266,7 @@ class LLM:
                     self._step()
                     continue
                 self._streams[rid] = None
-                yield out
+                yield held_for_stream(out, stops)  # (a tail that may begin a stop string waits)
                 if out.finished:
                     return
         finally:

@@ -30,6 +30,8 @@ from typing import Optional
 
 import attrs
 
+from ..outputs import partial_prefix_len
+
 
 @attrs.frozen
 class ParsedCall:
@@ -47,13 +49,7 @@ class Parsed:
 
 def _partial_tag_len(text: str, tags) -> int:
     """Length of the longest tail of text that is a proper prefix of one of tags (to withhold while streaming)."""
-    best = 0
-    for tag in tags:
-        for k in range(min(len(tag) - 1, len(text)), best, -1):
-            if text.endswith(tag[:k]):
-                best = k
-                break
-    return best
+    return partial_prefix_len(text, tags)
 
 
 def scan_value(s: str, i: int) -> Optional[int]:
