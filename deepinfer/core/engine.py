@@ -669,8 +669,8 @@ class Engine:
             # (Not on a prompt's last chunk: that it is one token depends on the step's budget and the batch, and a
             # seeded request's first token must not: drafting draws its randomness differently.)
             if seq.status is not SeqStatus.RUNNING or seq.draining or seq.pending \
-                    or seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens \
-                    or not can_speculate(seq.params):
+                    or seq.num_tokens - seq.num_computed_tokens != 1 \
+                    or seq.num_computed_tokens < seq.num_prompt_tokens or not can_speculate(seq.params):
                 continue
             if not drafting and seq.generator is None:  # (a seeded request drafts whatever the gate says)
                 continue

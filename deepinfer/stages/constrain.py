@@ -43,6 +43,7 @@ from ..layout import to_device
 from ..structured import GrammarCompilers, SeqGrammar, check_json_schema, compiler_message
 from ..structured.compiler import describe
 
+
 def _result(fut, deadline: float, limit: float):
     """The compiled grammar, waiting until ``deadline`` (admission + the limit) or, for a grammar that waited
     behind others for a compile thread, until ``limit`` after its compilation started (the limit is on a

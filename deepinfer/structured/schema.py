@@ -1,7 +1,8 @@
 """JSON-schema features that xgrammar 0.2.9 would silently weaken, found before compiling.
 
 xgrammar compiles most of JSON Schema into a grammar, but a few keywords it accepts and then ignores (or
-enforces only in part): a request whose schema uses one would get output that parses but need not validate.
+enforces only in part, or next to which it drops the others, or turns into invalid JSON): a request whose schema
+uses one would get output that parses but need not validate, or does not parse.
 Such a schema is refused up front with a message naming the keyword and where it is (a JSON pointer), as
 vLLM refuses them. Each entry below was checked against xgrammar 0.2.9 (tests/test_structured_schema.py
 holds the probes: for every keyword refused here, xgrammar accepts an instance that violates it).
@@ -132,9 +133,10 @@ def _pattern_problem(pattern) -> Any:
                 if any(str(o) == "NEGATE" for o, _ in arg):
                     continue
                 for o, a in arg:
-                    if (str(o) == "LITERAL" and a in _UNSAFE) or (str(o) == "RANGE" and (a[0] in _UNSAFE or a[1] in _UNSAFE)):
-                        c = a if str(o) == "LITERAL" else (a[0] if a[0] in _UNSAFE else a[1])
-                        return f"names {chr(c)!r} literally, which xgrammar writes into the string unescaped"
+                    ends = [a] if str(o) == "LITERAL" else list(a) if str(o) == "RANGE" else []
+                    bad = [c for c in ends if c in _UNSAFE]
+                    if bad:
+                        return f"names {chr(bad[0])!r} literally, which xgrammar writes into the string unescaped"
             elif name == "SUBPATTERN":
                 stack.append(arg[-1])
             elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
