@@ -456,12 +456,9 @@ class NvidiaOps(ReferenceOps):
         """residual may be a pair_sum.PairSum (moe_experts_pairs): the kernel adds its pair rows itself."""
         from . import triton_ced_fused as tcf
 
-        pairs = isinstance(residual, PairSum)
-        rows, ksum = (residual.pairs, residual.k) if pairs else (residual, 1)
-        ts = (x, rows, weight) + ((extra,) if extra is not None else ())
-        if not self.batch_invariant and kernel_device_ok(*ts) and tcf.supports_add_rms(x, rows, weight, extra, ksum) \
-                and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)):
-            self.kernel_calls["ced_add_rms_norm_pairs" if pairs else "ced_add_rms_norm"] += 1
+        rows, ksum, kernel_ok = self._add_inputs(x, residual, extra, weight)
+        if kernel_ok and tcf.supports_add_rms(x, rows, weight, extra, ksum):
+            self.kernel_calls["ced_add_rms_norm_pairs" if rows is not residual else "ced_add_rms_norm"] += 1
             return tcf.add_rms_norm(x, rows, weight, eps, extra, ksum=ksum)
         residual = dense(residual)
         if self.batch_invariant:  # the adds then ced_rms_norm, as a mixed step's path (finish, then the norm)
@@ -474,14 +471,21 @@ class NvidiaOps(ReferenceOps):
         torch adds (its composition, as ced_add_rms_norm's)."""
         from . import triton_ced_fused as tcf
 
-        pairs = isinstance(residual, PairSum)
-        rows, ksum = (residual.pairs, residual.k) if pairs else (residual, 1)
-        ts = (x, rows) + ((extra,) if extra is not None else ())
-        if not self.batch_invariant and kernel_device_ok(*ts) and tcf.supports_add(x, rows, extra, ksum) \
-                and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)):
-            self.kernel_calls["ced_add_pairs" if pairs else "ced_add"] += 1
+        rows, ksum, kernel_ok = self._add_inputs(x, residual, extra)
+        if kernel_ok and tcf.supports_add(x, rows, extra, ksum):
+            self.kernel_calls["ced_add_pairs" if rows is not residual else "ced_add"] += 1
             return tcf.add_moe(x, rows, extra, ksum=ksum)
         return super().ced_add(x, residual, extra)
+
+    def _add_inputs(self, x, residual, extra, *more) -> tuple:
+        """(rows, ksum, whether a fused add kernel may run) for ced_add / ced_add_rms_norm: a PairSum residual's
+        pair rows and k (a dense one: itself, 1); the kernel may run outside batch-invariant mode, on a kernel
+        device, without autograd."""
+        rows, ksum = (residual.pairs, residual.k) if isinstance(residual, PairSum) else (residual, 1)
+        ts = (x, rows, *more) + ((extra,) if extra is not None else ())
+        ok = not self.batch_invariant and kernel_device_ok(*ts) \
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+        return rows, ksum, ok
 
     def ced_swiglu(self, gu, limit):
         from . import triton_ced_fused as tcf

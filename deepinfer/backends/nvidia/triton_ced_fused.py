@@ -295,17 +295,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         raise ValueError(f"add_rms_norm: unsupported x {x.dtype} {tuple(x.shape)}, residual {residual.dtype} "
                          f"{tuple(residual.shape)}, extra {None if extra is None else tuple(extra.shape)}, "
                          f"weight {weight.dtype} {tuple(weight.shape)}, ksum {ksum!r}")
-    T, N = x.shape
-    h, out = torch.empty_like(x), torch.empty_like(x)
-    if T:
-        e = extra if extra is not None else residual
-        BLOCK = next_pow2(N)
-        w = weight if weight.is_contiguous() else weight.contiguous()
-        _ced_add_rms_kernel[(T,)](x, residual, e, w, h, out, x.stride(0), residual.stride(0), e.stride(0),
-                                  h.stride(0), out.stride(0), N, float(eps), BLOCK=BLOCK, HAS_EXTRA=extra is not None,
-                                  KSUM=ksum, num_warps=1 if INTERPRET else min(16, max(1, BLOCK // 512)),
-                                  enable_fp_fusion=False, **launch_kw(x.device))
-    return h, out
+    return _add_launch(x, residual, extra, ksum, weight, eps)
 
 
 def add_moe(x: torch.Tensor, residual: torch.Tensor, extra: Optional[torch.Tensor] = None,
@@ -317,16 +307,25 @@ def add_moe(x: torch.Tensor, residual: torch.Tensor, extra: Optional[torch.Tenso
         raise ValueError(f"add_moe: unsupported x {x.dtype} {tuple(x.shape)}, residual {residual.dtype} "
                          f"{tuple(residual.shape)}, extra {None if extra is None else tuple(extra.shape)}, "
                          f"ksum {ksum!r}")
+    return _add_launch(x, residual, extra, ksum)[0]
+
+
+def _add_launch(x, residual, extra, ksum: int, weight=None, eps: float = 0.0) -> tuple:
+    """(h, rms(h)) by one _ced_add_rms_kernel launch over the checked inputs; weight None: the adds alone (NORM
+    off, rms(h) not computed: h twice)."""
     T, N = x.shape
     h = torch.empty_like(x)
+    out = h if weight is None else torch.empty_like(x)
     if T:
         e = extra if extra is not None else residual
         BLOCK = next_pow2(N)
-        _ced_add_rms_kernel[(T,)](x, residual, e, h, h, h, x.stride(0), residual.stride(0), e.stride(0),
-                                  h.stride(0), h.stride(0), N, 0.0, BLOCK=BLOCK, HAS_EXTRA=extra is not None,
-                                  KSUM=ksum, NORM=False, num_warps=1 if INTERPRET else min(16, max(1, BLOCK // 512)),
+        w = h if weight is None else weight if weight.is_contiguous() else weight.contiguous()
+        _ced_add_rms_kernel[(T,)](x, residual, e, w, h, out, x.stride(0), residual.stride(0), e.stride(0),
+                                  h.stride(0), out.stride(0), N, float(eps), BLOCK=BLOCK, HAS_EXTRA=extra is not None,
+                                  KSUM=ksum, NORM=weight is not None,
+                                  num_warps=1 if INTERPRET else min(16, max(1, BLOCK // 512)),
                                   enable_fp_fusion=False, **launch_kw(x.device))
-    return h
+    return h, out
 
 
 def supports_swiglu(gu: torch.Tensor) -> bool:
