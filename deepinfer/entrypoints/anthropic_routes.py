@@ -9,8 +9,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from .conversation import render
-from .protocols import anthropic_conversation, anthropic_tool_choice
-from .server import ApiError, Prepared, anthropic_error, bool_field
+from .protocols import anthropic_conversation, anthropic_tool_choice, bool_field
+from .server import ApiError, Prepared, anthropic_error
 from .streaming import block_stream, final_blocks, sse
 
 

@@ -12,9 +12,9 @@ from fastapi.responses import StreamingResponse
 
 from .conversation import new_call_id
 from .parsers import StreamDiffer, parse_output
-from .protocols import (ToolPlan, chat_conversation, openai_tool_choice, response_format, responses_conversation,
-                        sampling_params)
-from .server import ApiError, Prepared, bool_field, drain, engine_error, openai_error, stream_flags
+from .protocols import (ToolPlan, bool_field, chat_conversation, openai_tool_choice, response_format,
+                        responses_conversation, sampling_params, stream_flags)
+from .server import ApiError, Prepared, drain, engine_error, openai_error
 from .streaming import block_stream, final_blocks, merge_outputs, sse, stop_hold
 
 

@@ -47,11 +47,6 @@ class Parsed:
     calls: tuple = ()
 
 
-def _partial_tag_len(text: str, tags) -> int:
-    """Length of the longest tail of text that is a proper prefix of one of tags (to withhold while streaming)."""
-    return partial_prefix_len(text, tags)
-
-
 def scan_value(s: str, i: int) -> Optional[int]:
     """End (exclusive) of the JSON value that starts at s[i], or None if the text ends inside it."""
     n = len(s)
@@ -152,7 +147,7 @@ class TagToolParser:
             if k < 0:
                 tail = text[pos:]
                 if not final:
-                    tail = tail[:len(tail) - _partial_tag_len(tail, (self.start,))]
+                    tail = tail[:len(tail) - partial_prefix_len(tail, (self.start,))]
                 content.append(tail)
                 break
             content.append(text[pos:k])
@@ -185,7 +180,7 @@ class DeepSeekV3ToolParser:
             k2 = text.find(self.call_begin)  # some V3.1 outputs skip the outer tag
             k = k2
         if k < 0:
-            content = text if final else text[:len(text) - _partial_tag_len(text, (self.calls_begin, self.call_begin))]
+            content = text if final else text[:len(text) - partial_prefix_len(text, (self.calls_begin, self.call_begin))]
             return Parsed(content=content)
         content, calls = text[:k], []
         for chunk in text[k:].split(self.call_begin)[1:]:
@@ -257,7 +252,7 @@ class ThinkReasoningParser:
             inner = body[len(self.start):]
             r, sep, rest = inner.partition(self.end)
             if not sep and not final:
-                r = r[:len(r) - _partial_tag_len(r, (self.end,))]
+                r = r[:len(r) - partial_prefix_len(r, (self.end,))]
             return r, rest.lstrip("\n") if sep else ""
         if not final and self.start.startswith(body):
             return "", ""  # may still become the tag

@@ -54,11 +54,26 @@ class NamedCallParser:
         return Parsed(calls=(ParsedCall(self.name, body, done),))
 
 
-def _type_check(body: dict, name: str, types, what: str):
+def _type_check(body: dict, name: str, types, what: str, path: Optional[str] = None):
+    """body[name] (None when absent or null); a 400 naming the field (``path``: where body sits, for a nested one)
+    unless it is of ``types`` (a bool only where bool is one of them)."""
     v = body.get(name)
     if v is not None and (not isinstance(v, types) or (isinstance(v, bool) and bool not in _as_tuple(types))):
-        raise ConversionError(f"{name}={v!r} is invalid: must be {what}", name)
+        path = path or name
+        raise ConversionError(f"{path}={v!r} is invalid: must be {what}", path)
     return v
+
+
+def bool_field(body: dict, key: str, default: bool = False, path: Optional[str] = None) -> bool:
+    """A boolean field of a request body (absent or null: the default); anything but a bool is a 400."""
+    v = _type_check(body, key, bool, "true or false", path)
+    return default if v is None else v
+
+
+def stream_flags(body: dict) -> tuple:
+    """(stream, include_usage) of a request; stream_options must be an object when given."""
+    stream, opts = bool_field(body, "stream"), _type_check(body, "stream_options", dict, "an object")
+    return stream, stream and bool_field(opts or {}, "include_usage", path="stream_options.include_usage")
 
 
 def _as_tuple(t):
@@ -254,11 +269,9 @@ def chat_conversation(body: dict) -> Conversation:
         if role == "assistant":
             msg.reasoning = m.get("reasoning_content") or m.get("reasoning")
             if msg.reasoning is not None and not isinstance(msg.reasoning, str):
-                raise ConversionError(f"{p}.reasoning_content must be a string", f"{p}.reasoning_content")
-            calls = m.get("tool_calls") or []
-            if not isinstance(calls, list):
-                raise ConversionError(f"{p}.tool_calls must be a list", f"{p}.tool_calls")
-            for j, tc in enumerate(calls):
+                raise ConversionError(f"{p}.reasoning_content={msg.reasoning!r} is invalid: must be a string",
+                                      f"{p}.reasoning_content")
+            for j, tc in enumerate(_type_check(m, "tool_calls", list, "a list", f"{p}.tool_calls") or []):
                 fn = tc.get("function") if isinstance(tc, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise ConversionError(f"{p}.tool_calls[{j}] needs function.name", f"{p}.tool_calls[{j}]")
@@ -396,9 +409,10 @@ def anthropic_conversation(body: dict) -> Conversation:
             q = f"{p}.content[{j}]"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
-                texts.append(_block_str(block, "text", q))
+                texts.append(_type_check(block, "text", str, "a string", f"{q}.text") or "")
             elif kind == "thinking" and m["role"] == "assistant":
-                msg.reasoning = (msg.reasoning or "") + _block_str(block, "thinking", q)
+                msg.reasoning = (msg.reasoning or "") + (_type_check(block, "thinking", str, "a string",
+                                                                     f"{q}.thinking") or "")
             elif kind == "redacted_thinking":
                 continue
             elif kind == "tool_use" and m["role"] == "assistant":
@@ -435,10 +449,3 @@ def param_of(message: str) -> Optional[str]:
     m = _FIELD.match(message)
     return m.group(1) if m else None
 
-
-def _block_str(block: dict, key: str, where: str) -> str:
-    """An Anthropic content block's text field, which must be a string."""
-    v = block.get(key, "")
-    if not isinstance(v, str):
-        raise ConversionError(f"{where}.{key} must be a string", f"{where}.{key}")
-    return v

@@ -31,7 +31,7 @@ from .async_llm import AsyncLLM
 from .conversation import Conversation, ConversionError, render
 from .metrics import RequestTimer, ServerMetrics
 from .parsers import choose_parser
-from .protocols import Limits, ToolPlan, chat_conversation, param_of, sampling_params, tool_plan
+from .protocols import Limits, ToolPlan, bool_field, chat_conversation, param_of, sampling_params, tool_plan
 
 log = logging.getLogger(__name__)
 
@@ -59,26 +59,6 @@ class ServerSettings:
     chat_template: Optional[str] = None  # a template source, overriding the checkpoint's
     model_aliases: tuple = ()
     json_compact: bool = False  # response_format JSON without free whitespace (--disable-any-whitespace)
-
-
-def bool_field(body: dict, key: str, default: bool = False, name: Optional[str] = None) -> bool:
-    """A boolean field of a request body (absent or null: the default); anything but a bool is a 400 naming
-    it (``name``: its path, when the body is a nested object)."""
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        name = name or key
-        raise ApiError(400, f"{name}={v!r} is invalid: must be true or false", param=name, kind="bad_field")
-    return v
-
-
-def stream_flags(body: dict) -> tuple:
-    """(stream, include_usage) of a request; stream_options must be an object when given."""
-    stream, opts = bool_field(body, "stream"), body.get("stream_options")
-    if opts is not None and not isinstance(opts, dict):
-        raise ApiError(400, "stream_options must be an object", param="stream_options", kind="bad_field")
-    return stream, stream and bool_field(opts or {}, "include_usage", name="stream_options.include_usage")
 
 
 def openai_error(e: ApiError) -> dict:

@@ -8,7 +8,8 @@ import json
 from typing import Optional
 
 from .conversation import new_call_id
-from .parsers import StreamDiffer, _partial_tag_len
+from ..outputs import partial_prefix_len
+from .parsers import StreamDiffer
 from .server import Prepared, drain, engine_error
 
 
@@ -20,7 +21,7 @@ def stop_hold(text: str, stops) -> str:
     """Text safe to send while streaming: a tail that may be the start of a stop string is held back."""
     if not stops:
         return text
-    k = _partial_tag_len(text, stops)
+    k = partial_prefix_len(text, stops)
     return text[:len(text) - k] if k else text
 
 class Blocks:
