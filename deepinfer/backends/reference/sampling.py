@@ -38,7 +38,7 @@ def apply_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
                     raise ValueError(f"{fn!r} returned {getattr(row, 'shape', type(row).__name__)}, not a tensor "
                                      f"of shape {tuple(logits[i].shape)}")
             # NaN, +inf or no finite logit left would sample a meaningless token (NaN probabilities pick id 0).
-            if bool(row.isnan().any()) or bool((row == float("inf")).any()) or not bool(row.isfinite().any()):
+            if bool(row.isnan().any() | row.isposinf().any() | ~row.isfinite().any()):  # (one host read)
                 raise ValueError("returned logits with NaN or +inf, or with no finite entry (every token removed)")
         except Exception as exc:  # the user's code: its request fails, the batch goes on
             batch.processor_errors[i] = f"SamplingParams.logits_processors: {type(exc).__name__}: {exc}"
